@@ -1,0 +1,1 @@
+"""weightsync: verified weight synchronization from RL trainers to inference engines."""

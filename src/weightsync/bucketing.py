@@ -1,0 +1,172 @@
+"""Plan, pack and unpack flat buckets. Pure: tensors in, tensors out, no I/O.
+
+A bucket is ONE contiguous uint8 buffer with its tensors back to back, no
+padding, ordered by descending itemsize so every tensor starts at a multiple of
+its own itemsize. That is SGLang's "flattened_bucket" layout byte for byte, so
+the same buffer can be broadcast to SGLang, written as a safetensors data
+section, or posted over HTTP unchanged.
+
+Planning is greedy in the order the tensors are given (the module order of the
+trainer), so every rank that plans the same metas gets the same plan. A tensor
+larger than `bucket_bytes` is never split: it gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from weightsync.types import BucketMeta, TensorEntry, TensorMeta
+
+
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> tuple[BucketMeta, ...]:
+    """Group tensors into buckets of at most `bucket_bytes` (oversized ones alone).
+
+    Deterministic: depends only on the order and metadata of `metas`. Within a
+    bucket, tensors are stably sorted by descending itemsize.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    groups: list[list[TensorMeta]] = []
+    current: list[TensorMeta] = []
+    current_bytes = 0
+    seen: set[str] = set()
+    for meta in metas:
+        if meta.hf_name in seen:
+            raise ValueError(f"tensor {meta.hf_name!r} is listed twice; each name must be sent once")
+        seen.add(meta.hf_name)
+        if current and current_bytes + meta.nbytes > bucket_bytes:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(meta)
+        current_bytes += meta.nbytes
+    if current:
+        groups.append(current)
+    return tuple(layout_bucket(i, group) for i, group in enumerate(groups))
+
+
+def layout_bucket(index: int, metas: Sequence[TensorMeta]) -> BucketMeta:
+    """Place `metas` in one bucket: descending itemsize (stable), back to back."""
+    ordered = sorted(metas, key=lambda m: -m.itemsize)
+    entries = []
+    offset = 0
+    for m in ordered:
+        entries.append(TensorEntry(hf_name=m.hf_name, dtype=m.dtype, shape=m.shape, offset=offset))
+        offset += m.nbytes
+    return BucketMeta(index=index, entries=tuple(entries))
+
+
+def entry_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The slice of a packed uint8 `buffer` that holds `entry`, typed and shaped.
+
+    A view: it aliases the buffer.
+    """
+    raw = buffer[entry.offset : entry.offset + entry.nbytes]
+    if raw.numel() != entry.nbytes:
+        raise ValueError(
+            f"buffer of {buffer.numel()} bytes is too short for {entry.hf_name!r} "
+            f"at offset {entry.offset} ({entry.nbytes} bytes)"
+        )
+    return raw.view(entry.dtype).view(entry.shape)
+
+
+def allocate(bucket: BucketMeta, *, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 buffer sized for `bucket`."""
+    return torch.empty(bucket.nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+
+
+def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor) -> None:
+    """Copy one tensor into its place in `buffer` (any layout, any device)."""
+    if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+        raise ValueError(
+            f"tensor {entry.hf_name!r} is {tuple(tensor.shape)} {tensor.dtype}, "
+            f"the plan says {entry.shape} {entry.dtype}; re-plan after changing the model"
+        )
+    if entry.nbytes:
+        entry_view(buffer, entry).copy_(tensor)
+
+
+def pack(
+    bucket: BucketMeta,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write the tensors of `bucket` into one flat uint8 buffer and return it.
+
+    `tensors` maps hf_name -> tensor and must hold exactly the bucket's names.
+    `out`, when given, is a uint8 buffer of at least `bucket.nbytes` (a shared
+    memory slot, a pinned buffer); the packed bytes are its first `nbytes`.
+    """
+    names = set(bucket.hf_names)
+    if set(tensors) != names:
+        extra = sorted(set(tensors) - names)
+        missing = sorted(names - set(tensors))
+        raise ValueError(f"bucket {bucket.index}: missing tensors {missing}, unexpected tensors {extra}")
+    if out is None:
+        out = allocate(bucket, device=next(iter(tensors.values())).device if tensors else "cpu")
+    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < bucket.nbytes:
+        raise ValueError(f"out must be a 1-d uint8 tensor of at least {bucket.nbytes} bytes")
+    out = out[: bucket.nbytes]
+    for entry in bucket.entries:
+        pack_one(out, entry, tensors[entry.hf_name])
+    return out
+
+
+def unpack(
+    buffer: torch.Tensor,
+    bucket: BucketMeta,
+    *,
+    copy: bool = False,
+) -> list[tuple[str, torch.Tensor]]:
+    """Split a packed buffer back into `(hf_name, tensor)` pairs, in bucket order.
+
+    With `copy=False` the tensors are VIEWS of `buffer`: clone them (or pass
+    `copy=True`) before the buffer is reused or freed.
+    """
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError(f"a packed bucket is a 1-d uint8 tensor, got {buffer.dim()}-d {buffer.dtype}")
+    if buffer.numel() != bucket.nbytes:
+        raise ValueError(f"bucket {bucket.index}: buffer has {buffer.numel()} bytes, expected {bucket.nbytes}")
+    out = []
+    for entry in bucket.entries:
+        t = entry_view(buffer, entry)
+        out.append((entry.hf_name, t.clone() if copy else t))
+    return out
+
+
+def stream_order(plan: Sequence[BucketMeta]) -> list[str]:
+    """The order a source must yield tensors in for `pack_stream`: bucket by
+    bucket, each bucket in buffer order. Identical on every rank."""
+    return [e.hf_name for b in plan for e in b.entries]
+
+
+def pack_stream(
+    plan: Sequence[BucketMeta],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    keep: bool = True,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[BucketMeta, torch.Tensor | None]]:
+    """Pack a tensor stream bucket by bucket, holding one bucket at a time.
+
+    `tensors` must yield in `stream_order(plan)`. Each tensor is copied into its
+    bucket as it arrives and dropped, so peak memory is one bucket plus the
+    tensor in hand. With `keep=False` (a non-sending rank that only takes part
+    in gathers) nothing is packed and `None` is yielded for each bucket.
+    """
+    it = iter(tensors)
+    for bucket in plan:
+        buffer = allocate(bucket, device=device) if keep else None
+        for entry in bucket.entries:
+            try:
+                name, tensor = next(it)
+            except StopIteration:
+                raise ValueError(f"tensor stream ended before {entry.hf_name!r}") from None
+            if name != entry.hf_name:
+                raise ValueError(f"tensor stream out of order: got {name!r}, the plan expects {entry.hf_name!r}")
+            if buffer is not None:
+                pack_one(buffer, entry, tensor)
+            del tensor
+        yield bucket, buffer

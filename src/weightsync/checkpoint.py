@@ -1,0 +1,158 @@
+"""The disk format: one safetensors file per bucket plus manifest.json.
+
+    <root>/v00000007/bucket-00000.safetensors
+                     bucket-00001.safetensors
+                     manifest.json
+
+Each bucket file is a valid safetensors file whose data section IS the packed
+bucket, byte for byte (safetensors allows any back-to-back layout), so writing
+costs no copy and any safetensors reader (SGLang's and vLLM's loaders,
+`safetensors.torch.load_file`) can read it. The bucket digest is kept in the
+file's `__metadata__` and in manifest.json.
+
+A version directory is written under a temporary name, fsynced and renamed
+into place, so a reader sees a whole version or none. Used by both sides: the
+disk transport writes, engines read and verify.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from weightsync.errors import IntegrityError, ManifestError
+from weightsync.integrity import check_bucket, digest
+from weightsync.types import BucketMeta, Manifest
+
+MANIFEST_FILE = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.bool: "BOOL",
+}
+
+
+def bucket_file_name(index: int) -> str:
+    return f"bucket-{index:05d}.safetensors"
+
+
+def bucket_file_header(bucket: BucketMeta, digest_hex: str) -> bytes:
+    """The safetensors header (length prefix + JSON, space-padded to 8 bytes)."""
+    header: dict[str, object] = {
+        "__metadata__": {"format": "pt", "weightsync_bucket": str(bucket.index), "weightsync_digest": digest_hex},
+    }
+    for e in bucket.entries:
+        if e.dtype not in _ST_DTYPES:
+            raise ManifestError(f"{e.hf_name!r}: dtype {e.dtype} has no safetensors code; use another transport")
+        header[e.hf_name] = {
+            "dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [e.offset, e.offset + e.nbytes],
+        }
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bucket(directory: Path, bucket: BucketMeta, buffer: torch.Tensor) -> Path:
+    """Write one bucket file (fsynced) and return its path."""
+    digest_hex = bucket.digest or digest(buffer)
+    path = directory / bucket_file_name(bucket.index)
+    with open(path, "wb") as f:
+        f.write(bucket_file_header(bucket, digest_hex))
+        if buffer.numel():
+            f.write(memoryview(buffer.cpu().numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    path = directory / MANIFEST_FILE
+    with open(path, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def publish(tmp_dir: Path, final_dir: Path) -> None:
+    """Atomically rename a fully written version directory into place."""
+    if final_dir.exists():
+        raise FileExistsError(f"{final_dir} already exists; versions are written once")
+    os.rename(tmp_dir, final_dir)
+    _fsync_dir(final_dir.parent)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST_FILE
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+    return Manifest.from_json(path.read_bytes())
+
+
+def read_bucket(directory: Path, bucket: BucketMeta) -> torch.Tensor:
+    """Read one bucket's data section and verify it; returns a uint8 tensor.
+
+    The file's header must describe exactly the manifest's entries, and the
+    bytes must match the manifest's digest.
+    """
+    path = directory / bucket_file_name(bucket.index)
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise IntegrityError(f"{path}: truncated safetensors header")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > MAX_MANIFEST_BYTES:
+            raise IntegrityError(f"{path}: header of {header_len} bytes is too large")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:
+            raise IntegrityError(f"{path}: malformed safetensors header: {e}") from None
+        for e in bucket.entries:
+            got = header.get(e.hf_name)
+            if not got or got.get("data_offsets") != [e.offset, e.offset + e.nbytes] or got.get("shape") != list(e.shape):
+                raise IntegrityError(f"{path}: entry {e.hf_name!r} does not match the manifest")
+        if len(header) - ("__metadata__" in header) != len(bucket.entries):
+            raise IntegrityError(f"{path}: holds tensors the manifest does not list")
+        data = bytearray(f.read(bucket.nbytes + 1))
+    buffer = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    check_bucket(bucket, buffer)
+    return buffer
+
+
+def read_version(directory: Path) -> tuple[Manifest, Iterator[tuple[BucketMeta, torch.Tensor]]]:
+    """The manifest of a version directory and its verified buckets, one at a time."""
+    manifest = read_manifest(directory)
+    if any(b.digest is None for b in manifest.buckets):
+        raise ManifestError(f"{directory / MANIFEST_FILE}: every bucket needs a digest")
+
+    def buckets() -> Iterator[tuple[BucketMeta, torch.Tensor]]:
+        for b in manifest.buckets:
+            yield b, read_bucket(directory, b)
+
+    return manifest, buckets()
+
+
+def confine(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
+    """Resolve `path` (symlinks included) and refuse it unless it lies under `root`."""
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(path))
+    if real != real_root and real_root not in real.parents:
+        raise PermissionError(f"path {str(path)!r} resolves to {str(real)!r}, outside the allowed root {str(real_root)!r}")
+    return real

@@ -1,0 +1,70 @@
+"""The errors weightsync raises.
+
+One base class, `WeightSyncError`, and a few subclasses a caller may want to
+catch separately. Messages name the offender and, where there is one, the fix.
+User mistakes that are plain bad arguments also derive from `ValueError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class WeightSyncError(Exception):
+    """Base class of every error weightsync raises on purpose."""
+
+
+class NamingError(WeightSyncError, ValueError):
+    """A trainer parameter could not be mapped to exactly one checkpoint name."""
+
+
+class ManifestError(WeightSyncError, ValueError):
+    """A manifest is malformed: bad JSON, an unknown dtype, overlapping offsets."""
+
+
+class ManifestMismatchError(WeightSyncError):
+    """An engine refused an update at begin: names, shapes or dtypes do not match.
+
+    Carries the offending names so callers can report or fix them.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+        mismatched: Iterable[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.mismatched = tuple(mismatched)
+
+
+class IntegrityError(WeightSyncError):
+    """Bytes arrived wrong: a digest mismatch, a truncated bucket, a bad ack."""
+
+
+class EngineError(WeightSyncError):
+    """An engine answered with a failure; carries the engine's own message."""
+
+    def __init__(self, engine: str, message: str, *, status: int | None = None) -> None:
+        where = f"{engine} (HTTP {status})" if status is not None else engine
+        super().__init__(f"{where}: {message}")
+        self.engine = engine
+        self.remote_message = message
+        self.status = status
+
+
+class SyncTimeoutError(WeightSyncError, TimeoutError):
+    """A network call or collective did not finish within its timeout."""
+
+
+def format_names(names: Iterable[str], limit: int = 8) -> str:
+    """Render a list of names for an error message, eliding past `limit`."""
+    names = sorted(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    if len(names) > limit:
+        shown += f" ... and {len(names) - limit} more"
+    return shown

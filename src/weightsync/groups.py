@@ -1,0 +1,136 @@
+"""Weight-update process groups, formed exactly as SGLang's
+`init_weights_update_group` forms them.
+
+The trainer is rank 0: it hosts the TCP store and is the broadcast source.
+Each engine rank joins as `rank_offset + tp_rank` through
+`init_method=tcp://master_address:master_port`; the store is wrapped in a
+`PrefixStore(group_name, ...)`. The group is a side group: no default process
+group is needed or touched, so a trainer can also be in its own training
+group, and several update groups can coexist in one process.
+
+Both sides use this module: the broadcast transport (trainer), the embedded
+server and the vLLM worker extension (engines).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
+
+from weightsync.errors import SyncTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UpdateGroup:
+    """A formed weight-update group and the store that formed it."""
+
+    group: dist.ProcessGroup
+    store: dist.Store
+    rank: int
+    world_size: int
+    group_name: str
+    backend: str
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, timeout_s: float) -> None:
+        """Broadcast `tensor` from `src`; raises SyncTimeoutError past `timeout_s`."""
+        work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        _wait(work, timeout_s, f"broadcast in group {self.group_name!r}")
+
+    def barrier(self, *, timeout_s: float) -> None:
+        flag = torch.zeros(1, dtype=torch.uint8)
+        self.broadcast(flag, src=0, timeout_s=timeout_s)
+
+    def destroy(self) -> None:
+        """Tear the group down; safe to call twice and after a peer died."""
+        try:
+            dist.destroy_process_group(self.group)
+        except (RuntimeError, ValueError, KeyError) as e:  # already gone or never registered
+            log.debug("destroying group %s: %s", self.group_name, e)
+
+
+def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        text = str(e)
+        if "imeout" in text or "timed out" in text:
+            raise SyncTimeoutError(f"{what} did not finish within {timeout_s:.1f}s: {text}") from e
+        raise
+    if ok is False:
+        raise SyncTimeoutError(f"{what} did not finish within {timeout_s:.1f}s")
+
+
+def _new_group(store: dist.Store, *, rank: int, world_size: int, group_name: str,
+               backend: str, timeout_s: float) -> dist.ProcessGroup:
+    prefix_store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        prefix_store,
+        group_name=group_name,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def host_group(*, master_address: str, world_size: int, group_name: str, backend: str,
+               timeout_s: float, master_port: int = 0) -> tuple[UpdateGroup, int]:
+    """Trainer side, step 1: start the TCP store (port 0 = pick a free one).
+
+    Returns the store-holding handle-to-be and the port engines must use. The
+    group itself forms in `finish_hosting` once the engines are joining.
+    """
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=True,
+        timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+    )
+    holder = UpdateGroup(group=None, store=store, rank=0, world_size=world_size,  # type: ignore[arg-type]
+                         group_name=group_name, backend=backend)
+    return holder, store.port
+
+
+def finish_hosting(holder: UpdateGroup, *, timeout_s: float) -> UpdateGroup:
+    """Trainer side, step 2: form the group as rank 0 (blocks until all ranks join)."""
+    try:
+        holder.group = _new_group(holder.store, rank=0, world_size=holder.world_size,
+                                  group_name=holder.group_name, backend=holder.backend, timeout_s=timeout_s)
+    except RuntimeError as e:
+        raise SyncTimeoutError(
+            f"weight-update group {holder.group_name!r} did not form within {timeout_s:.1f}s: {e}"
+        ) from e
+    return holder
+
+
+def join_group(*, master_address: str, master_port: int, rank: int, world_size: int,
+               group_name: str, backend: str, timeout_s: float) -> UpdateGroup:
+    """Engine side: join the trainer's group as `rank` (SGLang's rendezvous)."""
+    if not 0 < rank < world_size:
+        raise ValueError(f"engine rank {rank} must be in 1..{world_size - 1} (rank 0 is the trainer)")
+    init_method = f"tcp://{master_address}:{master_port}"
+    try:
+        store, rank, world_size = next(
+            rendezvous(init_method, rank, world_size, timeout=timedelta(seconds=timeout_s))
+        )
+        store.set_timeout(timedelta(seconds=timeout_s))
+        pg = _new_group(store, rank=rank, world_size=world_size, group_name=group_name,
+                        backend=backend, timeout_s=timeout_s)
+    except RuntimeError as e:
+        raise SyncTimeoutError(f"joining group {group_name!r} at {init_method} failed: {e}") from e
+    return UpdateGroup(group=pg, store=store, rank=rank, world_size=world_size,
+                       group_name=group_name, backend=backend)

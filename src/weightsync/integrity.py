@@ -1,0 +1,151 @@
+"""Digests and the checks built on them.
+
+A bucket's digest is xxh3_64 over its packed bytes. Because the packed bytes are
+the tensors' bytes back to back, the same digest can be computed tensor by
+tensor (`BucketHasher`) without ever packing, which is how an engine that
+receives tensors one by one (a safetensors file, a vLLM loader) checks a bucket.
+
+Hashing never copies CPU data: tensors are viewed as uint8 and handed to xxhash
+through the buffer protocol (xxhash releases the GIL). CUDA tensors are copied
+to host first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import xxhash
+
+from weightsync.errors import IntegrityError, ManifestMismatchError, format_names
+from weightsync.types import Ack, BucketMeta, Manifest, TensorMeta
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (no copy).
+
+    Raises ValueError for a non-contiguous tensor: call `.contiguous()` first.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError("byte_view needs a contiguous tensor: call .contiguous() first")
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _host_buffer(tensor: torch.Tensor) -> memoryview:
+    flat = byte_view(tensor)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.numpy())
+
+
+def digest(data: torch.Tensor | bytes | bytearray | memoryview) -> str:
+    """xxh3_64 hex digest of a tensor's bytes (any dtype) or of a bytes-like object."""
+    if isinstance(data, torch.Tensor):
+        data = _host_buffer(data.contiguous() if not data.is_contiguous() else data)
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class BucketHasher:
+    """Incremental digest of a bucket fed tensor by tensor, in bucket order.
+
+    `BucketHasher().update(a).update(b).hexdigest() == digest(pack([a, b]))`.
+    """
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, tensor: torch.Tensor) -> BucketHasher:
+        if tensor.numel():
+            self._h.update(_host_buffer(tensor.contiguous()))
+        return self
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def check_bucket(bucket: BucketMeta, data: torch.Tensor | bytes | memoryview) -> str:
+    """Verify received bytes against a bucket's size and digest; return the digest.
+
+    Raises IntegrityError naming the bucket when the length or the digest is off.
+    """
+    size = data.numel() if isinstance(data, torch.Tensor) else len(memoryview(data).cast("B"))
+    if size != bucket.nbytes:
+        raise IntegrityError(
+            f"bucket {bucket.index}: received {size} bytes, manifest says {bucket.nbytes} (truncated or padded)"
+        )
+    got = digest(data)
+    if bucket.digest is not None and got != bucket.digest:
+        raise IntegrityError(
+            f"bucket {bucket.index}: digest {got} != expected {bucket.digest} "
+            f"(first tensor {bucket.entries[0].hf_name if bucket.entries else '-'!r}); bytes were corrupted in transit"
+        )
+    return got
+
+
+def check_manifest_fits(
+    manifest: Manifest,
+    expected: Mapping[str, TensorMeta],
+    *,
+    partial: bool,
+) -> None:
+    """The engine-side dry run: does `manifest` fit the engine's parameters?
+
+    `expected` maps each name the engine can load to its dtype and shape. With
+    `partial=False` every expected name must appear exactly once; with
+    `partial=True` (delta updates) a subset is fine. Raises ManifestMismatchError
+    naming every offender; nothing is loaded.
+    """
+    sent = {e.hf_name: e for e in manifest.entries()}
+    unexpected = sorted(set(sent) - set(expected))
+    missing = [] if partial else sorted(set(expected) - set(sent))
+    mismatched = []
+    for name, entry in sent.items():
+        want = expected.get(name)
+        if want is not None and (want.shape != entry.shape or want.dtype != entry.dtype):
+            mismatched.append(
+                f"{name}: sent {tuple(entry.shape)} {entry.dtype}, engine has {tuple(want.shape)} {want.dtype}"
+            )
+    if not (unexpected or missing or mismatched):
+        return
+    parts = []
+    if unexpected:
+        parts.append(f"{len(unexpected)} unknown name(s): {format_names(unexpected)}")
+    if missing:
+        parts.append(f"{len(missing)} missing name(s): {format_names(missing)}")
+    if mismatched:
+        parts.append(f"{len(mismatched)} shape/dtype mismatch(es): " + "; ".join(mismatched[:8]))
+    raise ManifestMismatchError(
+        f"update v{manifest.version} refused before any byte moved: " + " | ".join(parts),
+        missing=missing,
+        unexpected=unexpected,
+        mismatched=[m.split(":", 1)[0] for m in mismatched],
+    )
+
+
+def ack_problems(manifest: Manifest, ack: Ack, *, engine_names: Iterable[str] | None = None) -> list[str]:
+    """Compare an engine's ack with what was sent; an empty list means verified.
+
+    `engine_names` are the names the engine should report as loaded (the sent
+    names after any hf -> engine renaming); defaults to the manifest's names.
+    """
+    problems: list[str] = []
+    if ack.version != manifest.version:
+        problems.append(f"{ack.engine}: acked version {ack.version}, pushed {manifest.version}")
+    want_digests: Sequence[str | None] = manifest.digests
+    if len(ack.digests) != len(want_digests):
+        problems.append(f"{ack.engine}: acked {len(ack.digests)} bucket digests, sent {len(want_digests)}")
+    else:
+        bad = [i for i, (a, w) in enumerate(zip(ack.digests, want_digests, strict=True)) if a != w]
+        if bad:
+            problems.append(f"{ack.engine}: digest mismatch in bucket(s) {bad[:8]}")
+    want_names = set(engine_names if engine_names is not None else manifest.hf_names)
+    if set(ack.loaded_names) != want_names:
+        missing = want_names - set(ack.loaded_names)
+        extra = set(ack.loaded_names) - want_names
+        if missing:
+            problems.append(f"{ack.engine}: did not load {format_names(missing)}")
+        if extra:
+            problems.append(f"{ack.engine}: loaded names never sent {format_names(extra)}")
+    return problems

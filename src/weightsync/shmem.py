@@ -1,0 +1,88 @@
+"""A named shared-memory segment split into fixed-size slots (the shm double buffer).
+
+The trainer creates the segment and packs buckets straight into its slots; an
+engine on the same host opens it by name and copies a slot out. Slots are
+reused round-robin, so a slot must not be rewritten before every engine has
+copied it out: the coordinator waits for the engines' acks of bucket k before
+packing bucket k+2.
+
+Segment names are confined to the "weightsync-" prefix so an engine cannot be
+told to map an arbitrary segment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from pathlib import Path
+
+import torch
+
+NAME_PREFIX = "weightsync-"
+SHM_DIR = Path("/dev/shm")
+_NAME_RE = re.compile(r"^weightsync-[A-Za-z0-9_-]{1,64}$")
+
+
+def check_name(name: str) -> str:
+    """Refuse segment names outside the weightsync namespace."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"shared memory name {name!r} must match {_NAME_RE.pattern}")
+    return name
+
+
+class SharedSlots:
+    """`num_slots` slots of `slot_bytes` in one named segment, viewed as uint8 tensors.
+
+    The segment is a file under /dev/shm mapped MAP_SHARED (`torch.from_file`),
+    so no resource tracker unlinks it behind the creator's back.
+    """
+
+    def __init__(self, name: str, *, slot_bytes: int, num_slots: int, owner: bool) -> None:
+        self.name = check_name(name)
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.owner = owner
+        path = SHM_DIR / name
+        size = slot_bytes * num_slots
+        actual = path.stat().st_size
+        if actual < size:
+            raise ValueError(f"segment {name} has {actual} bytes, needs {size}")
+        self._tensor: torch.Tensor | None = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, *, slot_bytes: int, num_slots: int = 2) -> SharedSlots:
+        name = f"{NAME_PREFIX}{secrets.token_hex(8)}"
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(1, slot_bytes * num_slots))
+        finally:
+            os.close(fd)
+        return cls(name, slot_bytes=slot_bytes, num_slots=num_slots, owner=True)
+
+    @classmethod
+    def open(cls, name: str, *, slot_bytes: int, num_slots: int) -> SharedSlots:
+        if not (SHM_DIR / check_name(name)).exists():
+            raise FileNotFoundError(f"shared memory segment {name!r} does not exist (is the trainer on this host?)")
+        return cls(name, slot_bytes=slot_bytes, num_slots=num_slots, owner=False)
+
+    def slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
+        """A uint8 view of slot `index` (its first `nbytes`, default all)."""
+        if not 0 <= index < self.num_slots:
+            raise ValueError(f"slot {index} out of range 0..{self.num_slots - 1}")
+        n = self.slot_bytes if nbytes is None else nbytes
+        if not 0 <= n <= self.slot_bytes:
+            raise ValueError(f"{n} bytes do not fit a {self.slot_bytes}-byte slot")
+        assert self._tensor is not None, "segment is closed"
+        start = index * self.slot_bytes
+        return self._tensor[start : start + n]
+
+    def close(self) -> None:
+        """Drop this process's mapping (it goes with the last view) and, for the
+        creator, remove the segment. Idempotent."""
+        self._tensor = None
+        if self.owner:
+            try:
+                os.unlink(SHM_DIR / self.name)
+            except FileNotFoundError:
+                pass

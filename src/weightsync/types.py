@@ -1,0 +1,439 @@
+"""The data that crosses every boundary: tensor and bucket metadata, the
+manifest, acks and the sync report.
+
+Everything here is a frozen dataclass with a JSON form. Nothing here does I/O
+or touches tensor data; dtypes travel as torch attribute names ("bfloat16").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+
+from weightsync.errors import ManifestError
+
+Mode = Literal["full", "lora", "lora-merged", "delta"]
+MODES: tuple[str, ...] = ("full", "lora", "lora-merged", "delta")
+
+MANIFEST_FORMAT = "weightsync.manifest"
+MANIFEST_FORMAT_VERSION = 1
+DIGEST_ALGORITHM = "xxh3_64"
+
+# Every dtype the wire formats accept. Quantized dtypes are not weights we sync.
+_DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name in (
+        "float64", "float32", "float16", "bfloat16",
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+        "float8_e8m0fnu", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64",
+        "bool",
+    )
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The torch attribute name of `dtype` ("bfloat16"), as SGLang expects it."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ManifestError(f"dtype {dtype} cannot be synced; supported: {sorted(_DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of `dtype_name`; raises ManifestError for an unknown name."""
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ManifestError(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorMeta:
+    """What an engine must know about one tensor before its bytes arrive."""
+
+    hf_name: str
+    """Hugging Face checkpoint name, e.g. "model.layers.0.mlp.up_proj.weight"."""
+    dtype: torch.dtype
+    """Element type; sent as its torch attribute name."""
+    shape: tuple[int, ...]
+    """Full (unsharded) shape."""
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, hf_name: str, tensor: torch.Tensor) -> TensorMeta:
+        return cls(hf_name=hf_name, dtype=tensor.dtype, shape=tuple(tensor.shape))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorEntry:
+    """One tensor's place inside a bucket's flat byte buffer."""
+
+    hf_name: str
+    """Hugging Face checkpoint name (or PEFT name in lora mode)."""
+    dtype: torch.dtype
+    """Element type."""
+    shape: tuple[int, ...]
+    """Full shape."""
+    offset: int
+    """Byte offset inside the bucket; a multiple of the dtype's itemsize."""
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+    @property
+    def meta(self) -> TensorMeta:
+        return TensorMeta(hf_name=self.hf_name, dtype=self.dtype, shape=self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hf_name": self.hf_name,
+            "dtype": dtype_name(self.dtype),
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TensorEntry:
+        try:
+            hf_name = d["hf_name"]
+            shape = tuple(int(x) for x in d["shape"])
+            entry = cls(hf_name=str(hf_name), dtype=dtype_from_name(str(d["dtype"])),
+                        shape=shape, offset=int(d["offset"]))
+            nbytes = int(d["nbytes"])
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ManifestError):
+                raise
+            raise ManifestError(f"malformed tensor entry {dict(d)!r}: {e}") from None
+        if any(x < 0 for x in shape) or entry.offset < 0:
+            raise ManifestError(f"tensor {hf_name!r}: negative shape or offset")
+        if nbytes != entry.nbytes:
+            raise ManifestError(
+                f"tensor {hf_name!r}: nbytes {nbytes} != {entry.nbytes} implied by shape and dtype"
+            )
+        return entry
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketMeta:
+    """A bucket: tensors packed back to back into one flat uint8 buffer.
+
+    The layout is SGLang's "flattened_bucket": no padding, tensors in `entries`
+    order, descending itemsize so every offset is aligned to its dtype.
+    """
+
+    index: int
+    """Position of the bucket in the manifest, from 0."""
+    entries: tuple[TensorEntry, ...]
+    """The tensors, in buffer order."""
+    digest: str | None = None
+    """xxh3_64 hex digest of the packed bytes, once known."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return tuple(e.hf_name for e in self.entries)
+
+    def with_digest(self, digest: str) -> BucketMeta:
+        return replace(self, digest=digest)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "nbytes": self.nbytes,
+            "digest": self.digest,
+            "tensors": [e.to_dict() for e in self.entries],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BucketMeta:
+        try:
+            index = int(d["index"])
+            entries = tuple(TensorEntry.from_dict(t) for t in d["tensors"])
+            nbytes = int(d["nbytes"])
+            digest = d.get("digest")
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ManifestError):
+                raise
+            raise ManifestError(f"malformed bucket: {e}") from None
+        if digest is not None and not isinstance(digest, str):
+            raise ManifestError(f"bucket {index}: digest must be a hex string or null")
+        bucket = cls(index=index, entries=entries, digest=digest)
+        _check_layout(bucket)
+        if nbytes != bucket.nbytes:
+            raise ManifestError(f"bucket {index}: nbytes {nbytes} != sum of its tensors {bucket.nbytes}")
+        return bucket
+
+
+def _check_layout(bucket: BucketMeta) -> None:
+    """Offsets must be back to back from 0 and aligned to each tensor's itemsize."""
+    expected = 0
+    for e in bucket.entries:
+        if e.offset != expected:
+            raise ManifestError(
+                f"bucket {bucket.index}: tensor {e.hf_name!r} at offset {e.offset}, "
+                f"expected {expected} (tensors must be back to back, no padding)"
+            )
+        if e.offset % e.dtype.itemsize:
+            raise ManifestError(
+                f"bucket {bucket.index}: tensor {e.hf_name!r} offset {e.offset} is not a multiple "
+                f"of its itemsize {e.dtype.itemsize}; order tensors by descending itemsize"
+            )
+        expected += e.nbytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Everything an engine needs to check and place an update before bytes move."""
+
+    version: int
+    """The weight version this update produces."""
+    mode: str = "full"
+    """What is sent: "full", "lora", "lora-merged" or "delta"."""
+    buckets: tuple[BucketMeta, ...] = ()
+    """The buckets in send order."""
+    lora_config: Mapping[str, Any] | None = None
+    """adapter_config.json contents, in "lora" mode."""
+    lora_name: str | None = None
+    """The adapter name the engine loads a "lora" update under, e.g. "policy-v7"."""
+    base_version: int | None = None
+    """"delta" mode: the version the engine must be serving for the delta to apply."""
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return tuple(n for b in self.buckets for n in b.hf_names)
+
+    def entries(self) -> Iterator[TensorEntry]:
+        for b in self.buckets:
+            yield from b.entries
+
+    @property
+    def digests(self) -> tuple[str | None, ...]:
+        return tuple(b.digest for b in self.buckets)
+
+    def with_digests(self, digests: Sequence[str]) -> Manifest:
+        if len(digests) != len(self.buckets):
+            raise ManifestError(f"{len(digests)} digests for {len(self.buckets)} buckets")
+        return replace(self, buckets=tuple(b.with_digest(d) for b, d in zip(self.buckets, digests, strict=True)))
+
+    def without_digests(self) -> Manifest:
+        return replace(self, buckets=tuple(replace(b, digest=None) for b in self.buckets))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_FORMAT_VERSION,
+            "digest_algorithm": DIGEST_ALGORITHM,
+            "version": self.version,
+            "mode": self.mode,
+            "lora_config": dict(self.lora_config) if self.lora_config is not None else None,
+            "lora_name": self.lora_name,
+            "base_version": self.base_version,
+            "buckets": [b.to_dict() for b in self.buckets],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
+        if not isinstance(d, Mapping):
+            raise ManifestError("manifest must be a JSON object")
+        if d.get("format") != MANIFEST_FORMAT or d.get("format_version") != MANIFEST_FORMAT_VERSION:
+            raise ManifestError(
+                f"not a {MANIFEST_FORMAT} v{MANIFEST_FORMAT_VERSION} manifest "
+                f"(format={d.get('format')!r}, format_version={d.get('format_version')!r})"
+            )
+        if d.get("digest_algorithm", DIGEST_ALGORITHM) != DIGEST_ALGORITHM:
+            raise ManifestError(f"digest_algorithm must be {DIGEST_ALGORITHM!r}")
+        mode = d.get("mode", "full")
+        if mode not in MODES:
+            raise ManifestError(f"unknown mode {mode!r}; one of {MODES}")
+        version = d.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ManifestError(f"version must be an integer, got {version!r}")
+        raw_buckets = d.get("buckets")
+        if not isinstance(raw_buckets, list):
+            raise ManifestError("manifest 'buckets' must be a list")
+        buckets = tuple(BucketMeta.from_dict(b) for b in raw_buckets)
+        for i, b in enumerate(buckets):
+            if b.index != i:
+                raise ManifestError(f"bucket at position {i} has index {b.index}")
+        seen: set[str] = set()
+        for e in (e for b in buckets for e in b.entries):
+            if e.hf_name in seen:
+                raise ManifestError(f"tensor {e.hf_name!r} appears twice in the manifest")
+            seen.add(e.hf_name)
+        lora_config = d.get("lora_config")
+        if lora_config is not None and not isinstance(lora_config, Mapping):
+            raise ManifestError("lora_config must be an object or null")
+        lora_name = d.get("lora_name")
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise ManifestError("lora_name must be a string or null")
+        if mode == "lora" and lora_name is None:
+            raise ManifestError("a 'lora' manifest needs a lora_name")
+        base_version = d.get("base_version")
+        if base_version is not None and (not isinstance(base_version, int) or isinstance(base_version, bool)):
+            raise ManifestError("base_version must be an integer or null")
+        if mode == "delta" and base_version is None:
+            raise ManifestError("a 'delta' manifest needs the base_version it applies on top of")
+        return cls(version=version, mode=mode, buckets=buckets, lora_config=lora_config,
+                   lora_name=lora_name, base_version=base_version)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack:
+    """What an engine reports after committing an update."""
+
+    engine: str
+    """Which engine acked (its URL or label)."""
+    version: int
+    """The weight version the engine now serves."""
+    digests: tuple[str | None, ...] = ()
+    """Per-bucket digests the engine computed on receipt, in manifest order; None where
+    the engine cannot report one (a stock SGLang)."""
+    loaded_names: frozenset[str] = frozenset()
+    """Names the engine loaded (its checkpoint names)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "version": self.version,
+            "digests": list(self.digests),
+            "loaded_names": sorted(self.loaded_names),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, engine: str | None = None) -> Ack:
+        return cls(
+            engine=engine or str(d.get("engine", "?")),
+            version=int(d["version"]),
+            digests=tuple(d.get("digests") or ()),
+            loaded_names=frozenset(d.get("loaded_names") or ()),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSeconds:
+    """Seconds spent per stage of a push. Stages overlap when pipelined, so
+    their sum can exceed the push's wall time."""
+
+    gather: float = 0.0
+    """Reading or all-gathering tensors from the trainer (and merging LoRA)."""
+    pack: float = 0.0
+    """Copying tensors into flat bucket buffers."""
+    hash: float = 0.0
+    """Digesting buckets on the trainer."""
+    wire: float = 0.0
+    """Moving bytes to the engines (until every engine took the bucket)."""
+    load: float = 0.0
+    """Engine-side commit: applying the update and acking."""
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: round(getattr(self, k), 6) for k in ("gather", "pack", "hash", "wire", "load")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncReport:
+    """The outcome of one `WeightSync.push`."""
+
+    version: int
+    """The weight version pushed."""
+    mode: str
+    """What was sent."""
+    transport: str
+    """How it moved."""
+    num_bytes: int
+    """Bytes of tensor data sent (per engine)."""
+    num_tensors: int
+    """Tensors sent."""
+    num_buckets: int
+    """Buckets sent."""
+    seconds: float
+    """Wall time of the whole push, pause to resume."""
+    stages: StageSeconds = field(default_factory=StageSeconds)
+    """Per-stage seconds."""
+    verified: bool = False
+    """True when every engine acked this version, every bucket digest and every name sent."""
+    acks: tuple[Ack, ...] = ()
+    """One ack per engine."""
+    num_skipped: int = 0
+    """Tensors left out because they were unchanged ("delta" mode)."""
+    notes: tuple[str, ...] = ()
+    """Anything a reader should know: why verification was partial, what was skipped."""
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes (1e9 bytes) per second over the whole push."""
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "mode": self.mode,
+            "transport": self.transport,
+            "num_bytes": self.num_bytes,
+            "num_tensors": self.num_tensors,
+            "num_buckets": self.num_buckets,
+            "num_skipped": self.num_skipped,
+            "seconds": round(self.seconds, 6),
+            "gbps": round(self.gbps, 4),
+            "stages": self.stages.to_dict(),
+            "verified": self.verified,
+            "acks": [a.to_dict() for a in self.acks],
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SyncReport:
+        return cls(
+            version=int(d["version"]),
+            mode=str(d["mode"]),
+            transport=str(d["transport"]),
+            num_bytes=int(d["num_bytes"]),
+            num_tensors=int(d["num_tensors"]),
+            num_buckets=int(d["num_buckets"]),
+            num_skipped=int(d.get("num_skipped", 0)),
+            seconds=float(d["seconds"]),
+            stages=StageSeconds(**d.get("stages", {})),
+            verified=bool(d["verified"]),
+            acks=tuple(Ack.from_dict(a) for a in d.get("acks", ())),
+            notes=tuple(d.get("notes", ())),
+        )

@@ -1,0 +1,80 @@
+"""weightsync's binary frame for one bucket over HTTP. Pure bytes, no I/O.
+
+    offset 0   4 bytes  magic b"WSB1"
+    offset 4   4 bytes  header length N, uint32 little-endian
+    offset 8   N bytes  header: UTF-8 JSON {"version", "index", "nbytes", "digest"}
+    offset 8+N          the packed bucket, exactly `nbytes` raw bytes
+
+No base64, no pickle: the payload is the bucket buffer as it sits in memory,
+and the receiver checks its length and digest against the header (and the
+header against the manifest sent at begin) before using a byte.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.errors import IntegrityError
+
+MAGIC = b"WSB1"
+MAX_HEADER_BYTES = 64 << 10
+_PREFIX = struct.Struct("<4sI")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameHeader:
+    """The JSON header of a bucket frame."""
+
+    version: int
+    """Weight version the bucket belongs to."""
+    index: int
+    """Bucket index in the manifest."""
+    nbytes: int
+    """Payload length in bytes."""
+    digest: str
+    """xxh3_64 hex digest of the payload."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "index": self.index, "nbytes": self.nbytes, "digest": self.digest}
+
+
+def encode_prefix(header: FrameHeader) -> bytes:
+    """Magic, header length and header; the payload follows as-is."""
+    body = json.dumps(header.to_dict(), separators=(",", ":"), sort_keys=True).encode()
+    return _PREFIX.pack(MAGIC, len(body)) + body
+
+
+def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, memoryview]:
+    """Split a frame into its header and a view of its payload (no copy).
+
+    Raises IntegrityError for a wrong magic, an oversized or malformed header,
+    or a payload whose length differs from the header's `nbytes`.
+    """
+    view = memoryview(frame).cast("B")
+    if len(view) < _PREFIX.size:
+        raise IntegrityError(f"bucket frame of {len(view)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    magic, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise IntegrityError(f"not a weightsync bucket frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if header_len > MAX_HEADER_BYTES:
+        raise IntegrityError(f"bucket frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+    end = _PREFIX.size + header_len
+    if len(view) < end:
+        raise IntegrityError("bucket frame truncated inside its header")
+    try:
+        raw = json.loads(bytes(view[_PREFIX.size:end]))
+        header = FrameHeader(
+            version=int(raw["version"]), index=int(raw["index"]),
+            nbytes=int(raw["nbytes"]), digest=str(raw["digest"]),
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"malformed bucket frame header: {e}") from None
+    payload = view[end:]
+    if len(payload) != header.nbytes:
+        raise IntegrityError(
+            f"bucket {header.index}: frame carries {len(payload)} payload bytes, header says {header.nbytes} (truncated?)"
+        )
+    return header, payload
