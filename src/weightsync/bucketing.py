@@ -13,7 +13,7 @@ larger than `bucket_bytes` is never split: it gets a bucket of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -147,7 +147,7 @@ def pack_stream(
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     keep: bool = True,
-    device: torch.device | str = "cpu",
+    alloc: Callable[[BucketMeta], torch.Tensor] = allocate,
 ) -> Iterator[tuple[BucketMeta, torch.Tensor | None]]:
     """Pack a tensor stream bucket by bucket, holding one bucket at a time.
 
@@ -155,10 +155,12 @@ def pack_stream(
     bucket as it arrives and dropped, so peak memory is one bucket plus the
     tensor in hand. With `keep=False` (a non-sending rank that only takes part
     in gathers) nothing is packed and `None` is yielded for each bucket.
+    `alloc` gives each bucket its buffer (a shared-memory slot, a pinned
+    buffer); the default allocates a fresh CPU tensor.
     """
     it = iter(tensors)
     for bucket in plan:
-        buffer = allocate(bucket, device=device) if keep else None
+        buffer = alloc(bucket)[: bucket.nbytes] if keep else None
         for entry in bucket.entries:
             try:
                 name, tensor = next(it)
@@ -170,3 +172,4 @@ def pack_stream(
                 pack_one(buffer, entry, tensor)
             del tensor
         yield bucket, buffer
+        buffer = None  # the consumer decides how long the bucket lives

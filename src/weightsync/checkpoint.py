@@ -27,7 +27,7 @@ import torch
 
 from weightsync.errors import IntegrityError, ManifestError
 from weightsync.integrity import check_bucket, digest
-from weightsync.types import BucketMeta, Manifest
+from weightsync.types import BucketMeta, Manifest, TensorMeta
 
 MANIFEST_FILE = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20
@@ -75,7 +75,7 @@ def write_bucket(directory: Path, bucket: BucketMeta, buffer: torch.Tensor) -> P
     with open(path, "wb") as f:
         f.write(bucket_file_header(bucket, digest_hex))
         if buffer.numel():
-            f.write(memoryview(buffer.cpu().numpy()))
+            f.write(buffer.cpu().numpy().data)
         f.flush()
         os.fsync(f.fileno())
     return path
@@ -124,10 +124,11 @@ def read_bucket(directory: Path, bucket: BucketMeta) -> torch.Tensor:
             header = json.loads(f.read(header_len))
         except ValueError as e:
             raise IntegrityError(f"{path}: malformed safetensors header: {e}") from None
-        for e in bucket.entries:
-            got = header.get(e.hf_name)
-            if not got or got.get("data_offsets") != [e.offset, e.offset + e.nbytes] or got.get("shape") != list(e.shape):
-                raise IntegrityError(f"{path}: entry {e.hf_name!r} does not match the manifest")
+        for entry in bucket.entries:
+            got = header.get(entry.hf_name)
+            span = [entry.offset, entry.offset + entry.nbytes]
+            if not got or got.get("data_offsets") != span or got.get("shape") != list(entry.shape):
+                raise IntegrityError(f"{path}: entry {entry.hf_name!r} does not match the manifest")
         if len(header) - ("__metadata__" in header) != len(bucket.entries):
             raise IntegrityError(f"{path}: holds tensors the manifest does not list")
         data = bytearray(f.read(bucket.nbytes + 1))
@@ -156,3 +157,28 @@ def confine(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
     if real != real_root and real_root not in real.parents:
         raise PermissionError(f"path {str(path)!r} resolves to {str(real)!r}, outside the allowed root {str(real_root)!r}")
     return real
+
+
+def read_checkpoint_metas(directory: Path) -> list[TensorMeta]:
+    """Names, dtypes and shapes of every tensor in a directory's *.safetensors
+    files (a model, a PEFT adapter, or a version dir), from headers only, in
+    file then header order."""
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    metas: list[TensorMeta] = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                sl = f.get_slice(name)
+                metas.append(TensorMeta(hf_name=name, dtype=_dtype_from_st(sl.get_dtype()), shape=tuple(sl.get_shape())))
+    return metas
+
+
+def _dtype_from_st(code: str) -> torch.dtype:
+    for dtype, st in _ST_DTYPES.items():
+        if st == code:
+            return dtype
+    raise ManifestError(f"safetensors dtype {code!r} is not supported")

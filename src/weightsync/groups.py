@@ -82,7 +82,7 @@ def _new_group(store: dist.Store, *, rank: int, world_size: int, group_name: str
         [],
         Backend(backend),
         prefix_store,
-        group_name=group_name,
+        group_name=group_name,  # type: ignore[arg-type]
         timeout=timedelta(seconds=timeout_s),
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

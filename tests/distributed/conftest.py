@@ -1,0 +1,59 @@
+"""Spawn gloo process groups for distributed tests.
+
+`run_distributed(fn, world_size, *args)` runs `fn(rank, world_size, init_file,
+*args)` in `world_size` spawned processes that rendezvous through a
+`file://` store in pytest's tmp_path (no ports, no sleeps) and re-raises the
+first failure with the child's traceback. `fn` must be a module-level function
+(spawned children import it by name) and must call `init_gloo` itself.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def init_gloo(rank: int, world_size: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+
+
+def _child(rank: int, fn: Callable[..., Any], world_size: int, init_file: str, args: tuple, errors: Any) -> None:
+    try:
+        fn(rank, world_size, init_file, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def run_distributed(tmp_path: Path) -> Callable[..., None]:
+    def run(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+        init_file = str(tmp_path / "rendezvous")
+        ctx = mp.get_context("spawn")
+        errors = ctx.SimpleQueue()
+        ctx_procs = mp.start_processes(
+            _child, args=(fn, world_size, init_file, args, errors), nprocs=world_size,
+            join=False, start_method="spawn",
+        )
+        try:
+            while not ctx_procs.join(timeout=300):
+                pass
+        except mp.ProcessRaisedException:
+            pass
+        except mp.ProcessExitedException as e:
+            if errors.empty():
+                raise AssertionError(f"a rank died: {e}") from None
+        if not errors.empty():
+            rank, tb = errors.get()
+            raise AssertionError(f"rank {rank} failed:\n{tb}")
+
+    return run

@@ -1,0 +1,113 @@
+"""The disk format: bucket files are real safetensors, versions publish atomically,
+reads verify, paths stay under their root."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from weightsync.bucketing import pack, plan_buckets
+from weightsync.checkpoint import (
+    bucket_file_header,
+    confine,
+    publish,
+    read_bucket,
+    read_checkpoint_metas,
+    read_version,
+    write_bucket,
+    write_manifest,
+)
+from weightsync.errors import IntegrityError
+from weightsync.integrity import digest
+from weightsync.types import Manifest, TensorMeta
+
+TENSORS = {
+    "model.embed.weight": torch.randn(6, 4),
+    "model.norm.weight": torch.randn(4).bfloat16(),
+    "flag": torch.tensor(True),
+    "empty": torch.zeros(0, 3),
+}
+
+
+def write_version(root: Path, version: int, bucket_bytes: int = 64) -> tuple[Path, Manifest]:
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in TENSORS.items()], bucket_bytes)
+    tmp = root / f".tmp-v{version}"
+    tmp.mkdir(parents=True)
+    digests = []
+    for bucket in plan:
+        buf = pack(bucket, {n: TENSORS[n] for n in bucket.hf_names})
+        digests.append(digest(buf))
+        write_bucket(tmp, bucket.with_digest(digests[-1]), buf)
+    manifest = Manifest(version=version, buckets=plan).with_digests(digests)
+    write_manifest(tmp, manifest)
+    final = root / f"v{version:08d}"
+    publish(tmp, final)
+    return final, manifest
+
+
+def test_bucket_files_load_with_safetensors(tmp_path: Path) -> None:
+    final, manifest = write_version(tmp_path, 1)
+    loaded: dict[str, torch.Tensor] = {}
+    for b in manifest.buckets:
+        loaded.update(load_file(str(final / f"bucket-{b.index:05d}.safetensors")))
+    assert set(loaded) == set(TENSORS)
+    assert all(torch.equal(loaded[n], t) for n, t in TENSORS.items())
+    assert not list(tmp_path.glob(".tmp-*")), "temporary directory renamed away"
+
+
+def test_golden_header() -> None:
+    (bucket,) = plan_buckets([TensorMeta(hf_name="w", dtype=torch.float16, shape=(2,))], 64)
+    header = bucket_file_header(bucket, "00000000deadbeef")
+    assert header == (
+        b"\x98\x00\x00\x00\x00\x00\x00\x00"
+        b'{"__metadata__":{"format":"pt","weightsync_bucket":"0","weightsync_digest":"00000000deadbeef"},'
+        b'"w":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}}    '
+    )
+
+
+def test_read_version_verifies_every_bucket(tmp_path: Path) -> None:
+    final, manifest = write_version(tmp_path, 2)
+    got, buckets = read_version(final)
+    assert got == manifest
+    assert sum(buf.numel() for _, buf in buckets) == manifest.num_bytes
+    path = final / "bucket-00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="digest"):
+        read_bucket(final, manifest.buckets[0])
+    path.write_bytes(bytes(data[:-3]))
+    with pytest.raises(IntegrityError, match="truncated"):
+        read_bucket(final, manifest.buckets[0])
+
+
+def test_versions_are_written_once(tmp_path: Path) -> None:
+    write_version(tmp_path, 3)
+    (tmp_path / "again").mkdir()
+    with pytest.raises(FileExistsError):
+        publish(tmp_path / "again", tmp_path / "v00000003")
+
+
+def test_checkpoint_metas_from_headers(tmp_path: Path) -> None:
+    final, _ = write_version(tmp_path, 4, bucket_bytes=1 << 20)
+    metas = read_checkpoint_metas(final)
+    assert {m.hf_name for m in metas} == set(TENSORS)
+
+
+def test_confine_refuses_escapes(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "ok").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, root / "link")
+    assert confine(root / "ok", root) == (root / "ok").resolve()
+    with pytest.raises(PermissionError, match="outside the allowed root"):
+        confine(root / ".." / "outside", root)
+    with pytest.raises(PermissionError, match="outside the allowed root"):
+        confine(root / "link", root)
+    with pytest.raises(PermissionError):
+        confine("/etc/passwd", root)

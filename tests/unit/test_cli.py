@@ -1,0 +1,41 @@
+"""The command line: tiny-model, inspect, usage errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from weightsync.cli.main import main
+
+
+def test_tiny_model_then_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tiny-model", str(tmp_path / "m"), "--layers", "1", "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["hidden_size"] == 128 and made["weights_bytes"] > 0
+    assert main(["inspect", str(tmp_path / "m"), "--bucket-bytes", "64KiB", "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert manifest["format"] == "weightsync.manifest"
+    assert all(b["nbytes"] <= 64 << 10 or len(b["tensors"]) == 1 for b in manifest["buckets"])
+    assert main(["inspect", str(tmp_path / "m")]) == 0
+    assert "bucket(s)" in capsys.readouterr().out
+
+
+def test_inspect_missing_dir_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "no *.safetensors" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2() -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["tiny-model"])
+    assert e.value.code == 2
+    assert main([]) == 2
+
+
+def test_python_dash_m() -> None:
+    out = subprocess.run([sys.executable, "-m", "weightsync", "--help"], capture_output=True, text=True, check=True)
+    assert "tiny-model" in out.stdout

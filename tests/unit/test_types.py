@@ -1,0 +1,125 @@
+"""Manifest, ack and report: JSON round trips, a golden manifest, malformed input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from weightsync.bucketing import plan_buckets
+from weightsync.errors import ManifestError
+from weightsync.types import (
+    Ack,
+    Manifest,
+    StageSeconds,
+    SyncReport,
+    TensorMeta,
+    dtype_from_name,
+    dtype_name,
+)
+
+GOLDEN_MANIFEST = (
+    '{"base_version":null,"buckets":[{"digest":"0123456789abcdef","index":0,"nbytes":26,'
+    '"tensors":[{"dtype":"float32","hf_name":"model.norm.weight","nbytes":16,"offset":0,"shape":[4]},'
+    '{"dtype":"bfloat16","hf_name":"lm_head.weight","nbytes":8,"offset":16,"shape":[2,2]},'
+    '{"dtype":"bool","hf_name":"mask","nbytes":1,"offset":24,"shape":[]},'
+    '{"dtype":"float8_e4m3fn","hf_name":"scale","nbytes":1,"offset":25,"shape":[1]}]}],'
+    '"digest_algorithm":"xxh3_64","format":"weightsync.manifest","format_version":1,'
+    '"lora_config":null,"lora_name":null,"mode":"full","version":7}'
+)
+
+
+def _golden() -> Manifest:
+    metas = [
+        TensorMeta(hf_name="model.norm.weight", dtype=torch.float32, shape=(4,)),
+        TensorMeta(hf_name="mask", dtype=torch.bool, shape=()),
+        TensorMeta(hf_name="lm_head.weight", dtype=torch.bfloat16, shape=(2, 2)),
+        TensorMeta(hf_name="scale", dtype=torch.float8_e4m3fn, shape=(1,)),
+    ]
+    (bucket,) = plan_buckets(metas, 1 << 20)
+    return Manifest(version=7, buckets=(bucket.with_digest("0123456789abcdef"),))
+
+
+def test_golden_manifest_json_is_pinned() -> None:
+    assert _golden().to_json() == GOLDEN_MANIFEST
+
+
+def test_manifest_round_trip() -> None:
+    m = Manifest.from_json(GOLDEN_MANIFEST)
+    assert m == _golden()
+    assert m.to_json() == GOLDEN_MANIFEST
+    assert m.num_bytes == 26
+    assert m.hf_names == ("model.norm.weight", "lm_head.weight", "mask", "scale")
+
+
+def test_lora_and_delta_fields_round_trip() -> None:
+    base = _golden()
+    lora = Manifest(version=3, mode="lora", buckets=base.buckets, lora_config={"r": 8}, lora_name="policy-v3")
+    assert Manifest.from_json(lora.to_json()) == lora
+    delta = Manifest(version=4, mode="delta", buckets=base.buckets, base_version=3)
+    assert Manifest.from_json(delta.to_json()) == delta
+
+
+def _mutated(**changes: object) -> str:
+    d = json.loads(GOLDEN_MANIFEST)
+    for path, value in changes.items():
+        target = d
+        keys = path.split("__")
+        for k in keys[:-1]:
+            target = target[int(k)] if k.isdigit() else target[k]
+        target[keys[-1]] = value
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"format": "other"}, "not a weightsync.manifest"),
+        ({"version": "7"}, "version must be an integer"),
+        ({"mode": "bogus"}, "unknown mode"),
+        ({"buckets__0__tensors__0__dtype": "float33"}, "unknown dtype 'float33'"),
+        ({"buckets__0__tensors__1__offset": 17}, "'lm_head.weight' at offset 17, expected 16"),
+        ({"buckets__0__tensors__0__nbytes": 12}, "nbytes 12 != 16"),
+        ({"buckets__0__nbytes": 30}, "nbytes 30 != sum of its tensors 26"),
+        ({"buckets__0__index": 3}, "has index 3"),
+        ({"mode": "lora"}, "needs a lora_name"),
+        ({"mode": "delta"}, "needs the base_version"),
+        ({"buckets__0__tensors__1__hf_name": "model.norm.weight"}, "appears twice"),
+    ],
+)
+def test_malformed_manifest_names_the_offender(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Manifest.from_json(_mutated(**changes))
+
+
+def test_misaligned_offset_is_refused() -> None:
+    d = json.loads(GOLDEN_MANIFEST)
+    t = d["buckets"][0]["tensors"]
+    t[0], t[2] = t[2], t[0]  # the 1-byte bool first: float32 lands at offset 1
+    t[0]["offset"], t[1]["offset"], t[2]["offset"] = 0, 1, 9
+    with pytest.raises(ManifestError, match="not a multiple of its itemsize|expected"):
+        Manifest.from_json(json.dumps(d))
+
+
+def test_not_json() -> None:
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.from_json(b"\xff{")
+
+
+def test_dtype_names_are_torch_attribute_names() -> None:
+    assert dtype_name(torch.bfloat16) == "bfloat16"
+    assert dtype_from_name("torch.float8_e5m2") is torch.float8_e5m2
+    with pytest.raises(ManifestError, match="cannot be synced"):
+        dtype_name(torch.qint8)
+
+
+def test_report_round_trip() -> None:
+    ack = Ack(engine="http://e", version=2, digests=("aa", None), loaded_names=frozenset({"x"}))
+    report = SyncReport(
+        version=2, mode="full", transport="http", num_bytes=2_000_000_000, num_tensors=3, num_buckets=2,
+        seconds=2.0, stages=StageSeconds(wire=1.5), verified=True, acks=(ack,),
+    )
+    assert report.gbps == pytest.approx(1.0)
+    again = SyncReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again == report

@@ -1,0 +1,46 @@
+"""The HTTP bucket frame: golden bytes and every way a frame can be wrong."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from weightsync.errors import IntegrityError
+from weightsync.wire import MAGIC, FrameHeader, decode_frame, encode_prefix
+
+HEADER = FrameHeader(version=3, index=1, nbytes=4, digest="00000000deadbeef")
+GOLDEN = (
+    b"WSB1" + struct.pack("<I", 62)
+    + b'{"digest":"00000000deadbeef","index":1,"nbytes":4,"version":3}'
+)
+
+
+def test_golden_prefix() -> None:
+    assert encode_prefix(HEADER) == GOLDEN
+
+
+def test_decode_returns_header_and_a_view_of_the_payload() -> None:
+    frame = bytearray(GOLDEN + b"\x01\x02\x03\x04")
+    header, payload = decode_frame(frame)
+    assert header == HEADER
+    assert bytes(payload) == b"\x01\x02\x03\x04"
+    frame[-1] = 9
+    assert payload[-1] == 9  # a view, not a copy
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (b"WSB", "shorter than its 8-byte prefix"),
+        (b"XXXX" + GOLDEN[4:] + b"1234", "not a weightsync bucket frame"),
+        (MAGIC + struct.pack("<I", 1 << 30), "exceeds"),
+        (GOLDEN[:20], "truncated inside its header"),
+        (GOLDEN + b"123", "carries 3 payload bytes, header says 4"),
+        (GOLDEN + b"12345", "carries 5 payload bytes"),
+        (MAGIC + struct.pack("<I", 2) + b"{}", "malformed bucket frame header"),
+    ],
+)
+def test_bad_frames_are_refused(frame: bytes, message: str) -> None:
+    with pytest.raises(IntegrityError, match=message):
+        decode_frame(frame)
