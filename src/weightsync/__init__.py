@@ -1,1 +1,52 @@
-"""weightsync: verified weight synchronization from RL trainers to inference engines."""
+"""weightsync: verified weight synchronization from RL trainers to inference engines.
+
+    import weightsync as ws
+    sync = ws.WeightSync(engines=[ws.SGLangEngine("http://127.0.0.1:30000")], transport="http")
+    report = sync.push(model, version=step)
+
+Heavy optional dependencies (vllm, fastapi, uvicorn) are imported only by the
+modules that need them.
+"""
+
+from weightsync.bucketing import pack, plan_buckets, unpack
+from weightsync.engines.base import Engine
+from weightsync.engines.sglang import SGLangEngine
+from weightsync.errors import (
+    EngineError,
+    IntegrityError,
+    ManifestError,
+    ManifestMismatchError,
+    NamingError,
+    SyncTimeoutError,
+    WeightSyncError,
+)
+from weightsync.sources import WeightSource, named_weights
+from weightsync.sync import SyncConfig, WeightSync
+from weightsync.types import Ack, BucketMeta, Manifest, PausePolicy, StageSeconds, SyncReport, TensorEntry, TensorMeta
+
+__all__ = [
+    "Ack",
+    "BucketMeta",
+    "Engine",
+    "EngineError",
+    "IntegrityError",
+    "Manifest",
+    "ManifestError",
+    "ManifestMismatchError",
+    "NamingError",
+    "PausePolicy",
+    "SGLangEngine",
+    "StageSeconds",
+    "SyncConfig",
+    "SyncReport",
+    "SyncTimeoutError",
+    "TensorEntry",
+    "TensorMeta",
+    "WeightSource",
+    "WeightSync",
+    "WeightSyncError",
+    "named_weights",
+    "pack",
+    "plan_buckets",
+    "unpack",
+]

@@ -147,7 +147,7 @@ def pack_stream(
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     keep: bool = True,
-    alloc: Callable[[BucketMeta], torch.Tensor] = allocate,
+    alloc: Callable[[BucketMeta], torch.Tensor | None] = allocate,
 ) -> Iterator[tuple[BucketMeta, torch.Tensor | None]]:
     """Pack a tensor stream bucket by bucket, holding one bucket at a time.
 
@@ -156,11 +156,15 @@ def pack_stream(
     tensor in hand. With `keep=False` (a non-sending rank that only takes part
     in gathers) nothing is packed and `None` is yielded for each bucket.
     `alloc` gives each bucket its buffer (a shared-memory slot, a pinned
-    buffer); the default allocates a fresh CPU tensor.
+    buffer); the default allocates a fresh CPU tensor. When it returns None the
+    bucket's tensors are consumed but not packed (a sender that failed keeps
+    draining a sharded source so the other ranks' gathers complete).
     """
     it = iter(tensors)
     for bucket in plan:
-        buffer = alloc(bucket)[: bucket.nbytes] if keep else None
+        buffer = alloc(bucket) if keep else None
+        if buffer is not None:
+            buffer = buffer[: bucket.nbytes]
         for entry in bucket.entries:
             try:
                 name, tensor = next(it)

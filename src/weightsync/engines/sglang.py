@@ -1,0 +1,273 @@
+"""Client for SGLang's HTTP API, and for `weightsync serve`, which speaks it.
+
+Maps the weightsync protocol onto SGLang's routes (ENGINES.md):
+
+| protocol  | broadcast                                   | disk                        | http / shm (weightsync serve) |
+|-----------|---------------------------------------------|-----------------------------|-------------------------------|
+| connect   | /init_weights_update_group (blocks)         | -                           | -                             |
+| begin     | /weightsync/begin*, /begin_weight_update    | /weightsync/begin*          | /weightsync/begin             |
+| receive   | /update_weights_from_distributed, flattened | -                           | /weightsync/bucket, /weightsync/shm_bucket |
+| commit    | /weightsync/commit*, /end_weight_update     | /update_weights_from_disk or /load_lora_adapter | /weightsync/commit |
+| abort     | /weightsync/abort*, /end_weight_update      | /weightsync/abort*          | /weightsync/abort             |
+
+(* only where the server has the weightsync routes; a stock SGLang answers 404
+on them, and then updates land in place, are not digest-checked by the
+engine, and the push reports `verified=False` with the reason.)
+A 404 on /begin_weight_update or /end_weight_update means an older SGLang that
+needs no session.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from weightsync.engines.base import Delivery, Link, PausePolicy
+from weightsync.engines.http import JsonClient
+from weightsync.errors import EngineError
+from weightsync.integrity import byte_view
+from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
+from weightsync.wire import FrameHeader, encode_prefix
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    """One generated answer, as the engine reported it."""
+
+    output_ids: list[int]
+    """Generated token ids."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the engine's weights."""
+    weight_version: str
+    """The weight version the engine reported for this answer."""
+    finish_reason: str
+    """"length", "stop" or "abort"."""
+    text: str = ""
+    """Decoded text, where the engine has a tokenizer."""
+
+
+class SGLangEngine:
+    """One SGLang server (or `weightsync serve`) at `url`."""
+
+    transports: ClassVar[frozenset[str]] = frozenset({"disk", "http", "broadcast", "shm"})
+    lora_transports: ClassVar[frozenset[str]] = frozenset({"disk", "http", "broadcast", "shm"})
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
+                 num_ranks: int = 1, label: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.label = label or self.url
+        self.num_ranks = num_ranks
+        self.timeout_s = timeout_s
+        self._http = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s)
+        self._native: bool | None = None
+        self._session_open = False
+        self._flush_cache = True
+        self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
+
+    # -- capabilities ------------------------------------------------------
+
+    @property
+    def native(self) -> bool:
+        """True when the server has weightsync's routes (`weightsync serve`)."""
+        if self._native is None:
+            response = self._http.request("GET", "/weightsync/info", allow=(404,))
+            self._native = response.status_code != 404
+        return self._native
+
+    @property
+    def stages_updates(self) -> bool:
+        """Updates are staged and swapped in at commit (no pause needed while streaming)."""
+        return self.native
+
+    def _require_native(self, what: str) -> None:
+        if not self.native:
+            raise EngineError(
+                self.label,
+                f"{what} needs weightsync's routes, which this SGLang server does not have; "
+                "use transport='broadcast' or 'disk' (and LoRA via 'disk')",
+            )
+
+    # -- protocol ----------------------------------------------------------
+
+    def connect(self, link: Link) -> None:
+        if link.transport != "broadcast":
+            return
+        self._http.post("/init_weights_update_group", {
+            "master_address": link.master_address, "master_port": link.master_port,
+            "rank_offset": link.rank_offset, "world_size": link.world_size,
+            "group_name": link.group_name, "backend": link.backend,
+        }, timeout_s=link.timeout_s + 5)
+
+    def disconnect(self, link: Link) -> None:
+        if link.transport != "broadcast":
+            return
+        try:
+            self._http.post("/destroy_weights_update_group", {"group_name": link.group_name}, timeout_s=10)
+        except EngineError as e:
+            log.warning("%s: destroying group %s: %s", self.label, link.group_name, e)
+
+    def pause(self, policy: PausePolicy) -> None:
+        mode = policy.sglang_mode
+        if mode is not None:
+            self._http.post("/pause_generation", {"mode": mode})
+        # An update that flushes the cache while requests still run reports failure
+        # even though the weights changed (ENGINES.md): keep the cache with in_place.
+        self._flush_cache = policy in (PausePolicy.ABORT, PausePolicy.RETRACT)
+
+    def resume(self) -> None:
+        self._http.post("/continue_generation", {})
+
+    def begin(self, manifest: Manifest, link: Link) -> None:
+        if link.transport in ("http", "shm"):
+            self._require_native(f"transport {link.transport!r}")
+        if manifest.mode == "lora" and link.transport != "disk":
+            self._require_native(f"a LoRA adapter over {link.transport!r}")
+        if self.native:
+            self._http.post("/weightsync/begin", {"manifest": manifest.to_dict()})
+        self._open = (manifest.version, link)
+        if link.transport == "broadcast":
+            response = self._http.request("POST", "/begin_weight_update", json_body={"selector": "all"}, allow=(404,))
+            self._session_open = response.status_code != 404
+
+    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+        assert self._open is not None, "begin() first"
+        version, link = self._open
+        assert bucket.digest is not None, "buckets are hashed before they are sent"
+        if delivery.transport == "http":
+            prefix = encode_prefix(FrameHeader(version=version, index=bucket.index,
+                                               nbytes=bucket.nbytes, digest=bucket.digest))
+            payload = byte_view(delivery.data).numpy().data
+            self._http.request("POST", "/weightsync/bucket", content=_chunks(prefix, payload),
+                               headers={"Content-Type": "application/octet-stream"})
+        elif delivery.transport == "shm":
+            self._http.post("/weightsync/shm_bucket", {
+                "version": version, "index": bucket.index, "digest": bucket.digest,
+                "shm_name": link.shm_name, "slot_bytes": link.slot_bytes, "num_slots": link.num_slots,
+                "slot": delivery.slot,
+            })
+        elif delivery.transport == "broadcast":
+            self._http.post("/update_weights_from_distributed", self._broadcast_request(bucket, version, link),
+                            timeout_s=link.timeout_s + 5)
+        else:
+            raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
+
+    def commit(self, manifest: Manifest, link: Link) -> Ack:
+        self._open = None
+        if link.transport == "disk":
+            return self._commit_disk(manifest, link)
+        ack = None
+        if self.native:
+            body = self._http.post("/weightsync/commit", {"version": manifest.version})
+            ack = Ack.from_dict(body["ack"], engine=self.label)
+        if self._session_open:
+            self._session_open = False
+            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,))
+        return ack or self._unverified_ack(manifest)
+
+    def abort(self, version: int) -> None:
+        self._open = None
+        errors = []
+        if self.native:
+            try:
+                self._http.post("/weightsync/abort", {"version": version}, timeout_s=10)
+            except EngineError as e:
+                errors.append(e)
+        if self._session_open:
+            self._session_open = False
+            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=10)
+        if errors:
+            raise errors[0]
+
+    def unload_lora(self, lora_name: str) -> None:
+        """Unload an adapter; SGLang waits for requests still using it."""
+        self._http.post("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s=self.timeout_s)
+
+    # -- generation --------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 lora_name: str | None = None, seed: int | None = None) -> list[Completion]:
+        """Generate for a batch of token-id prompts, returning tokens and their logprobs."""
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
+        if seed is not None:
+            params["seed"] = seed
+        body: dict[str, Any] = {"input_ids": [list(p) for p in prompts], "sampling_params": params,
+                                "return_logprob": True}
+        if lora_name is not None:
+            body["lora_path"] = lora_name
+        response = self._http.request("POST", "/generate", json_body=body)
+        answers = response.json()
+        return [_completion(a) for a in (answers if isinstance(answers, list) else [answers])]
+
+    def weight_version(self) -> str:
+        return str(self._http.get("/model_info").get("weight_version"))
+
+    def digests(self, hf_names: Sequence[str] | None = None) -> dict[str, str]:
+        """Digests of the served weights (weightsync serve only)."""
+        self._require_native("reading weight digests")
+        return dict(self._http.post("/weightsync/digests", {"names": list(hf_names) if hf_names else None})["digests"])
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- internals ---------------------------------------------------------
+
+    def _broadcast_request(self, bucket: BucketMeta, version: int, link: Link) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "names": [e.hf_name for e in bucket.entries],
+            "dtypes": [dtype_name(e.dtype) for e in bucket.entries],
+            "shapes": [list(e.shape) for e in bucket.entries],
+            "group_name": link.group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,  # flushed once, at commit
+            "abort_all_requests": False,
+            "weight_version": str(version),
+        }
+        if self.native:
+            body.update(weightsync_version=version, weightsync_bucket=bucket.index, weightsync_digest=bucket.digest)
+        return body
+
+    def _commit_disk(self, manifest: Manifest, link: Link) -> Ack:
+        path = link.version_dir(manifest.version)
+        if manifest.mode == "lora":
+            assert manifest.lora_name is not None
+            self._http.post("/load_lora_adapter", {"lora_name": manifest.lora_name, "lora_path": path})
+            if self.native:
+                body = self._http.post("/weightsync/commit", {"version": manifest.version})
+                return Ack.from_dict(body["ack"], engine=self.label)
+            return self._unverified_ack(manifest)
+        body = self._http.post("/update_weights_from_disk", {
+            "model_path": path, "weight_version": str(manifest.version),
+            "flush_cache": self._flush_cache, "abort_all_requests": False,
+        })
+        if "ack" in body:
+            return Ack.from_dict(body["ack"], engine=self.label)
+        return self._unverified_ack(manifest)
+
+    def _unverified_ack(self, manifest: Manifest) -> Ack:
+        """What a stock SGLang tells us: success, nothing checkable."""
+        return Ack(engine=self.label, version=manifest.version, digests=(None,) * len(manifest.buckets),
+                   loaded_names=frozenset(manifest.hf_names))
+
+
+def _completion(answer: dict[str, Any]) -> Completion:
+    meta = answer.get("meta_info", {})
+    logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+    reason = meta.get("finish_reason") or {}
+    return Completion(
+        output_ids=list(answer.get("output_ids") or []),
+        logprobs=logprobs,
+        weight_version=str(meta.get("weight_version")),
+        finish_reason=str(reason.get("type") if isinstance(reason, dict) else reason),
+        text=str(answer.get("text", "")),
+    )
+
+
+def _chunks(*parts: bytes | memoryview) -> Iterator[bytes]:
+    """Request body parts, sent without concatenating (httpx streams an iterator)."""
+    for part in parts:
+        if len(part):
+            yield part  # type: ignore[misc]

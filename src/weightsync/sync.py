@@ -1,0 +1,550 @@
+"""The coordinator: `WeightSync.push(model, version)` leaves every engine
+serving `version`, verified, or raises and leaves them on their last good one.
+
+One push, on the sending rank:
+
+    plan      metas -> buckets (delta: only tensors whose digest changed)
+    session   transport.open + engine.connect (once; reused across pushes)
+    begin     every engine checks the manifest (names, shapes, dtypes)
+    stream    producer thread: gather -> pack into slot k%2 -> hash
+              main thread:     deliver bucket k to every engine (wire)
+              at most two buckets alive; bucket k+2 waits for bucket k
+    commit    pause (per policy) -> every engine applies and acks -> resume
+    verify    acks: version, every bucket digest, every name
+
+Any failure after begin aborts the update on every engine (they keep serving
+their previous version), discards the transport's leftovers, tears down a
+broadcast group, resumes generation, and raises. Engines that stage updates
+(`stages_updates`) keep generating while bytes stream and pause only around
+the commit; the others are paused from begin to commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weightsync.bucketing import pack_stream, plan_buckets, stream_order
+from weightsync.engines.base import Engine, Link, PausePolicy
+from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
+from weightsync.integrity import ack_problems, digest
+from weightsync.naming import rename
+from weightsync.sources import WeightSource, make_source
+from weightsync.trainer_ranks import TrainerRanks
+from weightsync.transports import make_transport
+from weightsync.transports.base import NUM_SLOTS, Transport
+from weightsync.types import MODES, Ack, BucketMeta, Manifest, StageSeconds, SyncReport, TensorMeta
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """How `WeightSync` moves weights."""
+
+    transport: str = "http"
+    """"disk", "http", "broadcast" or "shm"."""
+    mode: str = "full"
+    """"full", "lora", "lora-merged" or "delta"."""
+    bucket_bytes: int = 256 << 20
+    """Byte budget of one bucket (a larger tensor gets a bucket of its own)."""
+    pause: PausePolicy = PausePolicy.RETRACT
+    """What happens to in-flight requests while weights change."""
+    timeout_s: float = 60.0
+    """Limit for every network call and collective of a push."""
+    lora_prefix: str = "policy"
+    """"lora" mode: adapters load as `<lora_prefix>-v<version>`."""
+    lora_keep: int = 1
+    """"lora" mode: adapters kept loaded per engine; older ones are unloaded
+    (after the requests still using them finish)."""
+    adapter_name: str | None = None
+    """The PEFT adapter to sync (default: the model's active one)."""
+    disk_root: str | None = None
+    """"disk" transport: the directory engines read versions from."""
+    keep_versions: int = 2
+    """"disk" transport: versions kept on disk."""
+    master_address: str = "127.0.0.1"
+    """"broadcast" transport: address engines reach the trainer's store at."""
+    backend: str | None = None
+    """"broadcast" transport: "gloo" or "nccl" (default: by buffer device)."""
+    rename: Mapping[str, str] | None = None
+    """hf_name -> engine_name for engines whose names differ."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; one of {MODES}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.lora_keep < 1:
+            raise ValueError(f"lora_keep must be at least 1, got {self.lora_keep}")
+
+
+@dataclass
+class _Stages:
+    gather: float = 0.0
+    pack: float = 0.0
+    hash: float = 0.0
+    wire: float = 0.0
+    load: float = 0.0
+
+    def frozen(self) -> StageSeconds:
+        return StageSeconds(gather=self.gather, pack=self.pack, hash=self.hash, wire=self.wire, load=self.load)
+
+
+class WeightSync:
+    """Pushes a trainer's weights into inference engines, verified.
+
+    With `process_group` (the trainer's group, e.g. FSDP2's), every rank calls
+    `push` with its shard of the model; rank `send_rank` talks to the engines
+    and every rank returns the same report.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        transport: str = "http",
+        mode: str = "full",
+        bucket_bytes: int = 256 << 20,
+        pause: str | PausePolicy = PausePolicy.RETRACT,
+        timeout_s: float = 60.0,
+        process_group: dist.ProcessGroup | None = None,
+        send_rank: int = 0,
+        **options: Any,
+    ) -> None:
+        self.config = SyncConfig(transport=transport, mode=mode, bucket_bytes=bucket_bytes,
+                                 pause=PausePolicy.parse(pause), timeout_s=timeout_s, **options)
+        self.engines = list(engines)
+        self.ranks = TrainerRanks(process_group, send_rank=send_rank)
+        if self.ranks.is_sender:
+            self._check_engines()
+        self._transport: Transport | None = None
+        self._links: list[Link] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines) + 1), thread_name_prefix="weightsync")
+        self._acked_version: int | None = None
+        self._tensor_digests: dict[str, str] = {}
+        self._loaded_loras: list[str] = []
+        self._base_checked = False
+        self._retiring: Future[None] | None = None
+        self._closed = False
+
+    # -- public ------------------------------------------------------------
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter name requests should use now ("lora" mode)."""
+        return self._loaded_loras[-1] if self._loaded_loras else None
+
+    def push(self, model: nn.Module | WeightSource, version: int) -> SyncReport:
+        """Make every engine serve `model`'s weights as `version`."""
+        if self._closed:
+            raise WeightSyncError("this WeightSync is closed")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version must be a non-negative integer, got {version!r}")
+        if not self.ranks.is_sender:
+            return self._follow(model)
+        source = make_source(model, self.config.mode, adapter_name=self.config.adapter_name)
+        try:
+            report = self._push(source, version, self.config.mode, model)
+        except WeightSyncError as e:
+            self._tell_followers({"error": f"{type(e).__name__}: {e}"})
+            raise
+        self._tell_followers({"report": report.to_dict()})
+        return report
+
+    def close(self) -> None:
+        """Tear down the transport session and leave every engine's group."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._retiring is not None:
+            self._wait(self._retiring, "unloading old adapters", swallow=True)
+        self._end_session()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one push ----------------------------------------------------------
+
+    def _push(self, source: WeightSource, version: int, mode: str, model: Any,
+              tensor_digests: dict[str, str] | None = None) -> SyncReport:
+        started = time.perf_counter()
+        stages = _Stages()
+        if self._retiring is not None:
+            self._wait(self._retiring, "unloading old adapters", swallow=True)
+            self._retiring = None
+        if mode == "lora" and not self._base_checked:
+            self._sync_base_if_needed(model, version)
+        all_metas = list(source.metas())
+        metas = all_metas
+        if mode == "delta":
+            if tensor_digests is None:
+                tensor_digests = self._hash_tensors(source, mode, stages)
+            if self._acked_version is None:
+                mode = "full"  # nothing acked yet: the first delta is the whole model
+            else:
+                metas = [m for m in metas if self._tensor_digests.get(m.hf_name) != tensor_digests[m.hf_name]]
+
+        to_engine = rename([m.hf_name for m in metas], self.config.rename or {})
+        engine_metas = [TensorMeta(hf_name=to_engine[m.hf_name], dtype=m.dtype, shape=m.shape) for m in metas]
+        bucket_bytes = self.config.bucket_bytes
+        if mode == "lora" and self.config.transport == "disk":
+            bucket_bytes = max(1, sum(m.nbytes for m in metas))  # one adapter_model.safetensors
+        plan = plan_buckets(engine_metas, bucket_bytes)
+        manifest = Manifest(
+            version=version, mode=mode, buckets=plan,
+            lora_config=source.config() if mode == "lora" else None,  # type: ignore[attr-defined]
+            lora_name=f"{self.config.lora_prefix}-v{version}" if mode == "lora" else None,
+            base_version=self._acked_version if mode == "delta" else None,
+        )
+        to_hf = {v: k for k, v in to_engine.items()}
+        order = [to_hf[n] for n in stream_order(plan)]
+
+        links = self._ensure_session(max((b.nbytes for b in plan), default=1))
+        paused = False
+        stage_all = all(getattr(e, "stages_updates", False) for e in self.engines)
+        begun = False
+        try:
+            if not stage_all:
+                self._pause()
+                paused = True
+            try:
+                self._all(lambda e, link: e.begin(manifest, link), "begin")
+            except EngineError as e:
+                if mode == "delta" and e.status == 409:
+                    log.info("delta refused (%s); sending the whole model instead", e)
+                    if paused:
+                        self._resume()
+                    self._acked_version = None
+                    return self._push(source, version, "delta", model, tensor_digests)
+                raise
+            begun = True
+            assert self._transport is not None
+            self._transport.begin(manifest)
+            self._share_with_followers(mode=source.mode, order=order)
+            digests = self._stream(source, plan, order, links, stages)
+            manifest = manifest.with_digests(digests)
+            self._transport.finish(manifest)
+            if not paused:
+                self._pause()
+                paused = True
+            t0 = time.perf_counter()
+            acks = self._all(lambda e, link: e.commit(manifest, link), "commit")
+            stages.load = time.perf_counter() - t0
+            begun = False
+        except BaseException as e:
+            self._fail(version, begun, e)
+            raise
+        finally:
+            if paused:
+                self._resume()
+        verified, notes = self._verify(manifest, acks, to_engine)
+        self._acked_version = version
+        if tensor_digests is not None:
+            self._tensor_digests = tensor_digests
+        if mode == "lora":
+            assert manifest.lora_name is not None
+            self._rollover(manifest.lora_name)
+        return SyncReport(
+            version=version, mode=mode, transport=self.config.transport, num_bytes=manifest.num_bytes,
+            num_tensors=len(metas), num_buckets=len(plan), seconds=time.perf_counter() - started,
+            stages=stages.frozen(), verified=verified, acks=tuple(acks),
+            num_skipped=len(all_metas) - len(metas), notes=tuple(notes),
+        )
+
+    def _stream(self, source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],
+                links: Sequence[Link], stages: _Stages) -> list[str]:
+        """Gather/pack/hash on a producer thread while this thread delivers."""
+        transport = self._transport
+        assert transport is not None
+        ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+        free_slots = threading.Semaphore(NUM_SLOTS)
+        failed = threading.Event()
+        drain = self.ranks.is_distributed  # the other ranks must finish their gathers
+
+        waited = 0.0
+
+        def alloc(bucket: BucketMeta) -> torch.Tensor | None:
+            nonlocal waited
+            t0 = time.perf_counter()
+            try:
+                while not failed.is_set():
+                    if free_slots.acquire(timeout=0.1):
+                        return transport.slot(bucket.index % NUM_SLOTS, bucket.nbytes)
+                return None
+            finally:
+                waited += time.perf_counter() - t0
+
+        def produce() -> None:
+            try:
+                tensors = _timed(source.tensors(order), stages, "gather")
+                t_prev = time.perf_counter()
+                for bucket, buffer in pack_stream(plan, tensors, alloc=alloc):
+                    if buffer is None:
+                        if not drain:
+                            break
+                        continue
+                    t_hash = time.perf_counter()
+                    bucket = bucket.with_digest(digest(buffer))
+                    now = time.perf_counter()
+                    stages.hash += now - t_hash
+                    stages.pack += t_hash - t_prev
+                    ready.put((bucket, buffer))
+                    t_prev = time.perf_counter()
+                ready.put(None)
+            except BaseException as e:
+                ready.put(e)
+
+        producer = threading.Thread(target=produce, name="weightsync-pack", daemon=True)
+        producer.start()
+        digests: list[str] = []
+        try:
+            while True:
+                item = ready.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                bucket, buffer = item
+                t0 = time.perf_counter()
+                self._deliver(bucket, buffer, links)
+                stages.wire += time.perf_counter() - t0
+                free_slots.release()
+                assert bucket.digest is not None
+                digests.append(bucket.digest)
+        except BaseException:
+            failed.set()
+            while producer.is_alive():  # unblock a producer waiting to hand over a bucket
+                with contextlib.suppress(queue.Empty):
+                    ready.get(timeout=0.1)
+            raise
+        finally:
+            producer.join()
+        stages.pack = max(0.0, stages.pack - stages.gather - waited)
+        return digests
+
+    def _deliver(self, bucket: BucketMeta, buffer: torch.Tensor, links: Sequence[Link]) -> None:
+        transport = self._transport
+        assert transport is not None
+        delivery = transport.deliver(bucket, buffer, bucket.index % NUM_SLOTS)
+        if not transport.per_bucket_delivery:
+            return
+        futures = [self._pool.submit(e.receive, bucket, delivery) for e in self.engines]
+        transport.send(bucket, buffer)
+        for engine, future in zip(self.engines, futures, strict=True):
+            self._wait(future, f"{engine.label}: receiving bucket {bucket.index}")
+
+    # -- session, pause, commit helpers ------------------------------------
+
+    def _ensure_session(self, max_bucket_bytes: int) -> list[Link]:
+        if self._transport is None:
+            self._transport = make_transport(
+                self.config.transport, timeout_s=self.config.timeout_s, disk_root=self.config.disk_root,
+                keep_versions=self.config.keep_versions, master_address=self.config.master_address,
+                backend=self.config.backend,
+            )
+        transport = self._transport
+        links = transport.open([e.num_ranks for e in self.engines], max_bucket_bytes=max_bucket_bytes)
+        if links is self._links:
+            return links  # formed earlier and reused
+        if self._links is not None and self.config.transport == "broadcast":
+            self._disconnect(self._links)
+        self._links = None
+        connects = [self._pool.submit(e.connect, link) for e, link in zip(self.engines, links, strict=True)]
+        try:
+            transport.establish()
+            for engine, future in zip(self.engines, connects, strict=True):
+                self._wait(future, f"{engine.label}: joining the {self.config.transport} session")
+        except BaseException:
+            self._end_session(links)
+            raise
+        self._links = links
+        return links
+
+    def _end_session(self, links: Sequence[Link] | None = None) -> None:
+        links = links if links is not None else self._links
+        if self._transport is not None:
+            self._transport.close()
+        if links is not None:
+            self._disconnect(links)
+        self._links = None
+
+    def _disconnect(self, links: Sequence[Link]) -> None:
+        for engine, link in zip(self.engines, links, strict=True):
+            try:
+                engine.disconnect(link)
+            except WeightSyncError as e:
+                log.warning("%s: leaving the session: %s", engine.label, e)
+
+    def _pause(self) -> None:
+        if self.config.pause is not PausePolicy.NONE:
+            self._all(lambda e, _: e.pause(self.config.pause), "pause")
+
+    def _resume(self) -> None:
+        if self.config.pause is not PausePolicy.NONE:
+            try:
+                self._all(lambda e, _: e.resume(), "resume")
+            except WeightSyncError as e:
+                log.error("resuming generation failed: %s", e)
+
+    def _fail(self, version: int, begun: bool, error: BaseException) -> None:
+        """Leave every engine on its last good version after `error`."""
+        log.warning("push of v%d failed: %s", version, error)
+        if begun:
+            for engine in self.engines:
+                try:
+                    engine.abort(version)
+                except WeightSyncError as e:
+                    log.warning("%s: abort of v%d: %s", engine.label, version, e)
+        if self._transport is not None:
+            self._transport.discard(version)
+        if self.config.transport == "broadcast" or isinstance(error, SyncTimeoutError):
+            self._end_session()  # a failed collective leaves the group unusable
+
+    def _all(self, call: Callable[[Any, Link | None], T], what: str) -> list[T]:
+        """`call(engine, link)` on every engine at once; the first error wins."""
+        links: Sequence[Link | None] = self._links or [None] * len(self.engines)
+        futures = [self._pool.submit(call, e, link) for e, link in zip(self.engines, links, strict=True)]
+        return [self._wait(f, f"{e.label}: {what}") for e, f in zip(self.engines, futures, strict=True)]
+
+    def _wait(self, future: Future[T], what: str, *, swallow: bool = False) -> T:
+        try:
+            # A little beyond timeout_s, so an engine client's own timeout (with its
+            # better message) fires first.
+            return future.result(timeout=self.config.timeout_s * 1.2 + 1)
+        except FutureTimeout:
+            error: WeightSyncError = SyncTimeoutError(f"{what}: no answer within {self.config.timeout_s:.0f}s")
+        except WeightSyncError as e:
+            error = e
+        if swallow:
+            log.warning("%s", error)
+            return None  # type: ignore[return-value]
+        raise error
+
+    def _verify(self, manifest: Manifest, acks: Sequence[Ack], to_engine: Mapping[str, str]) -> tuple[bool, list[str]]:
+        notes: list[str] = []
+        verified = True
+        for ack in acks:
+            if all(d is None for d in ack.digests) and ack.digests:
+                verified = False
+                notes.append(f"{ack.engine}: the engine reports no digests (stock SGLang); update not digest-verified")
+                continue
+            problems = ack_problems(manifest, ack)
+            if problems:
+                raise IntegrityError("engines acked something other than what was sent: " + "; ".join(problems))
+        return verified, notes
+
+    # -- state across pushes -----------------------------------------------
+
+    def _hash_tensors(self, source: WeightSource, mode: str, stages: _Stages | None = None) -> dict[str, str]:
+        """Digest of every tensor of `source` (every trainer rank gathers along)."""
+        names = [m.hf_name for m in source.metas()]
+        self._share_with_followers(mode=mode, order=names)
+        t0 = time.perf_counter()
+        out = {name: digest(t.contiguous()) for name, t in source.tensors(names)}
+        if stages is not None:
+            stages.hash += time.perf_counter() - t0
+        return out
+
+    def _rollover(self, lora_name: str) -> None:
+        self._loaded_loras.append(lora_name)
+        retire = self._loaded_loras[: -self.config.lora_keep]
+        self._loaded_loras = self._loaded_loras[-self.config.lora_keep :]
+        if retire:
+            self._retiring = self._pool.submit(self._unload, retire)
+
+    def _unload(self, names: Sequence[str]) -> None:
+        for engine in self.engines:
+            for name in names:
+                try:
+                    engine.unload_lora(name)  # type: ignore[attr-defined]
+                except WeightSyncError as e:
+                    log.warning("%s: unloading adapter %s: %s", engine.label, name, e)
+
+    def _sync_base_if_needed(self, model: Any, version: int) -> None:
+        """First "lora" push: make sure each engine serves the trainer's base weights."""
+        self._base_checked = True
+        base = make_source(model, "full", adapter_name=self.config.adapter_name)
+        readers = [e for e in self.engines if getattr(e, "native", False) and hasattr(e, "digests")]
+        if not readers:
+            return
+        trainer = self._hash_tensors(base, "full")
+        names = list(trainer)
+        if all(e.digests(names) == trainer for e in readers):
+            return
+        log.info("engine base weights differ from the trainer's: syncing them before the adapter")
+        self._push(base, version, "full", model)
+
+    # -- the other trainer ranks -------------------------------------------
+
+    def _share_with_followers(self, **message: Any) -> None:
+        if self.ranks.is_distributed:
+            self.ranks.share(message, timeout_s=self.config.timeout_s)
+
+    def _tell_followers(self, message: dict[str, Any]) -> None:
+        if self.ranks.is_distributed:
+            self.ranks.share(message, timeout_s=self.config.timeout_s)
+
+    def _follow(self, model: nn.Module | WeightSource) -> SyncReport:
+        """A non-sending rank: gather what the sender gathers, return its outcome.
+
+        The sender says what to gather next ({"mode", "order"}) until it says
+        how the push ended ({"report"} or {"error"}).
+        """
+        while True:
+            message = self.ranks.share(None, timeout_s=self.config.timeout_s * 4)
+            if "error" in message:
+                raise WeightSyncError(f"the sending trainer rank failed: {message['error']}")
+            if "report" in message:
+                return SyncReport.from_dict(message["report"])
+            source = make_source(model, message["mode"], adapter_name=self.config.adapter_name)
+            for _ in source.tensors(message["order"]):
+                pass
+
+    def _check_engines(self) -> None:
+        if not self.engines:
+            raise ValueError("WeightSync needs at least one engine")
+        attr = "lora_transports" if self.config.mode == "lora" else "transports"
+        for e in self.engines:
+            allowed = getattr(e, attr)
+            if self.config.transport not in allowed:
+                raise ValueError(
+                    f"{e.label} cannot take mode={self.config.mode!r} over transport={self.config.transport!r}; "
+                    f"it supports {sorted(allowed)}"
+                )
+        if self.config.transport == "disk" and self.config.disk_root is None:
+            raise ValueError("transport='disk' needs disk_root=<a directory the engines can read>")
+        if self.config.disk_root is not None:
+            Path(self.config.disk_root).mkdir(parents=True, exist_ok=True)
+
+
+def _timed(it: Iterator[tuple[str, torch.Tensor]], stages: _Stages, field: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Count the time spent inside `next(it)` towards `stages.<field>`."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        setattr(stages, field, getattr(stages, field) + time.perf_counter() - t0)
+        yield item

@@ -1,0 +1,113 @@
+"""Disk transport, trainer side: each bucket written as a safetensors file
+into a temporary directory, fsynced, then the directory renamed into place as
+`<root>/v%08d` with its manifest.json (see `weightsync.checkpoint`).
+
+Engines load the whole version at commit (`update_weights_from_disk`, a PEFT
+directory for LoRA). The last `keep_versions` versions stay on disk; older ones
+are deleted after each publish. Needs a filesystem the engines can read.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync.checkpoint import publish, write_bucket, write_manifest
+from weightsync.transports.base import SlotBuffers
+from weightsync.types import BucketMeta, Delivery, Link, Manifest
+
+log = logging.getLogger(__name__)
+
+LORA_WEIGHTS_FILE = "adapter_model.safetensors"
+LORA_CONFIG_FILE = "adapter_config.json"
+_VERSION_DIR = re.compile(r"^v(\d{8})$")
+
+
+class DiskTransport:
+    """Version directories under `root`, published atomically."""
+
+    name: ClassVar[str] = "disk"
+    per_bucket_delivery: ClassVar[bool] = False
+
+    def __init__(self, root: str | Path, *, keep_versions: int = 2, timeout_s: float = 60.0) -> None:
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be at least 1, got {keep_versions}")
+        self.root = Path(root)
+        self.keep_versions = keep_versions
+        self.timeout_s = timeout_s
+        self._slots = SlotBuffers()
+        self._tmp: Path | None = None
+        self._lora = False
+
+    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return [Link(transport=self.name, root=str(self.root), timeout_s=self.timeout_s) for _ in engine_ranks]
+
+    def establish(self) -> None:
+        return None
+
+    def begin(self, manifest: Manifest) -> None:
+        """Start writing a version (a PEFT adapter directory in "lora" mode)."""
+        self.discard(manifest.version)
+        self._tmp = self.root / f".tmp-v{manifest.version:08d}-{secrets.token_hex(4)}"
+        self._tmp.mkdir()
+        self._lora = manifest.mode == "lora"
+        if self._lora and len(manifest.buckets) != 1:
+            raise ValueError("a LoRA adapter goes to disk as one bucket; raise bucket_bytes")
+
+    def slot(self, index: int, nbytes: int) -> torch.Tensor:
+        return self._slots.get(index, nbytes)
+
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+        assert self._tmp is not None, "begin() first"
+        path = write_bucket(self._tmp, bucket, buffer)
+        if self._lora:
+            path.rename(self._tmp / LORA_WEIGHTS_FILE)
+        return Delivery(transport=self.name)
+
+    def send(self, bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        return None
+
+    def finish(self, manifest: Manifest) -> None:
+        assert self._tmp is not None, "begin() first"
+        if manifest.mode == "lora":
+            _write_json(self._tmp / LORA_CONFIG_FILE, dict(manifest.lora_config or {}))
+        write_manifest(self._tmp, manifest)
+        final = self.root / f"v{manifest.version:08d}"
+        if final.exists():  # a re-push of the same version replaces it
+            shutil.rmtree(final)
+        publish(self._tmp, final)
+        self._tmp = None
+        self._prune()
+
+    def discard(self, version: int) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def close(self) -> None:
+        self.discard(-1)
+        self._slots.clear()
+
+    def _prune(self) -> None:
+        versions = sorted(p for p in self.root.iterdir() if _VERSION_DIR.match(p.name))
+        for old in versions[: -self.keep_versions]:
+            log.debug("removing old version %s", old)
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    import json
+    import os
+
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,241 @@
+"""The coordinator's own logic against an in-process engine, with failures injected.
+
+`MemoryEngine` is a fake used only to inject failures and to count calls; the
+contract suite (tests/contract) runs the same flows against real servers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+import weightsync as ws
+from weightsync.bucketing import unpack
+from weightsync.checkpoint import read_version
+from weightsync.errors import EngineError, IntegrityError, ManifestMismatchError, SyncTimeoutError
+from weightsync.integrity import check_bucket, check_manifest_fits, digest
+from weightsync.shmem import SharedSlots
+from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest, PausePolicy, TensorMeta
+
+
+class MemoryEngine:
+    """An engine whose weights are a dict; stages updates like the real ones."""
+
+    transports: ClassVar[frozenset[str]] = frozenset({"http", "shm", "disk"})
+    lora_transports: ClassVar[frozenset[str]] = frozenset({"http"})
+    stages_updates = True
+    num_ranks = 1
+
+    def __init__(self, weights: dict[str, torch.Tensor], label: str = "memory") -> None:
+        self.label = label
+        self.weights = {k: v.clone() for k, v in weights.items()}
+        self.version = 0
+        self.calls: list[str] = []
+        self.staged: dict[str, torch.Tensor] | None = None
+        self.digests: dict[int, str] = {}
+        self.fail_receive_at: int | None = None
+        self.hang_receive_at: int | None = None
+        self.corrupt_ack = False
+        self.paused = False
+        self._manifest: Manifest | None = None
+        self._link: Link | None = None
+        self.max_concurrent = 0
+        self._inflight = 0
+        self._lock = threading.Lock()
+
+    def connect(self, link: Link) -> None:
+        self.calls.append("connect")
+
+    def disconnect(self, link: Link) -> None:
+        self.calls.append("disconnect")
+
+    def pause(self, policy: PausePolicy) -> None:
+        self.calls.append(f"pause:{policy.value}")
+        self.paused = True
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+        self.paused = False
+
+    def begin(self, manifest: Manifest, link: Link) -> None:
+        self.calls.append("begin")
+        if manifest.version < self.version:
+            raise EngineError(self.label, f"version {manifest.version} is older than {self.version}", status=409)
+        if manifest.mode == "delta" and manifest.base_version != self.version:
+            raise EngineError(self.label, f"base_version {manifest.base_version} != {self.version}", status=409)
+        expected = {k: TensorMeta.of(k, v) for k, v in self.weights.items()}
+        check_manifest_fits(manifest, expected, partial=manifest.mode == "delta")
+        self._manifest, self._link, self.staged, self.digests = manifest, link, {}, {}
+
+    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+        with self._lock:
+            self._inflight += 1
+            self.max_concurrent = max(self.max_concurrent, self._inflight)
+        try:
+            self.calls.append(f"receive:{bucket.index}")
+            if bucket.index == self.fail_receive_at:
+                raise EngineError(self.label, f"injected failure at bucket {bucket.index}", status=400)
+            if bucket.index == self.hang_receive_at:
+                time.sleep(30)
+            if delivery.transport == "http":
+                data = delivery.data
+            else:
+                assert self._link is not None
+                seg = SharedSlots.open(self._link.shm_name, slot_bytes=self._link.slot_bytes,
+                                       num_slots=self._link.num_slots)
+                data = seg.slot(delivery.slot, bucket.nbytes).clone()
+            self._stage(bucket, data)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    def _stage(self, bucket: BucketMeta, data: torch.Tensor) -> None:
+        self.digests[bucket.index] = check_bucket(bucket, data)
+        assert self.staged is not None
+        self.staged.update(unpack(data.clone(), bucket))
+
+    def commit(self, manifest: Manifest, link: Link) -> Ack:
+        self.calls.append("commit")
+        if link.transport == "disk":
+            got, buckets = read_version(Path(link.version_dir(manifest.version)))
+            for bucket, data in buckets:
+                self._stage(bucket, data)
+        assert self.staged is not None
+        self.weights.update(self.staged)
+        self.version = manifest.version
+        digests = tuple(self.digests[i] for i in range(len(manifest.buckets)))
+        if self.corrupt_ack:
+            digests = ("0" * 16, *digests[1:])
+        return Ack(engine=self.label, version=self.version, digests=digests, loaded_names=frozenset(self.staged))
+
+    def abort(self, version: int) -> None:
+        self.calls.append("abort")
+        self.staged = None
+
+
+def tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.LayerNorm(8))
+
+
+def engine_for(model: nn.Module, **kw: Any) -> MemoryEngine:
+    base = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    return MemoryEngine(base, **kw)
+
+
+def same(model: nn.Module, engine: MemoryEngine) -> bool:
+    return all(torch.equal(engine.weights[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("transport", ["http", "shm", "disk"])
+def test_push_reaches_every_engine_verified(transport: str, tmp_path: Path) -> None:
+    model = tiny()
+    engines = [engine_for(model, label="a"), engine_for(model, label="b")]
+    with ws.WeightSync(engines, transport=transport, bucket_bytes=600, disk_root=str(tmp_path)) as sync:
+        report = sync.push(model, version=1)
+    assert report.verified and report.version == 1
+    assert report.num_buckets > 2 and report.num_tensors == 6
+    assert report.num_bytes == sum(v.numel() * 4 for v in model.state_dict().values())
+    for e in engines:
+        assert same(model, e) and e.version == 1
+        assert e.calls[0] == "connect" and "abort" not in e.calls
+        # staged engines keep generating while bytes stream: paused only around commit
+        assert e.calls.index("pause:retract") == e.calls.index("commit") - 1
+        assert e.calls[-2:] == ["commit", "resume"] or e.calls[-1] == "disconnect"
+
+
+def test_pipeline_overlaps_and_keeps_two_slots() -> None:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    engine = engine_for(model)
+    with ws.WeightSync([engine], transport="shm", bucket_bytes=(64 * 64 + 64) * 4) as sync:
+        report = sync.push(model, version=3)
+    assert report.num_buckets == 8 and same(model, engine)
+    assert report.stages.wire > 0 and report.stages.hash > 0
+
+
+def test_manifest_mismatch_is_refused_before_any_byte_moves() -> None:
+    model = tiny()
+    engine = engine_for(model)
+    other = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 8), nn.LayerNorm(8))
+    with ws.WeightSync([engine], transport="http") as sync, pytest.raises(ManifestMismatchError) as info:
+        sync.push(other, version=1)
+    assert "0.weight" in info.value.mismatched
+    assert not any(c.startswith("receive") for c in engine.calls)
+    assert engine.version == 0 and all(not v.any() for v in engine.weights.values())
+
+
+def test_failure_mid_stream_aborts_resumes_and_the_next_push_works() -> None:
+    model = tiny()
+    engine = engine_for(model)
+    engine.fail_receive_at = 2
+    with ws.WeightSync([engine], transport="http", bucket_bytes=600, pause="abort") as sync:
+        with pytest.raises(EngineError, match="injected failure at bucket 2"):
+            sync.push(model, version=1)
+        assert "abort" in engine.calls and engine.version == 0
+        assert all(not v.any() for v in engine.weights.values()), "nothing half-applied"
+        engine.fail_receive_at = None
+        assert sync.push(model, version=2).verified
+    assert same(model, engine)
+
+
+def test_hung_engine_becomes_a_timeout() -> None:
+    model = tiny()
+    engine = engine_for(model)
+    engine.hang_receive_at = 0
+    with ws.WeightSync([engine], transport="http", timeout_s=0.5) as sync:
+        t0 = time.monotonic()
+        with pytest.raises(SyncTimeoutError, match="receiving bucket 0"):
+            sync.push(model, version=1)
+        assert time.monotonic() - t0 < 15
+    assert engine.version == 0
+
+
+def test_a_wrong_ack_is_an_integrity_error() -> None:
+    model = tiny()
+    engine = engine_for(model)
+    engine.corrupt_ack = True
+    with ws.WeightSync([engine], transport="http") as sync, pytest.raises(IntegrityError, match="digest mismatch"):
+        sync.push(model, version=1)
+
+
+def test_delta_sends_only_changed_tensors_and_falls_back_after_restart() -> None:
+    model = tiny()
+    engine = engine_for(model)
+    with ws.WeightSync([engine], transport="http", mode="delta", bucket_bytes=1 << 20) as sync:
+        first = sync.push(model, version=1)
+        assert first.mode == "full" and first.num_tensors == 6
+        with torch.no_grad():
+            model[2].bias.add_(1.0)
+        second = sync.push(model, version=2)
+        assert second.mode == "delta" and second.num_tensors == 1 and second.num_skipped == 5
+        assert second.num_bytes == 8 * 4 and same(model, engine)
+        unchanged = sync.push(model, version=3)
+        assert unchanged.num_tensors == 0 and engine.version == 3
+        engine.version = 0  # the engine restarted from its checkpoint
+        with torch.no_grad():
+            model[0].weight.mul_(2)
+        engine.weights = {k: torch.zeros_like(v) for k, v in engine.weights.items()}
+        again = sync.push(model, version=4)
+        assert again.num_tensors == 6, "a refused delta falls back to the whole model"
+    assert same(model, engine) and engine.version == 4
+
+
+def test_lora_transport_capability_is_checked_up_front() -> None:
+    with pytest.raises(ValueError, match=r"cannot take mode='lora' over transport='disk'; it supports \['http'\]"):
+        ws.WeightSync([engine_for(tiny())], transport="disk", mode="lora", disk_root="/tmp/x")
+
+
+def test_digest_of_report_matches_what_engine_holds() -> None:
+    model = tiny()
+    engine = engine_for(model)
+    with ws.WeightSync([engine], transport="http", bucket_bytes=1 << 20) as sync:
+        report = sync.push(model, version=5)
+    (ack,) = report.acks
+    assert ack.digests and all(len(d) == 16 for d in ack.digests)
+    assert digest(engine.weights["0.weight"]) == digest(model.state_dict()["0.weight"])
