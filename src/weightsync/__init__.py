@@ -20,9 +20,20 @@ from weightsync.errors import (
     SyncTimeoutError,
     WeightSyncError,
 )
+from weightsync.lora.export import export_lora_adapter
+from weightsync.probe import ProbeResult, probe_logprobs
 from weightsync.sources import WeightSource, named_weights
 from weightsync.sync import SyncConfig, WeightSync
-from weightsync.types import Ack, BucketMeta, Manifest, PausePolicy, StageSeconds, SyncReport, TensorEntry, TensorMeta
+from weightsync.types import (
+    Ack,
+    BucketMeta,
+    Manifest,
+    PausePolicy,
+    StageSeconds,
+    SyncReport,
+    TensorEntry,
+    TensorMeta,
+)
 
 __all__ = [
     "Ack",
@@ -35,6 +46,7 @@ __all__ = [
     "ManifestMismatchError",
     "NamingError",
     "PausePolicy",
+    "ProbeResult",
     "SGLangEngine",
     "StageSeconds",
     "SyncConfig",
@@ -45,8 +57,10 @@ __all__ = [
     "WeightSource",
     "WeightSync",
     "WeightSyncError",
+    "export_lora_adapter",
     "named_weights",
     "pack",
     "plan_buckets",
+    "probe_logprobs",
     "unpack",
 ]

@@ -4,7 +4,7 @@
 *args)` in `world_size` spawned processes that rendezvous through a
 `file://` store in pytest's tmp_path (no ports, no sleeps) and re-raises the
 first failure with the child's traceback. `fn` must be a module-level function
-(spawned children import it by name) and must call `init_gloo` itself.
+(spawned children import it by name) and must call `dist_util.init_gloo` itself.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_util import init_gloo
 
-
-def init_gloo(rank: int, world_size: int, init_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+__all__ = ["init_gloo"]  # kept for tests that import it from here; prefer dist_util
 
 
 def _child(rank: int, fn: Callable[..., Any], world_size: int, init_file: str, args: tuple, errors: Any) -> None:

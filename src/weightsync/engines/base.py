@@ -18,11 +18,28 @@ the plain `Link` and `Delivery` records of `weightsync.types`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest, PausePolicy
 
-__all__ = ["Delivery", "Engine", "Link", "PausePolicy"]
+__all__ = ["Completion", "Delivery", "Engine", "Link", "PausePolicy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    """One generated answer, as the engine reported it."""
+
+    output_ids: list[int]
+    """Generated token ids."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the engine's weights."""
+    weight_version: str
+    """The weight version the engine reported for this answer."""
+    finish_reason: str
+    """"length", "stop" or "abort"."""
+    text: str = ""
+    """Decoded text, where the engine has a tokenizer."""
 
 
 @runtime_checkable

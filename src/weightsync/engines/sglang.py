@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from weightsync.engines.base import Delivery, Link, PausePolicy
+from weightsync.engines.base import Completion, Delivery, Link, PausePolicy
 from weightsync.engines.http import JsonClient
 from weightsync.errors import EngineError
 from weightsync.integrity import byte_view
@@ -32,22 +31,6 @@ from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Completion:
-    """One generated answer, as the engine reported it."""
-
-    output_ids: list[int]
-    """Generated token ids."""
-    logprobs: list[float]
-    """Log-probability of each generated token under the engine's weights."""
-    weight_version: str
-    """The weight version the engine reported for this answer."""
-    finish_reason: str
-    """"length", "stop" or "abort"."""
-    text: str = ""
-    """Decoded text, where the engine has a tokenizer."""
 
 
 class SGLangEngine:

@@ -20,7 +20,9 @@ class ModuleSource:
     """The base weights of `model`, named by checkpoint name.
 
     For FSDP2 models `tensors()` gathers: every rank must call it with the
-    same names in the same order (see `sources.fsdp`).
+    same names in the same order (see `sources.fsdp`). Parameters are looked
+    up when read, not when the source is made: FSDP2 swaps a module's
+    parameters between sharded and unsharded tensors around forward passes.
     """
 
     mode = "full"
@@ -33,18 +35,24 @@ class ModuleSource:
         expected: Collection[str] | None = None,
     ) -> None:
         self.model = model
-        self._params = map_names(model, adapter_name=adapter_name, expected=expected).by_hf_name()
+        self._trainer_names = {
+            p.hf_name: p.trainer_name
+            for p in map_names(model, adapter_name=adapter_name, expected=expected).params
+        }
+
+    def _param(self, hf_name: str) -> torch.Tensor:
+        try:
+            return self.model.get_parameter(self._trainer_names[hf_name])
+        except KeyError:
+            raise KeyError(f"{hf_name!r} is not a weight of this model") from None
 
     def metas(self) -> list[TensorMeta]:
         return [
-            TensorMeta(hf_name=name, dtype=ref.param.dtype, shape=global_shape(ref.param))
-            for name, ref in self._params.items()
+            TensorMeta(hf_name=name, dtype=p.dtype, shape=global_shape(p))
+            for name in self._trainer_names
+            for p in [self._param(name)]
         ]
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self._params if hf_names is None else hf_names:
-            try:
-                param = self._params[name].param
-            except KeyError:
-                raise KeyError(f"{name!r} is not a weight of this model") from None
-            yield name, full_tensor(param)
+        for name in self._trainer_names if hf_names is None else hf_names:
+            yield name, full_tensor(self._param(name))

@@ -1,0 +1,149 @@
+"""The push contract, for every transport x {1, 2} engine replicas, against real
+`weightsync serve` processes: after a push every engine computes exactly what
+the trainer computes, digests match, and nothing else changes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from contract_helpers import load_trainer, next_version, perturb
+
+import weightsync as ws
+from weightsync.integrity import digest
+from weightsync.naming import map_names
+from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.sources import ModuleSource
+
+TRANSPORTS = ["http", "shm", "broadcast", "disk"]
+PROMPTS = [[5, 17, 42, 7], [300, 2, 99], [11, 12, 13, 14, 15, 16]]
+BUCKET_BYTES = 200 << 10  # several buckets for the ~1.7 MB tiny model
+LOGPROB_TOLERANCE = 1e-4  # float32, same CPU kernels family: differences are rounding
+
+
+def served_digests(engine: ws.SGLangEngine) -> dict[str, str]:
+    return engine.digests()
+
+
+def trainer_digests(model: torch.nn.Module) -> dict[str, str]:
+    return {p.hf_name: digest(p.param.detach().contiguous()) for p in map_names(model).params}
+
+
+def make_sync(engines: list[ws.SGLangEngine], transport: str, disk_root: Path, **kw: Any) -> ws.WeightSync:
+    return ws.WeightSync(engines, transport=transport, bucket_bytes=BUCKET_BYTES, disk_root=str(disk_root),
+                         timeout_s=30, **kw)
+
+
+def assert_engine_matches(model: torch.nn.Module, engine: ws.SGLangEngine, version: int) -> None:
+    result = ws.probe_logprobs(model, engine, PROMPTS, max_new_tokens=6)
+    assert result.token_agreement == 1.0, result
+    assert result.max_gap < LOGPROB_TOLERANCE, result
+    assert set(result.weight_versions) == {str(version)}
+    assert served_digests(engine) == trainer_digests(model)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_push_then_engines_compute_what_the_trainer_computes(
+    transport: str, replicas: int, engines: list[ServerProcess], tiny_model_dir: Path, disk_root: Path
+) -> None:
+    model = load_trainer(tiny_model_dir)
+    clients = [ws.SGLangEngine(s.url) for s in engines[:replicas]]
+    with make_sync(clients, transport, disk_root) as sync:
+        version = next_version()
+        perturb(model, seed=version)
+        report = sync.push(model, version=version)
+        assert report.verified and report.num_buckets > 1 and len(report.acks) == replicas
+        assert report.num_bytes == sum(p.numel() * 4 for p in model.parameters())
+        for client in clients:
+            assert_engine_matches(model, client, version)
+        before = [ws.probe_logprobs(model, c, PROMPTS) for c in clients]
+
+        again = next_version()
+        second = sync.push(model, version=again)  # unchanged weights
+        assert second.verified and [a.digests for a in second.acks] == [a.digests for a in report.acks]
+        for client, old in zip(clients, before, strict=True):
+            now = ws.probe_logprobs(model, client, PROMPTS)
+            assert now.max_gap == pytest.approx(old.max_gap, abs=1e-7)
+            assert set(now.weight_versions) == {str(again)}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_delta_sends_only_changed_tensors(
+    transport: str, engines: list[ServerProcess], tiny_model_dir: Path, disk_root: Path
+) -> None:
+    model = load_trainer(tiny_model_dir)
+    clients = [ws.SGLangEngine(s.url) for s in engines]
+    with make_sync(clients, transport, disk_root, mode="delta") as sync:
+        first = sync.push(model, version=next_version())
+        assert first.mode == "full"
+        perturb(model, seed=7, only="layers.1.mlp")
+        version = next_version()
+        delta = sync.push(model, version=version)
+        assert delta.mode == "delta" and delta.verified
+        changed = {n for n in trainer_digests(model) if "layers.1.mlp" in n}
+        assert delta.num_tensors == len(changed) == 3
+        assert {n for a in delta.acks for n in a.loaded_names} == changed
+        for client in clients:
+            assert_engine_matches(model, client, version)
+
+
+def test_mismatched_model_is_refused_before_any_byte_moves(
+    engines: list[ServerProcess], tiny_model_dir: Path, disk_root: Path
+) -> None:
+    client = ws.SGLangEngine(engines[0].url)
+    before = served_digests(client)
+    version_before = client.weight_version()
+    reshaped = load_trainer(tiny_model_dir)
+    with torch.no_grad():
+        reshaped.model.norm.weight = torch.nn.Parameter(torch.ones(129))
+    renamed = load_trainer(tiny_model_dir)
+    renamed.model.final_norm = renamed.model.norm
+    del renamed.model.norm
+    for bad, offender in ((reshaped, "model.norm.weight"), (renamed, "model.final_norm.weight")):
+        with make_sync([client], "http", disk_root) as sync, pytest.raises(ws.ManifestMismatchError) as info:
+            sync.push(bad, version=next_version())
+        assert offender in str(info.value)
+        assert served_digests(client) == before
+        assert client.weight_version() == version_before
+
+
+class _KillAfter:
+    """A weight source that kills the engine once `n` tensors have streamed."""
+
+    def __init__(self, model: torch.nn.Module, server: ServerProcess, n: int) -> None:
+        self.inner = ModuleSource(model)
+        self.mode = "full"
+        self.server = server
+        self.n = n
+
+    def metas(self) -> Any:
+        return self.inner.metas()
+
+    def tensors(self, hf_names: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.inner.tensors(hf_names)):
+            if i == self.n:
+                threading.Thread(target=self.server.kill, daemon=True).start()
+            yield item
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_engine_killed_mid_push_is_an_error_within_the_timeout(
+    transport: str, tiny_model_dir: Path, disk_root: Path
+) -> None:
+    timeout_s = 5.0
+    with launch_server(tiny_model_dir, args=["--disk-root", str(disk_root)]) as server:
+        client = ws.SGLangEngine(server.url, timeout_s=timeout_s)
+        model = load_trainer(tiny_model_dir)
+        with ws.WeightSync([client], transport=transport, bucket_bytes=16 << 10, disk_root=str(disk_root),
+                           timeout_s=timeout_s) as sync:
+            start = time.monotonic()
+            with pytest.raises(ws.WeightSyncError):
+                sync.push(_KillAfter(model, server, n=4), version=next_version())
+            elapsed = time.monotonic() - start
+    assert elapsed < timeout_s * 2 + 5, f"took {elapsed:.1f}s"
