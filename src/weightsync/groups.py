@@ -28,7 +28,7 @@ from torch.distributed.distributed_c10d import (
     rendezvous,
 )
 
-from weightsync.errors import SyncTimeoutError
+from weightsync.errors import SyncTimeoutError, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
         text = str(e)
         if "imeout" in text or "timed out" in text:
             raise SyncTimeoutError(f"{what} did not finish within {timeout_s:.1f}s: {text}") from e
-        raise
+        raise WeightSyncError(f"{what} failed (did a peer die or leave the group?): {text}") from e
     if ok is False:
         raise SyncTimeoutError(f"{what} did not finish within {timeout_s:.1f}s")
 

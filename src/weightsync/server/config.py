@@ -1,0 +1,45 @@
+"""Configuration of the embedded engine (`weightsync serve`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Everything `weightsync serve` is started with."""
+
+    model_dir: Path
+    """Hugging Face model directory (config, safetensors weights, tokenizer)."""
+    host: str = "127.0.0.1"
+    """Interface to bind."""
+    port: int = 0
+    """TCP port; 0 picks a free one (printed on the listening line)."""
+    admin_api_key: str | None = None
+    """When set, mutating routes need `Authorization: Bearer <key>`."""
+    enable_lora: bool = False
+    """Accept LoRA adapters and route requests by `lora_path`."""
+    max_loaded_loras: int = 4
+    """Adapters kept loaded; least recently used ones beyond this are evicted."""
+    disk_root: Path | None = None
+    """Disk updates and adapter directories must resolve under this root
+    (default: the model directory's parent)."""
+    weight_version: int = 0
+    """The version the engine starts at."""
+    session_timeout_s: float = 60.0
+    """An update session idle this long is discarded when another begins."""
+    max_running: int = 16
+    """Requests stepped together; more wait in the queue."""
+    max_json_bytes: int = 64 << 20
+    """Largest JSON request body."""
+    group_timeout_s: float = 120.0
+    """Timeout for joining a weight-update group and for each broadcast."""
+    unload_timeout_s: float = 300.0
+    """How long `/unload_lora_adapter` waits for requests still using the adapter."""
+    num_threads: int | None = None
+    """torch intra-op threads; None keeps torch's default."""
+
+    @property
+    def resolved_disk_root(self) -> Path:
+        return Path(self.disk_root) if self.disk_root is not None else Path(self.model_dir).resolve().parent

@@ -1,0 +1,160 @@
+"""HTTP plumbing shared by the routes: bounded bodies, JSON fields, the admin key,
+and the one place where exceptions become JSON answers.
+
+Every answer is `{"success": bool, "message": str, ...}`. Input mistakes are
+4xx naming the offender; only an exception nobody anticipated becomes a 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+from weightsync.errors import ManifestMismatchError, SyncTimeoutError, WeightSyncError
+from weightsync.server.errors import ConflictError
+
+log = logging.getLogger(__name__)
+
+
+class HTTPError(Exception):
+    """An answer with a status chosen by the route."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def answer(message: str = "", *, status: int = 200, success: bool = True, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=status)
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """Map an exception to its JSON answer."""
+    status, extra = _status_of(exc)
+    if status >= 500:
+        log.error("unhandled error: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    else:
+        log.info("refused (%d): %s", status, exc)
+        message = str(exc) or type(exc).__name__
+    return answer(message, status=status, success=False, **extra)
+
+
+def _status_of(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    if isinstance(exc, HTTPError):
+        return exc.status, {}
+    if isinstance(exc, ManifestMismatchError):
+        return 400, {"missing": list(exc.missing), "unexpected": list(exc.unexpected),
+                     "mismatched": list(exc.mismatched)}
+    if isinstance(exc, ConflictError):
+        return 409, {}
+    if isinstance(exc, SyncTimeoutError | TimeoutError):
+        return 504, {}
+    if isinstance(exc, PermissionError):
+        return 403, {}
+    if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError | ClientDisconnect):
+        return 400, {}
+    if isinstance(exc, WeightSyncError | ValueError | KeyError):
+        return 400, {}
+    return 500, {}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) past `limit` bytes without reading further."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise HTTPError(400, f"bad Content-Length {declared!r}") from None
+        if size > limit:
+            raise HTTPError(413, f"request body of {size} bytes exceeds the {limit}-byte limit")
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """A JSON object body (an empty body is `{}`), plus query parameters for GETs."""
+    body = await read_body(request, limit)
+    data: Any = {}
+    if body.strip():
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise HTTPError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    if request.method == "GET":
+        data = {**dict(request.query_params), **data}
+    return data
+
+
+def require_admin(request: Request, key: str | None) -> None:
+    """401 unless the request carries `Authorization: Bearer <key>` (when a key is set)."""
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise HTTPError(401, "this route needs the admin key: send 'Authorization: Bearer <admin key>'")
+
+
+def field_str(body: Mapping[str, Any], key: str, *, default: str | None = None, required: bool = False) -> str | None:
+    value = body.get(key, default)
+    if value is None:
+        if required:
+            raise HTTPError(400, f"missing required field {key!r}")
+        return None
+    if not isinstance(value, str):
+        raise HTTPError(400, f"field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def field_int(body: Mapping[str, Any], key: str, *, default: int | None = None, required: bool = False) -> int | None:
+    value = body.get(key, default)
+    if value is None:
+        if required:
+            raise HTTPError(400, f"missing required field {key!r}")
+        return None
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise HTTPError(400, f"field {key!r} must be an integer, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HTTPError(400, f"field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def field_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise HTTPError(400, f"field {key!r} must be a boolean, got {value!r}")
+    return value
+
+
+def weight_version_field(body: Mapping[str, Any], key: str = "weight_version") -> int | None:
+    """SGLang's `weight_version` string; on this server it must parse as an integer."""
+    value = body.get(key)
+    if value is None:
+        return None
+    try:
+        if not isinstance(value, str | int) or isinstance(value, bool):
+            raise ValueError
+        return int(value)
+    except ValueError:
+        raise HTTPError(400, f"{key} {value!r} is not an integer; this server's versions are integers") from None

@@ -1,0 +1,356 @@
+"""Weight-update routes: SGLang's contract and weightsync's `/weightsync/*` routes.
+
+Every route parses its body, turns the payload into checked tensors (ingest)
+and hands them to the updater, which stages them and commits atomically. See
+docs/PROTOCOL.md for the contract; blocking work (unpickling, digests,
+collectives, disk reads) runs in worker threads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from weightsync.bucketing import pack_one
+from weightsync.checkpoint import MANIFEST_FILE, confine
+from weightsync.groups import join_group
+from weightsync.server import ingest
+from weightsync.server.errors import ConflictError
+from weightsync.server.http import (
+    HTTPError,
+    answer,
+    field_bool,
+    field_int,
+    field_str,
+    read_body,
+    read_json,
+    require_admin,
+    weight_version_field,
+)
+from weightsync.server.scheduler import PAUSE_MODES
+from weightsync.server.state import JoinedGroup, ServerState
+from weightsync.server.updates import StageResult
+from weightsync.shmem import SharedSlots
+from weightsync.types import Manifest, TensorEntry
+from weightsync.wire import MAX_HEADER_BYTES, decode_frame
+
+FRAME_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    _add_generation_control(app, state)
+    _add_sglang_updates(app, state)
+    _add_group_routes(app, state)
+    _add_weightsync_routes(app, state)
+
+
+async def _admin_json(request: Request, state: ServerState) -> dict[str, Any]:
+    require_admin(request, state.config.admin_api_key)
+    return await read_json(request, state.config.max_json_bytes)
+
+
+def _staged_answer(result: StageResult, **extra: Any) -> JSONResponse:
+    if result.ack is not None:
+        extra["ack"] = result.ack
+    return answer(result.message, num_paused_requests=0, **extra)
+
+
+def _maybe_abort_all(state: ServerState, body: dict[str, Any], default: bool = False) -> None:
+    if field_bool(body, "abort_all_requests", default):
+        state.scheduler.abort_all("aborted for a weight update (abort_all_requests)")
+
+
+def confined_dir(path: str, root: Path) -> Path:
+    """`path` resolved under `root`, with every entry inside it too (no symlink escapes)."""
+    real = confine(path, root)
+    if not real.is_dir():
+        raise FileNotFoundError(f"{path!r} is not a directory")
+    for entry in real.iterdir():
+        confine(entry, root)
+    return real
+
+
+def _add_generation_control(app: FastAPI, state: ServerState) -> None:
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        mode = field_str(body, "mode", default="abort")
+        if mode not in PAUSE_MODES:
+            raise HTTPError(400, f"unknown pause mode {mode!r}; one of {list(PAUSE_MODES)}")
+        affected = await run_in_threadpool(state.scheduler.pause, mode)
+        return answer(f"generation paused ({mode}); {affected} request(s) affected", num_paused_requests=affected)
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> JSONResponse:
+        await _admin_json(request, state)
+        state.scheduler.resume()
+        return answer("generation continued")
+
+
+def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
+    updater = state.updater
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        await _admin_json(request, state)
+        return answer(await run_in_threadpool(updater.begin_sglang))
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request) -> JSONResponse:
+        await _admin_json(request, state)
+        return _staged_answer(await run_in_threadpool(updater.end_sglang))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        model_path = field_str(body, "model_path", required=True)
+        assert model_path is not None
+        version = weight_version_field(body)
+
+        def work() -> StageResult:
+            directory = confined_dir(model_path, state.config.resolved_disk_root)
+            _maybe_abort_all(state, body)
+            if (directory / MANIFEST_FILE).is_file():
+                return updater.apply_version_dir(directory, weight_version=version)
+            return updater.stage_named(ingest.read_hf_checkpoint(directory), weight_version=version, full=True)
+
+        return _staged_answer(await run_in_threadpool(work))
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        version = weight_version_field(body)
+        load_format = field_str(body, "load_format")
+
+        def work() -> StageResult:
+            named = ingest.decode_serialized(body.get("serialized_named_tensors"), load_format)
+            _maybe_abort_all(state, body)
+            return updater.stage_named(named, weight_version=version)
+
+        return _staged_answer(await run_in_threadpool(work))
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        version = weight_version_field(body, "new_version")
+        if version is None:
+            raise HTTPError(400, "missing required field 'new_version'")
+        _maybe_abort_all(state, body, default=True)
+        await run_in_threadpool(updater.set_version, version)
+        return answer(f"weight version set to {version}")
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        body = await read_json(request, state.config.max_json_bytes)
+        name = field_str(body, "name", required=True)
+        assert name is not None
+        truncate = field_int(body, "truncate_size", default=100)
+        values, digest_hex = await run_in_threadpool(updater.weights_by_name, name, truncate or 0)
+        # SGLang answers with the bare list; the digest of the whole tensor rides in a header.
+        return JSONResponse(values, headers={"X-Weightsync-Digest": digest_hex})
+
+
+def _add_group_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        address = field_str(body, "master_address", required=True)
+        port = field_int(body, "master_port", required=True)
+        world_size = field_int(body, "world_size", required=True)
+        rank_offset = field_int(body, "rank_offset", default=1)
+        group_name = field_str(body, "group_name", default="weight_update_group")
+        backend = field_str(body, "backend", default="nccl")
+        assert address and port is not None and world_size is not None and rank_offset is not None and group_name
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise HTTPError(400, "backend 'nccl' needs CUDA and this engine runs on CPU; use backend 'gloo'")
+        if backend not in ("gloo", "nccl"):
+            raise HTTPError(400, f"unknown backend {backend!r}; use 'gloo' (CPU) or 'nccl'")
+        with state.groups_lock:
+            if group_name in state.groups:
+                raise ConflictError(f"group {group_name!r} already exists; destroy it first")
+        group = await run_in_threadpool(
+            lambda: join_group(master_address=address, master_port=port, rank=rank_offset, world_size=world_size,
+                               group_name=group_name, backend=backend, timeout_s=state.config.group_timeout_s))
+        with state.groups_lock:
+            state.groups[group_name] = JoinedGroup(group)
+        return answer(f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size}")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        group_name = field_str(body, "group_name", default="weight_update_group")
+        with state.groups_lock:
+            joined = state.groups.pop(str(group_name), None)
+        if joined is None:
+            raise HTTPError(400, f"no weight update group named {group_name!r}")
+        await run_in_threadpool(joined.group.destroy)
+        return answer(f"destroyed weight update group {group_name!r}")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        group_name = field_str(body, "group_name", default="weight_update_group")
+        with state.groups_lock:
+            joined = state.groups.get(str(group_name))
+        if joined is None:
+            raise HTTPError(400, f"no weight update group named {group_name!r}; call /init_weights_update_group")
+        load_format = field_str(body, "load_format")
+        if load_format not in (None, "flattened_bucket"):
+            raise HTTPError(400, f"unknown load_format {load_format!r}; use null or 'flattened_bucket'")
+        entries = ingest.parse_broadcast_spec(body.get("names"), body.get("dtypes"), body.get("shapes"))
+        result = await run_in_threadpool(_receive_distributed, state, joined, entries, body, load_format)
+        return _staged_answer(result)
+
+
+def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[TensorEntry],
+                         body: dict[str, Any], load_format: str | None) -> StageResult:
+    with joined.lock:
+        named, buffer = ingest.receive_broadcast(joined.group, entries, flattened=load_format == "flattened_bucket",
+                                                 timeout_s=state.config.group_timeout_s)
+    _maybe_abort_all(state, body)
+    bucket_index = field_int(body, "weightsync_bucket")
+    if bucket_index is None:
+        return state.updater.stage_named(named, weight_version=weight_version_field(body))
+    version = field_int(body, "weightsync_version", required=True)
+    assert version is not None
+    packed = buffer if buffer is not None else _pack_listed(state, version, bucket_index, named)
+    digest_hex = state.updater.stage_bucket(version=version, index=bucket_index, buffer=packed,
+                                            digest_hex=field_str(body, "weightsync_digest"))
+    return StageResult(f"bucket {bucket_index} of v{version} staged (digest {digest_hex})")
+
+
+def _pack_listed(state: ServerState, version: int, index: int, named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Tensors received one broadcast each, packed into their bucket's layout."""
+    session = state.updater.session
+    if session is None or session.manifest is None or session.version != version:
+        raise ConflictError(f"no weightsync session v{version} is open for bucket {index}")
+    buckets = session.manifest.buckets
+    if not 0 <= index < len(buckets):
+        raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
+    bucket = buckets[index]
+    if [n for n, _ in named] != list(bucket.hf_names):
+        raise ValueError(f"bucket {index}: names listed differ from the manifest's bucket (same names, same order)")
+    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+    for entry, (_, tensor) in zip(bucket.entries, named, strict=True):
+        pack_one(buffer, entry, tensor)
+    return buffer
+
+
+def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
+    updater = state.updater
+
+    @app.get("/weightsync/info")
+    async def info() -> dict[str, Any]:
+        lora_enabled = state.lora_store is not None
+        return {
+            "success": True,
+            "message": "",
+            "weightsync": 1,
+            "weight_version": updater.version,
+            "dirty": False,
+            "transports": ["disk", "http", "broadcast", "shm"],
+            "lora_transports": ["disk", "http", "broadcast", "shm"] if lora_enabled else [],
+            "loaded_loras": state.lora_store.names() if state.lora_store is not None else [],
+            "paused": state.scheduler.paused,
+            "running_requests": state.scheduler.num_running,
+            "waiting_requests": state.scheduler.num_waiting,
+            "session": _session_info(state),
+            "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
+                       for n, m in updater.metas.items()},
+        }
+
+    @app.post("/weightsync/digests")
+    async def digests(request: Request) -> JSONResponse:
+        body = await read_json(request, state.config.max_json_bytes)
+        names = body.get("names")
+        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+            raise HTTPError(400, "'names' must be a list of weight names or null")
+        version, result = await run_in_threadpool(updater.digests, names)
+        return answer("", weight_version=version, digests=result)
+
+    @app.post("/weightsync/begin")
+    async def begin(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        manifest = Manifest.from_dict(body.get("manifest"))  # type: ignore[arg-type]
+        await run_in_threadpool(updater.begin, manifest)
+        return answer(f"update v{manifest.version} begun ({len(manifest.buckets)} bucket(s))")
+
+    @app.post("/weightsync/bucket")
+    async def bucket(request: Request) -> JSONResponse:
+        require_admin(request, state.config.admin_api_key)
+        session = updater.session
+        if session is None or session.manifest is None:
+            raise ConflictError("no weightsync update session is open; call /weightsync/begin")
+        largest = max((b.nbytes for b in session.manifest.buckets), default=0)
+        frame = await read_body(request, largest + FRAME_OVERHEAD_BYTES)
+
+        def work() -> str:
+            header, payload = decode_frame(frame)
+            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) \
+                else torch.empty(0, dtype=torch.uint8)
+            return updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
+                                        digest_hex=header.digest)
+
+        digest_hex = await run_in_threadpool(work)
+        return answer("bucket staged", digest=digest_hex)
+
+    @app.post("/weightsync/shm_bucket")
+    async def shm_bucket(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        digest_hex = await run_in_threadpool(_stage_from_shm, state, body)
+        return answer("bucket staged", digest=digest_hex)
+
+    @app.post("/weightsync/commit")
+    async def commit(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        version = field_int(body, "version", required=True)
+        assert version is not None
+        ack = await run_in_threadpool(updater.commit, version)
+        return answer(f"v{version} committed", ack=ack)
+
+    @app.post("/weightsync/abort")
+    async def abort(request: Request) -> JSONResponse:
+        body = await _admin_json(request, state)
+        version = field_int(body, "version")
+        dropped = updater.abort(version)
+        return answer(f"update v{version} aborted" if dropped else "nothing to abort", aborted=dropped)
+
+
+def _stage_from_shm(state: ServerState, body: dict[str, Any]) -> str:
+    version = field_int(body, "version", required=True)
+    index = field_int(body, "index", required=True)
+    slot = field_int(body, "slot", required=True)
+    slot_bytes = field_int(body, "slot_bytes", required=True)
+    num_slots = field_int(body, "num_slots", required=True)
+    shm_name = field_str(body, "shm_name", required=True)
+    assert version is not None and index is not None and slot is not None and shm_name is not None
+    assert slot_bytes is not None and num_slots is not None
+    if slot_bytes <= 0 or num_slots <= 0:
+        raise ValueError("slot_bytes and num_slots must be positive")
+    session = state.updater.session
+    if session is None or session.manifest is None or session.version != version:
+        raise ConflictError(f"no weightsync session v{version} is open")
+    buckets = session.manifest.buckets
+    if not 0 <= index < len(buckets):
+        raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
+    slots = SharedSlots.open(shm_name, slot_bytes=slot_bytes, num_slots=num_slots)
+    try:
+        buffer = slots.slot(slot, buckets[index].nbytes).clone()
+    finally:
+        slots.close()
+    return state.updater.stage_bucket(version=version, index=index, buffer=buffer,
+                                      digest_hex=field_str(body, "digest"))
+
+
+def _session_info(state: ServerState) -> dict[str, Any] | None:
+    session = state.updater.session
+    if session is None:
+        return None
+    return {"kind": session.kind, "version": session.version,
+            "mode": session.manifest.mode if session.manifest is not None else None,
+            "buckets_received": sorted(session.bucket_digests)}

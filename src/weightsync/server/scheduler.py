@@ -1,0 +1,217 @@
+"""The step loop: a background thread that advances running requests one token per step.
+
+Requests wait in a queue, join the running set (up to `max_running`) between
+steps, and leave it when they finish. Every step runs under `step_lock`.
+Whoever must act between two steps (a weight commit, a pause, a digest read)
+enters `between_steps()`: the loop finishes the step in flight and starts no
+new one until they are done, so a forward pass always sees one weight version
+and nobody waits on the loop for more than one step.
+
+Pause modes (SGLang's `/pause_generation`), applied between steps:
+- abort: every running and waiting request finishes with finish_reason abort;
+- retract: requests keep their generated tokens but drop their KV caches,
+  which are recomputed from prompt + generated tokens after resume;
+- in_place: requests keep tokens and KV caches; stepping just stops.
+While paused, new requests queue up and wait for `/continue_generation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from weightsync.server.requests import GenRequest, abort_reason
+from weightsync.server.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class Scheduler:
+    """Owns the request queues and the step thread."""
+
+    def __init__(self, runner: ModelRunner, *, max_running: int, version: Callable[[], int],
+                 release_adapter: Callable[[Any], None] | None = None) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be at least 1, got {max_running}")
+        self.runner = runner
+        self.max_running = max_running
+        self._version = version
+        self._release_adapter = release_adapter
+        self.step_lock = threading.RLock()
+        """Held for every step; use `between_steps()` rather than taking it directly."""
+        self._cond = threading.Condition()
+        self._interrupts = 0
+        self._waiting: deque[GenRequest] = deque()
+        self._running: list[GenRequest] = []
+        self._paused: str | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="weightsync-scheduler", daemon=True)
+        self.num_steps = 0
+
+    # -- acting between steps ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def between_steps(self) -> Iterator[None]:
+        """Hold the loop between two steps for the duration of the block."""
+        with self._cond:
+            self._interrupts += 1
+        try:
+            with self.step_lock:
+                yield
+        finally:
+            with self._cond:
+                self._interrupts -= 1
+                self._cond.notify_all()
+
+    @property
+    def interrupts_pending(self) -> int:
+        """Threads waiting for (or holding) the gap between two steps."""
+        return self._interrupts
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        self.abort_all("server shutting down")
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request; it runs when there is room and generation is not paused."""
+        with self._cond:
+            if self._stopping:
+                self._finish(req, abort_reason("server shutting down"))
+                return
+            self._waiting.append(req)
+            self._cond.notify_all()
+
+    def cancel(self, req: GenRequest, message: str) -> None:
+        """Abort one request (its client went away)."""
+        with self.between_steps(), self._cond:
+            if req in self._waiting:
+                self._waiting.remove(req)
+            if req in self._running:
+                self._running.remove(req)
+            self._finish(req, abort_reason(message))
+
+    def abort_all(self, message: str) -> int:
+        """Finish every running and waiting request with finish_reason abort; returns how many."""
+        with self.between_steps(), self._cond:
+            victims = list(self._running) + list(self._waiting)
+            self._running.clear()
+            self._waiting.clear()
+            for req in victims:
+                self._finish(req, abort_reason(message))
+            return len(victims)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def is_idle(self) -> bool:
+        with self._cond:
+            return not self._running and not self._waiting
+
+    # -- pausing -----------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force, or None while generating."""
+        return self._paused
+
+    def pause(self, mode: str) -> int:
+        """Stop stepping (returns once no step is in flight) and apply `mode`; returns the
+        number of requests affected."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; one of {list(PAUSE_MODES)}")
+        with self.between_steps(), self._cond:
+            self._paused = mode
+            if mode == "abort":
+                victims = list(self._running) + list(self._waiting)
+                self._running.clear()
+                self._waiting.clear()
+                for req in victims:
+                    self._finish(req, abort_reason("generation paused with mode 'abort'"))
+                return len(victims)
+            if mode == "retract":
+                for req in self._running:
+                    req.cache = None
+            return len(self._running)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = None
+            self._cond.notify_all()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._has_work)
+                if self._stopping:
+                    return
+            with self.step_lock:
+                batch = self._admit()
+                if not batch:
+                    continue
+                self._step(batch)
+
+    def _has_work(self) -> bool:
+        return self._stopping or (self._paused is None and self._interrupts == 0
+                                  and bool(self._running or self._waiting))
+
+    def _admit(self) -> list[GenRequest]:
+        """Move waiting requests into the running set; the batch for this step (empty if
+        paused or someone waits to act between steps)."""
+        with self._cond:
+            if self._paused is not None or self._stopping or self._interrupts:
+                return []
+            while self._waiting and len(self._running) < self.max_running:
+                self._running.append(self._waiting.popleft())
+            return list(self._running)
+
+    def _step(self, batch: list[GenRequest]) -> None:
+        version = self._version()
+        try:
+            outcomes = self.runner.step(batch, version=version)
+        except Exception as e:
+            # The step thread must survive anything a forward pass raises: fail the
+            # requests of this step and keep serving the others.
+            log.exception("generation step failed")
+            with self._cond:
+                for req in batch:
+                    if req in self._running:
+                        self._running.remove(req)
+                    self._finish(req, abort_reason(f"internal error in generation step: {type(e).__name__}: {e}"))
+            return
+        self.num_steps += 1
+        with self._cond:
+            for outcome in outcomes:
+                if outcome.finish_reason is not None:
+                    self._running.remove(outcome.request)
+                    self._finish(outcome.request, outcome.finish_reason)
+            self._cond.notify_all()
+
+    def _finish(self, req: GenRequest, reason: dict[str, Any]) -> None:
+        if req.finished:
+            return
+        req.finish(reason, self.runner.decode)
+        if req.adapter is not None and self._release_adapter is not None:
+            self._release_adapter(req.adapter)

@@ -1,0 +1,67 @@
+"""Everything the routes share, built once at startup: model runner, scheduler,
+weight updater, LoRA store and the weight-update groups this engine joined.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from weightsync.groups import UpdateGroup
+from weightsync.server.config import ServerConfig
+from weightsync.server.lora import LoraStore
+from weightsync.server.runner import ModelRunner
+from weightsync.server.scheduler import Scheduler
+from weightsync.server.updates import WeightUpdater
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class JoinedGroup:
+    """A weight-update group and the lock that keeps its broadcasts in order."""
+
+    group: UpdateGroup
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(eq=False)
+class ServerState:
+    config: ServerConfig
+    runner: ModelRunner
+    scheduler: Scheduler
+    updater: WeightUpdater
+    lora_store: LoraStore | None
+    groups: dict[str, JoinedGroup] = field(default_factory=dict)
+    groups_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def build(cls, config: ServerConfig) -> ServerState:
+        """Load the model and start the step thread."""
+        if config.num_threads is not None:
+            import torch
+
+            torch.set_num_threads(config.num_threads)
+        runner = ModelRunner(config.model_dir)
+        lora_store = LoraStore(runner.model, max_loaded=config.max_loaded_loras) if config.enable_lora else None
+        runner.lora = lora_store
+        updater_box: list[WeightUpdater] = []
+        scheduler = Scheduler(
+            runner,
+            max_running=config.max_running,
+            version=lambda: updater_box[0].version,
+            release_adapter=lora_store.release if lora_store is not None else None,
+        )
+        updater = WeightUpdater(runner.model, version=config.weight_version, between_steps=scheduler.between_steps,
+                                session_timeout_s=config.session_timeout_s, lora_store=lora_store)
+        updater_box.append(updater)
+        scheduler.start()
+        return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store)
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        with self.groups_lock:
+            for joined in self.groups.values():
+                joined.group.destroy()
+            self.groups.clear()

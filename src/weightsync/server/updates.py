@@ -1,0 +1,402 @@
+"""Staged weight updates: sessions, versions, atomic commits and digests.
+
+Every update route ends here. Received tensors are checked (names, shapes,
+dtypes, bucket digests) and COPIED into staging; the served parameters change
+only in a commit, which copies the staged tensors in between two generation
+steps. So every forward pass uses exactly one version, and an update that
+fails, is aborted or never completes leaves the served weights bit-identical.
+
+At most one session is open:
+- "weightsync": opened by `/weightsync/begin` with a manifest; buckets arrive
+  by index (HTTP frame, shared memory, broadcast with weightsync keys, a disk
+  version directory) or as named tensors; `/weightsync/commit` applies them.
+- "sglang": opened by `/begin_weight_update`; SGLang-shaped routes stage named
+  tensors into it; `/end_weight_update` applies them.
+With no session open, an SGLang-shaped update is staged and applied within
+its own call. Versions are integers and must strictly increase.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from weightsync.bucketing import entry_view, pack_one
+from weightsync.checkpoint import read_version
+from weightsync.errors import IntegrityError, ManifestMismatchError, format_names
+from weightsync.integrity import BucketHasher, check_bucket, check_manifest_fits, digest
+from weightsync.naming import map_names
+from weightsync.server import lora
+from weightsync.server.errors import ConflictError, NotFoundError
+from weightsync.types import Manifest, TensorMeta
+
+log = logging.getLogger(__name__)
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class Session:
+    """An open update: what was staged so far."""
+
+    kind: str
+    """"weightsync" or "sglang"."""
+    version: int | None
+    """The version the commit produces (sglang sessions: set by the first weight_version)."""
+    manifest: Manifest | None = None
+    """The manifest given at /weightsync/begin."""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """name -> staged copy (views of owned bucket buffers, or clones)."""
+    bucket_digests: dict[int, str] = field(default_factory=dict)
+    """Digests computed on receipt of whole buckets."""
+    touched: float = field(default_factory=time.monotonic)
+
+    def expected(self) -> dict[str, TensorMeta]:
+        assert self.manifest is not None
+        return {e.hf_name: e.meta for e in self.manifest.entries()}
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a SGLang-shaped update call did."""
+
+    message: str
+    ack: dict[str, Any] | None = None
+    """Set when the call committed (no session was open)."""
+
+
+class WeightUpdater:
+    """The served weights, their version and the one open update session."""
+
+    def __init__(self, model: nn.Module, *, version: int, between_steps: Callable[[], ContextManager[None]],
+                 session_timeout_s: float, lora_store: lora.LoraStore | None = None) -> None:
+        self.model = model
+        self.params: dict[str, torch.Tensor] = {p.hf_name: p.param for p in map_names(model).params}
+        self.metas: dict[str, TensorMeta] = {n: TensorMeta.of(n, p) for n, p in self.params.items()}
+        self.version = version
+        """The served version; written only between two steps, read lock-free."""
+        self.between_steps = between_steps
+        """Context manager holding generation between two steps (the scheduler's)."""
+        self.session_timeout_s = session_timeout_s
+        self.lora_store = lora_store
+        self._lock = threading.RLock()
+        self._session: Session | None = None
+
+    # -- served weights ----------------------------------------------------------------------
+
+    def digests(self, names: Iterable[str] | None = None) -> tuple[int, dict[str, str]]:
+        """(version, hf_name -> xxh3 digest) of the served weights, read between two steps."""
+        names = list(self.params) if names is None else list(names)
+        unknown = [n for n in names if n not in self.params]
+        if unknown:
+            raise NotFoundError(f"unknown weight name(s): {format_names(unknown)}")
+        with self.between_steps():
+            return self.version, {n: digest(self.params[n].detach()) for n in names}
+
+    def weights_by_name(self, name: str, truncate_size: int) -> tuple[list[Any], str]:
+        """SGLang's `get_weights_by_name`: `tensor.tolist()[:truncate_size]` in float32, and the digest."""
+        param = self.params.get(name)
+        if param is None and name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
+            param = self.params.get("model.embed_tokens.weight")
+        if param is None:
+            raise NotFoundError(f"unknown weight name {name!r}; see /weightsync/info for the served names")
+        with self.between_steps():
+            values = param.detach().to(torch.float32).tolist()
+            return (values[:truncate_size] if isinstance(values, list) else values), digest(param.detach())
+
+    def set_version(self, version: int) -> None:
+        """`/update_weight_version`: a new label for the same weights."""
+        with self._lock:
+            self._check_newer(version)
+            with self.between_steps():
+                self.version = version
+
+    # -- weightsync sessions -----------------------------------------------------------------
+
+    @property
+    def session(self) -> Session | None:
+        return self._session
+
+    def begin(self, manifest: Manifest) -> None:
+        """Dry-run check of `manifest` against the served model, then open a session."""
+        with self._lock:
+            self._expire_idle()
+            if self._session is not None:
+                if self._session.kind == "sglang" and not self._session.tensors:
+                    self._session = None  # an empty SGLang session gives way
+                else:
+                    raise ConflictError(
+                        f"an update session ({self._session.kind}, v{self._session.version}) is open; "
+                        f"abort it or wait {self.session_timeout_s:.0f}s for it to expire"
+                    )
+            self._check_newer(manifest.version, adapter=manifest.mode == "lora")
+            self._check_manifest(manifest)
+            self._session = Session(kind="weightsync", version=manifest.version, manifest=manifest)
+            log.info("update v%d (%s, %d buckets) begun", manifest.version, manifest.mode, len(manifest.buckets))
+
+    def _check_manifest(self, manifest: Manifest) -> None:
+        if manifest.mode == "lora":
+            if self.lora_store is None:
+                raise ConflictError("this server was started without --enable-lora; it cannot take a lora update")
+            if manifest.lora_config is None:
+                raise ValueError("a lora manifest needs lora_config (the adapter_config.json contents)")
+            assert manifest.lora_name is not None
+            if self.lora_store.is_loaded(manifest.lora_name):
+                raise ConflictError(f"LoRA adapter {manifest.lora_name!r} is already loaded; unload it first")
+            config = lora.parse_config(manifest.lora_config)
+            sent = {e.hf_name: e.meta for e in manifest.entries()}
+            lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
+            return
+        if manifest.mode == "delta" and manifest.base_version != self.version:
+            raise ConflictError(
+                f"delta update v{manifest.version} applies on top of v{manifest.base_version}, "
+                f"but this server serves v{self.version}; send a full update"
+            )
+        check_manifest_fits(manifest, self.metas, partial=manifest.mode == "delta")
+
+    def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None) -> str:
+        """Verify one packed bucket and stage it. Takes ownership of `buffer` (a copy the
+        caller made). Returns the digest computed here."""
+        session = self._require_weightsync(version)
+        assert session.manifest is not None
+        buckets = session.manifest.buckets
+        if not 0 <= index < len(buckets):
+            raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
+        bucket = buckets[index]
+        got = check_bucket(bucket, buffer)
+        if digest_hex is not None and got != digest_hex:
+            raise IntegrityError(f"bucket {index}: digest {got} != sent {digest_hex} "
+                                 f"(first tensor {bucket.hf_names[0] if bucket.entries else '-'!r}); "
+                                 "bytes were corrupted in transit")
+        with self._lock:
+            if self._session is not session:
+                raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
+            for entry in bucket.entries:
+                session.tensors[entry.hf_name] = entry_view(buffer, entry)
+            session.bucket_digests[index] = got
+            session.touched = time.monotonic()
+        return got
+
+    def commit(self, version: int) -> dict[str, Any]:
+        """Apply the open weightsync session; returns the ack."""
+        with self._lock:
+            session = self._require_weightsync(version)
+            manifest = session.manifest
+            assert manifest is not None
+            missing = [n for n in manifest.hf_names if n not in session.tensors]
+            if missing:
+                raise ValueError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
+                                 f"{format_names(missing)}")
+            self._check_newer(version, adapter=manifest.mode == "lora")
+            digests = [session.bucket_digests.get(b.index) or _digest_staged(b.hf_names, session.tensors)
+                       for b in manifest.buckets]
+            if manifest.mode == "lora":
+                self._install_adapter(manifest, session.tensors, version)
+            else:
+                self._swap(session.tensors, version)
+            self._session = None
+            return {"version": version, "digests": digests, "loaded_names": sorted(manifest.hf_names)}
+
+    def _install_adapter(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        assert self.lora_store is not None and manifest.lora_name is not None and manifest.lora_config is not None
+        adapter = lora.build_adapter(self.model, manifest.lora_name, manifest.lora_config, tensors)
+        self.lora_store.add(adapter)
+        with self.between_steps():
+            self.version = version
+        log.info("LoRA adapter %s loaded as v%d", manifest.lora_name, version)
+
+    def abort(self, version: int | None) -> bool:
+        """Drop the open session (if `version` matches or is None); True if one was dropped."""
+        with self._lock:
+            if self._session is None or (version is not None and self._session.version != version):
+                return False
+            log.info("update v%s (%s) aborted; served weights unchanged", self._session.version, self._session.kind)
+            self._session = None
+            return True
+
+    # -- SGLang-shaped updates ---------------------------------------------------------------
+
+    def begin_sglang(self) -> str:
+        with self._lock:
+            self._expire_idle()
+            if self._session is None:
+                self._session = Session(kind="sglang", version=None)
+                return "weight update session opened"
+            return f"a {self._session.kind} session is already open; updates stage into it"
+
+    def end_sglang(self) -> StageResult:
+        with self._lock:
+            session = self._session
+            if session is None:
+                return StageResult("no open weight update session")
+            if session.kind == "weightsync":
+                return StageResult(f"weightsync session v{session.version} is open; /weightsync/commit applies it")
+            self._session = None
+            if not session.tensors:
+                return StageResult("weight update session closed; nothing was staged")
+            version = session.version if session.version is not None else self.version + 1
+            self._check_newer(version)
+            self._swap(session.tensors, version)
+            return StageResult(f"applied {len(session.tensors)} tensor(s) as v{version}",
+                               ack={"version": version, "digests": [], "loaded_names": sorted(session.tensors)})
+
+    def stage_named(self, named: NamedTensors, *, weight_version: int | None, full: bool = False) -> StageResult:
+        """Check and stage named tensors from an SGLang-shaped route (see the module docstring)."""
+        with self._lock:
+            self._expire_idle()
+            session = self._session
+            if session is not None and session.kind == "weightsync":
+                if weight_version is not None and weight_version != session.version:
+                    raise ConflictError(f"weight_version {weight_version} != open weightsync session v{session.version}")
+                _check_against(named, session.expected(), what=f"update v{session.version}")
+                session.tensors.update(_copies(named))
+                session.touched = time.monotonic()
+                return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{session.version}")
+            _check_against(named, self.metas, what="the served model", full=full)
+            if session is not None:
+                if weight_version is not None:
+                    if session.version is not None and weight_version != session.version:
+                        raise ConflictError(f"weight_version {weight_version} != v{session.version} of this session")
+                    self._check_newer(weight_version)
+                    session.version = weight_version
+                session.tensors.update(_copies(named))
+                session.touched = time.monotonic()
+                return StageResult(f"staged {len(named)} tensor(s); /end_weight_update applies them")
+            version = weight_version if weight_version is not None else self.version + 1
+            self._check_newer(version)
+            self._swap(_copies(named), version)
+            names = sorted(n for n, _ in named)
+            return StageResult(f"applied {len(named)} tensor(s) as v{version}",
+                               ack={"version": version, "digests": [], "loaded_names": names})
+
+    def apply_version_dir(self, directory: Path, *, weight_version: int | None) -> StageResult:
+        """A disk version directory (manifest.json + bucket files), every bucket verified,
+        applied as one update: into the open weightsync session of the same version
+        (which this commits), else through a session of its own.
+        """
+        manifest, buckets = read_version(directory)
+        if weight_version is not None and weight_version != manifest.version:
+            raise ValueError(f"weight_version {weight_version} != version {manifest.version} in {directory}/manifest.json")
+        session = self._session
+        if session is not None and session.kind == "weightsync":
+            assert session.manifest is not None
+            if session.version != manifest.version:
+                raise ConflictError(f"{directory} holds v{manifest.version}, the open session is v{session.version}")
+            if manifest.without_digests().buckets != session.manifest.without_digests().buckets:
+                raise ValueError(f"{directory}/manifest.json differs from the manifest given at begin")
+        else:
+            self.begin(manifest)
+        try:
+            for bucket, buffer in buckets:
+                self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
+                                  digest_hex=bucket.digest)
+            ack = self.commit(manifest.version)
+        except BaseException:
+            self.abort(manifest.version)
+            raise
+        return StageResult(f"applied {directory.name} as v{manifest.version}", ack=ack)
+
+    def stage_as_buckets(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+        """Pack named tensors into the open weightsync session's bucket layout and stage
+        every bucket (checked against the manifest's digests where it has them)."""
+        session = self._session
+        if session is None or session.manifest is None:
+            raise ConflictError("no weightsync update session is open")
+        manifest = session.manifest
+        _check_against(list(tensors.items()), session.expected(), what=f"update v{manifest.version}", full=True)
+        digests = []
+        for bucket in manifest.buckets:
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            for entry in bucket.entries:
+                pack_one(buffer, entry, tensors[entry.hf_name])
+            digests.append(self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
+                                             digest_hex=None))
+        return digests
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _swap(self, staged: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy staged tensors into the served parameters between two steps; bump the version."""
+        for name, tensor in staged.items():
+            param = self.params[name]
+            assert tensor.shape == param.shape and tensor.dtype == param.dtype, f"unchecked tensor {name}"
+        with self.between_steps(), torch.no_grad():
+            for name, tensor in staged.items():
+                self.params[name].copy_(tensor)
+            self.version = version
+        log.info("v%d committed (%d tensor(s))", version, len(staged))
+
+    def _check_newer(self, version: int, *, adapter: bool = False) -> None:
+        """Versions never go backwards. Base weights need a strictly newer version;
+        an adapter may carry the version of the base weights it was trained on
+        (a first LoRA push syncs the base and then the adapter as the same step)."""
+        if version < self.version or (version == self.version and not adapter):
+            raise ConflictError(f"version {version} is not newer than the served v{self.version}; versions must increase")
+
+    def _require_weightsync(self, version: int) -> Session:
+        session = self._session
+        if session is None or session.kind != "weightsync":
+            raise ConflictError(f"no weightsync update session is open (asked for v{version}); call /weightsync/begin")
+        if session.version != version:
+            raise ConflictError(f"the open update session is v{session.version}, not v{version}")
+        return session
+
+    def _expire_idle(self) -> None:
+        session = self._session
+        if session is not None and time.monotonic() - session.touched > self.session_timeout_s:
+            log.warning("discarding update session v%s idle for more than %.0fs", session.version,
+                        self.session_timeout_s)
+            self._session = None
+
+
+def _check_against(named: NamedTensors, expected: Mapping[str, TensorMeta], *, what: str, full: bool = False) -> None:
+    """Names known, shapes and dtypes equal, no duplicates (and every name, with `full`)."""
+    sent: dict[str, torch.Tensor] = {}
+    duplicates = []
+    for name, tensor in named:
+        if name in sent:
+            duplicates.append(name)
+        sent[name] = tensor
+    if duplicates:
+        raise ValueError(f"tensor(s) sent twice in one update: {format_names(duplicates)}")
+    unexpected = sorted(n for n in sent if n not in expected)
+    missing = sorted(n for n in expected if n not in sent) if full else []
+    mismatched = [
+        f"{n}: sent {tuple(t.shape)} {t.dtype}, {what} has {expected[n].shape} {expected[n].dtype}"
+        for n, t in sent.items()
+        if n in expected and (tuple(t.shape) != expected[n].shape or t.dtype != expected[n].dtype)
+    ]
+    if not (unexpected or missing or mismatched):
+        return
+    parts = []
+    if unexpected:
+        parts.append(f"{len(unexpected)} unknown name(s): {format_names(unexpected)}")
+    if missing:
+        parts.append(f"{len(missing)} missing name(s): {format_names(missing)}")
+    if mismatched:
+        parts.append(f"{len(mismatched)} shape/dtype mismatch(es): " + "; ".join(mismatched[:8]))
+    raise ManifestMismatchError(
+        "update refused, served weights unchanged: " + " | ".join(parts),
+        missing=missing, unexpected=unexpected, mismatched=[m.split(":", 1)[0] for m in mismatched],
+    )
+
+
+def _copies(named: NamedTensors) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().contiguous().clone() for name, tensor in named}
+
+
+def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> str:
+    """A bucket's digest from its staged tensors, in bucket order (== digest of the packed bytes)."""
+    hasher = BucketHasher()
+    for name in hf_names:
+        hasher.update(tensors[name])
+    return hasher.hexdigest()

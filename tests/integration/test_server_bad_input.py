@@ -1,0 +1,235 @@
+"""Bad input never crashes the server or changes what it serves.
+
+Each refusal is a 4xx JSON answer naming the offender; afterwards the served
+weights are bit-identical (digests) and the version is unchanged. The server
+runs with an admin key, which every mutating route enforces.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from weightsync.checkpoint import bucket_file_name
+
+pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws, one_torch_thread
+
+KEY = "s3cret-admin-key"
+MUTATING = [
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
+    "/begin_weight_update", "/end_weight_update", "/pause_generation", "/continue_generation",
+    "/weightsync/begin", "/weightsync/bucket", "/weightsync/shm_bucket", "/weightsync/commit",
+    "/weightsync/abort", "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
+    yield from ws.start_server(tiny_model, "--admin-api-key", KEY)
+
+
+@pytest.fixture(scope="module")
+def client(server: Any, ws: SimpleNamespace) -> Iterator[Any]:
+    client = ws.Client(server.url, admin_key=KEY)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def initial(client: Any) -> tuple[int, dict[str, str]]:
+    return client.version(), client.digests()
+
+
+@pytest.fixture(autouse=True)
+def served_weights_unchanged(client: Any, initial: tuple[int, dict[str, str]]) -> Iterator[None]:
+    yield
+    client.post("/weightsync/abort", {})  # leave no session behind
+    assert (client.version(), client.digests()) == initial
+
+
+def refused(response: Any, status: int, *needles: str) -> dict[str, Any]:
+    """Assert a JSON refusal with `status` whose message names every needle."""
+    assert response.status_code == status, f"{response.status_code}: {response.text}"
+    body = response.json()
+    assert body["success"] is False
+    for needle in needles:
+        assert needle in body["message"], f"{needle!r} not in {body['message']!r}"
+    return body
+
+
+def serialized(obj: Any) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def test_admin_key_is_required_on_mutating_routes(server: Any, ws: SimpleNamespace) -> None:
+    anonymous, wrong = ws.Client(server.url), ws.Client(server.url, admin_key="wrong")
+    try:
+        for route in MUTATING:
+            refused(anonymous.post(route, {}), 401, "admin key")
+            refused(wrong.post(route, {}), 401, "admin key")
+        # Reading and generating need no key.
+        assert anonymous.http.get("/health").status_code == 200
+        assert anonymous.http.get("/weightsync/info").status_code == 200
+        assert anonymous.post("/weightsync/digests", {}).status_code == 200
+        assert anonymous.generate([1, 2, 3])["meta_info"]["completion_tokens"] > 0
+    finally:
+        anonymous.close()
+        wrong.close()
+
+
+def test_unknown_name_shape_and_dtype_mismatch_over_tensors(client: Any, tiny_model: Path, ws: SimpleNamespace) -> None:
+    good = ws.perturbed(tiny_model, seed=60, names=["model.norm.weight"])
+    norm = good["model.norm.weight"]
+    cases = [
+        ([("model.norm.weight", norm), ("model.no_such.weight", norm)], "model.no_such.weight"),
+        ([("model.norm.weight", norm[:-1])], "model.norm.weight"),
+        ([("model.norm.weight", norm.to(torch.bfloat16))], "bfloat16"),
+    ]
+    for pairs, needle in cases:
+        refused(client.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(pairs)]}),
+                400, needle)
+
+
+def test_manifest_mismatches_are_refused_at_begin(client: Any, tiny_model: Path, ws: SimpleNamespace) -> None:
+    weights = ws.perturbed(tiny_model, seed=61)
+    version = client.version() + 1
+    partial = {n: t for n, t in weights.items() if n != "lm_head.weight"}
+    manifest, _ = ws.make_update(partial, version=version)
+    body = refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 400, "lm_head.weight")
+    assert body["missing"] == ["lm_head.weight"]
+
+    wrong = dict(weights)
+    wrong["model.norm.weight"] = weights["model.norm.weight"].double()
+    wrong["model.extra.weight"] = torch.zeros(3)
+    manifest, _ = ws.make_update(wrong, version=version)
+    body = refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 400, "model.extra.weight")
+    assert body["unexpected"] == ["model.extra.weight"] and body["mismatched"] == ["model.norm.weight"]
+
+    refused(client.post("/weightsync/begin", {"manifest": {"format": "nope"}}), 400, "manifest")
+
+
+def test_versions_must_increase(client: Any, tiny_model: Path, ws: SimpleNamespace) -> None:
+    current = client.version()
+    weights = ws.perturbed(tiny_model, seed=62)
+    manifest, _ = ws.make_update(weights, version=current)
+    refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 409, "not newer")
+    refused(client.post("/update_weight_version", {"new_version": str(current)}), 409, "not newer")
+    pairs = [("model.norm.weight", weights["model.norm.weight"])]
+    refused(client.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(pairs)],
+                                                        "weight_version": str(current)}), 409, "not newer")
+    refused(client.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(pairs)],
+                                                        "weight_version": "v7"}), 400, "v7")
+    delta, _ = ws.make_update({"model.norm.weight": weights["model.norm.weight"]}, version=current + 1,
+                              mode="delta", base_version=current + 100)
+    refused(client.post("/weightsync/begin", {"manifest": delta.to_dict()}), 409, "full update")
+
+
+def test_bad_bucket_frames(client: Any, tiny_model: Path, ws: SimpleNamespace) -> None:
+    weights = ws.perturbed(tiny_model, seed=63)
+    version = client.version() + 1
+    manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=300_000)
+    client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
+    refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 409, "open")
+    good = ws.frame(manifest, 0, buffers[0])
+
+    def post(frame: bytes) -> Any:
+        return client.http.post("/weightsync/bucket", content=frame)
+
+    refused(post(good[:-10]), 400, "truncated")
+    corrupt = bytearray(good)
+    corrupt[-1] ^= 0xFF
+    refused(post(bytes(corrupt)), 400, "digest")
+    refused(post(b"XXXX" + good[4:]), 400, "magic")
+    other_version = ws.make_update(weights, version=version + 1, bucket_bytes=300_000)[0]
+    refused(post(ws.frame(other_version, 0, buffers[0])), 409, f"v{version}")
+    too_big = ws.frame(manifest, 0, buffers[0]) + b"\0" * (max(b.nbytes for b in manifest.buckets) + 70_000)
+    refused(post(too_big), 413, "limit")
+    # One good bucket is not an update: commit refuses, naming what never arrived.
+    assert post(good).status_code == 200
+    refused(client.post("/weightsync/commit", {"version": version}), 400, "never arrived")
+    assert client.ok("/weightsync/abort", {"version": version})["aborted"] is True
+    assert client.ok("/weightsync/abort", {"version": version})["aborted"] is False  # idempotent
+
+
+def test_disk_paths_outside_the_root(client: Any, model_root: Path, tmp_path_factory: pytest.TempPathFactory,
+                                     tiny_model: Path, ws: SimpleNamespace) -> None:
+    outside = tmp_path_factory.mktemp("outside")
+    weights = ws.perturbed(tiny_model, seed=64)
+    manifest, buffers = ws.make_update(weights, version=client.version() + 1)
+    escaped = ws.write_version_dir(outside, manifest, buffers)
+    (model_root / "escape-link").symlink_to(escaped, target_is_directory=True)
+    inner = model_root / "inner-link-dir"
+    inner.mkdir()
+    (inner / "manifest.json").write_text((escaped / "manifest.json").read_text())
+    (inner / bucket_file_name(0)).symlink_to(escaped / bucket_file_name(0))
+    for path in (str(escaped), f"{model_root}/../{outside.name}/{escaped.name}", str(model_root / "escape-link"),
+                 str(inner), "/etc"):
+        refused(client.post("/update_weights_from_disk", {"model_path": path}), 403, "outside the allowed root")
+    refused(client.post("/update_weights_from_disk", {"model_path": str(model_root / "missing")}), 400, "missing")
+
+
+def test_corrupt_disk_bucket_rolls_back(client: Any, model_root: Path, tiny_model: Path, ws: SimpleNamespace) -> None:
+    weights = ws.perturbed(tiny_model, seed=65)
+    manifest, buffers = ws.make_update(weights, version=client.version() + 1, bucket_bytes=300_000)
+    (model_root / "corrupt").mkdir()
+    directory = ws.write_version_dir(model_root / "corrupt", manifest, buffers)
+    last = directory / bucket_file_name(len(buffers) - 1)
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF
+    last.write_bytes(bytes(data))
+    refused(client.post("/update_weights_from_disk", {"model_path": str(directory)}), 400, "digest")
+    assert client.info()["session"] is None
+
+
+def test_malicious_pickles_are_refused(client: Any, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class RunsShell:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    class Evaluates:
+        def __reduce__(self) -> Any:
+            return (eval, (f"open({str(marker)!r}, 'w')",))
+
+    for payload, needle in ((RunsShell(), "system"), (Evaluates(), "builtins.eval")):
+        body = {"serialized_named_tensors": [serialized([("model.norm.weight", payload)])]}
+        refused(client.post("/update_weights_from_tensor", body), 400, "refused global", needle)
+    refused(client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}), 400, "base64")
+    refused(client.post("/update_weights_from_tensor",
+                        {"serialized_named_tensors": [base64.b64encode(b"\x80\x04garbage").decode()]}), 400, "pickle")
+    assert not marker.exists()
+
+
+def test_misaligned_flattened_bucket(client: Any) -> None:
+    flat = torch.zeros(6, dtype=torch.uint8)
+    metadata = [{"name": "model.norm.weight", "shape": [1], "dtype": torch.float32, "start_idx": 2, "end_idx": 6}]
+    body = {"serialized_named_tensors": [serialized({"flattened_tensor": flat, "metadata": metadata})],
+            "load_format": "flattened_bucket"}
+    refused(client.post("/update_weights_from_tensor", body), 400, "not a multiple of its itemsize")
+
+
+def test_bad_generate_requests(client: Any) -> None:
+    cases = [
+        ({"input_ids": [1, 2, 100000]}, "vocabulary"),
+        ({"input_ids": []}, "empty"),
+        ({"input_ids": [1], "text": "a"}, "exactly one"),
+        ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 5000}}, "positions"),
+        ({"input_ids": [1], "lora_path": "some-adapter"}, "--enable-lora"),
+    ]
+    for body, needle in cases:
+        refused(client.post("/generate", body), 400, needle)
+    refused(client.http.post("/generate", content=b"{not json"), 400, "JSON")
+    refused(client.http.post("/generate", content=b"[1, 2]"), 400, "JSON object")
+    assert client.http.get("/health_generate").status_code == 200

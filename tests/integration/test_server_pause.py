@@ -1,0 +1,152 @@
+"""Concurrent generate clients while weights change, under each pause mode.
+
+abort ends the in-flight requests with finish_reason abort; retract and
+in_place finish every request; requests sent while paused wait and run on the
+new weights. None is lost, and every answer names the versions it used.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from weightsync.integrity import digest
+
+pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws, one_torch_thread
+
+MAX_NEW_TOKENS = 160
+# Distinct prompt lengths: requests never share a batch, so each is comparable with
+# a batch-of-one reference bit for bit.
+IN_FLIGHT = [[5, 17, 42], [9, 8, 7, 6], [100, 200, 300, 400, 500], [11, 12, 13, 14, 15, 16]]
+LATE = [[21, 22], [31, 32, 33, 34, 35, 36, 37]]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
+    yield from ws.start_server(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def client(server: Any, ws: SimpleNamespace) -> Iterator[Any]:
+    client = ws.Client(server.url)
+    yield client
+    client.close()
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll server state until `predicate` holds (the state decides, not the clock)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def push_tensors(client: Any, weights: dict[str, torch.Tensor], version: int) -> None:
+    payload = base64.b64encode(pickle.dumps(list(weights.items()))).decode()
+    client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                              "weight_version": str(version), "flush_cache": False})
+
+
+def submit(pool: ThreadPoolExecutor, url: str, prompt: list[int]) -> Future[dict[str, Any]]:
+    def call() -> dict[str, Any]:
+        with httpx.Client(base_url=url, timeout=120.0) as http:
+            response = http.post("/generate", json={
+                "input_ids": prompt, "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
+            })
+            response.raise_for_status()
+            return response.json()
+
+    return pool.submit(call)
+
+
+def split_point(output: list[int], old_tokens: list[int]) -> int:
+    """Tokens at the start of `output` that the old weights produced (at least 1: the prefill)."""
+    k = 0
+    while k < len(output) and output[k] == old_tokens[k]:
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_update_under_pause(client: Any, ws: SimpleNamespace, tiny_model: Path, mode: str) -> None:
+    seed = {"abort": 30, "retract": 40, "in_place": 50}[mode]
+    old_weights, new_weights = ws.perturbed(tiny_model, seed=seed), ws.perturbed(tiny_model, seed=seed + 1)
+    old = client.version() + 1
+    push_tensors(client, old_weights, old)
+
+    with ThreadPoolExecutor(len(IN_FLIGHT) + len(LATE)) as pool:
+        in_flight = [submit(pool, client.url, p) for p in IN_FLIGHT]
+        wait_until(lambda: client.info()["running_requests"] == len(IN_FLIGHT), "requests to run")
+        paused = client.ok("/pause_generation", {"mode": mode})
+        assert paused["num_paused_requests"] == len(IN_FLIGHT)
+        late = [submit(pool, client.url, p) for p in LATE]
+        wait_until(lambda: client.info()["waiting_requests"] == len(LATE), "late requests to queue")
+        if mode != "abort":
+            assert client.post("/flush_cache").status_code == 400  # requests are still held
+        push_tensors(client, new_weights, old + 1)
+        assert client.info()["paused"] == mode
+        client.ok("/continue_generation")
+        results = [f.result() for f in in_flight]
+        late_results = [f.result() for f in late]
+
+    assert client.digests() == {n: digest(t) for n, t in new_weights.items()}
+    for answer in late_results:  # waited while paused, ran entirely on the new weights
+        assert answer["meta_info"]["finish_reason"]["type"] == "length"
+        assert answer["meta_info"]["weight_versions"] == [old + 1]
+        assert answer["meta_info"]["weight_version"] == str(old + 1)
+    if mode == "abort":
+        for answer in results:
+            assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+            assert answer["meta_info"]["weight_versions"] == [old]
+            assert 0 < answer["meta_info"]["completion_tokens"] < MAX_NEW_TOKENS
+        return
+    old_model, new_model = ws.load_model(tiny_model, old_weights), ws.load_model(tiny_model, new_weights)
+    for prompt, answer in zip(IN_FLIGHT, results, strict=True):
+        meta = answer["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": MAX_NEW_TOKENS}
+        assert meta["weight_versions"] == [old, old + 1] and meta["weight_version"] == str(old + 1)
+        output = answer["output_ids"]
+        old_tokens, _ = ws.reference_greedy(old_model, prompt, MAX_NEW_TOKENS)
+        k = split_point(output, old_tokens)
+        assert 0 < k < MAX_NEW_TOKENS, "the request must span the update"
+        if mode == "retract":
+            # KV dropped at pause and recomputed with the new weights: from the split on,
+            # the output is exactly the new model's continuation of prompt + old tokens.
+            matches = any(
+                output[j:] == ws.reference_greedy(new_model, prompt + output[:j], MAX_NEW_TOKENS - j)[0]
+                for j in range(k, max(k - 3, 0), -1)
+            )
+            assert matches, f"retracted request did not continue from a recomputed KV (split near {k})"
+        else:
+            # KV kept from the old weights; only the new tokens use the new weights.
+            matches = any(
+                output[j:] == continue_with_kept_cache(old_model, new_model, prompt + output[: j - 1],
+                                                       output[j - 1], MAX_NEW_TOKENS - j)
+                for j in range(k, max(k - 3, 0), -1)
+            )
+            assert matches, f"in-place request did not keep its KV cache (split near {k})"
+
+
+def continue_with_kept_cache(old_model: Any, new_model: Any, prefix: list[int], last: int, n: int) -> list[int]:
+    """Greedy tokens of `new_model` fed `last` on top of `old_model`'s KV cache of `prefix`."""
+    tokens = []
+    with torch.no_grad():
+        cache = old_model(torch.tensor([prefix]), use_cache=True).past_key_values
+        token = last
+        for _ in range(n):
+            out = new_model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+    return tokens

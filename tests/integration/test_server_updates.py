@@ -1,0 +1,276 @@
+"""Every weight-update route of a real `weightsync serve`: after each, the served
+weights equal the sent ones (digests computed here vs the server's) and the
+weight version moves."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import sys
+import types
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from weightsync.groups import UpdateGroup, finish_hosting, host_group
+from weightsync.integrity import digest
+from weightsync.shmem import SharedSlots
+from weightsync.types import dtype_name
+
+pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws, one_torch_thread
+
+SOME = ["model.norm.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
+    yield from ws.start_server(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def client(server: Any, ws: SimpleNamespace) -> Iterator[Any]:
+    client = ws.Client(server.url)
+    yield client
+    client.close()
+
+
+def assert_served(client: Any, weights: dict[str, torch.Tensor], version: int) -> None:
+    """The server serves `version` and every weight in `weights` bit for bit."""
+    served = client.digests()
+    assert client.version() == version
+    assert {n: served[n] for n in weights} == {n: digest(t) for n, t in weights.items()}
+
+
+def test_disk_manifest_dir_applies_and_generation_follows(client: Any, ws: SimpleNamespace, tiny_model: Path,
+                                                          model_root: Path) -> None:
+    version = client.version() + 1
+    weights = ws.perturbed(tiny_model, seed=10)
+    manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=200_000)
+    assert len(manifest.buckets) > 1
+    directory = ws.write_version_dir(model_root, manifest, buffers)
+    got = client.ok("/update_weights_from_disk", {"model_path": str(directory)})
+    assert got["ack"] == {"version": version, "digests": list(manifest.digests),
+                          "loaded_names": sorted(weights)}
+    assert_served(client, weights, version)
+
+    reference = ws.load_model(tiny_model, weights)
+    want_tokens, want_logprobs = ws.reference_greedy(reference, [5, 17, 42], 8)
+    answer = client.generate([5, 17, 42], sampling_params={"max_new_tokens": 8, "ignore_eos": True},
+                             return_logprob=True)
+    assert answer["output_ids"] == want_tokens
+    assert answer["meta_info"]["weight_version"] == str(version)
+    logprobs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
+
+
+def test_disk_plain_hf_checkpoint_is_a_full_update(client: Any, ws: SimpleNamespace, tiny_model: Path,
+                                                   model_root: Path) -> None:
+    version = client.version() + 1
+    weights = ws.perturbed(tiny_model, seed=11)
+    model = ws.load_model(tiny_model, weights)
+    directory = model_root / f"hf-checkpoint-{version}"
+    model.save_pretrained(directory)
+    got = client.ok("/update_weights_from_disk", {"model_path": str(directory), "weight_version": str(version)})
+    assert got["success"] is True and got["ack"]["version"] == version
+    assert_served(client, weights, version)
+
+
+def test_http_frames_begin_bucket_commit(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+    version = client.version() + 1
+    weights = ws.perturbed(tiny_model, seed=12)
+    manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=100_000)
+    client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
+    for index, buffer in enumerate(buffers):
+        got = client.http.post("/weightsync/bucket", content=ws.frame(manifest, index, buffer),
+                               headers={"Content-Type": "application/octet-stream"})
+        assert got.status_code == 200, got.text
+        assert got.json()["digest"] == manifest.buckets[index].digest
+    assert client.version() == version - 1  # nothing is served before commit
+    ack = client.ok("/weightsync/commit", {"version": version})["ack"]
+    assert ack == {"version": version, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
+    assert_served(client, weights, version)
+
+
+def test_delta_update_changes_only_the_sent_tensors(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+    base = client.version()
+    before = client.digests()
+    delta = ws.perturbed(tiny_model, seed=13, names=SOME)
+    manifest, buffers = ws.make_update(delta, version=base + 1, mode="delta", base_version=base)
+    client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
+    for index, buffer in enumerate(buffers):
+        client.ok("/weightsync/bucket", content=ws.frame(manifest, index, buffer))
+    client.ok("/weightsync/commit", {"version": base + 1})
+    after = client.digests()
+    assert_served(client, delta, base + 1)
+    assert {n for n in after if after[n] != before[n]} == set(SOME)
+
+
+def test_shared_memory_slots(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+    version = client.version() + 1
+    weights = ws.perturbed(tiny_model, seed=14)
+    manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=150_000)
+    slots = SharedSlots.create(slot_bytes=max(b.numel() for b in buffers), num_slots=2)
+    try:
+        client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
+        for index, buffer in enumerate(buffers):
+            slot = index % 2
+            slots.slot(slot, buffer.numel()).copy_(buffer)
+            got = client.ok("/weightsync/shm_bucket", {
+                "version": version, "index": index, "digest": manifest.buckets[index].digest,
+                "shm_name": slots.name, "slot_bytes": slots.slot_bytes, "num_slots": slots.num_slots, "slot": slot,
+            })
+            assert got["digest"] == manifest.buckets[index].digest
+        ack = client.ok("/weightsync/commit", {"version": version})["ack"]
+    finally:
+        slots.close()
+    assert ack["digests"] == list(manifest.digests)
+    assert_served(client, weights, version)
+
+
+def serialized(obj: Any) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def test_update_weights_from_tensor_list(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+    version = client.version() + 1
+    weights = ws.perturbed(tiny_model, seed=15, names=SOME)
+    # A non-contiguous tensor travels too.
+    pairs = [(n, t.t().contiguous().t() if t.dim() == 2 else t) for n, t in weights.items()]
+    got = client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(pairs)],
+                                                    "weight_version": str(version), "flush_cache": False})
+    assert got["ack"]["version"] == version
+    assert_served(client, weights, version)
+
+
+@dataclass
+class _Meta:
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+# Pickled under SGLang's own name (the server maps it to a plain stand-in).
+SGLANG_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
+_Meta.__module__ = SGLANG_BUCKET_MODULE
+_Meta.__qualname__ = "FlattenedTensorMetadata"
+
+
+def test_update_weights_from_tensor_flattened_bucket_in_sglang_format(client: Any, ws: SimpleNamespace,
+                                                                      tiny_model: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pickle metadata exactly as SGLang's FlattenedTensorBucket does: instances of
+    # sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata and a uint8 buffer.
+    module = types.ModuleType(SGLANG_BUCKET_MODULE)
+    module.FlattenedTensorMetadata = _Meta  # type: ignore[attr-defined]
+    for parent in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    version = client.version() + 1
+    weights = ws.perturbed(tiny_model, seed=16, names=SOME)
+    flat, metadata, offset = [], [], 0
+    for name, tensor in weights.items():
+        raw = tensor.flatten().view(torch.uint8)
+        metadata.append(_Meta(name, tensor.shape, tensor.dtype, offset, offset + raw.numel(), raw.numel()))
+        flat.append(raw)
+        offset += raw.numel()
+    bucket = {"flattened_tensor": torch.cat(flat), "metadata": metadata}
+    client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(bucket)],
+                                              "load_format": "flattened_bucket", "weight_version": str(version)})
+    assert_served(client, weights, version)
+
+
+def test_sglang_session_applies_at_end(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+    version = client.version() + 1
+    weights = ws.perturbed(tiny_model, seed=17, names=SOME)
+    before = client.digests()
+    client.ok("/begin_weight_update", {"selector": "all"})
+    for name, tensor in weights.items():
+        client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [serialized([(name, tensor)])],
+                                                  "weight_version": str(version)})
+    assert client.digests() == before and client.version() == version - 1
+    got = client.ok("/end_weight_update", {})
+    assert got["ack"]["version"] == version
+    assert_served(client, weights, version)
+
+
+def test_update_weight_version(client: Any) -> None:
+    version = client.version() + 5
+    before = client.digests()
+    client.ok("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+    assert client.version() == version and client.digests() == before
+    assert client.http.get("/model_info").json()["weight_version"] == str(version)
+
+
+def _join(client: Any, group_name: str) -> UpdateGroup:
+    holder, port = host_group(master_address="127.0.0.1", world_size=2, group_name=group_name, backend="gloo",
+                              timeout_s=60)
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(client.post, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": group_name, "backend": "gloo",
+        })
+        group = finish_hosting(holder, timeout_s=60)
+        response = joining.result()
+    assert response.status_code == 200, response.text
+    return group
+
+
+def _broadcast(client: Any, group: UpdateGroup, body: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+    with ThreadPoolExecutor(1) as pool:
+        receiving = pool.submit(client.post, "/update_weights_from_distributed", body)
+        for tensor in tensors:
+            group.broadcast(tensor, src=0, timeout_s=60)
+        response = receiving.result()
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_broadcast_from_a_gloo_group(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+    group_name = "test-broadcast"
+    group = _join(client, group_name)
+    try:
+        # 1. SGLang's default: one broadcast per tensor, applied by the call itself.
+        version = client.version() + 1
+        weights = ws.perturbed(tiny_model, seed=18, names=SOME)
+        names = list(weights)
+        spec = {"names": names, "dtypes": [dtype_name(weights[n].dtype) for n in names],
+                "shapes": [list(weights[n].shape) for n in names], "group_name": group_name}
+        _broadcast(client, group, {**spec, "weight_version": str(version)}, [weights[n] for n in names])
+        assert_served(client, weights, version)
+
+        # 2. flattened_bucket: one uint8 buffer, tensors back to back in listed order.
+        version += 1
+        weights = ws.perturbed(tiny_model, seed=19, names=SOME)
+        flat = torch.cat([weights[n].flatten().view(torch.uint8) for n in names])
+        _broadcast(client, group, {**spec, "weight_version": str(version), "load_format": "flattened_bucket"}, [flat])
+        assert_served(client, weights, version)
+
+        # 3. Inside a weightsync session: buckets checked against the manifest and its digests.
+        version += 1
+        weights = ws.perturbed(tiny_model, seed=20)
+        manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=120_000)
+        client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
+        for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
+            entries = bucket.entries
+            _broadcast(client, group, {
+                "names": [e.hf_name for e in entries], "dtypes": [dtype_name(e.dtype) for e in entries],
+                "shapes": [list(e.shape) for e in entries], "group_name": group_name,
+                "load_format": "flattened_bucket", "weightsync_version": version,
+                "weightsync_bucket": bucket.index, "weightsync_digest": bucket.digest,
+            }, [buffer])
+        ack = client.ok("/weightsync/commit", {"version": version})["ack"]
+        assert ack["digests"] == list(manifest.digests)
+        assert_served(client, weights, version)
+    finally:
+        client.ok("/destroy_weights_update_group", {"group_name": group_name})
+        group.destroy()

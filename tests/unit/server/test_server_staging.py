@@ -1,0 +1,148 @@
+"""WeightUpdater without HTTP: staged updates change nothing until commit, refused
+or aborted ones leave the served weights bit-identical, versions only increase."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from weightsync.bucketing import pack, plan_buckets
+from weightsync.errors import IntegrityError, ManifestMismatchError
+from weightsync.integrity import digest
+from weightsync.server.errors import ConflictError
+from weightsync.server.updates import WeightUpdater
+from weightsync.types import Manifest, TensorMeta
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+        self.norm = nn.LayerNorm(4)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+
+
+@pytest.fixture
+def model() -> Tiny:
+    torch.manual_seed(0)
+    return Tiny()
+
+
+@pytest.fixture
+def updater(model: Tiny) -> WeightUpdater:
+    lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def between_steps() -> Iterator[None]:
+        with lock:
+            yield
+
+    return WeightUpdater(model, version=3, between_steps=between_steps, session_timeout_s=60)
+
+
+def new_weights(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=gen).to(p.dtype) for n, p in model.named_parameters()}
+
+
+def update(weights: dict[str, torch.Tensor], version: int, bucket_bytes: int = 64) -> tuple[Manifest, list[torch.Tensor]]:
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], bucket_bytes)
+    buffers = [pack(b, {e.hf_name: weights[e.hf_name] for e in b.entries}) for b in plan]
+    return Manifest(version=version, buckets=plan).with_digests([digest(b) for b in buffers]), buffers
+
+
+def served(updater: WeightUpdater) -> dict[str, str]:
+    return updater.digests()[1]
+
+
+def test_commit_swaps_everything_at_once(updater: WeightUpdater, model: Tiny) -> None:
+    weights = new_weights(model, 1)
+    manifest, buffers = update(weights, 4)
+    before = served(updater)
+    updater.begin(manifest.without_digests())
+    for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
+        assert updater.stage_bucket(version=4, index=bucket.index, buffer=buffer.clone(),
+                                    digest_hex=bucket.digest) == bucket.digest
+        assert served(updater) == before and updater.version == 3
+    ack = updater.commit(4)
+    assert ack == {"version": 4, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
+    assert served(updater) == {n: digest(t) for n, t in weights.items()}
+
+
+def test_abort_and_refusals_leave_weights_bit_identical(updater: WeightUpdater, model: Tiny) -> None:
+    before = served(updater)
+    manifest, buffers = update(new_weights(model, 2), 4)
+    updater.begin(manifest.without_digests())
+    corrupt = buffers[0].clone()
+    corrupt[0] ^= 1
+    with pytest.raises(IntegrityError, match="digest"):
+        updater.stage_bucket(version=4, index=0, buffer=corrupt, digest_hex=manifest.buckets[0].digest)
+    with pytest.raises(IntegrityError, match="truncated"):
+        updater.stage_bucket(version=4, index=0, buffer=buffers[0][:-1].clone(), digest_hex=None)
+    updater.stage_bucket(version=4, index=0, buffer=buffers[0].clone(), digest_hex=None)
+    with pytest.raises(ValueError, match="never arrived"):
+        updater.commit(4)
+    assert updater.abort(4) is True and updater.abort(4) is False
+    assert served(updater) == before and updater.version == 3
+
+
+def test_versions_must_increase_and_one_session_at_a_time(updater: WeightUpdater, model: Tiny) -> None:
+    weights = new_weights(model, 3)
+    with pytest.raises(ConflictError, match="not newer"):
+        updater.begin(update(weights, 3)[0])
+    updater.begin(update(weights, 5)[0])
+    with pytest.raises(ConflictError, match="is open"):
+        updater.begin(update(weights, 6)[0])
+    with pytest.raises(ConflictError, match="not v9"):
+        updater.commit(9)
+
+
+def test_idle_session_gives_way_after_the_timeout(updater: WeightUpdater, model: Tiny) -> None:
+    weights = new_weights(model, 4)
+    updater.begin(update(weights, 5)[0])
+    updater.session_timeout_s = 0.0
+    updater.begin(update(weights, 6)[0])  # the idle v5 session is discarded
+    assert updater.session is not None and updater.session.version == 6
+
+
+def test_named_tensors_checked_before_anything_is_copied(updater: WeightUpdater, model: Tiny) -> None:
+    before = served(updater)
+    good = new_weights(model, 5)
+    cases = [
+        [("proj.weight", good["proj.weight"]), ("nope.weight", torch.zeros(2))],
+        [("proj.weight", good["proj.weight"][:, :-1])],
+        [("scale", good["scale"].float())],
+        [("proj.weight", good["proj.weight"]), ("proj.weight", good["proj.weight"])],
+    ]
+    for named in cases:
+        with pytest.raises((ManifestMismatchError, ValueError)):
+            updater.stage_named(named, weight_version=None)
+    assert served(updater) == before and updater.version == 3
+    result = updater.stage_named([("proj.weight", good["proj.weight"])], weight_version=None)
+    assert result.ack is not None and result.ack["version"] == 4
+    assert served(updater)["proj.weight"] == digest(good["proj.weight"])
+
+
+def test_sglang_session_applies_at_end_with_its_version(updater: WeightUpdater, model: Tiny) -> None:
+    good = new_weights(model, 6)
+    updater.begin_sglang()
+    updater.stage_named([("norm.weight", good["norm.weight"])], weight_version=10)
+    with pytest.raises(ConflictError):
+        updater.stage_named([("norm.bias", good["norm.bias"])], weight_version=11)
+    assert updater.version == 3
+    result = updater.end_sglang()
+    assert result.ack is not None and updater.version == 10
+    assert served(updater)["norm.weight"] == digest(good["norm.weight"])
+
+
+def test_delta_needs_its_base_version(updater: WeightUpdater, model: Tiny) -> None:
+    weights = {"norm.bias": new_weights(model, 7)["norm.bias"]}
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], 64)
+    with pytest.raises(ConflictError, match="serves v3"):
+        updater.begin(Manifest(version=4, mode="delta", buckets=plan, base_version=2))
+    updater.begin(Manifest(version=4, mode="delta", buckets=plan, base_version=3))
