@@ -173,11 +173,15 @@ class SGLangEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  lora_name: str | None = None, seed: int | None = None) -> list[Completion]:
-        """Generate for a batch of token-id prompts, returning tokens and their logprobs."""
+        """Generate for a batch of token-id prompts, returning tokens and their logprobs.
+
+        With `seed`, prompt i samples with seed `seed + i` (reproducible rollouts).
+        """
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
+        per_prompt: Any = params
         if seed is not None:
-            params["seed"] = seed
-        body: dict[str, Any] = {"input_ids": [list(p) for p in prompts], "sampling_params": params,
+            per_prompt = [{**params, "seed": seed + i} for i in range(len(prompts))]
+        body: dict[str, Any] = {"input_ids": [list(p) for p in prompts], "sampling_params": per_prompt,
                                 "return_logprob": True}
         if lora_name is not None:
             body["lora_path"] = lora_name
