@@ -97,16 +97,31 @@ def check_manifest_fits(
     `partial=True` (delta updates) a subset is fine. Raises ManifestMismatchError
     naming every offender; nothing is loaded.
     """
-    sent = {e.hf_name: e for e in manifest.entries()}
-    unexpected = sorted(set(sent) - set(expected))
-    missing = [] if partial else sorted(set(expected) - set(sent))
-    mismatched = []
-    for name, entry in sent.items():
-        want = expected.get(name)
-        if want is not None and (want.shape != entry.shape or want.dtype != entry.dtype):
-            mismatched.append(
-                f"{name}: sent {tuple(entry.shape)} {entry.dtype}, engine has {tuple(want.shape)} {want.dtype}"
-            )
+    check_fits(
+        [e.meta for e in manifest.entries()], expected, partial=partial,
+        refused=f"update v{manifest.version} refused before any byte moved",
+    )
+
+
+def check_fits(
+    sent: Iterable[TensorMeta],
+    expected: Mapping[str, TensorMeta],
+    *,
+    partial: bool,
+    refused: str = "update refused",
+    holder: str = "engine",
+) -> None:
+    """Every sent name known to `expected` with an equal shape and dtype (and,
+    unless `partial`, every expected name sent). Raises ManifestMismatchError
+    starting with `refused` and naming every offender."""
+    by_name = {m.hf_name: m for m in sent}
+    unexpected = sorted(set(by_name) - set(expected))
+    missing = [] if partial else sorted(set(expected) - set(by_name))
+    mismatched = [
+        f"{name}: sent {tuple(m.shape)} {m.dtype}, {holder} has {tuple(want.shape)} {want.dtype}"
+        for name, m in by_name.items()
+        if (want := expected.get(name)) is not None and (want.shape != m.shape or want.dtype != m.dtype)
+    ]
     if not (unexpected or missing or mismatched):
         return
     parts = []
@@ -117,7 +132,7 @@ def check_manifest_fits(
     if mismatched:
         parts.append(f"{len(mismatched)} shape/dtype mismatch(es): " + "; ".join(mismatched[:8]))
     raise ManifestMismatchError(
-        f"update v{manifest.version} refused before any byte moved: " + " | ".join(parts),
+        f"{refused}: " + " | ".join(parts),
         missing=missing,
         unexpected=unexpected,
         mismatched=[m.split(":", 1)[0] for m in mismatched],

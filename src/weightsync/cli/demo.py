@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from weightsync.demo import DemoConfig, run_demo
+    from weightsync.demo import DemoConfig, StepRow, run_demo
     from weightsync.demo.report import format_table, write_json, write_plot
 
     cfg = DemoConfig(steps=args.steps, mode=args.mode, transport=args.transport, engine=args.engine,
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"weightsync demo: {cfg.mode} over {cfg.transport} to the {cfg.engine} engine, {cfg.steps} steps",
           file=sys.stderr)
     with tqdm(total=cfg.steps, desc="RL steps", unit="step", file=sys.stderr) as bar:
-        def on_step(row):  # type: ignore[no-untyped-def]
+        def on_step(row: StepRow) -> None:
             bar.set_postfix(reward=f"{row.reward:.3f}", sync_ms=f"{row.sync_seconds * 1000:.1f}",
                             verified=row.verified)
             bar.update(1)

@@ -118,8 +118,15 @@ def start_engine(cfg: DemoConfig, model_dir: Path) -> Iterator[Any]:
         from weightsync.engines.vllm import VLLMEngine
         from weightsync.engines.vllm_launch import launch_vllm_server
 
-        with launch_vllm_server(model_dir, lora=cfg.mode == "lora") as server:
-            yield VLLMEngine(server.url)
+        args = ["--dtype", "float32", "--max-model-len", "256"]
+        if cfg.mode == "lora":
+            args += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras", "4"]
+        with launch_vllm_server(model_dir, args=args) as server:
+            vllm_client = VLLMEngine(server.url)
+            try:
+                yield vllm_client
+            finally:
+                vllm_client.close()
     else:
         raise ValueError(f"unknown engine {cfg.engine!r}; use 'embedded' or 'vllm'")
 
@@ -128,7 +135,7 @@ def build_trainer(cfg: DemoConfig, model_dir: Path) -> tuple[torch.nn.Module, to
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lr = cfg.learning_rate
     if cfg.mode in ("lora", "lora-merged"):
         from peft import LoraConfig, get_peft_model

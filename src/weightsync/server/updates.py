@@ -32,8 +32,8 @@ from torch import nn
 
 from weightsync.bucketing import entry_view, pack_one
 from weightsync.checkpoint import read_version
-from weightsync.errors import IntegrityError, ManifestMismatchError, format_names
-from weightsync.integrity import BucketHasher, check_bucket, check_manifest_fits, digest
+from weightsync.errors import IntegrityError, format_names
+from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits, digest
 from weightsync.naming import map_names
 from weightsync.server import lora
 from weightsync.server.errors import ConflictError, NotFoundError
@@ -368,25 +368,9 @@ def _check_against(named: NamedTensors, expected: Mapping[str, TensorMeta], *, w
         sent[name] = tensor
     if duplicates:
         raise ValueError(f"tensor(s) sent twice in one update: {format_names(duplicates)}")
-    unexpected = sorted(n for n in sent if n not in expected)
-    missing = sorted(n for n in expected if n not in sent) if full else []
-    mismatched = [
-        f"{n}: sent {tuple(t.shape)} {t.dtype}, {what} has {expected[n].shape} {expected[n].dtype}"
-        for n, t in sent.items()
-        if n in expected and (tuple(t.shape) != expected[n].shape or t.dtype != expected[n].dtype)
-    ]
-    if not (unexpected or missing or mismatched):
-        return
-    parts = []
-    if unexpected:
-        parts.append(f"{len(unexpected)} unknown name(s): {format_names(unexpected)}")
-    if missing:
-        parts.append(f"{len(missing)} missing name(s): {format_names(missing)}")
-    if mismatched:
-        parts.append(f"{len(mismatched)} shape/dtype mismatch(es): " + "; ".join(mismatched[:8]))
-    raise ManifestMismatchError(
-        "update refused, served weights unchanged: " + " | ".join(parts),
-        missing=missing, unexpected=unexpected, mismatched=[m.split(":", 1)[0] for m in mismatched],
+    check_fits(
+        [TensorMeta.of(name, t) for name, t in sent.items()], expected, partial=not full,
+        refused="update refused, served weights unchanged", holder=what,
     )
 
 
