@@ -103,7 +103,7 @@ class MemoryEngine:
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self.calls.append("commit")
         if link.transport == "disk":
-            got, buckets = read_version(Path(link.version_dir(manifest.version)))
+            _, buckets = read_version(Path(link.version_dir(manifest.version)))
             for bucket, data in buckets:
                 self._stage(bucket, data)
         assert self.staged is not None
