@@ -11,6 +11,7 @@ modules that need them.
 from weightsync.bucketing import pack, plan_buckets, unpack
 from weightsync.engines.base import Engine
 from weightsync.engines.sglang import SGLangEngine
+from weightsync.engines.vllm import VLLMEngine
 from weightsync.errors import (
     EngineError,
     IntegrityError,
@@ -54,6 +55,7 @@ __all__ = [
     "SyncTimeoutError",
     "TensorEntry",
     "TensorMeta",
+    "VLLMEngine",
     "WeightSource",
     "WeightSync",
     "WeightSyncError",

@@ -197,6 +197,8 @@ class WeightSync:
             self._sync_base_if_needed(model, version)
         all_metas = list(source.metas())
         metas = all_metas
+        if mode == "delta" and not all(getattr(e, "supports_delta", True) for e in self.engines):
+            mode = "full"  # an engine that cannot apply a partial update gets the whole model
         if mode == "delta":
             if tensor_digests is None:
                 tensor_digests = self._hash_tensors(source, mode, stages)
@@ -467,7 +469,7 @@ class WeightSync:
         return out
 
     def _rollover(self, lora_name: str) -> None:
-        self._loaded_loras.append(lora_name)
+        self._loaded_loras = [n for n in self._loaded_loras if n != lora_name] + [lora_name]
         retire = self._loaded_loras[: -self.config.lora_keep]
         self._loaded_loras = self._loaded_loras[-self.config.lora_keep :]
         if retire:

@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run an RL loop that syncs weights into an engine every step",
                        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["lora", "full", "lora-merged"], default="lora")
-    p.add_argument("--transport", choices=["http", "shm", "broadcast", "disk"], default="http")
+    p.add_argument("--transport", choices=["http", "shm", "broadcast", "disk"], default=None,
+                   help="default: http for the embedded engine, shm for vLLM (it takes no http)")
     p.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
     p.add_argument("--steps", type=int, default=30, help="RL steps, one push each (default 30)")
     p.add_argument("--seed", type=int, default=0)
@@ -35,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from weightsync.demo import DemoConfig, StepRow, run_demo
     from weightsync.demo.report import format_table, write_json, write_plot
 
-    cfg = DemoConfig(steps=args.steps, mode=args.mode, transport=args.transport, engine=args.engine,
+    transport = args.transport or ("shm" if args.engine == "vllm" else "http")
+    cfg = DemoConfig(steps=args.steps, mode=args.mode, transport=transport, engine=args.engine,
                      seed=args.seed, out_dir=args.out)
     print(f"weightsync demo: {cfg.mode} over {cfg.transport} to the {cfg.engine} engine, {cfg.steps} steps",
           file=sys.stderr)

@@ -52,6 +52,10 @@ class Engine(Protocol):
     """Transports this engine can receive a LoRA adapter over ("disk" = PEFT directory)."""
     label: str
     """How the engine is named in reports and errors (its URL)."""
+    # Optional capabilities, read with getattr and these defaults:
+    #   stages_updates = False  the engine swaps updates in at commit, so the
+    #                           coordinator pauses only around the commit
+    #   supports_delta = True   the engine applies a partial ("delta") update
     num_ranks: int
     """Ranks this engine joins a broadcast group with (its TP size)."""
 

@@ -27,17 +27,20 @@ class ShmTransport(TransportDefaults):
     def __init__(self, *, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
         self._segment: SharedSlots | None = None
+        self._links: list[Link] = []
 
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
-        if self._segment is None or self._segment.slot_bytes < max_bucket_bytes:
-            self.close()
-            self._segment = SharedSlots.create(slot_bytes=max(1, max_bucket_bytes), num_slots=NUM_SLOTS)
-        seg = self._segment
-        return [
+        if (self._segment is not None and self._segment.slot_bytes >= max_bucket_bytes
+                and len(self._links) == len(engine_ranks)):
+            return self._links  # the same segment: engines stay connected
+        self.close()
+        seg = self._segment = SharedSlots.create(slot_bytes=max(1, max_bucket_bytes), num_slots=NUM_SLOTS)
+        self._links = [
             Link(transport=self.name, shm_name=seg.name, slot_bytes=seg.slot_bytes,
                  num_slots=seg.num_slots, timeout_s=self.timeout_s)
             for _ in engine_ranks
         ]
+        return self._links
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         assert self._segment is not None, "open() first"
@@ -50,3 +53,4 @@ class ShmTransport(TransportDefaults):
         if self._segment is not None:
             self._segment.close()
             self._segment = None
+        self._links = []

@@ -1,0 +1,473 @@
+"""Client for vLLM with weightsync's worker extension, in-process or over HTTP.
+
+One `VLLMEngine`, two forms:
+
+- in-process, `VLLMEngine.from_llm(llm)`: a `vllm.LLM` built with
+  `worker_extension_cls=EXTENSION` (colocated trainer and engine); verbs go
+  through `llm.collective_rpc`. Generation runs only inside the caller's own
+  `llm.generate`, so `pause`/`resume` have nothing to stop and do nothing;
+  do not call `llm.generate` from another thread while a push runs.
+- server, `VLLMEngine(url)`: a `vllm serve --worker-extension-cls EXTENSION`
+  started with `VLLM_SERVER_DEV_MODE=1` (and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`
+  for adapters); verbs go through `POST /collective_rpc`
+  (`engines.vllm_launch` starts such a server).
+
+| protocol | broadcast / shm / disk (worker extension)   | engine level                                   |
+|----------|---------------------------------------------|------------------------------------------------|
+| connect  | weightsync_connect (joins the gloo/NCCL group, maps shm) | -                                 |
+| pause    | -                                           | server: /pause?mode=abort/wait/keep (PausePolicy.vllm_mode) |
+| begin    | weightsync_begin (dry run, opens staging)   | -                                              |
+| receive  | weightsync_receive (verify digest, stage)   | -                                              |
+| commit   | weightsync_commit (reload_weights, ack)     | reset prefix cache, set vLLM's weight version; LoRA: add_lora / /v1/load_lora_adapter |
+| abort    | weightsync_abort (drop staging)             | -                                              |
+| resume   | -                                           | server: /resume                                |
+
+Updates are staged in the workers, so generation continues while bytes
+stream (`stages_updates`); each worker call runs between two engine steps,
+so a broadcast bucket holds decoding for as long as it takes to arrive.
+After a committed update the prefix cache is reset; that fails while
+requests hold KV blocks (pause "in_place"/"keep", or no pause), which is
+logged, not raised. The "http" transport is not offered: on one host "shm"
+moves the same bytes without sending them through the server. vLLM's own
+GPU weight transfer (`--weight-transfer-config`) is not used: it cannot run
+on CPU, where this was built and tested (TODO: use it for NCCL on GPU).
+vLLM itself is imported only by the in-process form's methods.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, TypeVar
+
+from weightsync.engines.base import Completion, Delivery, Link, PausePolicy
+from weightsync.engines.http import JsonClient
+from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.errors import (
+    EngineError,
+    IntegrityError,
+    ManifestError,
+    ManifestMismatchError,
+    SyncTimeoutError,
+    WeightSyncError,
+)
+from weightsync.types import Ack, BucketMeta, Manifest
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RPC_MARGIN_S = 10.0
+"""Added to a verb's own timeout for the RPC carrying it, so the worker's error comes first."""
+
+
+class VLLMEngine:
+    """One vLLM engine (all its TP x PP workers), in-process or behind a URL."""
+
+    transports: ClassVar[frozenset[str]] = frozenset({"broadcast", "shm", "disk"})
+    lora_transports: ClassVar[frozenset[str]] = frozenset({"broadcast", "shm", "disk"})
+    stages_updates: ClassVar[bool] = True
+    """The workers stage every bucket and swap at commit: no pause while streaming."""
+    supports_delta: ClassVar[bool] = False
+    """vLLM reloads fused layers from all their checkpoint tensors: "delta" pushes go out whole."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
+                 label: str | None = None, num_ranks: int | None = None) -> None:
+        """The server form: `vllm serve` at `url` (see the module docstring).
+
+        `num_ranks` (the server's TP x PP) is asked of the server when first
+        needed unless given.
+        """
+        self._backend: _Backend = _Server(url, api_key=api_key, timeout_s=timeout_s)
+        self.label = label or url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._init_state(num_ranks)
+
+    @classmethod
+    def from_llm(cls, llm: Any, *, timeout_s: float = 60.0, label: str | None = None) -> VLLMEngine:
+        """The in-process form: wrap a `vllm.LLM(..., worker_extension_cls=EXTENSION)`."""
+        engine = cls.__new__(cls)
+        engine._backend = _InProcess(llm)
+        config = llm.llm_engine.vllm_config
+        engine.label = label or f"vllm-inprocess:{config.model_config.model}"
+        engine.timeout_s = timeout_s
+        parallel = config.parallel_config
+        engine._init_state(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+        return engine
+
+    def _init_state(self, num_ranks: int | None) -> None:
+        self._num_ranks = num_ranks
+        self._policy = PausePolicy.NONE
+        self._open: tuple[int, Link] | None = None
+
+    # -- capabilities ------------------------------------------------------
+
+    @property
+    def num_ranks(self) -> int:
+        """The engine's workers (TP x PP); each joins a broadcast group with its own rank."""
+        if self._num_ranks is None:
+            self._num_ranks = int(self.info()["num_ranks"])
+        return self._num_ranks
+
+    def info(self) -> dict[str, Any]:
+        """Rank 0's view: num_ranks, version (weightsync's counter), dirty, lora_enabled."""
+        return self._rpc("weightsync_info", {}, timeout_s=self.timeout_s)[0]
+
+    # -- protocol ----------------------------------------------------------
+
+    def connect(self, link: Link) -> None:
+        if link.transport in ("broadcast", "shm"):
+            self._rpc("weightsync_connect", {"link": link.to_dict()}, timeout_s=link.timeout_s)
+
+    def disconnect(self, link: Link) -> None:
+        if link.transport not in ("broadcast", "shm"):
+            return
+        try:
+            self._rpc("weightsync_disconnect", {"link": link.to_dict()}, timeout_s=10)
+        except WeightSyncError as e:
+            log.warning("%s: leaving the %s session: %s", self.label, link.transport, e)
+
+    def pause(self, policy: PausePolicy) -> None:
+        self._policy = policy
+        if policy.vllm_mode is not None:
+            self._backend.pause(policy.vllm_mode)
+
+    def resume(self) -> None:
+        self._backend.resume()
+
+    def begin(self, manifest: Manifest, link: Link) -> None:
+        allowed = self.lora_transports if manifest.mode == "lora" else self.transports
+        if link.transport not in allowed:
+            raise EngineError(self.label, f"transport {link.transport!r} is not supported for mode "
+                              f"{manifest.mode!r}; use one of {sorted(allowed)}")
+        self._rpc("weightsync_begin", {"manifest": manifest.to_dict(), "link": link.to_dict()},
+                  timeout_s=link.timeout_s)
+        self._open = (manifest.version, link)
+
+    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+        assert self._open is not None, "begin() first"
+        version, link = self._open
+        assert bucket.digest is not None, "buckets are hashed before they are sent"
+        if delivery.transport not in ("broadcast", "shm"):
+            raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
+        self._rpc("weightsync_receive", {"version": version, "index": bucket.index, "digest": bucket.digest,
+                                         "slot": delivery.slot}, timeout_s=link.timeout_s)
+
+    def commit(self, manifest: Manifest, link: Link) -> Ack:
+        self._open = None
+        results = self._rpc("weightsync_commit", {"version": manifest.version}, timeout_s=link.timeout_s)
+        ack = self._combine_acks(results)
+        if manifest.mode == "lora":
+            assert manifest.lora_name is not None
+            path = results[0].get("lora_path")
+            if not path:
+                raise EngineError(self.label, f"adapter {manifest.lora_name!r}: rank 0 reported no directory")
+            self._backend.add_lora(manifest.lora_name, str(path))
+        else:
+            self._reset_prefix_cache()
+        self._backend.set_weight_version(str(manifest.version))
+        return ack
+
+    def abort(self, version: int) -> None:
+        self._open = None
+        self._rpc("weightsync_abort", {"version": version}, timeout_s=10)
+
+    def unload_lora(self, lora_name: str) -> None:
+        """Stop routing requests to an adapter; its files go one push later (a
+        request still running on it can reload it meanwhile)."""
+        self._backend.remove_lora(lora_name)
+        self._rpc("weightsync_forget_lora", {"lora_name": lora_name}, timeout_s=self.timeout_s)
+
+    # -- generation --------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 lora_name: str | None = None, seed: int | None = None) -> list[Completion]:
+        """Generate for token-id prompts (EOS ignored); tokens, their logprobs, the weight version."""
+        return self._backend.generate([list(p) for p in prompts], max_new_tokens=max_new_tokens,
+                                      temperature=temperature, lora_name=lora_name, seed=seed)
+
+    def weight_version(self) -> str:
+        """weightsync's version counter in the workers, as a string."""
+        return str(self.info()["version"])
+
+    def loaded_loras(self) -> list[str]:
+        """Adapter names requests can use now."""
+        return self._backend.loaded_loras()
+
+    def close(self) -> None:
+        self._backend.close()
+
+    # -- internals ---------------------------------------------------------
+
+    def _rpc(self, method: str, body: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
+        """Call `method` on every worker; raise the first worker's error as a weightsync error."""
+        results = self._backend.rpc(method, json.dumps(body), timeout_s=timeout_s + RPC_MARGIN_S)
+        if not results:
+            raise EngineError(self.label, f"{method}: no worker answered")
+        for result in results:
+            if not isinstance(result, dict) or "ok" not in result:
+                raise EngineError(self.label, f"{method}: unexpected answer {str(result)[:200]!r}; is the "
+                                  f"engine running weightsync's worker extension ({EXTENSION})?")
+            if not result["ok"]:
+                raise self._error(method, result)
+        return results
+
+    def _error(self, method: str, result: dict[str, Any]) -> WeightSyncError:
+        error = result.get("error") or {}
+        kind, message = str(error.get("type")), str(error.get("message"))
+        where = f"{method} on rank {result.get('rank')}: {message}"
+        if kind == "ManifestMismatchError":
+            return ManifestMismatchError(f"{self.label}: {where}", missing=error.get("missing") or (),
+                                         unexpected=error.get("unexpected") or (),
+                                         mismatched=error.get("mismatched") or ())
+        if kind == "IntegrityError":
+            return IntegrityError(f"{self.label}: {where}")
+        if kind == "ManifestError":
+            return ManifestError(f"{self.label}: {where}")
+        if kind in ("SyncTimeoutError", "TimeoutError"):
+            return SyncTimeoutError(f"{self.label}: {where}")
+        status = error.get("status")
+        prefix = "" if kind == "EngineError" else f"{kind}: "
+        return EngineError(self.label, f"{method} on rank {result.get('rank')}: {prefix}{message}",
+                           status=int(status) if status is not None else None)
+
+    def _combine_acks(self, results: list[dict[str, Any]]) -> Ack:
+        acks = [Ack.from_dict(r["ack"], engine=self.label) for r in results]
+        for rank, ack in enumerate(acks[1:], start=1):
+            if ack != acks[0]:
+                raise IntegrityError(f"{self.label}: worker {rank} acked {ack.to_dict()} but worker 0 acked "
+                                     f"{acks[0].to_dict()}; the engine's ranks hold different weights")
+        return acks[0]
+
+    def _reset_prefix_cache(self) -> None:
+        if self._backend.reset_prefix_cache():
+            return
+        log.warning(
+            "%s: the prefix cache was not reset (requests still hold KV blocks, pause=%s): new requests "
+            "may reuse KV computed with the previous weights until those blocks are evicted; pause with "
+            "'abort' or 'retract' (or start vLLM without prefix caching) to rule that out",
+            self.label, self._policy.value)
+
+
+# --- the two forms -------------------------------------------------------------
+
+
+class _Backend:
+    """What differs between the in-process and the server form."""
+
+    def rpc(self, method: str, request: str, *, timeout_s: float) -> list[Any]:
+        raise NotImplementedError
+
+    def pause(self, mode: str) -> None:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def reset_prefix_cache(self) -> bool:
+        raise NotImplementedError
+
+    def set_weight_version(self, version: str) -> None:
+        raise NotImplementedError
+
+    def add_lora(self, lora_name: str, path: str) -> None:
+        raise NotImplementedError
+
+    def remove_lora(self, lora_name: str) -> None:
+        raise NotImplementedError
+
+    def loaded_loras(self) -> list[str]:
+        raise NotImplementedError
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 lora_name: str | None, seed: int | None) -> list[Completion]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+
+class _InProcess(_Backend):
+    """A `vllm.LLM` in this process; calls serialised (its engine client is not thread-safe)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._lock = threading.Lock()
+        self._lora_ids = itertools.count(1)
+        self._loras: dict[str, Any] = {}  # lora_name -> LoRARequest
+
+    def _call(self, what: str, fn: Callable[[], T], hint: str = "") -> T:
+        """Run `fn` on the LLM, one caller at a time; vLLM's failures become weightsync errors."""
+        with self._lock:
+            try:
+                return fn()
+            except TimeoutError as e:
+                raise SyncTimeoutError(f"vllm-inprocess {what}: no answer in time: {e}") from e
+            except Exception as e:  # vLLM raises a bare Exception carrying the engine's message
+                raise EngineError("vllm-inprocess", f"{what}: {type(e).__name__}: {e}{hint}") from e
+
+    def rpc(self, method: str, request: str, *, timeout_s: float) -> list[Any]:
+        hint = f"; is the LLM built with worker_extension_cls={EXTENSION!r}?"
+        return list(self._call(method, lambda: self.llm.collective_rpc(method, timeout=timeout_s, args=(request,)),
+                               hint))
+
+    def pause(self, mode: str) -> None:
+        return None  # generation only runs inside the caller's llm.generate
+
+    def resume(self) -> None:
+        return None
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("reset_prefix_cache", self.llm.reset_prefix_cache))
+
+    def set_weight_version(self, version: str) -> None:
+        self._call("set_weight_version", lambda: self.llm.llm_engine.set_weight_version(version))
+
+    def add_lora(self, lora_name: str, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        previous = self._loras.get(lora_name)
+        lora_id = previous.lora_int_id if previous is not None else next(self._lora_ids)
+        request = LoRARequest(lora_name=lora_name, lora_int_id=lora_id, lora_path=path, load_inplace=True)
+        self._call(f"add_lora {lora_name!r}", lambda: self.llm.llm_engine.add_lora(request))
+        self._loras[lora_name] = request
+
+    def remove_lora(self, lora_name: str) -> None:
+        request = self._loras.pop(lora_name, None)
+        if request is None:
+            raise EngineError("vllm-inprocess", f"no adapter {lora_name!r} is loaded; loaded: {sorted(self._loras)}")
+        self._call(f"remove_lora {lora_name!r}", lambda: self.llm.llm_engine.remove_lora(request.lora_int_id))
+
+    def loaded_loras(self) -> list[str]:
+        return sorted(self._loras)
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 lora_name: str | None, seed: int | None) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        lora = None
+        if lora_name is not None:
+            lora = self._loras.get(lora_name)
+            if lora is None:
+                raise EngineError("vllm-inprocess", f"no adapter {lora_name!r}; loaded: {sorted(self._loras)}")
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0,
+                                ignore_eos=True)
+        outputs = self._call("generate", lambda: self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False))
+        return [_completion_from_output(o.outputs[0]) for o in outputs]
+
+
+def _completion_from_output(output: Any) -> Completion:
+    token_ids = list(output.token_ids)
+    logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs or [], token_ids, strict=True)]
+    spans = output.weight_versions or []
+    return Completion(output_ids=token_ids, logprobs=logprobs, finish_reason=str(output.finish_reason),
+                      weight_version=_versions([s.version for s in spans]), text=output.text or "")
+
+
+def _versions(labels: Sequence[str]) -> str:
+    """vLLM's weight-version spans of one answer as one string ("3", or "3+4" for a mix)."""
+    return "+".join(dict.fromkeys(labels)) or "unknown"
+
+
+class _Server(_Backend):
+    """`vllm serve` over HTTP (JsonClient: failures come back as weightsync errors)."""
+
+    def __init__(self, url: str, *, api_key: str | None, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.http = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s)
+        self._tokens_api: bool | None = None
+        self._model: str | None = None
+        self._loras: set[str] = set()
+
+    def rpc(self, method: str, request: str, *, timeout_s: float) -> list[Any]:
+        response = self.http.request("POST", "/collective_rpc", allow=(404, 500),
+                                     json_body={"method": method, "args": [request], "timeout": timeout_s},
+                                     timeout_s=timeout_s + RPC_MARGIN_S)
+        if response.status_code == 404:
+            raise EngineError(self.url, "POST /collective_rpc: 404; start vLLM with VLLM_SERVER_DEV_MODE=1")
+        if response.status_code == 500:
+            raise EngineError(self.url, f"POST /collective_rpc {method}: 500 {response.text[:300]!r}; is it "
+                              f"started with --worker-extension-cls {EXTENSION}?", status=500)
+        body = response.json()
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list):
+            raise EngineError(self.url, f"POST /collective_rpc {method}: unexpected answer {response.text[:200]!r}")
+        return results
+
+    def pause(self, mode: str) -> None:
+        self.http.post("/pause", params={"mode": mode}, timeout_s=self.http.timeout_s)
+
+    def resume(self) -> None:
+        self.http.post("/resume")
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.http.post("/reset_prefix_cache").get("success", False))
+
+    def set_weight_version(self, version: str) -> None:
+        response = self.http.request("POST", "/update_weight_version", json_body={"new_version": version},
+                                     allow=(404,))
+        if response.status_code == 404:
+            log.debug("%s has no /update_weight_version; answers carry no weight version", self.url)
+
+    def add_lora(self, lora_name: str, path: str) -> None:
+        response = self.http.request("POST", "/v1/load_lora_adapter", allow=(404,),
+                                     json_body={"lora_name": lora_name, "lora_path": path, "load_inplace": True})
+        if response.status_code == 404:
+            raise EngineError(self.url, "POST /v1/load_lora_adapter: 404; start vLLM with --enable-lora and "
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+        self._loras.add(lora_name)
+
+    def remove_lora(self, lora_name: str) -> None:
+        self.http.post("/v1/unload_lora_adapter", {"lora_name": lora_name})
+        self._loras.discard(lora_name)
+
+    def loaded_loras(self) -> list[str]:
+        models = self.http.get("/v1/models").get("data") or []
+        base = self.model
+        return sorted(str(m["id"]) for m in models if m.get("id") != base)
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            self._model = str(self.http.get("/v1/models")["data"][0]["id"])
+        return self._model
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 lora_name: str | None, seed: int | None) -> list[Completion]:
+        sampling: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "logprobs": 0,
+                                    "ignore_eos": True}
+        if seed is not None:
+            sampling["seed"] = seed
+        model = lora_name or self.model
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 16))) as pool:  # one batch in vLLM
+            return list(pool.map(lambda p: self._generate_one(p, sampling, model), prompts))
+
+    def _generate_one(self, prompt: list[int], sampling: dict[str, Any], model: str) -> Completion:
+        if self._tokens_api is not False:
+            response = self.http.request("POST", "/inference/v1/generate", allow=(403, 404),
+                                         json_body={"token_ids": prompt, "sampling_params": sampling, "model": model})
+            if response.status_code not in (403, 404):
+                self._tokens_api = True
+                choice = response.json()["choices"][0]
+                token_ids = list(choice.get("token_ids") or [])
+                content = (choice.get("logprobs") or {}).get("content") or []
+                spans = choice.get("weight_versions") or []
+                return Completion(output_ids=token_ids, logprobs=[float(c["logprob"]) for c in content],
+                                  finish_reason=str(choice.get("finish_reason")),
+                                  weight_version=_versions([str(s["version"]) for s in spans]))
+            self._tokens_api = False  # no --enable-scale-out: the OpenAI route, without weight versions
+        body = self.http.post("/v1/completions", {"model": model, "prompt": prompt, "return_token_ids": True,
+                                                  **sampling})
+        choice = body["choices"][0]
+        return Completion(output_ids=list(choice.get("token_ids") or []),
+                          logprobs=[float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []],
+                          finish_reason=str(choice.get("finish_reason")), weight_version="unknown",
+                          text=str(choice.get("text", "")))
+
+    def close(self) -> None:
+        self.http.close()

@@ -1,0 +1,565 @@
+"""The engine side of weightsync inside every vLLM worker: a worker extension.
+
+vLLM mixes `WeightSyncWorkerExtension` into its worker class when started with
+`worker_extension_cls="weightsync.engines.vllm_worker.WeightSyncWorkerExtension"`
+(`--worker-extension-cls` for `vllm serve`). The client, `engines.vllm.VLLMEngine`,
+calls its `weightsync_*` methods on every worker at once through
+`collective_rpc` (in-process `LLM.collective_rpc`, or the server's
+`POST /collective_rpc`).
+
+Boundaries:
+- Every method takes ONE JSON string and returns a JSON-able dict, either
+  `{"ok": true, ...}` or `{"ok": false, "error": {"type", "message", ...}}`.
+  The server route passes only strings through, and `collective_rpc` would
+  flatten an exception into a bare message; errors are rebuilt as weightsync
+  errors by the client.
+- Updates are staged: received buckets are verified (xxh3 digest computed
+  here) and copied; weights change only at commit, through vLLM's own
+  `reload_weights(..., is_checkpoint_format=True)` (calling the model's
+  `load_weights` directly breaks on CPU, where linear weights are repacked
+  after loading). `abort` drops the staging and leaves the weights untouched.
+  Staging holds one copy of the update in host memory.
+- Generation control, the prefix cache, vLLM's weight-version label and the
+  LoRA adapter registry are engine-level: the client handles them. A LoRA
+  update ends here as a verified PEFT directory on this host, which the
+  client registers with vLLM (`add_lora` / `/v1/load_lora_adapter`).
+- The dry run at begin checks names, shapes and dtypes against the
+  safetensors headers of the checkpoint vLLM served at startup (full, unsharded
+  shapes; floating dtypes as vLLM runs them). vLLM's model is not asked: after
+  loading, its parameters are fused and repacked, not in checkpoint form.
+- "delta" updates are refused with 409, which makes the coordinator send the
+  whole model: the in-place reload rebuilds each layer from the tensors it is
+  given, so a fused layer (qkv_proj, gate_up_proj) sent only in part would
+  keep uninitialised memory.
+
+Method names all start with `weightsync_`: vLLM refuses an extension whose
+attribute names clash with the worker's own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightsync.bucketing import unpack
+from weightsync.checkpoint import read_checkpoint_metas, read_version
+from weightsync.errors import (
+    EngineError,
+    IntegrityError,
+    ManifestMismatchError,
+    WeightSyncError,
+    format_names,
+)
+from weightsync.groups import UpdateGroup, join_group
+from weightsync.integrity import check_bucket, check_manifest_fits
+from weightsync.shmem import SharedSlots
+from weightsync.types import BucketMeta, Link, Manifest, TensorMeta
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "weightsync.engines.vllm_worker.WeightSyncWorkerExtension"
+"""The qualified name to pass as vLLM's `worker_extension_cls`."""
+
+PEFT_PREFIX = "base_model.model."
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+LORA_ROOT_PREFIX = "weightsync-vllm-lora-"
+"""Adapter directories live in `<tmp>/weightsync-vllm-lora-<pid>-<random>/<lora_name>/`."""
+
+
+# --- the extension -------------------------------------------------------------
+
+
+class WeightSyncWorkerExtension:
+    """weightsync's protocol verbs on a vLLM worker (mixed into vLLM's worker class).
+
+    Each verb runs on every worker of the engine (its TP x PP ranks); each
+    worker receives every byte of the update (vLLM's loader shards it).
+    """
+
+    def weightsync_info(self, request: str = "{}") -> dict[str, Any]:
+        """This worker's rank, the engine's rank count, version and LoRA support."""
+        return _call(self, "info", request)
+
+    def weightsync_connect(self, request: str) -> dict[str, Any]:
+        """`{"link"}`: join the broadcast group or map the shm segment."""
+        return _call(self, "connect", request)
+
+    def weightsync_disconnect(self, request: str) -> dict[str, Any]:
+        """`{"link"}`: leave the session; never fails for a gone peer."""
+        return _call(self, "disconnect", request)
+
+    def weightsync_begin(self, request: str) -> dict[str, Any]:
+        """`{"manifest", "link"}`: dry-run check and open a staging session."""
+        return _call(self, "begin", request)
+
+    def weightsync_receive(self, request: str) -> dict[str, Any]:
+        """`{"version", "index", "digest", "slot"}`: take and verify one bucket."""
+        return _call(self, "receive", request)
+
+    def weightsync_commit(self, request: str) -> dict[str, Any]:
+        """`{"version"}`: apply the staged update and ack it (LoRA: and say where it is)."""
+        return _call(self, "commit", request)
+
+    def weightsync_abort(self, request: str) -> dict[str, Any]:
+        """`{"version"}`: drop the staged update; weights untouched. Idempotent."""
+        return _call(self, "abort", request)
+
+    def weightsync_forget_lora(self, request: str) -> dict[str, Any]:
+        """`{"lora_name"}`: the adapter was unloaded; delete its directory later."""
+        return _call(self, "forget_lora", request)
+
+
+def _call(worker: Any, verb: str, request: str) -> dict[str, Any]:
+    """The RPC boundary: parse the request, run the verb, turn any failure into data.
+
+    Nothing escapes: an exception raised in a worker reaches the client as a bare
+    message (HTTP 500 from the server's /collective_rpc), losing its type and fields.
+    """
+    rank = None
+    try:
+        state = _state(worker)
+        rank = state.rank
+        body = json.loads(request) if request else {}
+        if not isinstance(body, dict):
+            raise ValueError(f"weightsync_{verb}: the request must be a JSON object")
+        result = getattr(state, verb)(body)
+        return {"ok": True, "rank": rank, **result}
+    except Exception as e:  # the RPC boundary: every failure goes back as data
+        log.warning("weightsync_%s failed on rank %s: %s", verb, rank, e, exc_info=not isinstance(e, WeightSyncError))
+        return {"ok": False, "rank": rank, "error": error_payload(e)}
+
+
+def error_payload(e: BaseException) -> dict[str, Any]:
+    """A JSON form of an error that `engines.vllm` turns back into the same error type."""
+    payload: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, EngineError):
+        payload["message"] = e.remote_message
+        payload["status"] = e.status
+    if isinstance(e, ManifestMismatchError):
+        payload.update(missing=list(e.missing), unexpected=list(e.unexpected), mismatched=list(e.mismatched))
+    return payload
+
+
+def _state(worker: Any) -> WorkerSync:
+    state = worker.__dict__.get("_weightsync_state")
+    if state is None:
+        state = WorkerSync(worker)
+        worker.__dict__["_weightsync_state"] = state
+    return state
+
+
+# --- the state of one worker ---------------------------------------------------
+
+
+@dataclass
+class _Update:
+    """An open update: what begin announced and what arrived since."""
+
+    manifest: Manifest
+    link: Link
+    staged: dict[int, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
+    """Bucket index -> (name, tensor) pairs, private copies, verified."""
+    digests: dict[int, str] = field(default_factory=dict)
+    """Bucket index -> the digest computed here."""
+
+
+class WorkerSync:
+    """weightsync's state in one vLLM worker: session, staging, version, adapters.
+
+    `worker` is vLLM's worker object (`model_runner`, `vllm_config`,
+    `reload_weights`); it is only read, except through `reload_weights`.
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.rank, self.num_ranks = _engine_rank()
+        self.version = 0
+        self.dirty = False
+        self.group: UpdateGroup | None = None
+        self.segment: SharedSlots | None = None
+        self.update: _Update | None = None
+        self._expected: dict[str, TensorMeta] | None = None
+        self._retired_dirs: list[Path] = []
+        self._lora_dirs: dict[str, Path] = {}
+        self._lora_root_dir: Path | None = None
+
+    # -- verbs -------------------------------------------------------------
+
+    def info(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        lora_config = self.worker.vllm_config.lora_config
+        return {
+            "num_ranks": self.num_ranks, "version": self.version, "dirty": self.dirty,
+            "lora_enabled": lora_config is not None,
+            "max_lora_rank": lora_config.max_lora_rank if lora_config is not None else None,
+            "model": str(self.worker.vllm_config.model_config.model),
+        }
+
+    def connect(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        link = Link.from_dict(body["link"])
+        if link.transport == "broadcast":
+            _require(link, "master_address", "master_port", "world_size", "group_name", "rank_offset", "backend")
+            self._leave_group()
+            self.group = join_group(
+                master_address=str(link.master_address), master_port=int(link.master_port or 0),
+                rank=int(link.rank_offset or 0) + self.rank, world_size=int(link.world_size or 0),
+                group_name=str(link.group_name), backend=str(link.backend), timeout_s=link.timeout_s,
+            )
+        elif link.transport == "shm":
+            _require(link, "shm_name", "slot_bytes", "num_slots")
+            self._close_segment()
+            self.segment = SharedSlots.open(str(link.shm_name), slot_bytes=int(link.slot_bytes or 0),
+                                            num_slots=int(link.num_slots or 0))
+        return {}
+
+    def disconnect(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        link = Link.from_dict(body["link"])
+        if link.transport == "broadcast" and self.group is not None and self.group.group_name == link.group_name:
+            self._leave_group()
+        elif link.transport == "shm" and self.segment is not None and self.segment.name == link.shm_name:
+            self._close_segment()
+        return {}
+
+    def begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        manifest = Manifest.from_dict(body["manifest"])
+        link = Link.from_dict(body["link"])
+        if self.update is not None:
+            log.warning("v%d: discarding the unfinished update v%d", manifest.version, self.update.manifest.version)
+            self.update = None
+        if manifest.version <= self.version:
+            raise EngineError(self._who, f"update v{manifest.version} is not newer than the served "
+                              f"v{self.version}; push a higher version", status=409)
+        if manifest.mode == "lora":
+            self._check_lora(manifest)
+        else:
+            self._check_full(manifest)
+        if link.transport == "broadcast" and self.group is None:
+            raise EngineError(self._who, "no broadcast group: connect() first")
+        if link.transport == "shm" and (self.segment is None or self.segment.name != link.shm_name):
+            raise EngineError(self._who, f"shared memory segment {link.shm_name!r} is not mapped: connect() first")
+        self.update = _Update(manifest=manifest, link=link)
+        return {}
+
+    def receive(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        update = self._open(int(body["version"]))
+        index = int(body["index"])
+        if not 0 <= index < len(update.manifest.buckets):
+            raise IntegrityError(f"bucket {index} is not in update v{update.manifest.version} "
+                                 f"({len(update.manifest.buckets)} buckets)")
+        bucket = update.manifest.buckets[index].with_digest(str(body["digest"]))
+        transport = update.link.transport
+        if transport == "broadcast":
+            buffer = self._receive_broadcast(bucket, update.link)
+        elif transport == "shm":
+            assert self.segment is not None
+            buffer = self.segment.slot(int(body["slot"]), bucket.nbytes).clone()  # our copy, then check it
+        else:
+            raise EngineError(self._who, f"no per-bucket receive over transport {transport!r}")
+        self._stage(update, bucket, buffer)
+        return {"digest": update.digests[index]}
+
+    def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        update = self._open(int(body["version"]))
+        manifest = update.manifest
+        try:
+            if update.link.transport == "disk":
+                self._stage_from_disk(update)
+            missing = [b.index for b in manifest.buckets if b.index not in update.staged]
+            if missing:
+                raise IntegrityError(f"commit of v{manifest.version}: bucket(s) {missing[:8]} never arrived")
+            if manifest.mode == "lora":
+                result = self._commit_lora(update)
+            else:
+                result = self._commit_weights(update)
+        finally:
+            self.update = None
+        digests = [update.digests[b.index] for b in manifest.buckets]
+        return {"ack": {"version": manifest.version, "digests": digests, "loaded_names": result.pop("loaded_names")},
+                **result}
+
+    def abort(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if self.update is not None and self.update.manifest.version == int(body["version"]):
+            self.update = None
+        return {}
+
+    def forget_lora(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        path = self._lora_dirs.pop(str(body["lora_name"]), None)
+        if path is not None:
+            self._retired_dirs.append(path)  # deleted at the next adapter commit
+        return {}
+
+    # -- receiving ---------------------------------------------------------
+
+    def _receive_broadcast(self, bucket: BucketMeta, link: Link) -> torch.Tensor:
+        assert self.group is not None
+        device = _device(self.worker) if self.group.backend == "nccl" else torch.device("cpu")
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        self.group.broadcast(buffer, src=0, timeout_s=link.timeout_s)
+        return buffer.cpu()  # staged in host memory; a no-op on CPU
+
+    def _stage(self, update: _Update, bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        """Verify a bucket's bytes (a private copy) and stage its tensors (views of it)."""
+        update.digests[bucket.index] = check_bucket(bucket, buffer)
+        update.staged[bucket.index] = unpack(buffer, bucket)
+
+    def _stage_from_disk(self, update: _Update) -> None:
+        directory = Path(update.link.version_dir(update.manifest.version))
+        if update.manifest.mode == "lora":
+            bucket = update.manifest.buckets[0]
+            self._stage(update, bucket, _read_adapter_bucket(directory / ADAPTER_WEIGHTS, bucket))
+            return
+        on_disk, buckets = read_version(directory)
+        if on_disk.without_digests() != update.manifest.without_digests():
+            raise IntegrityError(f"{directory}: its manifest.json is not the manifest begin() announced")
+        for bucket, buffer in buckets:  # read_bucket verified each digest against manifest.json
+            self._stage(update, bucket, buffer)
+
+    # -- applying ----------------------------------------------------------
+
+    def _commit_weights(self, update: _Update) -> dict[str, Any]:
+        manifest = update.manifest
+        loaded: list[str] = []
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in manifest.buckets:
+                for name, tensor in update.staged[bucket.index]:
+                    loaded.append(name)
+                    yield name, tensor
+
+        self.dirty = True  # until reload_weights returns: a failure midway leaves a mix
+        self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        if len(loaded) != len(manifest.hf_names):
+            raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(manifest.hf_names)} tensors; "
+                                 "the weights are a mix: push a full update")
+        self.dirty = False
+        self.version = manifest.version
+        log.info("rank %d: now serving weight version %d (%d tensors)", self.rank, self.version, len(loaded))
+        return {"loaded_names": loaded}
+
+    def _commit_lora(self, update: _Update) -> dict[str, Any]:
+        """Write the verified adapter as a PEFT directory (engine rank 0 only, in a
+        private temporary directory of this process: the engine's ranks share a host)."""
+        manifest = update.manifest
+        assert manifest.lora_name is not None and manifest.lora_config is not None
+        names = [name for b in manifest.buckets for name, _ in update.staged[b.index]]
+        self._delete_retired()
+        self.version = manifest.version  # one counter for weights and adapters, as in the embedded engine
+        if self.rank != 0:
+            return {"loaded_names": names, "lora_path": None}
+        from safetensors.torch import save_file
+
+        lora_root = self._lora_root()
+        target = lora_root / manifest.lora_name
+        tmp = lora_root / f".{manifest.lora_name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tensors = {name: t.contiguous() for b in manifest.buckets for name, t in update.staged[b.index]}
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(dict(manifest.lora_config), indent=2, sort_keys=True))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        self._lora_dirs[manifest.lora_name] = target
+        return {"loaded_names": names, "lora_path": str(target)}
+
+    # -- the dry run -------------------------------------------------------
+
+    def _check_full(self, manifest: Manifest) -> None:
+        if manifest.mode == "delta":  # see the module docstring
+            raise EngineError(self._who, "delta updates are not applied by the vLLM extension "
+                              "(its in-place reload needs every tensor of a layer); send mode='full'",
+                              status=409)
+        if self.dirty:
+            log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
+        expected = self._expected_metas()
+        if expected is not None:
+            check_manifest_fits(manifest, expected, partial=False)
+
+    def _check_lora(self, manifest: Manifest) -> None:
+        lora_config = self.worker.vllm_config.lora_config
+        if lora_config is None:
+            raise EngineError(self._who, f"adapter {manifest.lora_name!r}: this vLLM runs without LoRA; "
+                              "start it with enable_lora=True (--enable-lora) and max_lora_rank")
+        config = dict(manifest.lora_config or {})
+        if config.get("use_dora"):
+            raise EngineError(self._who, f"adapter {manifest.lora_name!r}: vLLM does not serve DoRA adapters")
+        if config.get("bias", "none") != "none":
+            raise EngineError(self._who, f"adapter {manifest.lora_name!r}: vLLM does not serve adapters with "
+                              f"bias={config.get('bias')!r}; train with bias='none'")
+        expected = self._expected_metas() or {}
+        unexpected, mismatched = [], []
+        for entry in manifest.entries():
+            module = _lora_module(entry.hf_name)
+            base = expected.get(f"{module}.weight") if module else None
+            if module is None or base is None or len(base.shape) != 2 or len(entry.shape) != 2:
+                unexpected.append(entry.hf_name)
+                continue
+            out_features, in_features = base.shape
+            rank = entry.shape[0] if entry.hf_name.endswith(".lora_A.weight") else entry.shape[1]
+            want = (rank, in_features) if entry.hf_name.endswith(".lora_A.weight") else (out_features, rank)
+            if entry.shape != want or rank > lora_config.max_lora_rank:
+                mismatched.append(f"{entry.hf_name}: {entry.shape} (base {module}.weight is {base.shape}, "
+                                  f"max_lora_rank {lora_config.max_lora_rank})")
+        if unexpected or mismatched:
+            parts = []
+            if unexpected:
+                parts.append(f"{len(unexpected)} name(s) that are not LoRA A/B of a linear layer of this model "
+                             f"(PEFT names {PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight): "
+                             f"{format_names(unexpected)}")
+            if mismatched:
+                parts.append(f"{len(mismatched)} shape mismatch(es): " + "; ".join(mismatched[:8]))
+            raise ManifestMismatchError(f"adapter {manifest.lora_name!r} refused: " + " | ".join(parts),
+                                        unexpected=unexpected, mismatched=[m.split(":", 1)[0] for m in mismatched])
+
+    def _expected_metas(self) -> dict[str, TensorMeta] | None:
+        """Checkpoint name -> dtype and full shape of what this vLLM serves, or None
+        (with a warning) where the checkpoint has no safetensors headers to read."""
+        if self._expected is None:
+            model_config = self.worker.vllm_config.model_config
+            directory = _checkpoint_dir(model_config, self.worker.vllm_config.load_config)
+            try:
+                metas = read_checkpoint_metas(directory) if directory is not None else []
+            except FileNotFoundError:
+                metas = []
+            if not metas:
+                log.warning("no safetensors checkpoint found for %s: updates are not dry-run checked",
+                            model_config.model)
+                return None
+            served = model_config.dtype
+            self._expected = {
+                m.hf_name: TensorMeta(hf_name=m.hf_name, shape=m.shape,
+                                      dtype=served if m.dtype.is_floating_point else m.dtype)
+                for m in metas
+            }
+        return self._expected
+
+    # -- helpers -----------------------------------------------------------
+
+    @property
+    def _who(self) -> str:
+        return f"vLLM worker rank {self.rank}"
+
+    def _open(self, version: int) -> _Update:
+        if self.update is None or self.update.manifest.version != version:
+            open_version = None if self.update is None else self.update.manifest.version
+            raise EngineError(self._who, f"no open update v{version} (open: {open_version}); begin() first",
+                              status=409)
+        return self.update
+
+    def _lora_root(self) -> Path:
+        if self._lora_root_dir is None:
+            _remove_stale_lora_roots()
+            self._lora_root_dir = Path(tempfile.mkdtemp(prefix=f"{LORA_ROOT_PREFIX}{os.getpid()}-"))
+            atexit.register(shutil.rmtree, self._lora_root_dir, ignore_errors=True)
+        return self._lora_root_dir
+
+    def _leave_group(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    def _close_segment(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+    def _delete_retired(self) -> None:
+        """Adapter directories unloaded before the previous commit (one push of grace,
+        so a request still running on an evicted adapter can reload it)."""
+        keep = self._retired_dirs[-1:] if self._retired_dirs else []
+        for path in self._retired_dirs[:-1]:
+            shutil.rmtree(path, ignore_errors=True)
+        self._retired_dirs = keep
+
+
+# --- free functions ------------------------------------------------------------
+
+
+def _engine_rank() -> tuple[int, int]:
+    """(this worker's rank within its engine, the engine's rank count): TP x PP."""
+    from vllm.distributed import parallel_state
+
+    tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
+    return tp.rank_in_group + tp.world_size * pp.rank_in_group, tp.world_size * pp.world_size
+
+
+def _require(link: Link, *fields: str) -> None:
+    missing = [f for f in fields if getattr(link, f) is None]
+    if missing:
+        raise ValueError(f"a {link.transport!r} link needs {missing}; got {link.to_dict()}")
+
+
+def _device(worker: Any) -> torch.device:
+    device = getattr(worker, "device", None)
+    return device if isinstance(device, torch.device) else torch.device("cuda", torch.cuda.current_device())
+
+
+def _checkpoint_dir(model_config: Any, load_config: Any) -> Path | None:
+    """The local directory of the checkpoint vLLM loaded (a local path, or the
+    Hugging Face cache snapshot it downloaded)."""
+    model = str(model_config.model)
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=model_config.revision, cache_dir=load_config.download_dir,
+                                      allow_patterns=["*.safetensors"], local_files_only=True))
+    except Exception as e:  # not in the local cache (or no hub): nothing to check against
+        log.warning("cannot find the checkpoint of %s locally: %s", model, e)
+        return None
+
+
+def _remove_stale_lora_roots() -> None:
+    """Delete adapter directories of worker processes that are gone (vLLM kills its
+    workers at shutdown, so their atexit cleanup may never run)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{LORA_ROOT_PREFIX}*-*"):
+        pid_text = path.name[len(LORA_ROOT_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
+def _lora_module(peft_name: str) -> str | None:
+    """`base_model.model.<module>.lora_A.weight` -> `<module>` (None for anything else)."""
+    if not peft_name.startswith(PEFT_PREFIX):
+        return None
+    for suffix in LORA_SUFFIXES:
+        if peft_name.endswith(suffix):
+            return peft_name[len(PEFT_PREFIX) : -len(suffix)]
+    return None
+
+
+def _read_adapter_bucket(path: Path, bucket: BucketMeta) -> torch.Tensor:
+    """The data section of the disk transport's adapter_model.safetensors, checked
+    against the manifest's entries (its digest is checked when it is staged)."""
+    import struct
+
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        for entry in bucket.entries:
+            got = header.get(entry.hf_name) or {}
+            if got.get("data_offsets") != [entry.offset, entry.offset + entry.nbytes] or \
+                    got.get("shape") != list(entry.shape):
+                raise IntegrityError(f"{path}: entry {entry.hf_name!r} does not match the manifest")
+        data = bytearray(f.read(bucket.nbytes + 1))  # one byte more: a longer file fails the size check
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+__all__ = ["EXTENSION", "WeightSyncWorkerExtension", "WorkerSync", "error_payload"]

