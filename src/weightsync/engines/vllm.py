@@ -354,8 +354,11 @@ class _InProcess(_Backend):
             lora = self._loras.get(lora_name)
             if lora is None:
                 raise EngineError("vllm-inprocess", f"no adapter {lora_name!r}; loaded: {sorted(self._loras)}")
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0,
-                                ignore_eos=True)
+        params = [
+            SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
+                           seed=None if seed is None else seed + i, logprobs=0, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
         outputs = self._call("generate", lambda: self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False))
         return [_completion_from_output(o.outputs[0]) for o in outputs]
@@ -441,11 +444,10 @@ class _Server(_Backend):
                  lora_name: str | None, seed: int | None) -> list[Completion]:
         sampling: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "logprobs": 0,
                                     "ignore_eos": True}
-        if seed is not None:
-            sampling["seed"] = seed
+        per_prompt = [sampling if seed is None else {**sampling, "seed": seed + i} for i in range(len(prompts))]
         model = lora_name or self.model
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 16))) as pool:  # one batch in vLLM
-            return list(pool.map(lambda p: self._generate_one(p, sampling, model), prompts))
+            return list(pool.map(self._generate_one, prompts, per_prompt, [model] * len(prompts)))
 
     def _generate_one(self, prompt: list[int], sampling: dict[str, Any], model: str) -> Completion:
         if self._tokens_api is not False:
