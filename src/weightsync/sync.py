@@ -244,7 +244,7 @@ class WeightSync:
             assert self._transport is not None
             self._transport.begin(manifest)
             self._share_with_followers(mode=source.mode, order=order)
-            digests = self._stream(source, plan, order, links, stages)
+            digests = self._stream(source, plan, order, links, stages, to_engine)
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:
@@ -275,8 +275,11 @@ class WeightSync:
         )
 
     def _stream(self, source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],
-                links: Sequence[Link], stages: _Stages) -> list[str]:
-        """Gather/pack/hash on a producer thread while this thread delivers."""
+                links: Sequence[Link], stages: _Stages, to_engine: Mapping[str, str]) -> list[str]:
+        """Gather/pack/hash on a producer thread while this thread delivers.
+
+        `order` holds the source's (hf) names; the plan holds engine names.
+        """
         transport = self._transport
         assert transport is not None
         ready: queue.Queue[Any] = queue.Queue(maxsize=1)
@@ -299,7 +302,7 @@ class WeightSync:
 
         def produce() -> None:
             try:
-                tensors = _timed(source.tensors(order), stages, "gather")
+                tensors = ((to_engine[n], t) for n, t in _timed(source.tensors(order), stages, "gather"))
                 t_prev = time.perf_counter()
                 for bucket, buffer in pack_stream(plan, tensors, alloc=alloc):
                     if buffer is None:

@@ -140,3 +140,43 @@ def test_exported_adapter_loads_in_the_engine_like_in_peft(
     finally:
         http.post("/unload_lora_adapter", json={"lora_name": "exported"})
         http.close()
+
+
+@pytest.mark.parametrize("transport", ["http", "broadcast"])
+def test_merged_lora_is_served_as_full_weights(
+    transport: str, engines: list[ServerProcess], tiny_model_dir: Path, disk_root: Path
+) -> None:
+    model = peft_trainer(tiny_model_dir, seed=11)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    client = ws.SGLangEngine(engines[0].url)
+    with ws.WeightSync([client], transport=transport, mode="lora-merged", bucket_bytes=200 << 10,
+                       disk_root=str(disk_root), timeout_s=30) as sync:
+        report = sync.push(model, version=next_version())
+    assert report.verified and report.mode == "lora-merged"
+    assert not any("lora_" in n for a in report.acks for n in a.loaded_names), "no LoRA tensor is sent"
+    merged = ws.probe_logprobs(model, client, PROMPTS, max_new_tokens=6)  # PEFT, unmerged, adapter on
+    assert merged.token_agreement == 1.0 and merged.max_gap < 1e-4, merged
+    with model.disable_adapter():
+        base = ws.probe_logprobs(model, client, PROMPTS, max_new_tokens=6)
+    assert base.max_gap > 1e-2, "the engine serves merged weights, not the base"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "trainer left bit-identical"
+
+
+def test_first_lora_push_syncs_a_different_base(tiny_model_dir: Path, disk_root: Path, tmp_path: Path) -> None:
+    from weightsync.tiny import TinyModelConfig, make_tiny_model
+
+    other_base = make_tiny_model(disk_root / "other-base", TinyModelConfig(seed=123))
+    args = ["--disk-root", str(disk_root), "--enable-lora"]
+    with launch_server(other_base, args=args) as server:
+        client = ws.SGLangEngine(server.url)
+        model = peft_trainer(tiny_model_dir, seed=4)  # trained on tiny_model_dir's base
+        with ws.WeightSync([client], transport="http", mode="lora", timeout_s=30) as sync:
+            first = sync.push(model, version=1)
+            assert client.weight_version() == "1" and first.mode == "lora"
+            with model.disable_adapter():
+                assert ws.probe_logprobs(model, client, PROMPTS).max_gap < 1e-4, "base weights were synced"
+            adapted = ws.probe_logprobs(model, client, PROMPTS, lora_name=sync.lora_name)
+            assert adapted.max_gap < 1e-4 and adapted.token_agreement == 1.0
+            randomize_b(model, 5)
+            second = sync.push(model, version=2)
+            assert second.num_bytes == first.num_bytes, "later pushes send only the adapter"

@@ -239,3 +239,17 @@ def test_digest_of_report_matches_what_engine_holds() -> None:
     (ack,) = report.acks
     assert ack.digests and all(len(d) == 16 for d in ack.digests)
     assert digest(engine.weights["0.weight"]) == digest(model.state_dict()["0.weight"])
+
+
+def test_rename_table_maps_checkpoint_names_to_engine_names() -> None:
+    model = tiny()
+    engine_weights = {("net." + k if k.startswith("2.") else k): torch.zeros_like(v)
+                      for k, v in model.state_dict().items()}
+    engine = MemoryEngine(engine_weights)
+    table = {"2.weight": "net.2.weight", "2.bias": "net.2.bias"}
+    with ws.WeightSync([engine], transport="http", rename=table) as sync:
+        report = sync.push(model, version=1)
+    assert report.verified and {"net.2.weight", "net.2.bias"} <= set(report.acks[0].loaded_names)
+    assert torch.equal(engine.weights["net.2.weight"], model.state_dict()["2.weight"])
+    with pytest.raises(ws.NamingError, match="match no weight: 'typo'"):
+        ws.WeightSync([engine], transport="http", rename={"typo": "x"}).push(model, version=2)
