@@ -32,6 +32,10 @@ from weightsync.wire import FrameHeader, encode_prefix
 
 log = logging.getLogger(__name__)
 
+CLEANUP_TIMEOUT_S = 10.0
+"""Upper limit for abort and group teardown calls (never more than the client's timeout_s):
+they run after a failure, often against a peer that already stopped answering."""
+
 
 class SGLangEngine:
     """One SGLang server (or `weightsync serve`) at `url`."""
@@ -51,6 +55,10 @@ class SGLangEngine:
         self._flush_cache = True
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
 
+    @property
+    def _cleanup_timeout_s(self) -> float:
+        return min(CLEANUP_TIMEOUT_S, self.timeout_s)
+
     # -- capabilities ------------------------------------------------------
 
     @property
@@ -60,6 +68,12 @@ class SGLangEngine:
             response = self._http.request("GET", "/weightsync/info", allow=(404,))
             self._native = response.status_code != 404
         return self._native
+
+    @property
+    def supports_delta(self) -> bool:
+        """A delta needs an engine that proves which version it holds; a stock
+        SGLang (possibly restarted from its checkpoint) cannot, so it gets full pushes."""
+        return self.native
 
     @property
     def stages_updates(self) -> bool:
@@ -89,7 +103,8 @@ class SGLangEngine:
         if link.transport != "broadcast":
             return
         try:
-            self._http.post("/destroy_weights_update_group", {"group_name": link.group_name}, timeout_s=10)
+            self._http.post("/destroy_weights_update_group", {"group_name": link.group_name},
+                            timeout_s=self._cleanup_timeout_s)
         except EngineError as e:
             log.warning("%s: destroying group %s: %s", self.label, link.group_name, e)
 
@@ -156,12 +171,13 @@ class SGLangEngine:
         errors = []
         if self.native:
             try:
-                self._http.post("/weightsync/abort", {"version": version}, timeout_s=10)
+                self._http.post("/weightsync/abort", {"version": version}, timeout_s=self._cleanup_timeout_s)
             except EngineError as e:
                 errors.append(e)
         if self._session_open:
             self._session_open = False
-            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=10)
+            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,),
+                               timeout_s=self._cleanup_timeout_s)
         if errors:
             raise errors[0]
 
