@@ -32,6 +32,9 @@ from weightsync.errors import SyncTimeoutError, WeightSyncError
 
 log = logging.getLogger(__name__)
 
+MAX_WORLD_SIZE = 1 << 16
+"""Largest weight-update group accepted (torch's store takes a C int; beyond it raises TypeError)."""
+
 
 @dataclass
 class UpdateGroup:
@@ -120,6 +123,8 @@ def finish_hosting(holder: UpdateGroup, *, timeout_s: float) -> UpdateGroup:
 def join_group(*, master_address: str, master_port: int, rank: int, world_size: int,
                group_name: str, backend: str, timeout_s: float) -> UpdateGroup:
     """Engine side: join the trainer's group as `rank` (SGLang's rendezvous)."""
+    if not 1 < world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size {world_size} must be in 2..{MAX_WORLD_SIZE} (the trainer and the engine ranks)")
     if not 0 < rank < world_size:
         raise ValueError(f"engine rank {rank} must be in 1..{world_size - 1} (rank 0 is the trainer)")
     init_method = f"tcp://{master_address}:{master_port}"

@@ -269,8 +269,17 @@ def _completion(answer: dict[str, Any]) -> Completion:
     )
 
 
+BODY_PIECE_BYTES = 1 << 20
+"""Largest piece of a request body handed to httpx at once. h11 copies each piece
+into a new bytes object and httpcore re-slices that bytes object after every
+partial socket send, which is quadratic in the piece size: one 256 MiB piece
+took seconds; 1 MiB pieces keep it linear."""
+
+
 def _chunks(*parts: bytes | memoryview) -> Iterator[bytes]:
-    """Request body parts, sent without concatenating (httpx streams an iterator)."""
+    """Request body parts in pieces of at most BODY_PIECE_BYTES, sent without
+    concatenating (httpx streams an iterator)."""
     for part in parts:
-        if len(part):
-            yield part  # type: ignore[misc]
+        view = memoryview(part)
+        for start in range(0, len(view), BODY_PIECE_BYTES):
+            yield view[start : start + BODY_PIECE_BYTES]  # type: ignore[misc]

@@ -62,6 +62,9 @@ T = TypeVar("T")
 
 RPC_MARGIN_S = 10.0
 """Added to a verb's own timeout for the RPC carrying it, so the worker's error comes first."""
+CLEANUP_TIMEOUT_S = 10.0
+"""Upper limit for abort and teardown calls (never more than the client's timeout_s):
+they run after a failure, often against an engine that already stopped answering."""
 
 
 class VLLMEngine:
@@ -126,7 +129,8 @@ class VLLMEngine:
         if link.transport not in ("broadcast", "shm"):
             return
         try:
-            self._rpc("weightsync_disconnect", {"link": link.to_dict()}, timeout_s=10)
+            self._rpc("weightsync_disconnect", {"link": link.to_dict()},
+                      timeout_s=min(CLEANUP_TIMEOUT_S, self.timeout_s), margin_s=0.0)
         except WeightSyncError as e:
             log.warning("%s: leaving the %s session: %s", self.label, link.transport, e)
 
@@ -173,7 +177,8 @@ class VLLMEngine:
 
     def abort(self, version: int) -> None:
         self._open = None
-        self._rpc("weightsync_abort", {"version": version}, timeout_s=10)
+        self._rpc("weightsync_abort", {"version": version}, timeout_s=min(CLEANUP_TIMEOUT_S, self.timeout_s),
+                  margin_s=0.0)
 
     def unload_lora(self, lora_name: str) -> None:
         """Stop routing requests to an adapter; its files go one push later (a
@@ -202,9 +207,10 @@ class VLLMEngine:
 
     # -- internals ---------------------------------------------------------
 
-    def _rpc(self, method: str, body: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
+    def _rpc(self, method: str, body: dict[str, Any], *, timeout_s: float,
+             margin_s: float = RPC_MARGIN_S) -> list[dict[str, Any]]:
         """Call `method` on every worker; raise the first worker's error as a weightsync error."""
-        results = self._backend.rpc(method, json.dumps(body), timeout_s=timeout_s + RPC_MARGIN_S)
+        results = self._backend.rpc(method, json.dumps(body), timeout_s=timeout_s + margin_s, margin_s=margin_s)
         if not results:
             raise EngineError(self.label, f"{method}: no worker answered")
         for result in results:
@@ -258,7 +264,8 @@ class VLLMEngine:
 class _Backend:
     """What differs between the in-process and the server form."""
 
-    def rpc(self, method: str, request: str, *, timeout_s: float) -> list[Any]:
+    def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
+        """Call `method` on every worker; the transport may wait `margin_s` beyond `timeout_s`."""
         raise NotImplementedError
 
     def pause(self, mode: str) -> None:
@@ -309,7 +316,7 @@ class _InProcess(_Backend):
             except Exception as e:  # vLLM raises a bare Exception carrying the engine's message
                 raise EngineError("vllm-inprocess", f"{what}: {type(e).__name__}: {e}{hint}") from e
 
-    def rpc(self, method: str, request: str, *, timeout_s: float) -> list[Any]:
+    def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
         hint = f"; is the LLM built with worker_extension_cls={EXTENSION!r}?"
         return list(self._call(method, lambda: self.llm.collective_rpc(method, timeout=timeout_s, args=(request,)),
                                hint))
@@ -387,10 +394,10 @@ class _Server(_Backend):
         self._model: str | None = None
         self._loras: set[str] = set()
 
-    def rpc(self, method: str, request: str, *, timeout_s: float) -> list[Any]:
+    def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
         response = self.http.request("POST", "/collective_rpc", allow=(404, 500),
                                      json_body={"method": method, "args": [request], "timeout": timeout_s},
-                                     timeout_s=timeout_s + RPC_MARGIN_S)
+                                     timeout_s=timeout_s + margin_s)
         if response.status_code == 404:
             raise EngineError(self.url, "POST /collective_rpc: 404; start vLLM with VLLM_SERVER_DEV_MODE=1")
         if response.status_code == 500:

@@ -37,9 +37,12 @@ def answer(message: str = "", *, status: int = 200, success: bool = True, **extr
 def error_response(exc: BaseException) -> JSONResponse:
     """Map an exception to its JSON answer."""
     status, extra = _status_of(exc)
-    if status >= 500:
+    if status == 500:
         log.error("unhandled error: %s: %s", type(exc).__name__, exc, exc_info=exc)
         message = f"internal error: {type(exc).__name__}: {exc}"
+    elif status > 500:  # anticipated (504: a group or broadcast timed out): no traceback
+        log.warning("failed (%d): %s", status, exc)
+        message = str(exc) or type(exc).__name__
     else:
         log.info("refused (%d): %s", status, exc)
         message = str(exc) or type(exc).__name__

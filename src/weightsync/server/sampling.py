@@ -7,6 +7,7 @@ before top-k/top-p filtering, which is what SGLang reports by default.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 DEFAULT_MAX_NEW_TOKENS = 128
+SAMPLING_EPS = 1e-6
+"""Temperatures below this sample greedily, as in SGLang (dividing logits by them overflows)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +24,7 @@ class SamplingParams:
     """SGLang's `sampling_params`, the subset this engine implements."""
 
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or below SAMPLING_EPS) means greedy."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     top_k: int = -1
@@ -39,7 +42,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < SAMPLING_EPS
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any] | None) -> SamplingParams:
@@ -52,8 +55,8 @@ class SamplingParams:
         top_k = _integer(raw, "top_k", -1)
         max_new_tokens = _integer(raw, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         seed = raw.get("seed", raw.get("sampling_seed"))
-        if temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {temperature}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"sampling_params.temperature must be a finite number >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
         if max_new_tokens < 0:

@@ -9,17 +9,19 @@ are deleted after each publish. Needs a filesystem the engines can read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from weightsync.checkpoint import publish, write_bucket, write_manifest
+from weightsync.errors import WeightSyncError
 from weightsync.transports.base import SlotBuffers
 from weightsync.types import BucketMeta, Delivery, Link, Manifest
 
@@ -28,6 +30,22 @@ log = logging.getLogger(__name__)
 LORA_WEIGHTS_FILE = "adapter_model.safetensors"
 LORA_CONFIG_FILE = "adapter_config.json"
 _VERSION_DIR = re.compile(r"^v(\d{8})$")
+
+
+class DiskTransportError(WeightSyncError, OSError):
+    """Writing a version failed (disk full, file too large, a path that is not a writable
+    directory). Also an OSError, with the original errno."""
+
+
+@contextlib.contextmanager
+def _writing(what: str, path: Path) -> Iterator[None]:
+    """Turn an OSError while writing `path` into a DiskTransportError naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise DiskTransportError(
+            e.errno, f"disk transport: {what} {path} failed: {e.strerror or e} "
+            "(is the disk full, or the directory not writable?)") from e
 
 
 class DiskTransport:
@@ -47,7 +65,8 @@ class DiskTransport:
         self._lora = False
 
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
-        self.root.mkdir(parents=True, exist_ok=True)
+        with _writing("creating the root directory", self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
         return [Link(transport=self.name, root=str(self.root), timeout_s=self.timeout_s) for _ in engine_ranks]
 
     def establish(self) -> None:
@@ -57,7 +76,8 @@ class DiskTransport:
         """Start writing a version (a PEFT adapter directory in "lora" mode)."""
         self.discard(manifest.version)
         self._tmp = self.root / f".tmp-v{manifest.version:08d}-{secrets.token_hex(4)}"
-        self._tmp.mkdir()
+        with _writing("creating", self._tmp):
+            self._tmp.mkdir()
         self._lora = manifest.mode == "lora"
         if self._lora and len(manifest.buckets) != 1:
             raise ValueError("a LoRA adapter goes to disk as one bucket; raise bucket_bytes")
@@ -67,9 +87,10 @@ class DiskTransport:
 
     def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
         assert self._tmp is not None, "begin() first"
-        path = write_bucket(self._tmp, bucket, buffer)
-        if self._lora:
-            path.rename(self._tmp / LORA_WEIGHTS_FILE)
+        with _writing(f"writing bucket {bucket.index} into", self._tmp):
+            path = write_bucket(self._tmp, bucket, buffer)
+            if self._lora:
+                path.rename(self._tmp / LORA_WEIGHTS_FILE)
         return Delivery(transport=self.name)
 
     def send(self, bucket: BucketMeta, buffer: torch.Tensor) -> None:
@@ -77,13 +98,14 @@ class DiskTransport:
 
     def finish(self, manifest: Manifest) -> None:
         assert self._tmp is not None, "begin() first"
-        if manifest.mode == "lora":
-            _write_json(self._tmp / LORA_CONFIG_FILE, dict(manifest.lora_config or {}))
-        write_manifest(self._tmp, manifest)
         final = self.root / f"v{manifest.version:08d}"
-        if final.exists():  # a re-push of the same version replaces it
-            shutil.rmtree(final)
-        publish(self._tmp, final)
+        with _writing("publishing", final):
+            if manifest.mode == "lora":
+                _write_json(self._tmp / LORA_CONFIG_FILE, dict(manifest.lora_config or {}))
+            write_manifest(self._tmp, manifest)
+            if final.exists():  # a re-push of the same version replaces it
+                shutil.rmtree(final)
+            publish(self._tmp, final)
         self._tmp = None
         self._prune()
 

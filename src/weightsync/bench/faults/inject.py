@@ -1,0 +1,321 @@
+"""How faults are injected: a transport that breaks one bucket, and trainers in
+child processes that can be killed mid-push.
+
+Fakes appear only here, and only to inject faults: `FaultyTransport` wraps a
+real transport; `_CutBodyEngine` wraps a real engine client. Everything else a
+scenario touches is real (servers, sockets, shared memory, files, gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import httpx
+import torch
+
+from weightsync.bench.faults.rig import DictSource
+from weightsync.checkpoint import bucket_file_name
+from weightsync.engines.base import Delivery, Link
+from weightsync.engines.sglang import SGLangEngine
+from weightsync.errors import WeightSyncError
+from weightsync.sync import WeightSync
+from weightsync.transports.base import Transport
+from weightsync.types import BucketMeta, Manifest
+from weightsync.wire import FrameHeader, encode_prefix
+
+# -- injecting faults --------------------------------------------------------------------------
+
+
+class FaultyTransport:
+    """A real transport with one fault at bucket `at_bucket` of push number `at_push`
+    (1-based); every other bucket and push passes through untouched.
+
+    Faults: "flip" one byte of the packed bucket after it was hashed; "truncate" it
+    (http: a short frame, broadcast: a short broadcast, disk: a short file, shm: a
+    slot advertised shorter than the bucket); "stop" (SIGSTOP) or "kill" the engine
+    just before the bucket goes out (`rig.stop()`, `rig.kill()`: a `Rig` or anything
+    with those methods); "block" before delivering or "block-send" before
+    broadcasting: call `on_fire`, then wait for `release` (a trainer stuck there).
+    """
+
+    def __init__(self, inner: Transport, fault: str, *, at_bucket: int = 1, at_push: int = 1,
+                 rig: Any = None, cut_bytes: int = 64, on_fire: Callable[[], None] | None = None,
+                 block_s: float | None = 120.0) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.per_bucket_delivery = inner.per_bucket_delivery
+        self.fault = fault
+        self.at_bucket = at_bucket
+        self.at_push = at_push
+        self.rig = rig
+        self.cut_bytes = cut_bytes
+        self.on_fire = on_fire
+        self.block_s = block_s
+        self.fired = threading.Event()
+        self.release = threading.Event()
+        self.links: list[Link] = []
+        """The links of the latest session (a killed trainer's shm segment is found here)."""
+        self._pushes = 0
+
+    def _armed(self, bucket: BucketMeta | None = None) -> bool:
+        return (self._pushes == self.at_push and not self.fired.is_set()
+                and (bucket is None or bucket.index == self.at_bucket))
+
+    def _fire(self) -> None:
+        self.fired.set()
+        if self.on_fire is not None:
+            self.on_fire()
+
+    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
+        links = self.inner.open(engine_ranks, max_bucket_bytes=max_bucket_bytes)
+        self.links = list(links)
+        if self.fault == "truncate" and self.name == "shm" and self._pushes + 1 == self.at_push:
+            short = max(1, max_bucket_bytes - self.cut_bytes)
+            return [dataclasses.replace(link, slot_bytes=short) for link in links]
+        return links
+
+    def establish(self) -> None:
+        self.inner.establish()
+
+    def begin(self, manifest: Manifest) -> None:
+        self._pushes += 1
+        if self.fault == "truncate" and self.name == "shm" and self._armed():
+            self._fire()  # the short slot went out with the links
+        self.inner.begin(manifest)
+
+    def slot(self, index: int, nbytes: int) -> torch.Tensor:
+        return self.inner.slot(index, nbytes)
+
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+        if not self._armed(bucket) or self.fault == "block-send":
+            return self.inner.deliver(bucket, buffer, slot)
+        if self.fault == "flip":
+            self._fire()
+            middle = bucket.nbytes // 2
+            buffer[middle] = buffer[middle] ^ 0xFF
+        elif self.fault == "stop":
+            assert self.rig is not None
+            self._fire()
+            self.rig.stop()
+        elif self.fault == "kill":
+            assert self.rig is not None
+            self._fire()
+            self.rig.kill()
+        elif self.fault == "block":
+            self._fire()
+            self.release.wait(self.block_s)
+        elif self.fault == "truncate":
+            return self._truncate(bucket, buffer, slot)
+        return self.inner.deliver(bucket, buffer, slot)
+
+    def _truncate(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+        short = max(0, bucket.nbytes - self.cut_bytes)
+        delivery = self.inner.deliver(bucket, buffer, slot)
+        if self.name == "http":
+            self._fire()
+            return Delivery(transport="http", data=buffer[:short])
+        if self.name == "disk":
+            self._fire()
+            [path] = Path(self.inner.root).glob(f".tmp-v*/{bucket_file_name(bucket.index)}")  # type: ignore[attr-defined]
+            os.truncate(path, path.stat().st_size - (bucket.nbytes - short))
+        if self.name == "broadcast":
+            self._fire()  # send() broadcasts the short buffer
+        return delivery
+
+    def send(self, bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        if self.name == "broadcast" and bucket.index == self.at_bucket and self._pushes == self.at_push:
+            if self.fault == "truncate":
+                self.inner.send(bucket, buffer[: max(0, bucket.nbytes - self.cut_bytes)])
+                return
+            if self.fault == "block-send" and not self.fired.is_set():
+                self._fire()
+                self.release.wait(self.block_s)
+        self.inner.send(bucket, buffer)
+
+    def finish(self, manifest: Manifest) -> None:
+        self.inner.finish(manifest)
+
+    def discard(self, version: int) -> None:
+        self.inner.discard(version)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@contextlib.contextmanager
+def injected(fault: str, **options: Any) -> Iterator[list[FaultyTransport]]:
+    """Every transport a `WeightSync` makes inside the block (at its first push) is a
+    `FaultyTransport(real, fault, **options)`; the list fills as they are made. A sync
+    keeps its transport after the block ends."""
+    from weightsync import sync as sync_module
+
+    made: list[FaultyTransport] = []
+    real = sync_module.make_transport
+
+    def make(name: str, **kw: Any) -> Transport:
+        transport = FaultyTransport(real(name, **kw), fault, **options)
+        made.append(transport)
+        return transport  # type: ignore[return-value]
+
+    with mock.patch.object(sync_module, "make_transport", make):
+        yield made
+
+
+class ChildTrainer:
+    """A trainer in a child process (`python -m weightsync.bench.faults child SPEC`, see
+    `child_main`), whose output lines can be waited for and which can be SIGKILLed."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.bench.faults", "child", json.dumps(spec)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, name="weightsync-child-stdout", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, prefix: str, timeout_s: float) -> str | None:
+        """The first output line starting with `prefix`, or None (exit or timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if line is None:
+                return None
+            self.output.append(line)
+            if line.startswith(prefix):
+                return line
+        return None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def tail(self) -> str:
+        return "\n".join(self.output[-20:])
+
+    def __enter__(self) -> ChildTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+CHILD_READY_TIMEOUT_S = 120.0
+
+
+def remove_segments(ready_line: str) -> None:
+    """Unlink the shm segments a killed child trainer named on its READY line."""
+    from weightsync.shmem import SHM_DIR, check_name
+
+    for name in json.loads(ready_line.removeprefix("READY").strip() or "[]"):
+        (SHM_DIR / check_name(name)).unlink(missing_ok=True)
+
+
+# -- the trainer child process -----------------------------------------------------------------
+
+
+class _CutBodyEngine:
+    """An SGLangEngine whose upload of bucket `at_bucket` stops halfway through the
+    request body and hangs there (its process is then killed)."""
+
+    def __init__(self, inner: SGLangEngine, at_bucket: int, on_fire: Callable[[], None],
+                 api_key: str | None) -> None:
+        self.inner = inner
+        self.at_bucket = at_bucket
+        self.on_fire = on_fire
+        self.api_key = api_key
+        self.version = -1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def begin(self, manifest: Manifest, link: Link) -> None:
+        self.version = manifest.version
+        self.inner.begin(manifest, link)
+
+    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+        if bucket.index != self.at_bucket:
+            return self.inner.receive(bucket, delivery)
+        assert bucket.digest is not None
+        prefix = encode_prefix(FrameHeader(version=self.version, index=bucket.index,
+                                           nbytes=bucket.nbytes, digest=bucket.digest))
+        payload = bytes(delivery.data.numpy().tobytes())
+
+        def body() -> Iterator[bytes]:
+            yield prefix
+            yield payload[: len(payload) // 2]
+            self.on_fire()
+            threading.Event().wait()
+
+        headers = {"Content-Type": "application/octet-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        httpx.post(f"{self.inner.url}/weightsync/bucket", content=body(), headers=headers, timeout=None)
+        return None
+
+
+def child_main(spec: dict[str, Any]) -> int:
+    """Push `spec["weights"]` once with the fault `spec["fault"]`, printing "READY" when
+    the fault fires and "RESULT {json}" at the end."""
+    from safetensors.torch import load_file
+
+    made: list[FaultyTransport] = []
+
+    def announce() -> None:  # with the shm segments this trainer made (nobody unlinks them once it is killed)
+        names = sorted({link.shm_name for transport in made for link in transport.links if link.shm_name})
+        print("READY " + json.dumps(names), flush=True)
+
+    loaded = load_file(spec["weights"])
+    weights = {name: loaded[name] for name in spec["order"]}  # the trainer's order, which buckets follow
+    engine: Any = SGLangEngine(spec["url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"])
+    if spec.get("engine") == "vllm":
+        from weightsync.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(spec["url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"])
+    fault = spec.get("fault")
+    if fault == "block-body":
+        engine = _CutBodyEngine(engine, spec["at_bucket"], announce, spec["api_key"])
+    injection: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if fault in ("block", "block-send"):
+        injection = injected(fault, at_bucket=spec["at_bucket"], on_fire=announce, block_s=None)
+    if spec.get("fsize_limit"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], hard))
+    started = time.monotonic()
+    result: dict[str, Any] = {"ok": True}
+    try:
+        with injection as faulty, WeightSync([engine], transport=spec["transport"], bucket_bytes=spec["bucket_bytes"],
+                                             timeout_s=spec["timeout_s"], disk_root=spec["disk_root"]) as sync:
+            made = faulty or []  # filled when the push makes its transport
+            sync.push(DictSource(weights), version=spec["version"])
+    except (WeightSyncError, OSError) as e:
+        result = {"ok": False, "error_type": type(e).__name__, "error": str(e)}
+    result["seconds"] = time.monotonic() - started
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0

@@ -1,0 +1,225 @@
+"""Load under pushes: concurrent generate clients while pushes run back to back,
+and a replay that proves which whole weight versions computed every answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from weightsync.bench.faults.rig import LOGPROB_TOLERANCE, PROMPTS, Rig, Weights
+
+# -- load: generation while pushes run back to back ---------------------------------------------
+
+
+@dataclass
+class LoadFigures:
+    """Generate requests under back-to-back pushes with one pause policy."""
+
+    policy: str
+    transport: str
+    clients: int
+    pushes: int = 0
+    sent: int = 0
+    completed: int = 0
+    aborted: int = 0
+    failed: int = 0
+    spanning: int = 0
+    """Completed answers that ran on two or more versions (allowed except under abort)."""
+    torn: int = 0
+    """Answers no sequence of whole pushed versions reproduces (must be 0)."""
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def lost(self) -> int:
+        return self.sent - self.completed - self.aborted - self.failed
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.policy, "transport": self.transport, "clients": self.clients, "pushes": self.pushes,
+                "sent": self.sent, "completed": self.completed, "aborted": self.aborted, "failed": self.failed,
+                "lost": self.lost, "spanning": self.spanning, "torn": self.torn}
+
+
+@dataclass(frozen=True)
+class Answer:
+    prompt: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish: str
+
+
+def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int = 3, num_pushes: int = 4,
+             max_new_tokens: int = 16) -> LoadFigures:
+    """`num_clients` loopback clients send greedy requests back to back while `num_pushes`
+    pushes run (each starts once a request is running); then every answer is checked."""
+    figures = LoadFigures(policy=policy, transport=transport, clients=num_clients)
+    answers: list[Answer] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(first: int) -> None:
+        with httpx.Client(base_url=rig.url, timeout=120) as http:
+            for k in itertools.count(first):
+                if stop.is_set():
+                    return
+                prompt = PROMPTS[k % len(PROMPTS)]
+                with lock:
+                    figures.sent += 1
+                body, error = _generate(http, prompt, max_new_tokens)
+                with lock:
+                    if body is None:
+                        figures.failed += 1
+                        figures.errors.append(error)
+                        continue
+                    meta = body["meta_info"]
+                    answer = Answer(prompt, tuple(body["output_ids"]),
+                                    tuple(lp for lp, _, _ in meta["output_token_logprobs"]),
+                                    tuple(meta["weight_versions"]), meta["finish_reason"]["type"])
+                    answers.append(answer)
+                    if answer.finish == "abort":
+                        figures.aborted += 1
+                    elif answer.finish == "length" and len(answer.output_ids) == max_new_tokens:
+                        figures.completed += 1
+                    else:
+                        figures.failed += 1
+                        figures.errors.append(f"unexpected finish {meta['finish_reason']}")
+
+    served: dict[int, Weights] = {}
+    with rig.sync(transport, pause=policy) as sync:
+        version = rig.push(sync)
+        served[version] = rig.weights
+        threads = [threading.Thread(target=client, args=(i,), name=f"weightsync-load-{i}", daemon=True)
+                   for i in range(num_clients)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in range(num_pushes):
+                _wait_for_running(rig)
+                version = rig.push(sync)
+                served[version] = rig.weights
+                figures.pushes += 1
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+    verifier = AnswerVerifier(rig.model_dir, served, policy)
+    for answer in answers:
+        if len(answer.versions) > 1 and answer.finish == "length":
+            figures.spanning += 1
+        problem = verifier.problem(answer)
+        if problem is not None:
+            figures.torn += 1
+            figures.errors.append(problem)
+    return figures
+
+
+def _generate(http: httpx.Client, prompt: Sequence[int], max_new_tokens: int) -> tuple[dict[str, Any] | None, str]:
+    """One greedy request with logprobs: (answer, "") or (None, what went wrong)."""
+    try:
+        response = http.post("/generate", json={
+            "input_ids": list(prompt), "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+    except httpx.HTTPError as e:
+        return None, f"{type(e).__name__}: {e}"
+    if response.status_code != 200:
+        return None, f"HTTP {response.status_code}: {response.text[:200]}"
+    return dict(response.json()), ""
+
+
+def _wait_for_running(rig: Rig, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while rig.info()["running_requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)  # polling the engine's own count; it decides
+
+
+class AnswerVerifier:
+    """Replays an answer step by step with Hugging Face transformers to prove which whole
+    weight versions computed it.
+
+    Each generated token must be the greedy token of, and carry the logprob of, the
+    version in force at its step; versions change only forward, through the versions the
+    answer reports. A retracted request recomputes its KV cache with the new version;
+    otherwise (none, in_place) the cache computed with older versions is kept. An answer
+    that no such replay reproduces was computed with a torn weight set (or is wrong).
+    """
+
+    def __init__(self, model_dir: Path, versions: dict[int, Weights], policy: str) -> None:
+        self.model_dir = model_dir
+        self.weights = versions
+        self.policy = policy
+        self._base: Any = None
+        self._models: dict[int, Any] = {}
+        self._seen: dict[Answer, str | None] = {}
+
+    def _model(self, version: int) -> Any:
+        if version not in self._models:
+            if self._base is None:
+                from transformers import AutoModelForCausalLM
+
+                self._base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+            model = copy.deepcopy(self._base)
+            model.load_state_dict(self.weights[version])
+            self._models[version] = model
+        return self._models[version]
+
+    def problem(self, answer: Answer) -> str | None:
+        if answer not in self._seen:
+            self._seen[answer] = self._check(answer)
+        return self._seen[answer]
+
+    def _check(self, answer: Answer) -> str | None:
+        if not answer.output_ids:
+            return None  # aborted before its first step: nothing was computed
+        unknown = [v for v in answer.versions if v not in self.weights]
+        if unknown or not answer.versions:
+            return f"{answer.prompt}: versions {answer.versions} were never pushed"
+        if self.policy == "abort" and answer.finish == "length" and len(answer.versions) != 1:
+            return f"{answer.prompt}: completed under 'abort' on versions {answer.versions}"
+        return self._replay(answer)
+
+    @torch.no_grad()
+    def _replay(self, answer: Answer) -> str | None:
+        from transformers import DynamicCache
+
+        if len(answer.versions) == 1:  # one version: one forward pass over the whole answer
+            whole = torch.tensor([list(answer.prompt) + list(answer.output_ids[:-1])])
+            logits = self._model(answer.versions[0])(input_ids=whole).logits[0, len(answer.prompt) - 1:]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            for i, (token, logprob) in enumerate(zip(answer.output_ids, answer.logprobs, strict=True)):
+                if int(logprobs[i].argmax()) != token or abs(float(logprobs[i, token]) - logprob) > LOGPROB_TOLERANCE:
+                    return (f"{answer.prompt}: token {i} ({token}, logprob {logprob:.5f}) is not what "
+                            f"v{answer.versions[0]} computes")
+            return None
+        versions = list(answer.versions)
+        cache: Any = DynamicCache()
+        cached = 0
+        for i, (token, logprob) in enumerate(zip(answer.output_ids, answer.logprobs, strict=True)):
+            ids = list(answer.prompt) + list(answer.output_ids[:i])
+            while True:
+                logits = self._model(versions[0])(input_ids=torch.tensor([ids[cached:]]), past_key_values=cache,
+                                                  use_cache=True).logits[0, -1]
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                if int(logprobs.argmax()) == token and abs(float(logprobs[token]) - logprob) <= LOGPROB_TOLERANCE:
+                    cached = len(ids)
+                    break
+                versions.pop(0)  # the update came before this step
+                if not versions:
+                    return (f"{answer.prompt}: token {i} ({token}, logprob {logprob:.5f}) matches none of "
+                            f"versions {answer.versions} in order")
+                if self.policy == "retract":  # retracted: the KV cache is recomputed with the new weights
+                    cache, cached = DynamicCache(), 0
+                elif cache.get_seq_length() > cached:
+                    cache.crop(cached - cache.get_seq_length())  # drop the rejected step
+        if len(versions) != 1:
+            return f"{answer.prompt}: versions {answer.versions} reported, but the replay ended on v{versions[0]}"
+        return None

@@ -1,0 +1,63 @@
+"""Faults on the engine side or on the wire, for every transport, against a real
+`weightsync serve`: a corrupted bucket, a truncated bucket, an engine that stalls
+past timeout_s, an engine killed mid-stream and restarted.
+
+Each test injects one fault into the second push of a trainer that has just
+pushed successfully, and proves (`assert_survived`): the trainer gets a clear
+error within its bound, the engine serves its last good version bit-identically
+(digests) and generates with it, no incomplete version directory is visible, the
+trainer's NEXT push through the same `WeightSync` succeeds and the engine then
+serves exactly those weights, and no version went backwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fault_helpers import assert_survived
+
+from weightsync.bench import faults
+from weightsync.bench.faults import Rig
+
+pytest_plugins = ["fault_fixtures"]  # fixtures: rig, fault_model
+pytestmark = pytest.mark.faults
+
+TRUNCATION_SEEN_AS = {
+    "http": "truncated",  # the frame's payload is shorter than its header says
+    "shm": "do not fit",  # the slot the engine is pointed at is shorter than the bucket
+    "broadcast": "digest",  # gloo receives a short broadcast silently; the digest catches it
+    "disk": "truncated",  # the bucket file is shorter than the manifest says
+}
+
+
+@pytest.mark.parametrize("transport", faults.TRANSPORTS)
+def test_corrupted_bucket_is_refused_and_the_engine_keeps_its_weights(rig: Rig, transport: str) -> None:
+    out = faults.bad_bucket(rig, transport, "flip")
+    assert_survived(out, errors=("EngineError",), needles=("digest",), status=400)
+    assert "corrupted in transit" in out.error
+
+
+@pytest.mark.parametrize("transport", faults.TRANSPORTS)
+def test_truncated_bucket_is_refused_and_the_engine_keeps_its_weights(rig: Rig, transport: str) -> None:
+    out = faults.bad_bucket(rig, transport, "truncate")
+    assert_survived(out, errors=("EngineError",), needles=(TRUNCATION_SEEN_AS[transport],), status=400)
+
+
+@pytest.mark.parametrize("transport", faults.TRANSPORTS)
+def test_stalled_engine_is_a_timeout_not_a_hang(rig: Rig, transport: str) -> None:
+    out = faults.engine_stalled(rig, transport)
+    assert_survived(out, errors=("SyncTimeoutError",), needles=("no answer within", "did not finish within"))
+    # Every call of the push, cleanup included, gave up on its own timeout: about
+    # timeout_s for the stalled call plus min(10 s, timeout_s) per cleanup call.
+    assert out.seconds < faults.error_bound_s(rig.timeout_s)
+    print(f"\nstalled engine over {transport}: {out.error_type} after {out.seconds:.1f}s (timeout_s={rig.timeout_s})")
+
+
+@pytest.mark.parametrize("transport", faults.TRANSPORTS)
+def test_engine_killed_mid_stream_then_restarted(rig: Rig, transport: str) -> None:
+    out = faults.engine_killed(rig, transport)
+    # http/shm/disk: the next call is refused; broadcast: gloo sees the peer close.
+    assert_survived(out, errors=("EngineError", "WeightSyncError"),
+                    needles=("Connection refused", "Connection closed by peer", "peer"), restarted=True)
+    before, restarted, after = out.versions
+    assert restarted == (before[0] + 1, 0), "the restarted engine serves its checkpoint as v0"
+    assert after[0] == restarted[0] and after[1] > before[1]

@@ -1,0 +1,69 @@
+"""Faults on the trainer side, against a real `weightsync serve`: the trainer
+process killed mid-stream (between buckets, and with a bucket half on the wire),
+the disk transport's disk filling up or its directory becoming unwritable, two
+trainers pushing at once, and older versions pushed after newer ones.
+
+Killed trainers run in child processes (`python -m weightsync.bench.faults child`)
+and are SIGKILLed once they report, deterministically, that the fault point is
+reached; the engine must keep serving bit-identically and must not be wedged by
+the half-open session (it is discarded after --session-timeout, 2 s here), so a
+new trainer's next push succeeds.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fault_helpers import assert_survived
+
+import weightsync as ws
+from weightsync.bench import faults
+from weightsync.bench.faults import Rig
+
+pytest_plugins = ["fault_fixtures"]  # fixtures: rig, fault_model
+pytestmark = pytest.mark.faults
+
+
+@pytest.mark.parametrize("transport", faults.TRANSPORTS)
+def test_trainer_killed_between_buckets(rig: Rig, transport: str) -> None:
+    out = faults.trainer_killed(rig, transport)
+    assert_survived(out)
+    # Buckets 0 and 1 were out when the trainer died (staged by the engine; disk: written).
+    assert out.staged_before_kill == 2
+
+
+@pytest.mark.parametrize("transport", ["http", "broadcast"])
+def test_trainer_killed_with_a_bucket_half_on_the_wire(rig: Rig, transport: str) -> None:
+    # http: half of bucket 2's request body was sent; broadcast: the engine's receive
+    # of bucket 2 is posted and the broadcast never comes.
+    out = faults.trainer_killed(rig, transport, mid_wire=True)
+    assert_survived(out)
+    assert out.staged_before_kill == 2
+
+
+def test_disk_full_mid_version(rig: Rig) -> None:
+    out = faults.disk_full(rig)
+    assert_survived(out, errors=("DiskTransportError",), needles=("File too large",))
+    assert "writing bucket" in out.error and "bucket 0 " not in out.error, "it failed mid-version"
+    assert ".tmp-v" in out.error  # names the directory it was writing
+
+
+def test_unwritable_disk_root(rig: Rig) -> None:
+    out = faults.unwritable_root(rig)
+    assert_survived(out, errors=("DiskTransportError",), needles=("unwritable",))
+
+
+def test_disk_root_under_a_file_is_refused_up_front(rig: Rig) -> None:
+    blocker = rig.root / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(NotADirectoryError, match="a-file"):
+        ws.WeightSync([rig.engine()], transport="disk", disk_root=str(blocker / "versions"))
+
+
+@pytest.mark.parametrize("transport", faults.TRANSPORTS)
+def test_two_trainers_one_wins_and_versions_never_go_backwards(rig: Rig, transport: str) -> None:
+    out = faults.two_trainers(rig, transport)
+    # B collides with A's open session: a clear 409, never a mix (A's weights are served
+    # bit-identically); B's older and equal versions are refused with 409; in free races
+    # the newest successful push is served exactly; versions seen never decrease.
+    assert_survived(out, errors=("EngineError",), needles=("session",), status=409)
+    assert len(out.watched_versions) > 10 and out.watched_versions == sorted(out.watched_versions)
