@@ -111,3 +111,22 @@ def test_confine_refuses_escapes(tmp_path: Path) -> None:
         confine(root / "link", root)
     with pytest.raises(PermissionError):
         confine("/etc/passwd", root)
+
+
+def test_disk_transport_keeps_the_newest_versions_and_never_the_stale_ones(tmp_path: Path) -> None:
+    from weightsync.transports.disk import DiskTransport
+
+    for leftover in (40, 41):  # an earlier run's versions
+        (tmp_path / f"v{leftover:08d}").mkdir()
+    transport = DiskTransport(tmp_path, keep_versions=2)
+    transport.open([1], max_bucket_bytes=1 << 20)
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in TENSORS.items()], 1 << 20)
+    for version in (1, 2, 3):
+        manifest = Manifest(version=version, buckets=plan)
+        transport.begin(manifest)
+        (bucket,) = plan
+        buf = pack(bucket, {n: TENSORS[n] for n in bucket.hf_names})
+        transport.deliver(bucket, buf, 0)
+        transport.finish(manifest.with_digests([digest(buf)]))
+        assert (tmp_path / f"v{version:08d}" / "manifest.json").exists(), "the version just published stays"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000003"]

@@ -8,9 +8,9 @@ Layout:
 - generation: `scheduler` (the step loop, pause modes), `runner` (the model,
   KV caches, batching), `requests` (one request's state and answer),
   `sampling`;
-- weights: `updates` (staging, versions, atomic commits), `lora` (adapters,
-  per-request routing), `ingest` and `unpickle` (request payloads -> checked
-  tensors);
+- weights: `updates` (staging, versions, atomic commits), `buffers` (receive
+  buffers reused across updates), `lora` (adapters, per-request routing),
+  `ingest` and `unpickle` (request payloads -> checked tensors);
 - `launch`: start a server subprocess and wait for it (tests, demo, bench).
 
 Importing this package is light; FastAPI, uvicorn and transformers load only

@@ -14,7 +14,7 @@ import base64
 import binascii
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,19 +161,21 @@ def parse_broadcast_spec(names: Any, dtypes: Any, shapes: Any) -> list[TensorEnt
 
 
 def receive_broadcast(group: UpdateGroup, entries: Sequence[TensorEntry], *, flattened: bool,
-                      timeout_s: float) -> tuple[NamedTensors, torch.Tensor | None]:
+                      timeout_s: float, alloc: Callable[[int], torch.Tensor] | None = None,
+                      ) -> tuple[NamedTensors, torch.Tensor | None]:
     """Receive the listed tensors from rank 0: one broadcast each, or one uint8 bucket.
 
     Flattened: refuses (before receiving) a tensor whose offset is not a
     multiple of its itemsize, as SGLang does. Returns freshly allocated tensors
-    (and the bucket buffer when flattened).
+    (and the bucket buffer when flattened, from `alloc(nbytes)` when given).
     """
     if flattened:
         for e in entries:
             if e.offset % e.dtype.itemsize:
                 raise ValueError(f"{e.hf_name!r}: byte offset {e.offset} in the flattened bucket is not a "
                                  f"multiple of its itemsize {e.dtype.itemsize}; order tensors by descending itemsize")
-        buffer = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
+        nbytes = sum(e.nbytes for e in entries)
+        buffer = alloc(nbytes) if alloc is not None else torch.empty(nbytes, dtype=torch.uint8)
         group.broadcast(buffer, src=0, timeout_s=timeout_s)
         return [(e.hf_name, buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)) for e in entries], buffer
     out = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -35,7 +36,6 @@ from weightsync.server.http import (
 from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
-from weightsync.shmem import SharedSlots
 from weightsync.types import Manifest, TensorEntry
 from weightsync.wire import MAX_HEADER_BYTES, decode_frame
 
@@ -211,7 +211,8 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
                          body: dict[str, Any], load_format: str | None) -> StageResult:
     with joined.lock:
         named, buffer = ingest.receive_broadcast(joined.group, entries, flattened=load_format == "flattened_bucket",
-                                                 timeout_s=state.config.group_timeout_s)
+                                                 timeout_s=state.config.group_timeout_s,
+                                                 alloc=state.updater.buffers.take)
     _maybe_abort_all(state, body)
     bucket_index = field_int(body, "weightsync_bucket")
     if bucket_index is None:
@@ -291,8 +292,9 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
         def work() -> str:
             header, payload = decode_frame(frame)
-            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) \
-                else torch.empty(0, dtype=torch.uint8)
+            buffer = updater.buffers.take(len(payload))
+            if len(payload):
+                buffer.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
             return updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
                                         digest_hex=header.digest)
 
@@ -338,11 +340,9 @@ def _stage_from_shm(state: ServerState, body: dict[str, Any]) -> str:
     buckets = session.manifest.buckets
     if not 0 <= index < len(buckets):
         raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
-    slots = SharedSlots.open(shm_name, slot_bytes=slot_bytes, num_slots=num_slots)
-    try:
-        buffer = slots.slot(slot, buckets[index].nbytes).clone()
-    finally:
-        slots.close()
+    slots = state.shm_slots(shm_name, slot_bytes=slot_bytes, num_slots=num_slots)
+    nbytes = buckets[index].nbytes
+    buffer = state.updater.buffers.take(nbytes).copy_(slots.slot(slot, nbytes))
     return state.updater.stage_bucket(version=version, index=index, buffer=buffer,
                                       digest_hex=field_str(body, "digest"))
 

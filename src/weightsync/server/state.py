@@ -14,6 +14,7 @@ from weightsync.server.lora import LoraStore
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
+from weightsync.shmem import SharedSlots
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,20 @@ class ServerState:
     lora_store: LoraStore | None
     groups: dict[str, JoinedGroup] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
+    shm: SharedSlots | None = None
+    """The trainer's shm segment, mapped once and reused while its name stays the same
+    (a fresh mapping page-faults every byte of the first copy out of it)."""
+    shm_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def shm_slots(self, name: str, *, slot_bytes: int, num_slots: int) -> SharedSlots:
+        """The mapping of segment `name`, opened on first use; a new name replaces the old."""
+        with self.shm_lock:
+            seg = self.shm
+            if seg is None or (seg.name, seg.slot_bytes, seg.num_slots) != (name, slot_bytes, num_slots):
+                if seg is not None:
+                    seg.close()
+                self.shm = seg = SharedSlots.open(name, slot_bytes=slot_bytes, num_slots=num_slots)
+            return seg
 
     @classmethod
     def build(cls, config: ServerConfig) -> ServerState:
@@ -61,6 +76,8 @@ class ServerState:
 
     def close(self) -> None:
         self.scheduler.stop()
+        if self.shm is not None:
+            self.shm.close()
         with self.groups_lock:
             for joined in self.groups.values():
                 joined.group.destroy()

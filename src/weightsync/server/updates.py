@@ -36,6 +36,7 @@ from weightsync.errors import IntegrityError, format_names
 from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits, digest
 from weightsync.naming import map_names
 from weightsync.server import lora
+from weightsync.server.buffers import BufferPool
 from weightsync.server.errors import ConflictError, NotFoundError
 from weightsync.types import Manifest, TensorMeta
 
@@ -58,6 +59,8 @@ class Session:
     """name -> staged copy (views of owned bucket buffers, or clones)."""
     bucket_digests: dict[int, str] = field(default_factory=dict)
     """Digests computed on receipt of whole buckets."""
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    """The whole-bucket buffers `tensors` views; back to the pool once unused."""
     touched: float = field(default_factory=time.monotonic)
 
     def expected(self) -> dict[str, TensorMeta]:
@@ -90,6 +93,8 @@ class WeightUpdater:
         self.lora_store = lora_store
         self._lock = threading.RLock()
         self._session: Session | None = None
+        self.buffers = BufferPool(max_bytes=sum(m.nbytes for m in self.metas.values()))
+        """Receive buffers reused across updates (take one per bucket received)."""
 
     # -- served weights ----------------------------------------------------------------------
 
@@ -182,6 +187,7 @@ class WeightUpdater:
                 raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
             for entry in bucket.entries:
                 session.tensors[entry.hf_name] = entry_view(buffer, entry)
+            session.buffers.append(buffer)
             session.bucket_digests[index] = got
             session.touched = time.monotonic()
         return got
@@ -203,7 +209,7 @@ class WeightUpdater:
                 self._install_adapter(manifest, session.tensors, version)
             else:
                 self._swap(session.tensors, version)
-            self._session = None
+            self._drop(session)
             return {"version": version, "digests": digests, "loaded_names": sorted(manifest.hf_names)}
 
     def _install_adapter(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -220,7 +226,7 @@ class WeightUpdater:
             if self._session is None or (version is not None and self._session.version != version):
                 return False
             log.info("update v%s (%s) aborted; served weights unchanged", self._session.version, self._session.kind)
-            self._session = None
+            self._drop(self._session)
             return True
 
     # -- SGLang-shaped updates ---------------------------------------------------------------
@@ -335,6 +341,14 @@ class WeightUpdater:
             self.version = version
         log.info("v%d committed (%d tensor(s))", version, len(staged))
 
+    def _drop(self, session: Session) -> None:
+        """Close `session` (it is the open one) and give its bucket buffers back to the pool:
+        a commit copied them into the served weights, an abort discards them."""
+        self._session = None
+        session.tensors = {}
+        self.buffers.give(session.buffers)
+        session.buffers = []
+
     def _check_newer(self, version: int, *, adapter: bool = False) -> None:
         """Versions never go backwards. Base weights need a strictly newer version;
         an adapter may carry the version of the base weights it was trained on
@@ -355,7 +369,7 @@ class WeightUpdater:
         if session is not None and time.monotonic() - session.touched > self.session_timeout_s:
             log.warning("discarding update session v%s idle for more than %.0fs", session.version,
                         self.session_timeout_s)
-            self._session = None
+            self._drop(session)
 
 
 def _check_against(named: NamedTensors, expected: Mapping[str, TensorMeta], *, what: str, full: bool = False) -> None:

@@ -107,7 +107,7 @@ class DiskTransport:
                 shutil.rmtree(final)
             publish(self._tmp, final)
         self._tmp = None
-        self._prune()
+        self._prune(final)
 
     def discard(self, version: int) -> None:
         if self._tmp is not None:
@@ -118,11 +118,19 @@ class DiskTransport:
         self.discard(-1)
         self._slots.clear()
 
-    def _prune(self) -> None:
-        versions = sorted(p for p in self.root.iterdir() if _VERSION_DIR.match(p.name))
-        for old in versions[: -self.keep_versions]:
-            log.debug("removing old version %s", old)
-            shutil.rmtree(old, ignore_errors=True)
+    def _prune(self, published: Path) -> None:
+        """Keep `published` and the `keep_versions - 1` versions just below it.
+
+        Versions above it can only be left over from an earlier run (versions
+        never go backwards within one): they go too, never the one just published.
+        """
+        others = sorted(p for p in self.root.iterdir() if _VERSION_DIR.match(p.name) and p != published)
+        older = [p for p in others if p.name < published.name]
+        kept = set(older[len(older) - (self.keep_versions - 1):]) if self.keep_versions > 1 else set()
+        for old in others:
+            if old not in kept:
+                log.debug("removing version %s", old)
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -1,0 +1,123 @@
+"""Trainer peak memory of producing merged-LoRA weights, one way against another.
+
+Each method runs in a fresh `python -m weightsync.bench.memory` process with
+`MALLOC_MMAP_THRESHOLD_=65536`, so freed tensors go back to the OS and the
+resident set tracks live tensor bytes. The child builds the scenario's model
+with a rank-16 LoRA adapter on every linear layer, resets the kernel's
+peak-RSS mark (`/proc/self/clear_refs`), produces the merged weights, and
+reports the peak resident set above the model's own footprint:
+
+- "layer-by-layer": `MergedLoraSource.tensors()`, each merged weight dropped
+  before the next is made (what `WeightSync.push(mode="lora-merged")` does;
+  the sync adds its two bucket slots, 2 x bucket_bytes, on top).
+- "whole-model": every merged weight materialised at once (a merged state
+  dict), the usual way of merging before a sync.
+- "merge-and-unload": `copy.deepcopy(model).merge_and_unload()`, PEFT's
+  merge on a copy so the trainer's weights stay unmerged.
+
+Boundaries: Linux only (reads /proc); measures memory, never time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHODS = ("layer-by-layer", "whole-model", "merge-and-unload")
+CHILD_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryResult:
+    """Peak resident memory of one method, above the trainer model's own."""
+
+    method: str
+    """One of METHODS."""
+    model_bytes: int
+    """Bytes of the base weights."""
+    base_rss_bytes: int
+    """Resident set with the PEFT model built, before merging."""
+    peak_extra_bytes: int
+    """Peak resident set while merging, minus `base_rss_bytes`."""
+    largest_tensor_bytes: int
+    """The largest single weight (what layer-by-layer should be bounded by, times a few)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return int(match.group(1))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _merge(method: str, model: Any) -> None:
+    import copy
+
+    from weightsync.sources.peft import MergedLoraSource
+
+    if method == "layer-by-layer":
+        for _, tensor in MergedLoraSource(model).tensors():
+            del tensor
+    elif method == "whole-model":
+        merged = dict(MergedLoraSource(model).tensors())
+        del merged
+    elif method == "merge-and-unload":
+        merged_model = copy.deepcopy(model).merge_and_unload()
+        del merged_model
+    else:
+        raise ValueError(f"unknown method {method!r}; one of {METHODS}")
+
+
+def _child(method: str, scenario_json: str) -> dict[str, Any]:
+    """In the fresh process: build, reset the peak, merge, report."""
+    import torch
+
+    from weightsync.bench.scenarios import with_lora
+    from weightsync.tiny import TinyModelConfig, build_model
+
+    torch.set_num_threads(1)
+    model = with_lora(build_model(TinyModelConfig(**json.loads(scenario_json))))
+    base = model.get_base_model()
+    model_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "lora_" not in n)
+    largest = max(p.numel() * p.element_size() for p in base.parameters())
+    base_rss = _status_kib("VmRSS") * 1024
+    _reset_peak()
+    with torch.no_grad():
+        _merge(method, model)
+    peak = _status_kib("VmHWM") * 1024
+    return MemoryResult(method=method, model_bytes=model_bytes, base_rss_bytes=base_rss,
+                        peak_extra_bytes=max(0, peak - base_rss), largest_tensor_bytes=largest).to_dict()
+
+
+def measure_memory(method: str, model_config: dict[str, Any], *, timeout_s: float = CHILD_TIMEOUT_S) -> MemoryResult:
+    """Run `method` on a model built from `model_config` (a TinyModelConfig as a dict) in a fresh process."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; one of {METHODS}")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "weightsync.bench.memory", method, json.dumps(model_config)],
+                          capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory child ({method}) failed with code {done.returncode}: {done.stderr[-2000:]}")
+    return MemoryResult(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def measure_all(model_config: dict[str, Any], methods: tuple[str, ...] = METHODS) -> list[MemoryResult]:
+    return [measure_memory(method, model_config) for method in methods]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1], sys.argv[2])))

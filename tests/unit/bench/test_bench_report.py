@@ -1,0 +1,99 @@
+"""Derived figures, targets and output formats, on a hand-made result (no timing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from weightsync.bench.analysis import cell_views, targets
+from weightsync.bench.baselines import BaselineResult
+from weightsync.bench.limits import Limit
+from weightsync.bench.matrix import STAGES, Cell, CellResult
+from weightsync.bench.memory import MemoryResult
+from weightsync.bench.report import format_report, to_json, write_chart
+from weightsync.bench.scenarios import make_scenario
+from weightsync.bench.suite import BenchConfig, BenchResult
+
+MiB = 1 << 20
+N = 100 * MiB
+
+
+def _cell(scenario: str, mode: str, transport: str, seconds: float, *, hash_s: float = 0.01,
+          nbytes: int = N) -> CellResult:
+    cell = Cell(scenario=scenario, mode=mode, transport=transport, engine="embedded", bucket_bytes=MiB)
+    stages = dict.fromkeys(STAGES, 0.0) | {"hash": hash_s}
+    return CellResult(cell=cell, num_bytes=nbytes, num_tensors=10, num_buckets=4, runs=(seconds * 1.5, seconds),
+                      stages=stages, verified=True)
+
+
+def _limits(**seconds: float) -> dict[str, Limit]:
+    return {name: Limit(name=name, num_bytes=N, chunk_bytes=MiB, runs=(s,)) for name, s in seconds.items()}
+
+
+@pytest.fixture
+def result(tmp_path: Path) -> BenchResult:
+    res = BenchResult(config=BenchConfig(out_dir=tmp_path), machine={"cpu_count": 2, "torch": "x"})
+    res.scenarios = [make_scenario("dense", 2 * MiB), make_scenario("many-small", 2 * MiB)]
+    res.limits = {("dense", MiB): _limits(gloo=0.1, copy=0.06, xxh3=0.01, tcp=0.05, disk=0.5),
+                  ("many-small", MiB): _limits(gloo=0.1, copy=0.06, xxh3=0.01, tcp=0.05, disk=0.5)}
+    failed = Cell(scenario="dense", mode="full", transport="disk", engine="embedded", bucket_bytes=MiB)
+    res.cells = [
+        _cell("dense", "full", "broadcast", 0.2),
+        _cell("dense", "full", "shm", 0.1),
+        _cell("dense", "lora", "shm", 0.004, nbytes=MiB),
+        _cell("dense", "lora", "broadcast", 0.02, nbytes=MiB),
+        _cell("many-small", "full", "shm", 0.2),
+        CellResult(cell=failed, error="EngineError: boom"),
+    ]
+    res.baselines = {
+        "dense": [BaselineResult(name="checkpoint-reload", num_bytes=N, num_requests=1, seconds=0.5,
+                                 parts={"save": 0.2, "load": 0.3})],
+        "many-small": [BaselineResult(name="per-tensor-broadcast", num_bytes=N, num_requests=400, seconds=3.0),
+                       BaselineResult(name="per-tensor-http", num_bytes=N, num_requests=400, seconds=2.0)],
+    }
+    res.memory = [MemoryResult(method="layer-by-layer", model_bytes=N, base_rss_bytes=N, peak_extra_bytes=MiB,
+                               largest_tensor_bytes=MiB)]
+    return res
+
+
+def test_fraction_of_limit_speedups_and_digest_share(result: BenchResult) -> None:
+    views = {(v.result.cell.scenario, v.result.cell.mode, v.result.cell.transport): v for v in cell_views(result)}
+    bcast = views[("dense", "full", "broadcast")]
+    assert (bcast.limit_name, bcast.limit_fraction) == ("gloo", pytest.approx(0.5))
+    assert bcast.speedups == {"checkpoint-reload": pytest.approx(2.5)}
+    assert bcast.digest_share == pytest.approx((0.01 + 0.01) / 0.2)  # trainer hash + engine re-hash at xxh3 rate
+    assert views[("dense", "full", "shm")].limit_fraction == pytest.approx(0.6)
+    assert views[("dense", "full", "disk")].limit_fraction is None  # failed cells get no figures
+
+
+def test_targets_are_judged_not_asserted(result: BenchResult) -> None:
+    found = {t.name: t for t in targets(result, cell_views(result))}
+    assert found["broadcast_vs_limit"].met is False and found["broadcast_vs_limit"].verdict == "NOT MET"
+    assert found["shm_vs_limit"].met is True
+    assert found["many-small_vs_per_tensor"].measured == pytest.approx(2.0 / 0.2)  # fastest baseline counts
+    assert found["dense_vs_checkpoint_reload"].measured == pytest.approx(0.5 / 0.1)
+    lora = found["lora_vs_full"]
+    assert lora.measured == pytest.approx(0.02 / 0.2) and lora.met is False  # the worst transport counts
+    assert "shm 4.0%" in lora.detail
+    assert found["digest_share"].measured == pytest.approx(0.2)
+
+
+def test_missing_parts_are_not_measured(tmp_path: Path) -> None:
+    empty = BenchResult(config=BenchConfig(out_dir=tmp_path), machine={})
+    assert {t.verdict for t in targets(empty, [])} == {"not measured"}
+
+
+def test_table_json_line_and_chart(result: BenchResult, tmp_path: Path) -> None:
+    text = format_report(result)
+    for section in ("sync matrix:", "machine limits", "baselines", "trainer peak memory", "targets (", "FAILED"):
+        assert section in text
+    line = json.dumps(to_json(result))
+    assert "\n" not in line
+    doc = json.loads(line)
+    assert {c["transport"] for c in doc["cells"]} == {"broadcast", "shm", "disk"}
+    assert {t["name"] for t in doc["targets"]} >= {"broadcast_vs_limit", "digest_share"}
+    assert doc["cells"][0]["stages"].keys() == set(STAGES)
+    chart = write_chart(result, tmp_path / "out" / "bench.png")
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
