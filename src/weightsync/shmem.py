@@ -16,6 +16,7 @@ import contextlib
 import os
 import re
 import secrets
+import weakref
 from pathlib import Path
 
 import torch
@@ -50,6 +51,9 @@ class SharedSlots:
         if actual < size:
             raise ValueError(f"segment {name} has {actual} bytes, needs {size}")
         self._tensor: torch.Tensor | None = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        # The creator removes the segment even if close() is never called (at garbage
+        # collection or interpreter exit); only a killed process leaves one behind.
+        self._remove = weakref.finalize(self, _unlink, path) if owner else None
 
     @classmethod
     def create(cls, *, slot_bytes: int, num_slots: int = 2) -> SharedSlots:
@@ -82,6 +86,10 @@ class SharedSlots:
         """Drop this process's mapping (it goes with the last view) and, for the
         creator, remove the segment. Idempotent."""
         self._tensor = None
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(SHM_DIR / self.name)
+        if self._remove is not None:
+            self._remove()
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
