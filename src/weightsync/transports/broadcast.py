@@ -33,10 +33,13 @@ class BroadcastTransport(TransportDefaults):
         *,
         master_address: str = "127.0.0.1",
         backend: str | None = None,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         timeout_s: float = 60.0,
     ) -> None:
         self.master_address = master_address
+        # NCCL moves CUDA buffers, gloo host buffers: one follows from the other.
+        if device is None:
+            device = "cuda" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.timeout_s = timeout_s
