@@ -108,12 +108,8 @@ def start_engine(cfg: DemoConfig, model_dir: Path) -> Iterator[Any]:
 
         args = ["--enable-lora", "--max-loaded-loras", "4", "--disk-root", str(cfg.out_dir.resolve()),
                 "--max-running", str(cfg.prompts_per_step * cfg.group_size), "--num-threads", "1"]
-        with launch_server(model_dir, args=args) as server:
-            client = SGLangEngine(server.url)
-            try:
-                yield client
-            finally:
-                client.close()
+        with launch_server(model_dir, args=args) as server, contextlib.closing(SGLangEngine(server.url)) as client:
+            yield client
     elif cfg.engine == "vllm":
         from weightsync.engines.vllm import VLLMEngine
         from weightsync.engines.vllm_launch import launch_vllm_server
@@ -121,12 +117,8 @@ def start_engine(cfg: DemoConfig, model_dir: Path) -> Iterator[Any]:
         args = ["--dtype", "float32", "--max-model-len", "256"]
         if cfg.mode == "lora":
             args += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras", "4"]
-        with launch_vllm_server(model_dir, args=args) as server:
-            vllm_client = VLLMEngine(server.url)
-            try:
-                yield vllm_client
-            finally:
-                vllm_client.close()
+        with launch_vllm_server(model_dir, args=args) as vllm, contextlib.closing(VLLMEngine(vllm.url)) as engine:
+            yield engine
     else:
         raise ValueError(f"unknown engine {cfg.engine!r}; use 'embedded' or 'vllm'")
 

@@ -279,7 +279,21 @@ def _check_layer(found: AdapterLayer, adapter: str, mode: str) -> list[_LoraTarg
 # --- the sources -------------------------------------------------------------------
 
 
-class LoraSource:
+class _PeftStream:
+    """What both sources find first: the PEFT model, the adapter, the checkpoint
+    names and the LoRA layers under that adapter (checked for `mode`)."""
+
+    mode: str
+
+    def __init__(self, model: nn.Module, *, adapter_name: str | None = None) -> None:
+        self.model = model
+        self._peft_model = find_peft_model(model)
+        self.adapter_name = resolve_adapter_name(self._peft_model, adapter_name)
+        self._names = map_names(model, adapter_name=self.adapter_name)
+        self._targets = _lora_targets(self._names, self._peft_model, self.adapter_name, self.mode)
+
+
+class LoraSource(_PeftStream):
     """The adapter's tensors under PEFT's saved names ("lora" mode).
 
     Names are exactly the keys of `peft.get_peft_model_state_dict(model)`
@@ -293,15 +307,11 @@ class LoraSource:
     mode = "lora"
 
     def __init__(self, model: nn.Module, *, adapter_name: str | None = None) -> None:
-        self.model = model
-        self._peft_model = find_peft_model(model)
-        self.adapter_name = resolve_adapter_name(self._peft_model, adapter_name)
-        names = map_names(model, adapter_name=self.adapter_name)
-        targets = _lora_targets(names, self._peft_model, self.adapter_name, self.mode)
+        super().__init__(model, adapter_name=adapter_name)
         self._refs: dict[str, _Ref] = {}
-        for target in targets:
+        for target in self._targets:
             self._refs.update(target.adapter_refs())
-        for peft_name, ref in self._modules_to_save(names):
+        for peft_name, ref in self._modules_to_save(self._names):
             self._refs[peft_name] = ref
         self._metas = [
             TensorMeta(hf_name=peft_name, dtype=ref.get().dtype, shape=global_shape(ref.get()))
@@ -338,7 +348,7 @@ class LoraSource:
             yield peft_name, full_tensor(ref.get())
 
 
-class MergedLoraSource:
+class MergedLoraSource(_PeftStream):
     """Base weights with the adapter merged in, computed out of place ("lora-merged" mode).
 
     `metas()` is exactly `ModuleSource(model).metas()`: checkpoint names,
@@ -357,11 +367,8 @@ class MergedLoraSource:
     mode = "lora-merged"
 
     def __init__(self, model: nn.Module, *, adapter_name: str | None = None) -> None:
-        self.model = model
-        self._peft_model = find_peft_model(model)
-        self.adapter_name = resolve_adapter_name(self._peft_model, adapter_name)
-        names = map_names(model, adapter_name=self.adapter_name)
-        targets = _lora_targets(names, self._peft_model, self.adapter_name, self.mode)
+        super().__init__(model, adapter_name=adapter_name)
+        names, targets = self._names, self._targets
         self._refs = {p.hf_name: _ref(model, p.trainer_name) for p in names.params}
         self._metas = [
             TensorMeta(hf_name=p.hf_name, dtype=p.param.dtype, shape=global_shape(p.param)) for p in names.params
