@@ -18,6 +18,7 @@ session timeout): a second trainer wins and the interrupted one gets a 409.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -258,10 +259,9 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
     assert versions == sorted(versions), f"versions went backwards: {versions}"
 
 
-def test_vllm_killed_mid_stream_is_an_error_within_the_timeout(server: VLLMServer, engine: VLLMEngine,
-                                                              reader: VLLMEngine,
-                                                              trainer: Any, tmp_path: Path) -> None:
-    """Last in this module: the server does not come back."""
+def test_vllm_killed_mid_stream_then_restarted(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine,
+                                               trainer: Any, fault_model: Path, tmp_path: Path) -> None:
+    """Last in this module: it kills the module's server, then starts a new one."""
     with injected("kill", rig=_ProcessGroup(server), at_push=2), make_sync(engine, "shm", tmp_path) as sync:
         push_good(sync, reader, trainer)
         error, seconds = push_faulted(sync, reader, trainer)
@@ -270,3 +270,10 @@ def test_vllm_killed_mid_stream_is_an_error_within_the_timeout(server: VLLMServe
     server.process.wait(30)
     print(f"\nvLLM killed mid-stream: {type(error).__name__} after {seconds:.1f}s: {str(error)[:200]}",
           file=sys.stderr)
+    # The restarted engine serves its checkpoint; the next push succeeds and is served exactly.
+    with launch_vllm_server(fault_model, args=["--dtype", "float32", "--max-model-len", "1024"]) as again, \
+            contextlib.closing(VLLMEngine(again.url, timeout_s=TIMEOUT_S * 10)) as restarted, \
+            contextlib.closing(VLLMEngine(again.url, timeout_s=120)) as checker, \
+            make_sync(restarted, "shm", tmp_path) as sync:
+        assert checker.weight_version() == "0"
+        push_good(sync, checker, trainer)
