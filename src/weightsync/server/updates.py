@@ -1,10 +1,16 @@
 """Staged weight updates: sessions, versions, atomic commits and digests.
 
 Every update route ends here. Received tensors are checked (names, shapes,
-dtypes, bucket digests) and COPIED into staging; the served parameters change
-only in a commit, which copies the staged tensors in between two generation
-steps. So every forward pass uses exactly one version, and an update that
+dtypes, bucket digests) and staged in buffers this engine owns; the served
+parameters change only in a commit, which points them at the staged tensors
+in between two generation steps (no copy: the staged bytes become the served
+weights). So every forward pass uses exactly one version, and an update that
 fails, is aborted or never completes leaves the served weights bit-identical.
+
+Served parameters may thus view received bucket buffers. A buffer goes back
+to the receive pool only when no parameter views it any more; a buffer that a
+partial (delta) commit leaves partly served is compacted: its remaining
+tensors are cloned out, so served memory stays the size of the model.
 
 At most one session is open:
 - "weightsync": opened by `/weightsync/begin` with a manifest; buckets arrive
@@ -57,6 +63,8 @@ class Session:
     """The manifest given at /weightsync/begin."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """name -> staged copy (views of owned bucket buffers, or clones)."""
+    owners: dict[str, torch.Tensor] = field(default_factory=dict)
+    """name -> the bucket buffer its staged tensor views (absent for clones)."""
     bucket_digests: dict[int, str] = field(default_factory=dict)
     """Digests computed on receipt of whole buckets."""
     buffers: list[torch.Tensor] = field(default_factory=list)
@@ -95,6 +103,8 @@ class WeightUpdater:
         self._session: Session | None = None
         self.buffers = BufferPool(max_bytes=sum(m.nbytes for m in self.metas.values()))
         """Receive buffers reused across updates (take one per bucket received)."""
+        self._backing: dict[str, torch.Tensor] = {}
+        """hf_name -> the received bucket buffer its served parameter views."""
 
     # -- served weights ----------------------------------------------------------------------
 
@@ -187,6 +197,7 @@ class WeightUpdater:
                 raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
             for entry in bucket.entries:
                 session.tensors[entry.hf_name] = entry_view(buffer, entry)
+                session.owners[entry.hf_name] = buffer
             session.buffers.append(buffer)
             session.bucket_digests[index] = got
             session.touched = time.monotonic()
@@ -208,7 +219,7 @@ class WeightUpdater:
             if manifest.mode == "lora":
                 self._install_adapter(manifest, session.tensors, version)
             else:
-                self._swap(session.tensors, version)
+                self._swap(session.tensors, version, owners=session.owners)
             self._drop(session)
             return {"version": version, "digests": digests, "loaded_names": sorted(manifest.hf_names)}
 
@@ -330,23 +341,51 @@ class WeightUpdater:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _swap(self, staged: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy staged tensors into the served parameters between two steps; bump the version."""
+    def _swap(self, staged: Mapping[str, torch.Tensor], version: int, *,
+              owners: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Make the staged tensors the served parameters between two steps; bump the version.
+
+        The staged tensors are adopted, not copied (they are owned by this update
+        and never written again); `owners` names the bucket buffer each one views.
+        """
+        owners = owners or {}
         for name, tensor in staged.items():
             param = self.params[name]
             assert tensor.shape == param.shape and tensor.dtype == param.dtype, f"unchecked tensor {name}"
-        with self.between_steps(), torch.no_grad():
+            assert tensor.device == param.device and tensor.is_contiguous(), f"unadoptable tensor {name}"
+        with self.between_steps():
             for name, tensor in staged.items():
-                self.params[name].copy_(tensor)
+                self.params[name].data = tensor
             self.version = version
+            released = self._rebind_backing(staged, owners)
+        self.buffers.give(released)
         log.info("v%d committed (%d tensor(s))", version, len(staged))
 
+    def _rebind_backing(self, staged: Mapping[str, torch.Tensor],
+                        owners: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Record which buffers the served parameters now view; return the buffers that
+        backed the replaced parameters, which no parameter views any more. Parameters
+        left on such a buffer by a partial update are cloned out of it first, so no
+        buffer is kept alive for a few of its bytes."""
+        replaced = {id(b): b for name in staged if (b := self._backing.pop(name, None)) is not None}
+        for name in staged:
+            if name in owners:
+                self._backing[name] = owners[name]
+        for name, buffer in list(self._backing.items()):
+            if id(buffer) in replaced:
+                self.params[name].data = self.params[name].detach().clone()
+                del self._backing[name]
+        return list(replaced.values())
+
     def _drop(self, session: Session) -> None:
-        """Close `session` (it is the open one) and give its bucket buffers back to the pool:
-        a commit copied them into the served weights, an abort discards them."""
+        """Close `session` (it is the open one) and give back to the pool the bucket
+        buffers that no served parameter views: all of them after an abort, those of
+        an adapter (copied at install) after a commit."""
         self._session = None
         session.tensors = {}
-        self.buffers.give(session.buffers)
+        session.owners = {}
+        served = {id(b) for b in self._backing.values()}
+        self.buffers.give(b for b in session.buffers if id(b) not in served)
         session.buffers = []
 
     def _check_newer(self, version: int, *, adapter: bool = False) -> None:

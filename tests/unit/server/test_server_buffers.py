@@ -1,5 +1,6 @@
 """The engine's reusable receive buffers (`server.buffers`, a fix found by the bench):
-reused only after a commit or abort, never while staged, and updates stay exact.
+reused only once no staged update and no served parameter views them, and updates
+stay exact. A commit adopts the received buffers as the served weights (no copy).
 
 (Lives here because it came with the bench; it belongs with tests/unit/server.)"""
 
@@ -57,10 +58,11 @@ def _updater(model: nn.Module) -> WeightUpdater:
     return WeightUpdater(model, version=0, between_steps=between_steps, session_timeout_s=60)
 
 
-def _push(updater: WeightUpdater, weights: dict[str, torch.Tensor], version: int, *, commit: bool = True) -> None:
+def _push(updater: WeightUpdater, weights: dict[str, torch.Tensor], version: int, *, commit: bool = True,
+          mode: str = "full", base_version: int | None = None) -> None:
     plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], 200)
     packed = [pack(b, {e.hf_name: weights[e.hf_name] for e in b.entries}) for b in plan]
-    manifest = Manifest(version=version, buckets=plan)
+    manifest = Manifest(version=version, buckets=plan, mode=mode, base_version=base_version)
     updater.begin(manifest)
     for bucket, data in zip(plan, packed, strict=True):
         buffer = updater.buffers.take(bucket.nbytes).copy_(data)  # as the routes receive
@@ -71,15 +73,57 @@ def _push(updater: WeightUpdater, weights: dict[str, torch.Tensor], version: int
         updater.abort(version)
 
 
+def _scribble_on_free_buffers(updater: WeightUpdater) -> None:
+    """Take every free buffer and overwrite it, as the next update's receive would."""
+    taken = [updater.buffers.take(n) for n, free in list(updater.buffers._free.items()) for _ in free]
+    for buffer in taken:
+        buffer.fill_(0xFF)
+    updater.buffers.give(taken)
+
+
 def test_updates_through_reused_buffers_stay_exact() -> None:
     model = Tiny()
     updater = _updater(model)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
     gen = torch.Generator().manual_seed(0)
     for version in range(1, 5):
         weights = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
         _push(updater, weights, version)
-        assert updater.buffers.free_bytes == sum(t.numel() * 4 for t in weights.values())  # all back
+        # the commit adopted this update's buffers; the previous update's came back
+        assert updater.buffers.free_bytes == (model_bytes if version > 1 else 0)
+        _scribble_on_free_buffers(updater)
         assert updater.digests()[1] == {n: digest(t) for n, t in weights.items()}
     kept = updater.digests()[1]
     _push(updater, {n: torch.zeros(p.shape) for n, p in model.named_parameters()}, 5, commit=False)
-    assert updater.digests()[1] == kept and updater.buffers.free_bytes > 0  # an abort returns them too
+    _scribble_on_free_buffers(updater)
+    assert updater.digests()[1] == kept and updater.buffers.free_bytes == model_bytes  # an abort returns them too
+
+
+def test_commit_adopts_the_received_bytes_without_copying() -> None:
+    model = Tiny()
+    updater = _updater(model)
+    weights = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+    _push(updater, weights, 1)
+    served_on = {id(b): b for b in updater._backing.values()}
+    assert set(updater._backing) == set(weights) and served_on
+    for name, param in model.named_parameters():
+        buffer = updater._backing[name]
+        assert buffer.data_ptr() <= param.data_ptr() < buffer.data_ptr() + buffer.numel()
+    x = torch.ones(2, 16)
+    assert torch.equal(model.norm(model.proj(x)), torch.nn.functional.layer_norm(
+        torch.nn.functional.linear(x, weights["proj.weight"], weights["proj.bias"]), (8,),
+        weights["norm.weight"], weights["norm.bias"]))
+
+
+def test_partial_update_compacts_the_buffers_it_leaves_partly_served() -> None:
+    model = Tiny()
+    updater = _updater(model)
+    full = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+    _push(updater, full, 1)
+    assert updater._backing["proj.bias"] is updater._backing["norm.weight"]  # one 200-byte bucket
+    delta = {"proj.bias": torch.randn(8)}
+    _push(updater, delta, 2, mode="delta", base_version=1)
+    # proj.bias now views the delta's buffer; whatever shared its old buffer was cloned out of it
+    assert sorted(updater._backing) == ["proj.bias", "proj.weight"]  # norm.* were compacted out
+    _scribble_on_free_buffers(updater)
+    assert updater.digests()[1] == {n: digest(t) for n, t in (full | delta).items()}
