@@ -7,7 +7,9 @@ copied it out: the coordinator waits for the engines' acks of bucket k before
 packing bucket k+2.
 
 Segment names are confined to the "weightsync-" prefix so an engine cannot be
-told to map an arbitrary segment.
+told to map an arbitrary segment. They carry their creator's owner tag
+(`weightsync.owners`): creating a segment first removes those whose creator on
+this host was killed before it could remove them.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from pathlib import Path
 
 import torch
 
+from weightsync.owners import TAG_PATTERN, owner_gone, owner_tag
+
 NAME_PREFIX = "weightsync-"
 SHM_DIR = Path("/dev/shm")
 _NAME_RE = re.compile(r"^weightsync-[A-Za-z0-9_-]{1,64}$")
+_OWNED_RE = re.compile(rf"^weightsync-({TAG_PATTERN})-[0-9a-f]{{16}}$")
 
 
 def check_name(name: str) -> str:
@@ -57,7 +62,8 @@ class SharedSlots:
 
     @classmethod
     def create(cls, *, slot_bytes: int, num_slots: int = 2) -> SharedSlots:
-        name = f"{NAME_PREFIX}{secrets.token_hex(8)}"
+        remove_orphans()
+        name = f"{NAME_PREFIX}{owner_tag()}-{secrets.token_hex(8)}"
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(1, slot_bytes * num_slots))
@@ -88,6 +94,17 @@ class SharedSlots:
         self._tensor = None
         if self._remove is not None:
             self._remove()
+
+
+def remove_orphans() -> list[str]:
+    """Remove the segments whose creator on this host is gone; returns their names."""
+    removed = []
+    for path in SHM_DIR.glob(f"{NAME_PREFIX}*"):
+        match = _OWNED_RE.match(path.name)
+        if match and owner_gone(match.group(1)):
+            _unlink(path)
+            removed.append(path.name)
+    return removed
 
 
 def _unlink(path: Path) -> None:

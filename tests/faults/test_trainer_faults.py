@@ -29,6 +29,9 @@ def test_trainer_killed_between_buckets(rig: Rig, transport: str) -> None:
     assert_survived(out)
     # Buckets 0 and 1 were out when the trainer died (staged by the engine; disk: written).
     assert out.staged_before_kill == 2
+    if transport in ("disk", "shm"):  # its temp dir / segment was left, and the next push removed it
+        assert any("the next push removes them" in note for note in out.notes), out.notes
+    assert not out.leftovers
 
 
 @pytest.mark.parametrize("transport", ["http", "broadcast"])

@@ -198,10 +198,11 @@ def test_trainer_killed_mid_stream_leaves_vllm_serving(server: VLLMServer, engin
         ready = child.wait_for("READY", faults.CHILD_READY_TIMEOUT_S)
         assert ready is not None, child.tail()
         child.kill()  # buckets 0 and 1 are staged in the workers
-    faults.remove_segments(ready)
+    assert faults.segments_left(ready), "the killed trainer's shm segment should still be there"
     assert fingerprint(reader) == before, "vLLM changed after a trainer died mid-push"
     with make_sync(engine, "shm", tmp_path) as sync:
         push_good(sync, reader, trainer)  # the next begin discards the dead trainer's update
+    assert not faults.segments_left(ready), "the next push removes the killed trainer's segment"
 
 
 def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLLMEngine, trainer: Any,

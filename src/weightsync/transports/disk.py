@@ -5,6 +5,10 @@ into a temporary directory, fsynced, then the directory renamed into place as
 Engines load the whole version at commit (`update_weights_from_disk`, a PEFT
 directory for LoRA). The last `keep_versions` versions stay on disk; older ones
 are deleted after each publish. Needs a filesystem the engines can read.
+
+The temporary directory is named after its writer (`weightsync.owners`), so
+one left by a killed trainer is removed the next time a trainer on the same
+host opens the root.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from weightsync.checkpoint import publish, write_bucket, write_manifest
 from weightsync.errors import WeightSyncError
+from weightsync.owners import TAG_PATTERN, owner_gone, owner_tag
 from weightsync.transports.base import SlotBuffers
 from weightsync.types import BucketMeta, Delivery, Link, Manifest
 
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 LORA_WEIGHTS_FILE = "adapter_model.safetensors"
 LORA_CONFIG_FILE = "adapter_config.json"
 _VERSION_DIR = re.compile(r"^v(\d{8})$")
+_TEMP_DIR = re.compile(rf"^\.tmp-v\d{{8}}-({TAG_PATTERN})-[0-9a-f]{{8}}$")
 
 
 class DiskTransportError(WeightSyncError, OSError):
@@ -67,6 +73,7 @@ class DiskTransport:
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
         with _writing("creating the root directory", self.root):
             self.root.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(self.root)
         return [Link(transport=self.name, root=str(self.root), timeout_s=self.timeout_s) for _ in engine_ranks]
 
     def establish(self) -> None:
@@ -75,7 +82,7 @@ class DiskTransport:
     def begin(self, manifest: Manifest) -> None:
         """Start writing a version (a PEFT adapter directory in "lora" mode)."""
         self.discard(manifest.version)
-        self._tmp = self.root / f".tmp-v{manifest.version:08d}-{secrets.token_hex(4)}"
+        self._tmp = self.root / f".tmp-v{manifest.version:08d}-{owner_tag()}-{secrets.token_hex(4)}"
         with _writing("creating", self._tmp):
             self._tmp.mkdir()
         self._lora = manifest.mode == "lora"
@@ -131,6 +138,15 @@ class DiskTransport:
             if old not in kept:
                 log.debug("removing version %s", old)
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_orphans(root: Path) -> None:
+    """Remove the temporary directories of trainers on this host that died mid-write."""
+    for path in root.iterdir():
+        match = _TEMP_DIR.match(path.name)
+        if match and owner_gone(match.group(1)):
+            log.info("removing %s, left by a trainer that is gone", path)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

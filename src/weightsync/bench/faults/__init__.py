@@ -32,7 +32,7 @@ from weightsync.bench.faults.inject import (
     FaultyTransport,
     child_main,
     injected,
-    remove_segments,
+    segments_left,
 )
 from weightsync.bench.faults.load import Answer, AnswerVerifier, LoadFigures, run_load
 from weightsync.bench.faults.rig import (
@@ -146,5 +146,5 @@ __all__ = [
     "Answer", "AnswerVerifier", "ChildTrainer", "DictSource", "FaultOutcome", "FaultyTransport", "LoadFigures",
     "Rig", "Weights", "bad_bucket", "child_main", "disk_full", "engine_killed", "engine_stalled",
     "error_bound_s", "format_table", "injected", "load_weights", "make_fault_model", "perturbed",
-    "remove_segments", "run_faults", "run_load", "summarize", "trainer_killed", "two_trainers", "unwritable_root",
+    "run_faults", "run_load", "segments_left", "summarize", "trainer_killed", "two_trainers", "unwritable_root",
 ]

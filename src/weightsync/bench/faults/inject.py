@@ -228,12 +228,13 @@ class ChildTrainer:
 CHILD_READY_TIMEOUT_S = 120.0
 
 
-def remove_segments(ready_line: str) -> None:
-    """Unlink the shm segments a killed child trainer named on its READY line."""
+def segments_left(ready_line: str) -> list[str]:
+    """The shm segments a killed child trainer named on its READY line that still exist
+    (the next segment created on this host removes them: `shmem.remove_orphans`)."""
     from weightsync.shmem import SHM_DIR, check_name
 
-    for name in json.loads(ready_line.removeprefix("READY").strip() or "[]"):
-        (SHM_DIR / check_name(name)).unlink(missing_ok=True)
+    names = json.loads(ready_line.removeprefix("READY").strip() or "[]")
+    return [name for name in names if (SHM_DIR / check_name(name)).exists()]
 
 
 # -- the trainer child process -----------------------------------------------------------------
@@ -312,7 +313,7 @@ def child_main(spec: dict[str, Any]) -> int:
     try:
         with injection as faulty, WeightSync([engine], transport=spec["transport"], bucket_bytes=spec["bucket_bytes"],
                                              timeout_s=spec["timeout_s"], disk_root=spec["disk_root"]) as sync:
-            made = faulty or []  # filled when the push makes its transport
+            made = faulty if faulty is not None else []  # the list fills when the push makes its transport
             sync.push(DictSource(weights), version=spec["version"])
     except (WeightSyncError, OSError) as e:
         result = {"ok": False, "error_type": type(e).__name__, "error": str(e)}

@@ -28,7 +28,7 @@ from weightsync.bench.faults.inject import (
     CHILD_READY_TIMEOUT_S,
     ChildTrainer,
     injected,
-    remove_segments,
+    segments_left,
 )
 from weightsync.bench.faults.rig import (
     BUCKET_BYTES,
@@ -84,6 +84,9 @@ class FaultOutcome:
     """Buckets the engine had staged when the trainer was killed."""
     bad_version_dirs: list[str] = field(default_factory=list)
     """Incomplete `v%08d` directories visible to engines (disk)."""
+    leftovers: list[str] = field(default_factory=list)
+    """A killed trainer's temporary directories and shm segments still there after the
+    next push (which removes them)."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -95,14 +98,14 @@ class FaultOutcome:
     def survived(self) -> bool:
         error_ok = not self.expects_error or (self.error_type is not None and self.seconds <= self.bound_s)
         return (error_ok and not self.hung and self.kept_last_good is not False and self.generates is not False
-                and self.next_push and not self.bad_version_dirs and self.versions_went_back == 0
-                and self.lost_acked == 0)
+                and self.next_push and not self.bad_version_dirs and not self.leftovers
+                and self.versions_went_back == 0 and self.lost_acked == 0)
 
     def summary(self) -> dict[str, Any]:
         return {"fault": self.fault, "transport": self.transport, "survived": self.survived,
                 "error": self.error_type, "status": self.status, "seconds": round(self.seconds, 2),
                 "hung": self.hung, "kept_last_good": self.kept_last_good, "next_push": self.next_push,
-                "versions": [v for _, v in self.versions], "notes": self.notes}
+                "versions": [v for _, v in self.versions], "leftovers": self.leftovers, "notes": self.notes}
 
 
 def _observe(out: FaultOutcome, rig: Rig) -> tuple[int, dict[str, str]]:
@@ -266,13 +269,14 @@ def trainer_killed(rig: Rig, transport: str, *, mid_wire: bool = False) -> Fault
         elif (session := rig.info()["session"]) is not None:
             out.staged_before_kill = len(session["buckets_received"])
         child.kill()
-    remove_segments(ready)
     _check_kept(out, rig)
-    out.bad_version_dirs = version_dir_problems(Path(spec["disk_root"]))
-    if leftovers := leftover_temp_dirs(Path(spec["disk_root"])):
-        out.notes.append(f"the killed trainer left {leftovers} (hidden from engines, never cleaned up)")
-    with rig.sync(transport) as sync:
+    root = Path(spec["disk_root"])
+    out.bad_version_dirs = version_dir_problems(root)
+    if left := leftover_temp_dirs(root) + segments_left(ready):
+        out.notes.append(f"the killed trainer left {left} (hidden from engines; the next push removes them)")
+    with rig.sync(transport, disk_root=root) as sync:
         _next_push(out, rig, sync, conflicts_for_s=rig.session_timeout_s + MARGIN_S)
+    out.leftovers = leftover_temp_dirs(root) + segments_left(ready)
     return out
 
 
