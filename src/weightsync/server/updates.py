@@ -276,6 +276,8 @@ class WeightUpdater:
                     raise ConflictError(f"weight_version {weight_version} != open weightsync session v{session.version}")
                 _check_against(named, session.expected(), what=f"update v{session.version}")
                 session.tensors.update(_copies(named))
+                for name, _ in named:
+                    session.owners.pop(name, None)  # a clone now, no bucket buffer behind it
                 session.touched = time.monotonic()
                 return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{session.version}")
             _check_against(named, self.metas, what="the served model", full=full)
