@@ -4,7 +4,6 @@ the SGLang answer shape, batching, stops, sampling, info routes."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,21 +13,9 @@ import torch
 
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws, one_torch_thread
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
 
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9], [100, 200, 300, 400, 500, 11, 12], [42]]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
-    yield from ws.start_server(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def client(server: Any, ws: SimpleNamespace) -> Iterator[Any]:
-    client = ws.Client(server.url)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws, one_torch_thread
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
 
 PROMPT = [5, 17, 42, 99, 3]
 MAX_NEW = 10
@@ -60,13 +60,6 @@ def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
     yield from ws.start_server(tiny_model, "--enable-lora", "--max-loaded-loras", "2")
-
-
-@pytest.fixture(scope="module")
-def client(server: Any, ws: SimpleNamespace) -> Iterator[Any]:
-    client = ws.Client(server.url)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,25 +22,13 @@ import torch
 
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws, one_torch_thread
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
 
 MAX_NEW_TOKENS = 160
 # Distinct prompt lengths: requests never share a batch, so each is comparable with
 # a batch-of-one reference bit for bit.
 IN_FLIGHT = [[5, 17, 42], [9, 8, 7, 6], [100, 200, 300, 400, 500], [11, 12, 13, 14, 15, 16]]
 LATE = [[21, 22], [31, 32, 33, 34, 35, 36, 37]]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
-    yield from ws.start_server(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def client(server: Any, ws: SimpleNamespace) -> Iterator[Any]:
-    client = ws.Client(server.url)
-    yield client
-    client.close()
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:

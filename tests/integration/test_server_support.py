@@ -8,7 +8,9 @@ another directory's conftest.py is imported later in the same session.
 
 One tiny model directory per session (weights re-drawn wider than the tiny
 default so greedy decoding is not a near-tie and outputs vary with the
-weights); servers are started per test module with `ws.start_server`.
+weights); servers are started per test module: the `server` and `client`
+fixtures give a plain one, a module needing other flags overrides `server`
+(with `ws.start_server`).
 """
 
 from __future__ import annotations
@@ -177,6 +179,20 @@ def start_server(model_dir: Path, *args: str) -> Iterator[ServerProcess]:
     finally:
         server.close()
     assert "Traceback" not in log, f"the server logged an unhandled error:\n{log[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, one_torch_thread: None) -> Iterator[ServerProcess]:
+    """A plain server for the module (a module that needs other flags overrides this)."""
+    yield from start_server(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[Client]:
+    """A client of the module's `server`."""
+    client = Client(server.url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

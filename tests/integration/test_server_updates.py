@@ -8,7 +8,6 @@ import base64
 import pickle
 import sys
 import types
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,21 +22,9 @@ from weightsync.integrity import digest
 from weightsync.shmem import SharedSlots
 from weightsync.types import dtype_name
 
-pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws, one_torch_thread
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
 
 SOME = ["model.norm.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
-    yield from ws.start_server(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def client(server: Any, ws: SimpleNamespace) -> Iterator[Any]:
-    client = ws.Client(server.url)
-    yield client
-    client.close()
 
 
 def assert_served(client: Any, weights: dict[str, torch.Tensor], version: int) -> None:
