@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from served import checked
 from weightsync.bench.faults import ADMIN_KEY, Rig, make_fault_model
 from weightsync.server.launch import ServerProcess, launch_server
 
@@ -44,11 +45,5 @@ def keyed_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def keyed_server(fault_model: Path, keyed_root: Path) -> Iterator[ServerProcess]:
     """A server of its own (admin key, LoRA on, 1 s group timeout) for fuzzing and security."""
-    server = launch_server(fault_model, args=["--admin-api-key", ADMIN_KEY, "--enable-lora", "--num-threads", "1",
-                                              "--disk-root", str(keyed_root), "--group-timeout", "1"])
-    try:
-        yield server
-        log = server.log_text()
-    finally:
-        server.close()
-    assert "Traceback" not in log, f"the server logged an unhandled error (a 500):\n{log[-4000:]}"
+    yield from checked(launch_server(fault_model, args=["--admin-api-key", ADMIN_KEY, "--enable-lora", "--num-threads",
+                                                        "1", "--disk-root", str(keyed_root), "--group-timeout", "1"]))

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from weightsync.tiny import TinyModelConfig, make_tiny_model
+from test_server_support import make_widened_tiny_model
 
 PROMPTS: tuple[tuple[int, ...], ...] = ((5, 6, 7, 8), (100, 200, 300), (42, 42, 42, 42, 42, 42), (17,))
 """Fixed token-id prompts for parity checks."""
@@ -50,27 +49,10 @@ def server_args() -> list[str]:
             "--max-loras", "2"]
 
 
-def widen_weights(model: torch.nn.Module, seed: int) -> None:
-    """Redraw every non-norm weight with a larger scale (logit std around 2), so greedy
-    decoding is decisive and tokens change with the weights."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                continue
-            scale = 2.0 / param.shape[-1] ** 0.5 if param.dim() > 1 else 0.4
-            param.copy_(torch.randn(param.shape, generator=gen) * scale)
-
-
 def make_model_dir(root: Path) -> Path:
-    """The tiny float32 Qwen2 (TinyModelConfig defaults) with widened weights."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = make_tiny_model(root / "tiny-vllm", TinyModelConfig())
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    widen_weights(model, seed=1)
-    model.save_pretrained(model_dir)
-    return model_dir
+    """The tiny float32 Qwen2 (TinyModelConfig defaults) with widened weights, as the
+    embedded-engine tests use."""
+    return make_widened_tiny_model(root / "tiny-vllm")
 
 
 def load_trainer(model_dir: Path) -> Any:
