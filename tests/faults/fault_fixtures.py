@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from served import checked
+from serve_check import checked
 from weightsync.bench.faults import ADMIN_KEY, Rig, make_fault_model
 from weightsync.server.launch import ServerProcess, launch_server
 
@@ -47,3 +48,11 @@ def keyed_server(fault_model: Path, keyed_root: Path) -> Iterator[ServerProcess]
     """A server of its own (admin key, LoRA on, 1 s group timeout) for fuzzing and security."""
     yield from checked(launch_server(fault_model, args=["--admin-api-key", ADMIN_KEY, "--enable-lora", "--num-threads",
                                                         "1", "--disk-root", str(keyed_root), "--group-timeout", "1"]))
+
+
+@pytest.fixture(scope="module")
+def admin(keyed_server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client of `keyed_server` that sends the admin key."""
+    with httpx.Client(base_url=keyed_server.url, timeout=60,
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
+        yield client

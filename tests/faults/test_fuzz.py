@@ -19,7 +19,6 @@ import base64
 import json
 import pickle
 import struct
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,9 @@ from fault_helpers import READ_ONLY, app_routes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightsync.bench.faults import ADMIN_KEY
-from weightsync.server.launch import ServerProcess
 from weightsync.wire import MAGIC
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: keyed_server, keyed_root, fault_model
+pytest_plugins = ["fault_fixtures"]  # fixtures: admin, keyed_server, keyed_root, fault_model
 pytestmark = pytest.mark.faults
 
 EXAMPLES = 30
@@ -205,23 +202,16 @@ def frames(draw: st.DrawFn, version: int, sizes: list[int]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def http(keyed_server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=keyed_server.url, timeout=60,
-                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def ctx(http: httpx.Client, keyed_root: Path) -> dict[str, Any]:
+def ctx(admin: httpx.Client, keyed_root: Path) -> dict[str, Any]:
     import socket
 
     from weightsync.bucketing import plan_buckets
     from weightsync.types import Manifest, TensorMeta, dtype_from_name
 
-    params = http.get("/weightsync/info").json()["params"]
+    params = admin.get("/weightsync/info").json()["params"]
     metas = [TensorMeta(hf_name=n, dtype=dtype_from_name(p["dtype"]), shape=tuple(p["shape"]))
              for n, p in params.items()]
-    version = int(http.get("/weightsync/info").json()["weight_version"]) + 1
+    version = int(admin.get("/weightsync/info").json()["weight_version"]) + 1
     manifest = Manifest(version=version, mode="full", buckets=plan_buckets(metas, 256 << 10))
     with socket.socket() as s:  # a port nothing listens on (bound, never listening, then closed)
         s.bind(("127.0.0.1", 0))
@@ -231,17 +221,17 @@ def ctx(http: httpx.Client, keyed_root: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def initial(http: httpx.Client) -> dict[str, str]:
-    return dict(http.post("/weightsync/digests", json={}).json()["digests"])
+def initial(admin: httpx.Client) -> dict[str, str]:
+    return dict(admin.post("/weightsync/digests", json={}).json()["digests"])
 
 
-def still_serving(http: httpx.Client, initial: dict[str, str]) -> None:
-    http.post("/continue_generation", json={})  # undo a fuzzed pause
-    http.post("/weightsync/abort", json={})  # and a fuzzed session
-    assert http.get("/health").status_code == 200
-    answer = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+def still_serving(admin: httpx.Client, initial: dict[str, str]) -> None:
+    admin.post("/continue_generation", json={})  # undo a fuzzed pause
+    admin.post("/weightsync/abort", json={})  # and a fuzzed session
+    assert admin.get("/health").status_code == 200
+    answer = admin.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
     assert answer.status_code == 200 and answer.json()["meta_info"]["completion_tokens"] == 2
-    assert http.post("/weightsync/digests", json={}).json()["digests"] == initial, "served weights changed"
+    assert admin.post("/weightsync/digests", json={}).json()["digests"] == initial, "served weights changed"
 
 
 def check_answer(route: str, response: httpx.Response) -> None:
@@ -257,60 +247,60 @@ FUZZED = sorted(set(FIELDS) - {"/weightsync/bucket"})
 
 @pytest.mark.parametrize("session", [False, True], ids=["idle", "in-session"])
 @pytest.mark.parametrize("route", FUZZED)
-def test_garbled_bodies(route: str, session: bool, http: httpx.Client, ctx: dict[str, Any],
+def test_garbled_bodies(route: str, session: bool, admin: httpx.Client, ctx: dict[str, Any],
                         initial: dict[str, str]) -> None:
     """With no update open, and with a weightsync session open (so that session-bound
     checks run: version matches, bucket indices, staging into the session)."""
     examples = 8 if route == "/init_weights_update_group" else EXAMPLES  # each may wait the 1 s group timeout
     if session:
-        ctx["version"] = max(ctx["version"], int(http.get("/weightsync/info").json()["weight_version"]) + 1)
+        ctx["version"] = max(ctx["version"], int(admin.get("/weightsync/info").json()["weight_version"]) + 1)
         manifest = {**ctx["manifest"], "version": ctx["version"]}
-        assert http.post("/weightsync/begin", json={"manifest": manifest}).status_code == 200
+        assert admin.post("/weightsync/begin", json={"manifest": manifest}).status_code == 200
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(bodies(route, ctx))
     def fuzz(body: tuple[str, bytes]) -> None:
         content_type, content = body
-        check_answer(route, http.post(route, content=content, headers={"Content-Type": content_type}))
+        check_answer(route, admin.post(route, content=content, headers={"Content-Type": content_type}))
 
     fuzz()
-    still_serving(http, initial)
+    still_serving(admin, initial)
 
 
-def test_garbled_bucket_frames(http: httpx.Client, ctx: dict[str, Any], initial: dict[str, str]) -> None:
-    version = int(http.get("/weightsync/info").json()["weight_version"]) + 1
+def test_garbled_bucket_frames(admin: httpx.Client, ctx: dict[str, Any], initial: dict[str, str]) -> None:
+    version = int(admin.get("/weightsync/info").json()["weight_version"]) + 1
     manifest = {**ctx["manifest"], "version": version}
-    assert http.post("/weightsync/begin", json={"manifest": manifest}).status_code == 200
+    assert admin.post("/weightsync/begin", json={"manifest": manifest}).status_code == 200
 
     @settings(max_examples=80, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(frames(version, ctx["sizes"]))
     def fuzz(frame: bytes) -> None:
-        response = http.post("/weightsync/bucket", content=frame, headers={"Content-Type": "application/octet-stream"})
+        response = admin.post("/weightsync/bucket", content=frame, headers={"Content-Type": "application/octet-stream"})
         check_answer("/weightsync/bucket", response)
         assert response.status_code != 200, "a garbled frame was staged"
 
     try:
         fuzz()
-        assert http.get("/weightsync/info").json()["session"]["buckets_received"] == []
+        assert admin.get("/weightsync/info").json()["session"]["buckets_received"] == []
     finally:
-        http.post("/weightsync/abort", json={"version": version})
-    still_serving(http, initial)
+        admin.post("/weightsync/abort", json={"version": version})
+    still_serving(admin, initial)
 
 
-def test_values_fuzzing_found_are_refused_cleanly(http: httpx.Client, ctx: dict[str, Any]) -> None:
+def test_values_fuzzing_found_are_refused_cleanly(admin: httpx.Client, ctx: dict[str, Any]) -> None:
     """Regressions: a world_size beyond a C int was a 500 (torch's store raised TypeError);
     a temperature of 1e-300 overflowed the logits and its generation step failed, aborting
     every request stepped with it; a NaN temperature did the same."""
     group = {"master_address": "127.0.0.1", "master_port": ctx["closed_port"], "rank_offset": 1, "backend": "gloo"}
-    response = http.post("/init_weights_update_group", json={**group, "world_size": 2**70})
+    response = admin.post("/init_weights_update_group", json={**group, "world_size": 2**70})
     assert response.status_code == 400 and "world_size" in response.json()["message"]
-    nan = http.post("/generate", content=b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}')
+    nan = admin.post("/generate", content=b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}')
     assert nan.status_code == 400 and "temperature" in nan.json()["message"]
 
     def generate(temperature: float) -> dict[str, Any]:
-        return dict(http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+        return dict(admin.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
             "temperature": temperature, "max_new_tokens": 8, "ignore_eos": True}}).json())
 
     with ThreadPoolExecutor(2) as pool:

@@ -45,17 +45,10 @@ from weightsync.server.http import HTTPError, require_admin
 from weightsync.server.launch import ServerProcess
 from weightsync.server.unpickle import UnsafePickleError, safe_loads
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: keyed_server, keyed_root, rig, fault_model
+pytest_plugins = ["fault_fixtures"]  # fixtures: admin, keyed_server, keyed_root, rig, fault_model
 pytestmark = pytest.mark.faults
 
 JSON_LIMIT = 64 << 20  # ServerConfig.max_json_bytes
-
-
-@pytest.fixture(scope="module")
-def admin(keyed_server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=keyed_server.url, timeout=60,
-                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 
-from served import checked
+from serve_check import checked
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.checkpoint import publish, write_bucket, write_manifest
 from weightsync.integrity import digest
