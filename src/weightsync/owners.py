@@ -19,6 +19,8 @@ import hashlib
 import os
 import re
 import socket
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 TAG_PATTERN = r"[0-9a-f]{8}-\d{1,10}"
 """What `owner_tag()` returns, as a regular expression."""
@@ -53,3 +55,11 @@ def owner_gone(tag: str) -> bool:
     except (PermissionError, OverflowError):
         return False
     return False
+
+
+def orphans(paths: Iterable[Path], pattern: re.Pattern[str]) -> Iterator[Path]:
+    """The `paths` whose name matches `pattern` (group 1: an owner tag) and whose owner is gone."""
+    for path in paths:
+        match = pattern.match(path.name)
+        if match and owner_gone(match.group(1)):
+            yield path

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from weightsync.owners import TAG_PATTERN, owner_gone, owner_tag
+from weightsync.owners import TAG_PATTERN, orphans, owner_tag
 
 NAME_PREFIX = "weightsync-"
 SHM_DIR = Path("/dev/shm")
@@ -96,15 +96,10 @@ class SharedSlots:
             self._remove()
 
 
-def remove_orphans() -> list[str]:
-    """Remove the segments whose creator on this host is gone; returns their names."""
-    removed = []
-    for path in SHM_DIR.glob(f"{NAME_PREFIX}*"):
-        match = _OWNED_RE.match(path.name)
-        if match and owner_gone(match.group(1)):
-            _unlink(path)
-            removed.append(path.name)
-    return removed
+def remove_orphans() -> None:
+    """Remove the segments whose creator on this host is gone."""
+    for path in orphans(SHM_DIR.glob(f"{NAME_PREFIX}*"), _OWNED_RE):
+        _unlink(path)
 
 
 def _unlink(path: Path) -> None:

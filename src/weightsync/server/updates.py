@@ -63,8 +63,6 @@ class Session:
     """The manifest given at /weightsync/begin."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """name -> staged copy (views of owned bucket buffers, or clones)."""
-    owners: dict[str, torch.Tensor] = field(default_factory=dict)
-    """name -> the bucket buffer its staged tensor views (absent for clones)."""
     bucket_digests: dict[int, str] = field(default_factory=dict)
     """Digests computed on receipt of whole buckets."""
     buffers: list[torch.Tensor] = field(default_factory=list)
@@ -197,7 +195,6 @@ class WeightUpdater:
                 raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
             for entry in bucket.entries:
                 session.tensors[entry.hf_name] = entry_view(buffer, entry)
-                session.owners[entry.hf_name] = buffer
             session.buffers.append(buffer)
             session.bucket_digests[index] = got
             session.touched = time.monotonic()
@@ -219,7 +216,7 @@ class WeightUpdater:
             if manifest.mode == "lora":
                 self._install_adapter(manifest, session.tensors, version)
             else:
-                self._swap(session.tensors, version, owners=session.owners)
+                self._swap(session.tensors, version, owners=_owners(session))
             self._drop(session)
             return {"version": version, "digests": digests, "loaded_names": sorted(manifest.hf_names)}
 
@@ -276,8 +273,6 @@ class WeightUpdater:
                     raise ConflictError(f"weight_version {weight_version} != open weightsync session v{session.version}")
                 _check_against(named, session.expected(), what=f"update v{session.version}")
                 session.tensors.update(_copies(named))
-                for name, _ in named:
-                    session.owners.pop(name, None)  # a clone now, no bucket buffer behind it
                 session.touched = time.monotonic()
                 return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{session.version}")
             _check_against(named, self.metas, what="the served model", full=full)
@@ -385,7 +380,6 @@ class WeightUpdater:
         an adapter (copied at install) after a commit."""
         self._session = None
         session.tensors = {}
-        session.owners = {}
         served = {id(b) for b in self._backing.values()}
         self.buffers.give(b for b in session.buffers if id(b) not in served)
         session.buffers = []
@@ -431,6 +425,13 @@ def _check_against(named: NamedTensors, expected: Mapping[str, TensorMeta], *, w
 
 def _copies(named: NamedTensors) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous().clone() for name, tensor in named}
+
+
+def _owners(session: Session) -> dict[str, torch.Tensor]:
+    """name -> the session's bucket buffer its staged tensor views (none for clones)."""
+    by_storage = {b.untyped_storage().data_ptr(): b for b in session.buffers if b.numel()}
+    return {name: buffer for name, t in session.tensors.items()
+            if (buffer := by_storage.get(t.untyped_storage().data_ptr())) is not None}
 
 
 def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from weightsync.checkpoint import publish, write_bucket, write_manifest
 from weightsync.errors import WeightSyncError
-from weightsync.owners import TAG_PATTERN, owner_gone, owner_tag
+from weightsync.owners import TAG_PATTERN, orphans, owner_tag
 from weightsync.transports.base import SlotBuffers
 from weightsync.types import BucketMeta, Delivery, Link, Manifest
 
@@ -142,11 +142,9 @@ class DiskTransport:
 
 def _remove_orphans(root: Path) -> None:
     """Remove the temporary directories of trainers on this host that died mid-write."""
-    for path in root.iterdir():
-        match = _TEMP_DIR.match(path.name)
-        if match and owner_gone(match.group(1)):
-            log.info("removing %s, left by a trainer that is gone", path)
-            shutil.rmtree(path, ignore_errors=True)
+    for path in orphans(root.iterdir(), _TEMP_DIR):
+        log.info("removing %s, left by a trainer that is gone", path)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
