@@ -57,6 +57,10 @@ class EngineError(WeightSyncError):
         self.status = status
 
 
+class AdapterNotLoadedError(EngineError):
+    """An engine has no LoRA adapter of the name asked for (an unload found nothing to do)."""
+
+
 class SyncTimeoutError(WeightSyncError, TimeoutError):
     """A network call or collective did not finish within its timeout."""
 

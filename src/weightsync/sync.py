@@ -17,6 +17,12 @@ their previous version), discards the transport's leftovers, tears down a
 broadcast group, resumes generation, and raises. Engines that stage updates
 (`stages_updates`) keep generating while bytes stream and pause only around
 the commit; the others are paused from begin to commit.
+
+Every engine call made for a push is bounded by the push's `timeout_s`
+(whatever the engine client was built with): the push raises within
+1.2 x timeout_s + 1 s of a stalled call, plus at most min(10 s, timeout_s) for
+each round of cleanup calls after a failure (abort, resume, leaving a group),
+which run on every engine at once.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,9 +44,17 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync.bucketing import pack_stream, plan_buckets, stream_order
-from weightsync.engines.base import Engine, Link, PausePolicy
+from weightsync.engines.base import (
+    AdapterUnloader,
+    DigestReader,
+    Engine,
+    EngineCapabilities,
+    Link,
+    PausePolicy,
+)
 from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
 from weightsync.integrity import ack_problems, digest
+from weightsync.modes.lora import AdapterRollover
 from weightsync.naming import rename
 from weightsync.sources import WeightSource, make_source
 from weightsync.trainer_ranks import TrainerRanks
@@ -50,6 +64,10 @@ from weightsync.types import MODES, Ack, BucketMeta, Manifest, StageSeconds, Syn
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+CLEANUP_TIMEOUT_S = 10.0
+"""Upper bound of each cleanup call after a failed push (never more than timeout_s):
+they often go to an engine that already stopped answering."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,12 +83,15 @@ class SyncConfig:
     pause: PausePolicy = PausePolicy.RETRACT
     """What happens to in-flight requests while weights change."""
     timeout_s: float = 60.0
-    """Limit for every network call and collective of a push."""
+    """Limit for every network call and collective of a push, whatever the engine
+    clients were built with."""
     lora_prefix: str = "policy"
     """"lora" mode: adapters load as `<lora_prefix>-v<version>`."""
-    lora_keep: int = 1
-    """"lora" mode: adapters kept loaded per engine; older ones are unloaded
-    (after the requests still using them finish)."""
+    lora_keep: int = 2
+    """"lora" mode: adapter versions kept loaded per engine, the current one included.
+    The adapter of push N is unloaded (after the requests still using it finish)
+    once push N + lora_keep has committed, so with 2 a name read from `lora_name`
+    stays servable for at least one whole push after it stops being current."""
     adapter_name: str | None = None
     """The PEFT adapter to sync (default: the model's active one)."""
     disk_root: str | None = None
@@ -93,6 +114,11 @@ class SyncConfig:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.lora_keep < 1:
             raise ValueError(f"lora_keep must be at least 1, got {self.lora_keep}")
+
+    @property
+    def cleanup_timeout_s(self) -> float:
+        """Bound of each cleanup call after a failure (abort, resume, leaving a group)."""
+        return min(CLEANUP_TIMEOUT_S, self.timeout_s)
 
 
 @dataclass
@@ -137,19 +163,21 @@ class WeightSync:
         self._transport: Transport | None = None
         self._links: list[Link] | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines) + 1), thread_name_prefix="weightsync")
+        self._caps: list[EngineCapabilities] | None = None
+        """What each engine can do; asked once per transport session."""
         self._acked_version: int | None = None
         self._tensor_digests: dict[str, str] = {}
-        self._loaded_loras: list[str] = []
+        self._adapters = AdapterRollover(keep=self.config.lora_keep)
         self._base_checked = False
-        self._retiring: Future[None] | None = None
         self._closed = False
 
     # -- public ------------------------------------------------------------
 
     @property
     def lora_name(self) -> str | None:
-        """The adapter name requests should use now ("lora" mode)."""
-        return self._loaded_loras[-1] if self._loaded_loras else None
+        """The adapter name requests should use now ("lora" mode); it stays servable
+        until push N + lora_keep commits (see `SyncConfig.lora_keep`)."""
+        return self._adapters.current
 
     def push(self, model: nn.Module | WeightSource, version: int) -> SyncReport:
         """Make every engine serve `model`'s weights as `version`."""
@@ -173,8 +201,11 @@ class WeightSync:
         if self._closed:
             return
         self._closed = True
-        if self._retiring is not None:
-            self._wait(self._retiring, "unloading old adapters", swallow=True)
+        if self._adapters.due:
+            try:
+                self._adapters.finish(self._unloaders(), timeout_s=self.config.timeout_s)
+            except WeightSyncError as e:
+                log.warning("unloading old adapters at close: %s", e)
         self._end_session()
         self._pool.shutdown(wait=False)
 
@@ -190,14 +221,12 @@ class WeightSync:
               tensor_digests: dict[str, str] | None = None) -> SyncReport:
         started = time.perf_counter()
         stages = _Stages()
-        if self._retiring is not None:
-            self._wait(self._retiring, "unloading old adapters", swallow=True)
-            self._retiring = None
+        caps = self._capabilities()
         if mode == "lora" and not self._base_checked:
             self._sync_base_if_needed(model, version)
         all_metas = list(source.metas())
         metas = all_metas
-        if mode == "delta" and not all(getattr(e, "supports_delta", True) for e in self.engines):
+        if mode == "delta" and not all(c.supports_delta for c in caps):
             mode = "full"  # an engine that cannot apply a partial update gets the whole model
         if mode == "delta":
             if tensor_digests is None:
@@ -224,8 +253,9 @@ class WeightSync:
 
         links = self._ensure_session(max((b.nbytes for b in plan), default=1))
         paused = False
-        stage_all = all(getattr(e, "stages_updates", False) for e in self.engines)
+        stage_all = all(c.stages_updates for c in caps)
         begun = False
+        failed = False
         try:
             if not stage_all:
                 self._pause()
@@ -236,9 +266,13 @@ class WeightSync:
                 if mode == "delta" and e.status == 409:
                     log.info("delta refused (%s); sending the whole model instead", e)
                     if paused:
-                        self._resume()
+                        self._resume(self.config.timeout_s)
+                        paused = False
                     self._acked_version = None
                     return self._push(source, version, "delta", model, tensor_digests)
+                raise
+            except SyncTimeoutError:
+                begun = True  # the engine may still open the update when it answers: abort it
                 raise
             begun = True
             assert self._transport is not None
@@ -255,18 +289,20 @@ class WeightSync:
             stages.load = time.perf_counter() - t0
             begun = False
         except BaseException as e:
+            failed = True
             self._fail(version, begun, e)
             raise
         finally:
             if paused:
-                self._resume()
+                self._resume(self.config.cleanup_timeout_s if failed else self.config.timeout_s)
         verified, notes = self._verify(manifest, acks, to_engine)
         self._acked_version = version
         if tensor_digests is not None:
             self._tensor_digests = tensor_digests
         if mode == "lora":
             assert manifest.lora_name is not None
-            self._rollover(manifest.lora_name)
+            self._adapters.committed(manifest.lora_name, self._unloaders())
+        self._adapters.retire(self._unloaders(), self._pool, timeout_s=self.config.timeout_s)
         return SyncReport(
             version=version, mode=mode, transport=self.config.transport, num_bytes=manifest.num_bytes,
             num_tensors=len(metas), num_buckets=len(plan), seconds=time.perf_counter() - started,
@@ -361,6 +397,17 @@ class WeightSync:
 
     # -- session, pause, commit helpers ------------------------------------
 
+    def _capabilities(self) -> list[EngineCapabilities]:
+        """Every engine's declared capabilities, asked once per transport session."""
+        if self._caps is None:
+            timeout_s = self.config.timeout_s
+            self._caps = self._all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
+        return self._caps
+
+    def _unloaders(self) -> list[AdapterUnloader]:
+        return [e for e, c in zip(self.engines, self._capabilities(), strict=True)
+                if c.unloads_adapters and isinstance(e, AdapterUnloader)]
+
     def _ensure_session(self, max_bucket_bytes: int) -> list[Link]:
         if self._transport is None:
             self._transport = make_transport(
@@ -369,7 +416,7 @@ class WeightSync:
                 backend=self.config.backend,
             )
         transport = self._transport
-        links = transport.open([e.num_ranks for e in self.engines], max_bucket_bytes=max_bucket_bytes)
+        links = transport.open([c.num_ranks for c in self._capabilities()], max_bucket_bytes=max_bucket_bytes)
         if links is self._links:
             return links  # formed earlier and reused
         if self._links is not None and self.config.transport == "broadcast":
@@ -393,34 +440,30 @@ class WeightSync:
         if links is not None:
             self._disconnect(links)
         self._links = None
+        self._caps = None  # a new session asks again (an engine may have been restarted)
 
     def _disconnect(self, links: Sequence[Link]) -> None:
-        for engine, link in zip(self.engines, links, strict=True):
-            try:
-                engine.disconnect(link)
-            except WeightSyncError as e:
-                log.warning("%s: leaving the session: %s", engine.label, e)
+        """Every engine leaves the session at once; the links carry the cleanup bound."""
+        def leave(engine: Engine, link: Link) -> None:
+            engine.disconnect(replace(link, timeout_s=self.config.cleanup_timeout_s))
+
+        self._cleanup(lambda e, i: leave(e, links[i]), "leaving the session")
 
     def _pause(self) -> None:
         if self.config.pause is not PausePolicy.NONE:
-            self._all(lambda e, _: e.pause(self.config.pause), "pause")
+            timeout_s = self.config.timeout_s
+            self._all(lambda e, _: e.pause(self.config.pause, timeout_s=timeout_s), "pause")
 
-    def _resume(self) -> None:
+    def _resume(self, timeout_s: float) -> None:
         if self.config.pause is not PausePolicy.NONE:
-            try:
-                self._all(lambda e, _: e.resume(), "resume")
-            except WeightSyncError as e:
-                log.error("resuming generation failed: %s", e)
+            self._cleanup(lambda e, _: e.resume(timeout_s=timeout_s), "resuming generation", timeout_s=timeout_s)
 
     def _fail(self, version: int, begun: bool, error: BaseException) -> None:
         """Leave every engine on its last good version after `error`."""
         log.warning("push of v%d failed: %s", version, error)
         if begun:
-            for engine in self.engines:
-                try:
-                    engine.abort(version)
-                except WeightSyncError as e:
-                    log.warning("%s: abort of v%d: %s", engine.label, version, e)
+            cleanup_s = self.config.cleanup_timeout_s
+            self._cleanup(lambda e, _: e.abort(version, timeout_s=cleanup_s), f"abort of v{version}")
         if self._transport is not None:
             self._transport.discard(version)
         if self.config.transport == "broadcast" or isinstance(error, SyncTimeoutError):
@@ -432,19 +475,25 @@ class WeightSync:
         futures = [self._pool.submit(call, e, link) for e, link in zip(self.engines, links, strict=True)]
         return [self._wait(f, f"{e.label}: {what}") for e, f in zip(self.engines, futures, strict=True)]
 
-    def _wait(self, future: Future[T], what: str, *, swallow: bool = False) -> T:
+    def _cleanup(self, call: Callable[[Any, int], object], what: str, *, timeout_s: float | None = None) -> None:
+        """`call(engine, index)` on every engine at once after a failure, each bounded by
+        `timeout_s` (the cleanup bound by default); errors are logged, never raised."""
+        timeout_s = self.config.cleanup_timeout_s if timeout_s is None else timeout_s
+        futures = [self._pool.submit(call, e, i) for i, e in enumerate(self.engines)]
+        for engine, future in zip(self.engines, futures, strict=True):
+            try:
+                self._wait(future, f"{engine.label}: {what}", timeout_s=timeout_s)
+            except WeightSyncError as e:
+                log.warning("%s", e)
+
+    def _wait(self, future: Future[T], what: str, *, timeout_s: float | None = None) -> T:
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
         try:
-            # A little beyond timeout_s, so an engine client's own timeout (with its
+            # A little beyond timeout_s, so the engine client's own timeout (with its
             # better message) fires first.
-            return future.result(timeout=self.config.timeout_s * 1.2 + 1)
+            return future.result(timeout=timeout_s * 1.2 + 1)
         except FutureTimeout:
-            error: WeightSyncError = SyncTimeoutError(f"{what}: no answer within {self.config.timeout_s:.0f}s")
-        except WeightSyncError as e:
-            error = e
-        if swallow:
-            log.warning("%s", error)
-            return None  # type: ignore[return-value]
-        raise error
+            raise SyncTimeoutError(f"{what}: no answer within {timeout_s:.0f}s") from None
 
     def _verify(self, manifest: Manifest, acks: Sequence[Ack], to_engine: Mapping[str, str]) -> tuple[bool, list[str]]:
         notes: list[str] = []
@@ -471,31 +520,19 @@ class WeightSync:
             stages.hash += time.perf_counter() - t0
         return out
 
-    def _rollover(self, lora_name: str) -> None:
-        self._loaded_loras = [n for n in self._loaded_loras if n != lora_name] + [lora_name]
-        retire = self._loaded_loras[: -self.config.lora_keep]
-        self._loaded_loras = self._loaded_loras[-self.config.lora_keep :]
-        if retire:
-            self._retiring = self._pool.submit(self._unload, retire)
-
-    def _unload(self, names: Sequence[str]) -> None:
-        for engine in self.engines:
-            for name in names:
-                try:
-                    engine.unload_lora(name)  # type: ignore[attr-defined]
-                except WeightSyncError as e:
-                    log.warning("%s: unloading adapter %s: %s", engine.label, name, e)
-
     def _sync_base_if_needed(self, model: Any, version: int) -> None:
         """First "lora" push: make sure each engine serves the trainer's base weights."""
         self._base_checked = True
         base = make_source(model, "full", adapter_name=self.config.adapter_name)
-        readers = [e for e in self.engines if getattr(e, "native", False) and hasattr(e, "digests")]
+        readers = [e for e, c in zip(self.engines, self._capabilities(), strict=True)
+                   if c.reads_digests and isinstance(e, DigestReader)]
         if not readers:
             return
         trainer = self._hash_tensors(base, "full")
         names = list(trainer)
-        if all(e.digests(names) == trainer for e in readers):
+        timeout_s = self.config.timeout_s
+        served = [self._pool.submit(e.digests, names, timeout_s=timeout_s) for e in readers]
+        if all(self._wait(f, f"{e.label}: reading digests") == trainer for e, f in zip(readers, served, strict=True)):
             return
         log.info("engine base weights differ from the trainer's: syncing them before the adapter")
         self._push(base, version, "full", model)

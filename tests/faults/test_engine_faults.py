@@ -53,6 +53,16 @@ def test_stalled_engine_is_a_timeout_not_a_hang(rig: Rig, transport: str) -> Non
 
 
 @pytest.mark.parametrize("transport", faults.TRANSPORTS)
+def test_engine_stalled_before_the_first_push_is_a_timeout(rig: Rig, transport: str) -> None:
+    # The engine client is built as the README builds it (its own timeout is 60 s); the
+    # push's timeout_s (3 s) bounds even the first calls (capabilities, joining a group).
+    out = faults.engine_stalled_before_push(rig, transport)
+    assert_survived(out, errors=("SyncTimeoutError",), needles=("no answer within", "did not form within"))
+    assert out.seconds < faults.error_bound_s(rig.timeout_s)
+    print(f"\nengine stalled before the push over {transport}: {out.error_type} after {out.seconds:.1f}s")
+
+
+@pytest.mark.parametrize("transport", faults.TRANSPORTS)
 def test_engine_killed_mid_stream_then_restarted(rig: Rig, transport: str) -> None:
     out = faults.engine_killed(rig, transport)
     # http/shm/disk: the next call is refused; broadcast: gloo sees the peer close.

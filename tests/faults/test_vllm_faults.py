@@ -85,8 +85,9 @@ def server(fault_model: Path) -> Iterator[VLLMServer]:
 
 @pytest.fixture(scope="module")
 def engine(server: VLLMServer) -> Iterator[VLLMEngine]:
-    """The trainer's client: every call of a push gives up after TIMEOUT_S."""
-    engine = VLLMEngine(server.url, timeout_s=TIMEOUT_S)
+    """The trainer's client, built as the README builds it (no timeout of its own): every
+    call of a push gives up after the push's timeout_s (TIMEOUT_S)."""
+    engine = VLLMEngine(server.url)
     yield engine
     engine.close()
 
@@ -180,6 +181,30 @@ def test_stalled_vllm_is_a_timeout_not_a_hang(server: VLLMServer, engine: VLLMEn
         push_good(sync, reader, trainer)
 
 
+def test_vllm_stalled_before_the_first_push_is_a_timeout(server: VLLMServer, reader: VLLMEngine, trainer: Any,
+                                                         tmp_path: Path) -> None:
+    # A fresh client (it has not asked the engine's rank count yet) built as the README
+    # builds it: the push's timeout_s bounds that first question too.
+    group = _ProcessGroup(server)
+    before = fingerprint(reader)
+    with contextlib.closing(VLLMEngine(server.url)) as fresh, make_sync(fresh, "shm", tmp_path) as sync:
+        perturb(trainer)
+        version = int(before[0]) + 1
+        group.stop()
+        started = time.monotonic()
+        try:
+            with pytest.raises(ws.WeightSyncError) as info:
+                sync.push(trainer, version=version)
+        finally:
+            group.cont()
+        error, seconds = info.value, time.monotonic() - started
+        assert isinstance(error, ws.SyncTimeoutError), error
+        assert seconds < BOUND_S, f"{seconds:.1f}s"
+        print(f"\nvLLM stalled before the first push: {type(error).__name__} after {seconds:.1f}s")
+        assert fingerprint(reader) == before
+        push_good(sync, reader, trainer)
+
+
 def test_trainer_killed_mid_stream_leaves_vllm_serving(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine,
                                                         trainer: Any,
                                                         tmp_path: Path) -> None:
@@ -220,7 +245,7 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        a_client, b_client = (VLLMEngine(server.url, timeout_s=TIMEOUT_S) for _ in range(2))
+        a_client, b_client = (VLLMEngine(server.url) for _ in range(2))
         with make_sync(a_client, "shm", tmp_path / "a") as a, make_sync(b_client, "shm", tmp_path / "b") as b:
             perturb(a_model)
             a_version = int(reader.weight_version()) + 1
@@ -273,7 +298,7 @@ def test_vllm_killed_mid_stream_then_restarted(server: VLLMServer, engine: VLLME
           file=sys.stderr)
     # The restarted engine serves its checkpoint; the next push succeeds and is served exactly.
     with launch_vllm_server(fault_model, args=["--dtype", "float32", "--max-model-len", "1024"]) as again, \
-            contextlib.closing(VLLMEngine(again.url, timeout_s=TIMEOUT_S * 10)) as restarted, \
+            contextlib.closing(VLLMEngine(again.url)) as restarted, \
             contextlib.closing(VLLMEngine(again.url, timeout_s=120)) as checker, \
             make_sync(restarted, "shm", tmp_path) as sync:
         assert checker.weight_version() == "0"

@@ -18,6 +18,7 @@ from torch import nn
 import weightsync as ws
 from weightsync.bucketing import unpack
 from weightsync.checkpoint import read_version
+from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import EngineError, IntegrityError, ManifestMismatchError, SyncTimeoutError
 from weightsync.integrity import check_bucket, check_manifest_fits, digest
 from weightsync.shmem import SharedSlots
@@ -29,8 +30,6 @@ class MemoryEngine:
 
     transports: ClassVar[frozenset[str]] = frozenset({"http", "shm", "disk"})
     lora_transports: ClassVar[frozenset[str]] = frozenset({"http"})
-    stages_updates = True
-    num_ranks = 1
 
     def __init__(self, weights: dict[str, torch.Tensor], label: str = "memory") -> None:
         self.label = label
@@ -49,17 +48,21 @@ class MemoryEngine:
         self._inflight = 0
         self._lock = threading.Lock()
 
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        self.calls.append("capabilities")
+        return EngineCapabilities(stages_updates=True)
+
     def connect(self, link: Link) -> None:
         self.calls.append("connect")
 
     def disconnect(self, link: Link) -> None:
         self.calls.append("disconnect")
 
-    def pause(self, policy: PausePolicy) -> None:
+    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
         self.calls.append(f"pause:{policy.value}")
         self.paused = True
 
-    def resume(self) -> None:
+    def resume(self, *, timeout_s: float | None = None) -> None:
         self.calls.append("resume")
         self.paused = False
 
@@ -114,7 +117,7 @@ class MemoryEngine:
             digests = ("0" * 16, *digests[1:])
         return Ack(engine=self.label, version=self.version, digests=digests, loaded_names=frozenset(self.staged))
 
-    def abort(self, version: int) -> None:
+    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self.calls.append("abort")
         self.staged = None
 
@@ -144,7 +147,7 @@ def test_push_reaches_every_engine_verified(transport: str, tmp_path: Path) -> N
     assert report.num_bytes == sum(v.numel() * 4 for v in model.state_dict().values())
     for e in engines:
         assert same(model, e) and e.version == 1
-        assert e.calls[0] == "connect" and "abort" not in e.calls
+        assert e.calls[:2] == ["capabilities", "connect"] and "abort" not in e.calls
         # staged engines keep generating while bytes stream: paused only around commit
         assert e.calls.index("pause:retract") == e.calls.index("commit") - 1
         assert e.calls[-2:] == ["commit", "resume"] or e.calls[-1] == "disconnect"

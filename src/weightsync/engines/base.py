@@ -4,13 +4,19 @@ An engine client (SGLang over HTTP, vLLM through its worker extension) turns
 these verbs into the engine's own API. The coordinator calls them in this
 order for every push, and `abort` on any failure:
 
+    capabilities(timeout_s)  once per transport session: what the engine can do
     connect(link)            once per transport session (joins a broadcast
                              group, maps shared memory)
-    pause(policy)
+    pause(policy, timeout_s=...)
     begin(manifest, link)    dry-run check: names, shapes, dtypes; nothing moves
     receive(bucket, delivery)  for every bucket, as it becomes available
     commit(manifest, link) -> Ack
-    resume()
+    resume(timeout_s=...)
+
+Every call made on behalf of a push is bounded by that push's `timeout_s`,
+whatever the engine client was built with: verbs that take a `Link` use
+`link.timeout_s`, the others take `timeout_s`. An engine client's own
+`timeout_s` applies only to calls a user makes directly (generate, info).
 
 Engines never import transports; what a transport tells an engine travels in
 the plain `Link` and `Delivery` records of `weightsync.types`.
@@ -18,12 +24,14 @@ the plain `Link` and `Delivery` records of `weightsync.types`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest, PausePolicy
 
-__all__ = ["Completion", "Delivery", "Engine", "Link", "PausePolicy"]
+__all__ = ["AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine", "EngineCapabilities", "Link",
+           "PausePolicy"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +50,26 @@ class Completion:
     """Decoded text, where the engine has a tokenizer."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineCapabilities:
+    """What one engine can do, as the engine declares it (asked once per transport session)."""
+
+    num_ranks: int = 1
+    """Ranks the engine joins a broadcast group with (its TP x PP size)."""
+    stages_updates: bool = False
+    """Updates are staged and swapped in at commit, so the coordinator pauses only
+    around the commit; otherwise it pauses from begin to commit."""
+    supports_delta: bool = True
+    """The engine applies a partial ("delta") update on top of a version it can prove
+    it holds; otherwise delta pushes go out whole."""
+    reads_digests: bool = False
+    """The engine reports digests of its served weights (`DigestReader`); a first
+    "lora" push uses them to check the base weights."""
+    unloads_adapters: bool = False
+    """The engine unloads LoRA adapters by name (`AdapterUnloader`); "lora" pushes
+    retire old versions through it."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A client for one inference engine (one replica, possibly several ranks)."""
@@ -52,12 +80,9 @@ class Engine(Protocol):
     """Transports this engine can receive a LoRA adapter over ("disk" = PEFT directory)."""
     label: str
     """How the engine is named in reports and errors (its URL)."""
-    # Optional capabilities, read with getattr and these defaults:
-    #   stages_updates = False  the engine swaps updates in at commit, so the
-    #                           coordinator pauses only around the commit
-    #   supports_delta = True   the engine applies a partial ("delta") update
-    num_ranks: int
-    """Ranks this engine joins a broadcast group with (its TP size)."""
+
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        """What the engine can do; may ask the engine (within `timeout_s`)."""
 
     def connect(self, link: Link) -> None:
         """Join a transport session (blocks, e.g. until a group forms)."""
@@ -65,10 +90,10 @@ class Engine(Protocol):
     def disconnect(self, link: Link) -> None:
         """Leave a transport session; never raises for an already-gone peer."""
 
-    def pause(self, policy: PausePolicy) -> None:
+    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
         """Stop or hold generation per `policy` before an update."""
 
-    def resume(self) -> None:
+    def resume(self, *, timeout_s: float | None = None) -> None:
         """Continue generation after an update (or after an abort)."""
 
     def begin(self, manifest: Manifest, link: Link) -> None:
@@ -83,5 +108,24 @@ class Engine(Protocol):
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         """Apply the update, flush caches derived from old weights, ack."""
 
-    def abort(self, version: int) -> None:
+    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         """Discard the open update; the engine keeps its last good version."""
+
+
+@runtime_checkable
+class DigestReader(Protocol):
+    """An engine that reports digests of the weights it serves (`reads_digests`)."""
+
+    def digests(self, hf_names: Sequence[str] | None = None, *, timeout_s: float | None = None) -> dict[str, str]:
+        """hf_name -> xxh3 digest of the served tensor."""
+
+
+@runtime_checkable
+class AdapterUnloader(Protocol):
+    """An engine that unloads LoRA adapters by name (`unloads_adapters`)."""
+
+    def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
+        """Stop serving `lora_name` (after the requests still using it finish).
+
+        Raises `AdapterNotLoadedError` when no adapter of that name is loaded.
+        """

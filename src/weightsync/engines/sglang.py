@@ -23,9 +23,9 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from weightsync.engines.base import Completion, Delivery, Link, PausePolicy
+from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient
-from weightsync.errors import EngineError
+from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import byte_view
 from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
@@ -33,7 +33,7 @@ from weightsync.wire import FrameHeader, encode_prefix
 log = logging.getLogger(__name__)
 
 CLEANUP_TIMEOUT_S = 10.0
-"""Upper limit for abort and group teardown calls (never more than the client's timeout_s):
+"""Upper limit for abort and group teardown calls (never more than the push's timeout_s):
 they run after a failure, often against a peer that already stopped answering."""
 
 
@@ -55,33 +55,28 @@ class SGLangEngine:
         self._flush_cache = True
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
 
-    @property
-    def _cleanup_timeout_s(self) -> float:
-        return min(CLEANUP_TIMEOUT_S, self.timeout_s)
+    def _cleanup_timeout_s(self, timeout_s: float | None) -> float:
+        return min(CLEANUP_TIMEOUT_S, self.timeout_s if timeout_s is None else timeout_s)
 
     # -- capabilities ------------------------------------------------------
 
-    @property
-    def native(self) -> bool:
-        """True when the server has weightsync's routes (`weightsync serve`)."""
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        """A `weightsync serve` (it has weightsync's routes) stages updates, applies
+        deltas, reports digests; a stock SGLang does none of that: it could have been
+        restarted from its checkpoint, so it cannot prove which version it holds."""
+        native = self._is_native(timeout_s)
+        return EngineCapabilities(num_ranks=self.num_ranks, stages_updates=native, supports_delta=native,
+                                  reads_digests=native, unloads_adapters=True)
+
+    def _is_native(self, timeout_s: float | None = None) -> bool:
+        """True when the server has weightsync's routes; asked once (within `timeout_s`)."""
         if self._native is None:
-            response = self._http.request("GET", "/weightsync/info", allow=(404,))
+            response = self._http.request("GET", "/weightsync/info", allow=(404,), timeout_s=timeout_s)
             self._native = response.status_code != 404
         return self._native
 
-    @property
-    def supports_delta(self) -> bool:
-        """A delta needs an engine that proves which version it holds; a stock
-        SGLang (possibly restarted from its checkpoint) cannot, so it gets full pushes."""
-        return self.native
-
-    @property
-    def stages_updates(self) -> bool:
-        """Updates are staged and swapped in at commit (no pause needed while streaming)."""
-        return self.native
-
-    def _require_native(self, what: str) -> None:
-        if not self.native:
+    def _require_native(self, what: str, timeout_s: float) -> None:
+        if not self._is_native(timeout_s):
             raise EngineError(
                 self.label,
                 f"{what} needs weightsync's routes, which this SGLang server does not have; "
@@ -97,38 +92,40 @@ class SGLangEngine:
             "master_address": link.master_address, "master_port": link.master_port,
             "rank_offset": link.rank_offset, "world_size": link.world_size,
             "group_name": link.group_name, "backend": link.backend,
-        }, timeout_s=link.timeout_s + 5)
+        }, timeout_s=link.timeout_s)
 
     def disconnect(self, link: Link) -> None:
         if link.transport != "broadcast":
             return
         try:
             self._http.post("/destroy_weights_update_group", {"group_name": link.group_name},
-                            timeout_s=self._cleanup_timeout_s)
+                            timeout_s=self._cleanup_timeout_s(link.timeout_s))
         except EngineError as e:
             log.warning("%s: destroying group %s: %s", self.label, link.group_name, e)
 
-    def pause(self, policy: PausePolicy) -> None:
+    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
         mode = policy.sglang_mode
         if mode is not None:
-            self._http.post("/pause_generation", {"mode": mode})
+            self._http.post("/pause_generation", {"mode": mode}, timeout_s=timeout_s)
         # An update that flushes the cache while requests still run reports failure
         # even though the weights changed (ENGINES.md): keep the cache with in_place.
         self._flush_cache = policy in (PausePolicy.ABORT, PausePolicy.RETRACT)
 
-    def resume(self) -> None:
-        self._http.post("/continue_generation", {})
+    def resume(self, *, timeout_s: float | None = None) -> None:
+        self._http.post("/continue_generation", {}, timeout_s=timeout_s)
 
     def begin(self, manifest: Manifest, link: Link) -> None:
+        timeout_s = link.timeout_s
         if link.transport in ("http", "shm"):
-            self._require_native(f"transport {link.transport!r}")
+            self._require_native(f"transport {link.transport!r}", timeout_s)
         if manifest.mode == "lora" and link.transport != "disk":
-            self._require_native(f"a LoRA adapter over {link.transport!r}")
-        if self.native:
-            self._http.post("/weightsync/begin", {"manifest": manifest.to_dict()})
+            self._require_native(f"a LoRA adapter over {link.transport!r}", timeout_s)
+        if self._is_native(timeout_s):
+            self._http.post("/weightsync/begin", {"manifest": manifest.to_dict()}, timeout_s=timeout_s)
         self._open = (manifest.version, link)
         if link.transport == "broadcast":
-            response = self._http.request("POST", "/begin_weight_update", json_body={"selector": "all"}, allow=(404,))
+            response = self._http.request("POST", "/begin_weight_update", json_body={"selector": "all"},
+                                          allow=(404,), timeout_s=timeout_s)
             self._session_open = response.status_code != 404
 
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
@@ -140,16 +137,16 @@ class SGLangEngine:
                                                nbytes=bucket.nbytes, digest=bucket.digest))
             payload = byte_view(delivery.data).numpy().data
             self._http.request("POST", "/weightsync/bucket", content=_chunks(prefix, payload),
-                               headers={"Content-Type": "application/octet-stream"})
+                               headers={"Content-Type": "application/octet-stream"}, timeout_s=link.timeout_s)
         elif delivery.transport == "shm":
             self._http.post("/weightsync/shm_bucket", {
                 "version": version, "index": bucket.index, "digest": bucket.digest,
                 "shm_name": link.shm_name, "slot_bytes": link.slot_bytes, "num_slots": link.num_slots,
                 "slot": delivery.slot,
-            })
+            }, timeout_s=link.timeout_s)
         elif delivery.transport == "broadcast":
             self._http.post("/update_weights_from_distributed", self._broadcast_request(bucket, version, link),
-                            timeout_s=link.timeout_s + 5)
+                            timeout_s=link.timeout_s)
         else:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
 
@@ -158,32 +155,38 @@ class SGLangEngine:
         if link.transport == "disk":
             return self._commit_disk(manifest, link)
         ack = None
-        if self.native:
-            body = self._http.post("/weightsync/commit", {"version": manifest.version})
+        if self._is_native(link.timeout_s):
+            body = self._http.post("/weightsync/commit", {"version": manifest.version}, timeout_s=link.timeout_s)
             ack = Ack.from_dict(body["ack"], engine=self.label)
         if self._session_open:
             self._session_open = False
-            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,))
+            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=link.timeout_s)
         return ack or self._unverified_ack(manifest)
 
-    def abort(self, version: int) -> None:
+    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self._open = None
+        cleanup_s = self._cleanup_timeout_s(timeout_s)
         errors = []
-        if self.native:
+        if self._is_native(cleanup_s):
             try:
-                self._http.post("/weightsync/abort", {"version": version}, timeout_s=self._cleanup_timeout_s)
+                self._http.post("/weightsync/abort", {"version": version}, timeout_s=cleanup_s)
             except EngineError as e:
                 errors.append(e)
         if self._session_open:
             self._session_open = False
-            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,),
-                               timeout_s=self._cleanup_timeout_s)
+            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=cleanup_s)
         if errors:
             raise errors[0]
 
-    def unload_lora(self, lora_name: str) -> None:
-        """Unload an adapter; SGLang waits for requests still using it."""
-        self._http.post("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s=self.timeout_s)
+    def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
+        """Unload an adapter; SGLang waits for requests still using it. Raises
+        `AdapterNotLoadedError` when no adapter of that name is loaded."""
+        try:
+            self._http.post("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s=timeout_s)
+        except EngineError as e:
+            if e.status == 404 or "not loaded" in e.remote_message:
+                raise AdapterNotLoadedError(self.label, e.remote_message, status=e.status) from e
+            raise
 
     # -- generation --------------------------------------------------------
 
@@ -208,10 +211,11 @@ class SGLangEngine:
     def weight_version(self) -> str:
         return str(self._http.get("/model_info").get("weight_version"))
 
-    def digests(self, hf_names: Sequence[str] | None = None) -> dict[str, str]:
+    def digests(self, hf_names: Sequence[str] | None = None, *, timeout_s: float | None = None) -> dict[str, str]:
         """Digests of the served weights (weightsync serve only)."""
-        self._require_native("reading weight digests")
-        return dict(self._http.post("/weightsync/digests", {"names": list(hf_names) if hf_names else None})["digests"])
+        self._require_native("reading weight digests", self.timeout_s if timeout_s is None else timeout_s)
+        body = {"names": list(hf_names) if hf_names else None}
+        return dict(self._http.post("/weightsync/digests", body, timeout_s=timeout_s)["digests"])
 
     def close(self) -> None:
         self._http.close()
@@ -229,7 +233,7 @@ class SGLangEngine:
             "abort_all_requests": False,
             "weight_version": str(version),
         }
-        if self.native:
+        if self._is_native(link.timeout_s):
             body.update(weightsync_version=version, weightsync_bucket=bucket.index, weightsync_digest=bucket.digest)
         return body
 
@@ -237,15 +241,16 @@ class SGLangEngine:
         path = link.version_dir(manifest.version)
         if manifest.mode == "lora":
             assert manifest.lora_name is not None
-            self._http.post("/load_lora_adapter", {"lora_name": manifest.lora_name, "lora_path": path})
-            if self.native:
-                body = self._http.post("/weightsync/commit", {"version": manifest.version})
+            self._http.post("/load_lora_adapter", {"lora_name": manifest.lora_name, "lora_path": path},
+                            timeout_s=link.timeout_s)
+            if self._is_native(link.timeout_s):
+                body = self._http.post("/weightsync/commit", {"version": manifest.version}, timeout_s=link.timeout_s)
                 return Ack.from_dict(body["ack"], engine=self.label)
             return self._unverified_ack(manifest)
         body = self._http.post("/update_weights_from_disk", {
             "model_path": path, "weight_version": str(manifest.version),
             "flush_cache": self._flush_cache, "abort_all_requests": False,
-        })
+        }, timeout_s=link.timeout_s)
         if "ack" in body:
             return Ack.from_dict(body["ack"], engine=self.label)
         return self._unverified_ack(manifest)

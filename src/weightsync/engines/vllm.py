@@ -44,10 +44,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
-from weightsync.engines.base import Completion, Delivery, Link, PausePolicy
+from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient
 from weightsync.engines.vllm_worker import EXTENSION
 from weightsync.errors import (
+    AdapterNotLoadedError,
     EngineError,
     IntegrityError,
     ManifestError,
@@ -72,10 +73,6 @@ class VLLMEngine:
 
     transports: ClassVar[frozenset[str]] = frozenset({"broadcast", "shm", "disk"})
     lora_transports: ClassVar[frozenset[str]] = frozenset({"broadcast", "shm", "disk"})
-    stages_updates: ClassVar[bool] = True
-    """The workers stage every bucket and swap at commit: no pause while streaming."""
-    supports_delta: ClassVar[bool] = False
-    """vLLM reloads fused layers from all their checkpoint tensors: "delta" pushes go out whole."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  label: str | None = None, num_ranks: int | None = None) -> None:
@@ -108,16 +105,27 @@ class VLLMEngine:
 
     # -- capabilities ------------------------------------------------------
 
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        """The workers stage every bucket and swap at commit (no pause while streaming);
+        no deltas (vLLM reloads fused layers from all their checkpoint tensors, so
+        "delta" pushes go out whole); adapters unloaded by name. The rank count is
+        asked of rank 0 once (within `timeout_s`) unless it was given."""
+        return EngineCapabilities(num_ranks=self._ranks(timeout_s), stages_updates=True, supports_delta=False,
+                                  reads_digests=False, unloads_adapters=True)
+
     @property
     def num_ranks(self) -> int:
         """The engine's workers (TP x PP); each joins a broadcast group with its own rank."""
+        return self._ranks(self.timeout_s)
+
+    def _ranks(self, timeout_s: float) -> int:
         if self._num_ranks is None:
-            self._num_ranks = int(self.info()["num_ranks"])
+            self._num_ranks = int(self.info(timeout_s=timeout_s)["num_ranks"])
         return self._num_ranks
 
-    def info(self) -> dict[str, Any]:
+    def info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """Rank 0's view: num_ranks, version (weightsync's counter), dirty, lora_enabled."""
-        return self._rpc("weightsync_info", {}, timeout_s=self.timeout_s)[0]
+        return self._rpc("weightsync_info", {}, timeout_s=self.timeout_s if timeout_s is None else timeout_s)[0]
 
     # -- protocol ----------------------------------------------------------
 
@@ -130,17 +138,17 @@ class VLLMEngine:
             return
         try:
             self._rpc("weightsync_disconnect", {"link": link.to_dict()},
-                      timeout_s=min(CLEANUP_TIMEOUT_S, self.timeout_s), margin_s=0.0)
+                      timeout_s=min(CLEANUP_TIMEOUT_S, link.timeout_s), margin_s=0.0)
         except WeightSyncError as e:
             log.warning("%s: leaving the %s session: %s", self.label, link.transport, e)
 
-    def pause(self, policy: PausePolicy) -> None:
+    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
         self._policy = policy
         if policy.vllm_mode is not None:
-            self._backend.pause(policy.vllm_mode)
+            self._backend.pause(policy.vllm_mode, timeout_s=self._timeout(timeout_s))
 
-    def resume(self) -> None:
-        self._backend.resume()
+    def resume(self, *, timeout_s: float | None = None) -> None:
+        self._backend.resume(timeout_s=self._timeout(timeout_s))
 
     def begin(self, manifest: Manifest, link: Link) -> None:
         allowed = self.lora_transports if manifest.mode == "lora" else self.transports
@@ -169,22 +177,24 @@ class VLLMEngine:
             path = results[0].get("lora_path")
             if not path:
                 raise EngineError(self.label, f"adapter {manifest.lora_name!r}: rank 0 reported no directory")
-            self._backend.add_lora(manifest.lora_name, str(path))
+            self._backend.add_lora(manifest.lora_name, str(path), timeout_s=link.timeout_s)
         else:
-            self._reset_prefix_cache()
-        self._backend.set_weight_version(str(manifest.version))
+            self._reset_prefix_cache(timeout_s=link.timeout_s)
+        self._backend.set_weight_version(str(manifest.version), timeout_s=link.timeout_s)
         return ack
 
-    def abort(self, version: int) -> None:
+    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self._open = None
-        self._rpc("weightsync_abort", {"version": version}, timeout_s=min(CLEANUP_TIMEOUT_S, self.timeout_s),
-                  margin_s=0.0)
+        self._rpc("weightsync_abort", {"version": version},
+                  timeout_s=min(CLEANUP_TIMEOUT_S, self._timeout(timeout_s)), margin_s=0.0)
 
-    def unload_lora(self, lora_name: str) -> None:
+    def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
         """Stop routing requests to an adapter; its files go one push later (a
-        request still running on it can reload it meanwhile)."""
-        self._backend.remove_lora(lora_name)
-        self._rpc("weightsync_forget_lora", {"lora_name": lora_name}, timeout_s=self.timeout_s)
+        request still running on it can reload it meanwhile). Raises
+        `AdapterNotLoadedError` when no adapter of that name is loaded."""
+        timeout_s = self._timeout(timeout_s)
+        self._backend.remove_lora(lora_name, timeout_s=timeout_s)
+        self._rpc("weightsync_forget_lora", {"lora_name": lora_name}, timeout_s=timeout_s)
 
     # -- generation --------------------------------------------------------
 
@@ -206,6 +216,10 @@ class VLLMEngine:
         self._backend.close()
 
     # -- internals ---------------------------------------------------------
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        """The caller's bound (a push's timeout_s), else this client's own."""
+        return self.timeout_s if timeout_s is None else timeout_s
 
     def _rpc(self, method: str, body: dict[str, Any], *, timeout_s: float,
              margin_s: float = RPC_MARGIN_S) -> list[dict[str, Any]]:
@@ -248,8 +262,8 @@ class VLLMEngine:
                                      f"{acks[0].to_dict()}; the engine's ranks hold different weights")
         return acks[0]
 
-    def _reset_prefix_cache(self) -> None:
-        if self._backend.reset_prefix_cache():
+    def _reset_prefix_cache(self, *, timeout_s: float) -> None:
+        if self._backend.reset_prefix_cache(timeout_s=timeout_s):
             return
         log.warning(
             "%s: the prefix cache was not reset (requests still hold KV blocks, pause=%s): new requests "
@@ -268,22 +282,23 @@ class _Backend:
         """Call `method` on every worker; the transport may wait `margin_s` beyond `timeout_s`."""
         raise NotImplementedError
 
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: str, *, timeout_s: float) -> None:
         raise NotImplementedError
 
-    def resume(self) -> None:
+    def resume(self, *, timeout_s: float) -> None:
         raise NotImplementedError
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, timeout_s: float) -> bool:
         raise NotImplementedError
 
-    def set_weight_version(self, version: str) -> None:
+    def set_weight_version(self, version: str, *, timeout_s: float) -> None:
         raise NotImplementedError
 
-    def add_lora(self, lora_name: str, path: str) -> None:
+    def add_lora(self, lora_name: str, path: str, *, timeout_s: float) -> None:
         raise NotImplementedError
 
-    def remove_lora(self, lora_name: str) -> None:
+    def remove_lora(self, lora_name: str, *, timeout_s: float) -> None:
+        """Raises AdapterNotLoadedError for an unknown name."""
         raise NotImplementedError
 
     def loaded_loras(self) -> list[str]:
@@ -321,19 +336,21 @@ class _InProcess(_Backend):
         return list(self._call(method, lambda: self.llm.collective_rpc(method, timeout=timeout_s, args=(request,)),
                                hint))
 
-    def pause(self, mode: str) -> None:
+    # The in-process LLM's own calls take no timeout; they run in this process.
+
+    def pause(self, mode: str, *, timeout_s: float) -> None:
         return None  # generation only runs inside the caller's llm.generate
 
-    def resume(self) -> None:
+    def resume(self, *, timeout_s: float) -> None:
         return None
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, timeout_s: float) -> bool:
         return bool(self._call("reset_prefix_cache", self.llm.reset_prefix_cache))
 
-    def set_weight_version(self, version: str) -> None:
+    def set_weight_version(self, version: str, *, timeout_s: float) -> None:
         self._call("set_weight_version", lambda: self.llm.llm_engine.set_weight_version(version))
 
-    def add_lora(self, lora_name: str, path: str) -> None:
+    def add_lora(self, lora_name: str, path: str, *, timeout_s: float) -> None:
         from vllm.lora.request import LoRARequest
 
         previous = self._loras.get(lora_name)
@@ -342,10 +359,11 @@ class _InProcess(_Backend):
         self._call(f"add_lora {lora_name!r}", lambda: self.llm.llm_engine.add_lora(request))
         self._loras[lora_name] = request
 
-    def remove_lora(self, lora_name: str) -> None:
+    def remove_lora(self, lora_name: str, *, timeout_s: float) -> None:
         request = self._loras.pop(lora_name, None)
         if request is None:
-            raise EngineError("vllm-inprocess", f"no adapter {lora_name!r} is loaded; loaded: {sorted(self._loras)}")
+            raise AdapterNotLoadedError("vllm-inprocess",
+                                        f"no adapter {lora_name!r} is loaded; loaded: {sorted(self._loras)}")
         self._call(f"remove_lora {lora_name!r}", lambda: self.llm.llm_engine.remove_lora(request.lora_int_id))
 
     def loaded_loras(self) -> list[str]:
@@ -409,32 +427,36 @@ class _Server(_Backend):
             raise EngineError(self.url, f"POST /collective_rpc {method}: unexpected answer {response.text[:200]!r}")
         return results
 
-    def pause(self, mode: str) -> None:
-        self.http.post("/pause", params={"mode": mode}, timeout_s=self.http.timeout_s)
+    def pause(self, mode: str, *, timeout_s: float) -> None:
+        self.http.post("/pause", params={"mode": mode}, timeout_s=timeout_s)
 
-    def resume(self) -> None:
-        self.http.post("/resume")
+    def resume(self, *, timeout_s: float) -> None:
+        self.http.post("/resume", timeout_s=timeout_s)
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.http.post("/reset_prefix_cache").get("success", False))
+    def reset_prefix_cache(self, *, timeout_s: float) -> bool:
+        return bool(self.http.post("/reset_prefix_cache", timeout_s=timeout_s).get("success", False))
 
-    def set_weight_version(self, version: str) -> None:
+    def set_weight_version(self, version: str, *, timeout_s: float) -> None:
         response = self.http.request("POST", "/update_weight_version", json_body={"new_version": version},
-                                     allow=(404,))
+                                     allow=(404,), timeout_s=timeout_s)
         if response.status_code == 404:
             log.debug("%s has no /update_weight_version; answers carry no weight version", self.url)
 
-    def add_lora(self, lora_name: str, path: str) -> None:
-        response = self.http.request("POST", "/v1/load_lora_adapter", allow=(404,),
+    def add_lora(self, lora_name: str, path: str, *, timeout_s: float) -> None:
+        response = self.http.request("POST", "/v1/load_lora_adapter", allow=(404,), timeout_s=timeout_s,
                                      json_body={"lora_name": lora_name, "lora_path": path, "load_inplace": True})
         if response.status_code == 404:
             raise EngineError(self.url, "POST /v1/load_lora_adapter: 404; start vLLM with --enable-lora and "
                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
         self._loras.add(lora_name)
 
-    def remove_lora(self, lora_name: str) -> None:
-        self.http.post("/v1/unload_lora_adapter", {"lora_name": lora_name})
+    def remove_lora(self, lora_name: str, *, timeout_s: float) -> None:
+        response = self.http.request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": lora_name},
+                                     allow=(404,), timeout_s=timeout_s)
         self._loras.discard(lora_name)
+        if response.status_code == 404:
+            raise AdapterNotLoadedError(self.url, f"no adapter {lora_name!r} is loaded: {response.text[:200]}",
+                                        status=404)
 
     def loaded_loras(self) -> list[str]:
         models = self.http.get("/v1/models").get("data") or []

@@ -56,6 +56,7 @@ from weightsync.bench.faults.scenarios import (
     disk_full,
     engine_killed,
     engine_stalled,
+    engine_stalled_before_push,
     trainer_killed,
     two_trainers,
     unwritable_root,
@@ -80,7 +81,8 @@ def run_faults(*, quick: bool = False, out_dir: Path) -> dict[str, Any]:
         with Rig(model_dir, Path(scratch) / "root") as rig:
             for transport in transports:
                 outcomes += [bad_bucket(rig, transport, "flip"), bad_bucket(rig, transport, "truncate"),
-                             engine_stalled(rig, transport), trainer_killed(rig, transport),
+                             engine_stalled(rig, transport), engine_stalled_before_push(rig, transport),
+                             trainer_killed(rig, transport),
                              two_trainers(rig, transport)]
             if not quick:
                 outcomes += [trainer_killed(rig, "http", mid_wire=True),
@@ -145,6 +147,6 @@ __all__ = [
     "ADMIN_KEY", "BUCKET_BYTES", "CHILD_READY_TIMEOUT_S", "MARGIN_S", "POLICIES", "PROMPTS", "TRANSPORTS",
     "Answer", "AnswerVerifier", "ChildTrainer", "DictSource", "FaultOutcome", "FaultyTransport", "LoadFigures",
     "Rig", "Weights", "bad_bucket", "child_main", "disk_full", "engine_killed", "engine_stalled",
-    "error_bound_s", "format_table", "injected", "load_weights", "make_fault_model", "perturbed",
+    "engine_stalled_before_push", "error_bound_s", "format_table", "injected", "load_weights", "make_fault_model", "perturbed",
     "run_faults", "run_load", "segments_left", "summarize", "trainer_killed", "two_trainers", "unwritable_root",
 ]

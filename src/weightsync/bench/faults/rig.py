@@ -184,7 +184,8 @@ class Rig:
     # -- talking to it -------------------------------------------------------------------------
 
     def engine(self) -> SGLangEngine:
-        return SGLangEngine(self.url, api_key=self.api_key, timeout_s=self.timeout_s)
+        """Built as the README builds it: no timeout of its own, so the push's bounds every call."""
+        return SGLangEngine(self.url, api_key=self.api_key)
 
     def sync(self, transport: str, *, disk_root: Path | None = None, engine: Any = None, **options: Any) -> WeightSync:
         return WeightSync([engine or self.engine()], transport=transport, bucket_bytes=BUCKET_BYTES,

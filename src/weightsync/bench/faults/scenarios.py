@@ -2,7 +2,8 @@
 and returns a `FaultOutcome` recording what happened.
 
 Engine side: `bad_bucket` (a flipped byte or a truncated bucket, after hashing),
-`engine_stalled` (SIGSTOP past timeout_s), `engine_killed` (SIGKILL mid-stream,
+`engine_stalled` (SIGSTOP past timeout_s, mid-push or before a first push:
+`engine_stalled_before_push`), `engine_killed` (SIGKILL mid-stream,
 then restarted on the same port). Trainer side: `trainer_killed` (a child
 trainer SIGKILLed between buckets or mid-wire), `disk_full` (RLIMIT_FSIZE in a
 child trainer), `unwritable_root`. Both: `two_trainers` (a collision, older and
@@ -216,6 +217,23 @@ def engine_stalled(rig: Rig, transport: str) -> FaultOutcome:
         _check_kept(out, rig)
         # The trainer's abort timed out against the stopped engine; the engine reads it
         # on waking, or discards the idle session after --session-timeout.
+        _next_push(out, rig, sync, conflicts_for_s=rig.session_timeout_s + MARGIN_S)
+    return out
+
+
+def engine_stalled_before_push(rig: Rig, transport: str) -> FaultOutcome:
+    """SIGSTOP the engine before a new trainer's first push, for longer than timeout_s:
+    even the first calls (the engine's capabilities, joining a group) are bounded by
+    the push's timeout_s, not by the engine client's own (60 s by default)."""
+    out = FaultOutcome("engine stalled before the first push (SIGSTOP)", transport)
+    with rig.sync(transport) as sync:
+        _observe(out, rig)
+        rig.stop()
+        try:
+            _timed_push(out, sync, rig.new_weights(), rig.next_version())
+        finally:
+            rig.cont()
+        _check_kept(out, rig)
         _next_push(out, rig, sync, conflicts_for_s=rig.session_timeout_s + MARGIN_S)
     return out
 

@@ -1,0 +1,113 @@
+"""Versioned LoRA adapter names on the engines: which stay loaded, which are retired.
+
+"lora" pushes load each adapter version under a name of its own (`policy-v7`),
+so a request names the exact weights it wants. Names are retired by one rule:
+
+    the adapter of push N stays loaded until push N + keep has committed.
+
+So with keep >= 2 (the default), a name read from `WeightSync.lora_name` at any
+moment stays servable until the second push after the one that made it current
+has committed: a client has at least one whole push interval to send requests
+naming it. With keep = 1 a name goes as soon as the next version commits, and a
+client still holding it gets "not loaded". Engines must be able to hold
+keep + 1 adapters: the new one loads before the oldest is unloaded.
+
+Retired names are unloaded in the background, since an engine's unload waits
+for the requests still using the adapter. A failed unload is retried after
+every later commit and at close, until each engine has unloaded the name or
+says it has no adapter of that name; nothing is forgotten, so nothing leaks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from weightsync.engines.base import AdapterUnloader
+from weightsync.errors import AdapterNotLoadedError, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+class AdapterRollover:
+    """The adapter names one `WeightSync` loaded, and the retiring of old ones.
+
+    `engines` are those that unload adapters by name (`unloads_adapters`); an
+    engine that cannot is left to its own eviction.
+    """
+
+    def __init__(self, *, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"lora_keep must be at least 1, got {keep}")
+        self.keep = keep
+        self._live: list[str] = []
+        """Loaded names, oldest first; the last is current."""
+        self._due: dict[str, set[int]] = {}
+        """Retired name -> indices of the engines that still have to unload it."""
+        self._lock = threading.Lock()
+        self._job: Future[None] | None = None
+
+    @property
+    def current(self) -> str | None:
+        """The name requests should use now."""
+        return self._live[-1] if self._live else None
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        """Names kept loaded, oldest first."""
+        return tuple(self._live)
+
+    @property
+    def due(self) -> tuple[str, ...]:
+        """Retired names some engine has not unloaded yet."""
+        with self._lock:
+            return tuple(self._due)
+
+    def committed(self, lora_name: str, engines: Sequence[AdapterUnloader]) -> None:
+        """Every engine acked `lora_name`: it becomes current; names past `keep` retire."""
+        self._live = [n for n in self._live if n != lora_name] + [lora_name]
+        retired, self._live = self._live[: -self.keep], self._live[-self.keep :]
+        with self._lock:
+            for name in retired:
+                self._due[name] = set(range(len(engines)))
+
+    def retire(self, engines: Sequence[AdapterUnloader], pool: Executor, *, timeout_s: float) -> None:
+        """Unload what is due, in the background, unless an earlier round still runs."""
+        if self._job is not None and not self._job.done():
+            return
+        if self.due:
+            self._job = pool.submit(self._unload_due, engines, timeout_s)
+
+    def finish(self, engines: Sequence[AdapterUnloader], *, timeout_s: float) -> None:
+        """At close: wait (bounded) for a running round, then one more round here."""
+        if self._job is not None:
+            try:
+                self._job.result(timeout=timeout_s * 1.2 + 1)
+            except FutureTimeout:
+                log.warning("unloading old adapters took longer than %.0fs; left: %s", timeout_s, self.due)
+                return
+        self._unload_due(engines, timeout_s)
+        if self.due:
+            log.warning("adapters %s could not be unloaded from every engine", list(self.due))
+
+    def _unload_due(self, engines: Sequence[AdapterUnloader], timeout_s: float) -> None:
+        with self._lock:
+            work = [(name, sorted(indices)) for name, indices in self._due.items()]
+        for name, indices in work:
+            for i in indices:
+                try:
+                    engines[i].unload_lora(name, timeout_s=timeout_s)
+                except AdapterNotLoadedError:
+                    pass  # gone already (evicted, or an earlier try that timed out went through)
+                except WeightSyncError as e:
+                    log.warning("unloading adapter %s (will retry after the next push): %s", name, e)
+                    continue
+                with self._lock:
+                    left = self._due.get(name)
+                    if left is not None:
+                        left.discard(i)
+                        if not left:
+                            del self._due[name]
