@@ -4,8 +4,8 @@ without failing or mixing requests."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -51,6 +51,12 @@ def loaded_loras(server: ServerProcess) -> list[str]:
     return list(httpx.get(f"{server.url}/weightsync/info").json()["loaded_loras"])
 
 
+def unload_all(server: ServerProcess) -> None:
+    """Start from an engine without adapters (earlier tests leave their current one loaded)."""
+    for name in loaded_loras(server):
+        httpx.post(f"{server.url}/unload_lora_adapter", json={"lora_name": name}, timeout=60).raise_for_status()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_adapter_outputs_equal_peft_and_differ_from_base(
     transport: str, lora_engine: ServerProcess, tiny_model_dir: Path, disk_root: Path
@@ -76,49 +82,75 @@ def test_adapter_outputs_equal_peft_and_differ_from_base(
         assert crossed.max_gap > 1e-2, "the adapter changes the outputs"
 
 
+def _generate(url: str, lora_name: str | None) -> dict:
+    """One request naming `lora_name`, as a rollout client sends it; its answer or failure."""
+    response = httpx.post(f"{url}/generate", timeout=60, json={
+        "input_ids": PROMPTS[0], "lora_path": lora_name,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    if response.status_code != 200:
+        return {"asked": lora_name, "failed": f"{response.status_code} {response.text[:200]}"}
+    return {"asked": lora_name, **response.json()["meta_info"]}
+
+
 def test_rollover_under_concurrent_requests(lora_engine: ServerProcess, tiny_model_dir: Path) -> None:
+    """The README's lifecycle: a name read from `sync.lora_name` stays servable until the
+    second push after it became current commits (lora_keep=2, the default). Each round a
+    client holds the current name, sends requests with it WHILE the next push runs and
+    AFTER it committed (the name is then no longer current): every one is answered by the
+    adapter it named. Deterministic: the name can only go once the round after has pushed."""
+    unload_all(lora_engine)
     model = peft_trainer(tiny_model_dir, seed=2)
-    client = ws.SGLangEngine(lora_engine.url)
+    client = ws.SGLangEngine(lora_engine.url)  # as the README builds it
     answers: list[dict] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def clients(sync: ws.WeightSync) -> None:
-        with httpx.Client(base_url=lora_engine.url, timeout=60) as http:
-            while not stop.is_set():
-                name = sync.lora_name
-                r = http.post("/generate", json={"input_ids": PROMPTS[0], "lora_path": name,
-                                                 "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
-                if r.status_code != 200:
-                    failures.append(f"{name}: {r.status_code} {r.text[:200]}")
-                    continue
-                answers.append({"asked": name, **r.json()["meta_info"]})
-
-    with ws.WeightSync([client], transport="http", mode="lora", pause="retract", timeout_s=30) as sync:
+    with ws.WeightSync([client], transport="http", mode="lora") as sync, ThreadPoolExecutor(4) as pool:
         sync.push(model, version=next_version())
-        threads = [threading.Thread(target=clients, args=(sync,)) for _ in range(3)]
-        for t in threads:
-            t.start()
         names = [sync.lora_name]
-        try:
-            for seed in range(3, 8):
-                randomize_b(model, seed)
-                sync.push(model, version=next_version())
-                names.append(sync.lora_name)
-                assert len(loaded_loras(lora_engine)) <= MAX_LOADED
-        finally:
-            stop.set()
-            for t in threads:
-                t.join()
-    # close() waited for the retired adapters to unload
-    assert failures == []
-    loaded = loaded_loras(lora_engine)
-    assert names[-1] in loaded and not set(names[:-1]) & set(loaded), "older versions were unloaded"
-    assert len(answers) > 10
+        for seed in range(3, 8):
+            held = sync.lora_name
+            randomize_b(model, seed)
+            during = [pool.submit(_generate, lora_engine.url, held) for _ in range(3)]
+            sync.push(model, version=next_version())
+            after = pool.submit(_generate, lora_engine.url, held)
+            answers += [f.result() for f in (*during, after)]
+            names.append(sync.lora_name)
+            loaded = loaded_loras(lora_engine)
+            assert set(loaded) <= set(names) and len(loaded) <= MAX_LOADED, loaded
+            assert {names[-2], names[-1]} <= set(loaded), "the current and the previous name stay loaded"
+    assert [a for a in answers if "failed" in a] == []
     for a in answers:
         assert a["lora_path"] == a["asked"], "each answer used the adapter it asked for"
         assert a["finish_reason"]["type"] == "length", "no request failed or was aborted"
-    assert len({a["asked"] for a in answers}) >= 2, "requests ran across rollovers"
+    assert len({a["asked"] for a in answers}) == 5
+    # close() waited for the retired adapters to unload: exactly the last lora_keep are left
+    assert sorted(loaded_loras(lora_engine)) == sorted(names[-2:])
+
+
+class _FlakyUnloads(ws.SGLangEngine):
+    """Fault injection: the first `failures` unloads fail as an overloaded engine's would."""
+
+    def __init__(self, url: str, failures: int) -> None:
+        super().__init__(url)
+        self.failures = failures
+
+    def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise ws.EngineError(self.label, f"injected: unloading {lora_name} failed", status=503)
+        super().unload_lora(lora_name, timeout_s=timeout_s)
+
+
+def test_a_failed_unload_is_retried_and_never_leaks(lora_engine: ServerProcess, tiny_model_dir: Path) -> None:
+    unload_all(lora_engine)
+    model = peft_trainer(tiny_model_dir, seed=12)
+    client = _FlakyUnloads(lora_engine.url, failures=2)
+    with ws.WeightSync([client], transport="http", mode="lora", lora_keep=1) as sync:
+        names = []
+        for seed in range(13, 17):
+            randomize_b(model, seed)
+            sync.push(model, version=next_version())
+            names.append(sync.lora_name)
+    assert client.failures == 0, "the injected failures happened"
+    assert loaded_loras(lora_engine) == [names[-1]], "every retired name was unloaded in the end"
 
 
 def test_exported_adapter_loads_in_the_engine_like_in_peft(

@@ -147,24 +147,30 @@ def test_lora_push_matches_peft_and_rolls_over(engine: VLLMEngine, model_dir: Pa
         sync.push(base, version=vf.next_version(engine))
     base_tokens = vf.greedy_tokens(engine)
     peft_model = vf.make_peft(model_dir, seed=31)
-    names = []
+    names: list[str] = []
+    adapter_tokens: list[list[int]] = []
     with ws.WeightSync([engine], transport=transport, mode="lora", lora_prefix=f"policy-{transport}",
                        bucket_bytes=64 << 10, disk_root=str(tmp_path)) as sync:
-        for seed in (32, 33):
+        for seed in (32, 33, 34):
             vf.set_adapter_weights(peft_model, seed)
             version = vf.next_version(engine)
             report = sync.push(peft_model, version=version)
             vf.assert_verified(report, version)
             assert sync.lora_name == f"policy-{transport}-v{version}"
             names.append(sync.lora_name)
+            if len(names) == 3:
+                break  # the third push only retires the first name
             gap = vf.assert_parity(engine, peft_model, lora_name=sync.lora_name)
-            adapter_tokens = vf.greedy_tokens(engine, lora_name=sync.lora_name)
-            assert adapter_tokens != base_tokens
+            adapter_tokens.append(vf.greedy_tokens(engine, lora_name=sync.lora_name))
+            assert adapter_tokens[-1] != base_tokens
             assert vf.greedy_tokens(engine) == base_tokens  # requests without the adapter: base weights
+            if len(names) == 2:  # lora_keep=2: the previous name still serves its own adapter
+                assert vf.greedy_tokens(engine, lora_name=names[0]) == adapter_tokens[0] != adapter_tokens[1]
             print(f"\nLoRA {transport} v{version}: push {report.seconds:.3f}s ({report.num_buckets} buckets), "
                   f"max logprob gap vs PEFT {gap:.2e}")
-    # close() waited for the old version to be unloaded: only the newest name is left
-    assert names[0] not in engine.loaded_loras() and names[1] in engine.loaded_loras()
+    # close() waited for the oldest version to be unloaded: the newest lora_keep=2 names are left
+    assert names[0] not in engine.loaded_loras() and set(names[1:]) <= set(engine.loaded_loras())
     with pytest.raises(ws.EngineError, match=names[0]):
         engine.generate([vf.PROMPTS[0]], max_new_tokens=2, lora_name=names[0])
-    engine.unload_lora(names[1])
+    for name in names[1:]:
+        engine.unload_lora(name)
