@@ -9,10 +9,12 @@ modules that need them.
 """
 
 from weightsync.bucketing import pack, plan_buckets, unpack
-from weightsync.engines.base import Engine
+from weightsync.engines.base import Engine, EngineCapabilities
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.engines.vllm import VLLMEngine
 from weightsync.errors import (
+    AdapterNotLoadedError,
+    CastError,
     EngineError,
     IntegrityError,
     ManifestError,
@@ -38,8 +40,11 @@ from weightsync.types import (
 
 __all__ = [
     "Ack",
+    "AdapterNotLoadedError",
     "BucketMeta",
+    "CastError",
     "Engine",
+    "EngineCapabilities",
     "EngineError",
     "IntegrityError",
     "Manifest",

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from weightsync.errors import CastError
 from weightsync.types import BucketMeta, TensorEntry, TensorMeta
 
 
@@ -76,15 +77,53 @@ def allocate(bucket: BucketMeta, *, device: torch.device | str = "cpu", pin_memo
     return torch.empty(bucket.nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
 
-def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor) -> None:
-    """Copy one tensor into its place in `buffer` (any layout, any device)."""
-    if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+def castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a tensor of dtype `src` may travel as `dst`: equal dtypes, or both
+    floating point. Integer, bool and complex tensors are never cast."""
+    return src == dst or (src.is_floating_point and dst.is_floating_point)
+
+
+def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor, *,
+             allow_overflow: bool = False) -> None:
+    """Copy one tensor into its place in `buffer` (any layout, any device).
+
+    A floating tensor whose dtype differs from the entry's is cast on the way in,
+    exactly as `tensor.to(entry.dtype)` casts (round to nearest even), on the
+    device that holds it. A cast to a dtype of smaller range (float32 -> float16)
+    raises if a finite value became infinite, unless `allow_overflow`.
+    """
+    if not castable(tensor.dtype, entry.dtype) or tuple(tensor.shape) != entry.shape:
         raise ValueError(
             f"tensor {entry.hf_name!r} is {tuple(tensor.shape)} {tensor.dtype}, "
             f"the plan says {entry.shape} {entry.dtype}; re-plan after changing the model"
         )
-    if entry.nbytes:
-        entry_view(buffer, entry).copy_(tensor)
+    if not entry.nbytes:
+        return
+    view = entry_view(buffer, entry)
+    if tensor.dtype == entry.dtype:
+        view.copy_(tensor)
+        return
+    if tensor.device != view.device:
+        tensor = tensor.to(entry.dtype)  # cast where the tensor lives, then move the smaller bytes
+    view.copy_(tensor)
+    if not allow_overflow and torch.finfo(entry.dtype).max < torch.finfo(tensor.dtype).max:
+        _check_no_overflow(entry, tensor, view)
+
+
+def _check_no_overflow(entry: TensorEntry, source: torch.Tensor, cast: torch.Tensor) -> None:
+    """Raise if the cast turned a finite value of `source` into +-inf."""
+    low, high = torch.aminmax(cast.detach().reshape(-1))
+    if torch.isfinite(low) and torch.isfinite(high):
+        return  # the common case: one reduction, no allocation
+    overflowed = torch.isinf(cast) & torch.isfinite(source.to(cast.device))
+    if bool(overflowed.any()):
+        worst = float(source.to(cast.device)[overflowed].abs().max())
+        raise CastError(
+            f"casting {entry.hf_name!r} from {source.dtype} to {entry.dtype} overflows: "
+            f"{int(overflowed.sum())} value(s) up to {worst:.4g} exceed {entry.dtype}'s largest "
+            f"finite value {torch.finfo(entry.dtype).max:.4g}; send a dtype with more range "
+            f"(dtype=torch.bfloat16) or pass allow_overflow=True to accept infinities"
+        )
 
 
 def pack(
@@ -148,6 +187,7 @@ def pack_stream(
     *,
     keep: bool = True,
     alloc: Callable[[BucketMeta], torch.Tensor | None] = allocate,
+    allow_overflow: bool = False,
 ) -> Iterator[tuple[BucketMeta, torch.Tensor | None]]:
     """Pack a tensor stream bucket by bucket, holding one bucket at a time.
 
@@ -158,7 +198,8 @@ def pack_stream(
     `alloc` gives each bucket its buffer (a shared-memory slot, a pinned
     buffer); the default allocates a fresh CPU tensor. When it returns None the
     bucket's tensors are consumed but not packed (a sender that failed keeps
-    draining a sharded source so the other ranks' gathers complete).
+    draining a sharded source so the other ranks' gathers complete). Floating
+    tensors are cast to their entry's dtype as they are packed (`pack_one`).
     """
     it = iter(tensors)
     for bucket in plan:
@@ -173,7 +214,7 @@ def pack_stream(
             if name != entry.hf_name:
                 raise ValueError(f"tensor stream out of order: got {name!r}, the plan expects {entry.hf_name!r}")
             if buffer is not None:
-                pack_one(buffer, entry, tensor)
+                pack_one(buffer, entry, tensor, allow_overflow=allow_overflow)
             del tensor
         yield bucket, buffer
         buffer = None  # the consumer decides how long the bucket lives

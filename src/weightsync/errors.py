@@ -42,6 +42,11 @@ class ManifestMismatchError(WeightSyncError):
         self.mismatched = tuple(mismatched)
 
 
+class CastError(WeightSyncError, ValueError):
+    """Tensors cannot travel in the dtype asked for: engine replicas serve different
+    dtypes, or a cast to a dtype of smaller range would turn values into infinities."""
+
+
 class IntegrityError(WeightSyncError):
     """Bytes arrived wrong: a digest mismatch, a truncated bucket, a bad ack."""
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightsync.bucketing import pack_stream, plan_buckets, stream_order
+from weightsync.bucketing import castable, pack_stream, plan_buckets, stream_order
 from weightsync.engines.base import (
     AdapterUnloader,
     DigestReader,
@@ -52,7 +52,13 @@ from weightsync.engines.base import (
     Link,
     PausePolicy,
 )
-from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
+from weightsync.errors import (
+    CastError,
+    EngineError,
+    IntegrityError,
+    SyncTimeoutError,
+    WeightSyncError,
+)
 from weightsync.integrity import ack_problems, digest
 from weightsync.modes.lora import AdapterRollover
 from weightsync.naming import rename
@@ -60,7 +66,17 @@ from weightsync.sources import WeightSource, make_source
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import make_transport
 from weightsync.transports.base import NUM_SLOTS, Transport
-from weightsync.types import MODES, Ack, BucketMeta, Manifest, StageSeconds, SyncReport, TensorMeta
+from weightsync.types import (
+    MODES,
+    Ack,
+    BucketMeta,
+    Manifest,
+    StageSeconds,
+    SyncReport,
+    TensorMeta,
+    dtype_from_name,
+    dtype_name,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,6 +120,14 @@ class SyncConfig:
     """"broadcast" transport: "gloo" or "nccl" (default: by buffer device)."""
     rename: Mapping[str, str] | None = None
     """hf_name -> engine_name for engines whose names differ."""
+    dtype: torch.dtype | str | None = None
+    """The dtype floating tensors travel in. None: the dtype the engines serve (they must
+    agree), e.g. float32 master weights go to a bfloat16 engine as bfloat16, cast bucket
+    by bucket exactly as `tensor.to(dtype)`; "lora" adapters then go as the trainer holds
+    them (engines cast adapters themselves). Integer and bool tensors are never cast."""
+    allow_overflow: bool = False
+    """Accept casts that turn finite values into infinities (e.g. to float16); by default
+    such a push fails naming the tensor, and the engines keep their last version."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -114,6 +138,10 @@ class SyncConfig:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.lora_keep < 1:
             raise ValueError(f"lora_keep must be at least 1, got {self.lora_keep}")
+        dtype = dtype_from_name(self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype (only floating tensors are cast), got {dtype}")
+        object.__setattr__(self, "dtype", dtype)
 
     @property
     def cleanup_timeout_s(self) -> float:
@@ -222,6 +250,7 @@ class WeightSync:
         started = time.perf_counter()
         stages = _Stages()
         caps = self._capabilities()
+        cast_to = self._cast_dtype(caps, mode)
         if mode == "lora" and not self._base_checked:
             self._sync_base_if_needed(model, version)
         all_metas = list(source.metas())
@@ -230,14 +259,15 @@ class WeightSync:
             mode = "full"  # an engine that cannot apply a partial update gets the whole model
         if mode == "delta":
             if tensor_digests is None:
-                tensor_digests = self._hash_tensors(source, mode, stages)
+                tensor_digests = self._hash_tensors(source, mode, cast_to, stages)
             if self._acked_version is None:
                 mode = "full"  # nothing acked yet: the first delta is the whole model
             else:
                 metas = [m for m in metas if self._tensor_digests.get(m.hf_name) != tensor_digests[m.hf_name]]
 
         to_engine = rename([m.hf_name for m in metas], self.config.rename or {})
-        engine_metas = [TensorMeta(hf_name=to_engine[m.hf_name], dtype=m.dtype, shape=m.shape) for m in metas]
+        engine_metas = [TensorMeta(hf_name=to_engine[m.hf_name], dtype=_sent_dtype(m.dtype, cast_to), shape=m.shape)
+                        for m in metas]
         bucket_bytes = self.config.bucket_bytes
         if mode == "lora" and self.config.transport == "disk":
             bucket_bytes = max(1, sum(m.nbytes for m in metas))  # one adapter_model.safetensors
@@ -296,6 +326,9 @@ class WeightSync:
             if paused:
                 self._resume(self.config.cleanup_timeout_s if failed else self.config.timeout_s)
         verified, notes = self._verify(manifest, acks, to_engine)
+        cast = sorted({str(m.dtype).removeprefix("torch.") for m in metas if _sent_dtype(m.dtype, cast_to) != m.dtype})
+        if cast_to is not None and cast:
+            notes.append(f"floating tensors cast from {', '.join(cast)} to {dtype_name(cast_to)} in the stream")
         self._acked_version = version
         if tensor_digests is not None:
             self._tensor_digests = tensor_digests
@@ -340,7 +373,8 @@ class WeightSync:
             try:
                 tensors = ((to_engine[n], t) for n, t in _timed(source.tensors(order), stages, "gather"))
                 t_prev = time.perf_counter()
-                for bucket, buffer in pack_stream(plan, tensors, alloc=alloc):
+                for bucket, buffer in pack_stream(plan, tensors, alloc=alloc,
+                                                  allow_overflow=self.config.allow_overflow):
                     if buffer is None:
                         if not drain:
                             break
@@ -403,6 +437,21 @@ class WeightSync:
             timeout_s = self.config.timeout_s
             self._caps = self._all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
         return self._caps
+
+    def _cast_dtype(self, caps: Sequence[EngineCapabilities], mode: str) -> torch.dtype | None:
+        """The dtype floating tensors travel in (see `SyncConfig.dtype`); checked before any byte moves."""
+        forced = self.config.dtype
+        if forced is not None:
+            assert isinstance(forced, torch.dtype)
+            return forced
+        if mode == "lora":
+            return None
+        served = {e.label: c.dtype for e, c in zip(self.engines, caps, strict=True) if c.dtype is not None}
+        if len(set(served.values())) > 1:
+            listed = ", ".join(f"{label} serves {dtype_name(d)}" for label, d in served.items())
+            raise CastError(f"engine replicas serve different dtypes ({listed}); start them with one dtype, "
+                            "or pass dtype= to send one (an engine that cannot take it refuses at begin)")
+        return next(iter(served.values()), None)
 
     def _unloaders(self) -> list[AdapterUnloader]:
         return [e for e, c in zip(self.engines, self._capabilities(), strict=True)
@@ -510,12 +559,14 @@ class WeightSync:
 
     # -- state across pushes -----------------------------------------------
 
-    def _hash_tensors(self, source: WeightSource, mode: str, stages: _Stages | None = None) -> dict[str, str]:
-        """Digest of every tensor of `source` (every trainer rank gathers along)."""
+    def _hash_tensors(self, source: WeightSource, mode: str, cast_to: torch.dtype | None,
+                      stages: _Stages | None = None) -> dict[str, str]:
+        """Digest of every tensor of `source` as the engines would hold it (cast to
+        `cast_to` where floating); every trainer rank gathers along."""
         names = [m.hf_name for m in source.metas()]
         self._share_with_followers(mode=mode, order=names)
         t0 = time.perf_counter()
-        out = {name: digest(t.contiguous()) for name, t in source.tensors(names)}
+        out = {name: digest(t.to(_sent_dtype(t.dtype, cast_to)).contiguous()) for name, t in source.tensors(names)}
         if stages is not None:
             stages.hash += time.perf_counter() - t0
         return out
@@ -528,7 +579,7 @@ class WeightSync:
                    if c.reads_digests and isinstance(e, DigestReader)]
         if not readers:
             return
-        trainer = self._hash_tensors(base, "full")
+        trainer = self._hash_tensors(base, "full", self._cast_dtype(self._capabilities(), "full"))
         names = list(trainer)
         timeout_s = self.config.timeout_s
         served = [self._pool.submit(e.digests, names, timeout_s=timeout_s) for e in readers]
@@ -578,6 +629,11 @@ class WeightSync:
             raise ValueError("transport='disk' needs disk_root=<a directory the engines can read>")
         if self.config.disk_root is not None:
             Path(self.config.disk_root).mkdir(parents=True, exist_ok=True)
+
+
+def _sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
+    """What a tensor of `dtype` travels as: `cast_to` if both are floating (bucketing.castable)."""
+    return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
 
 
 def _timed(it: Iterator[tuple[str, torch.Tensor]], stages: _Stages, field: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -62,3 +62,40 @@ def test_fsdp2_trainer_pushes_to_embedded_engine(transport: str, run_distributed
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert reports[0] == reports[1], "every rank returns the sender's report"
     assert [r["version"] for r in reports[0]] == [1, 2]
+
+
+def _rank_mixed_precision(rank: int, world_size: int, init_file: str, url: str, out_dir: str) -> None:
+    """FSDP2 with fp32 parameters and bf16 compute (MixedPrecisionPolicy), one real training
+    step, then a push with the README's defaults to an engine that serves bfloat16."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    init_gloo(rank, world_size, init_file)
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = build_model(CFG)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert all(p.to_local().dtype == torch.float32 for p in model.parameters()), "fp32 master shards"
+    with ws.WeightSync([ws.SGLangEngine(url)], transport="http", process_group=dist.group.WORLD) as sync:
+        report = sync.push(model, version=1)
+    assert report.verified and report.num_bytes == sum(p.numel() * 2 for p in model.parameters())
+    expected = {n: digest(p.full_tensor().detach().to(torch.bfloat16)) for n, p in model.named_parameters()}
+    if rank == 0:
+        Path(out_dir, "expected.json").write_text(json.dumps(expected))
+
+
+def test_fsdp2_fp32_master_weights_push_to_a_bf16_engine(run_distributed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from weightsync.tiny import make_tiny_model
+
+    engine_dir = make_tiny_model(tmp_path / "bf16", TinyModelConfig(num_layers=2, dtype="bfloat16"))
+    with launch_server(engine_dir) as server:
+        run_distributed(_rank_mixed_precision, 2, server.url, str(tmp_path))
+        served = ws.SGLangEngine(server.url).digests()
+    expected = json.loads((tmp_path / "expected.json").read_text())
+    assert served == expected, "the engine serves the gathered fp32 weights cast to bfloat16, bit for bit"

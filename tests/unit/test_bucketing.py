@@ -157,3 +157,44 @@ def test_pack_stream_holds_one_bucket_and_checks_order() -> None:
         list(pack_stream(plan, ((n, tensors[n]) for n in reversed(order))))
     with pytest.raises(ValueError, match="ended before"):
         list(pack_stream(plan, iter([])))
+
+
+FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(src=st.sampled_from(FLOATS[:4]), dst=st.sampled_from(FLOATS), numel=st.integers(0, 3000),
+       seed=st.integers(0, 2**31 - 1))
+def test_packing_casts_exactly_like_to(src: torch.dtype, dst: torch.dtype, numel: int, seed: int) -> None:
+    """Every bit pattern of the source (NaN payloads, infinities, subnormals, rounding
+    ties) lands in the bucket as `tensor.to(dst)` would give it, bit for bit."""
+    tensor = random_tensor((numel,), src, seed)
+    plan = plan_buckets([TensorMeta(hf_name="w", dtype=dst, shape=(numel,))], 1 << 20)
+    (bucket, buffer), = pack_stream(plan, [("w", tensor)], allow_overflow=True)
+    assert buffer is not None
+    got = unpack(buffer, bucket)[0][1]
+    want = tensor.to(dst)
+    assert torch.equal(byte_view(got.contiguous()), byte_view(want.contiguous()))
+
+
+def test_integers_and_bools_are_never_cast() -> None:
+    for src, dst in ((torch.int32, torch.int64), (torch.bool, torch.uint8), (torch.int64, torch.float32),
+                     (torch.float32, torch.int32), (torch.complex64, torch.float32)):
+        plan = plan_buckets([TensorMeta(hf_name="ids", dtype=dst, shape=(4,))], 1 << 10)
+        with pytest.raises(ValueError, match=r"'ids' is \(4,\) torch\.\w+, the plan says"):
+            list(pack_stream(plan, [("ids", torch.zeros(4, dtype=src))]))
+
+
+def test_a_cast_that_overflows_names_the_tensor_unless_allowed() -> None:
+    from weightsync.errors import CastError
+
+    big = torch.tensor([1.0, -7e4, 3.0])  # beyond float16's 65504
+    plan = plan_buckets([TensorMeta(hf_name="model.norm.weight", dtype=torch.float16, shape=(3,))], 1 << 10)
+    with pytest.raises(CastError, match=r"'model\.norm\.weight' from torch\.float32 to torch\.float16 overflows: "
+                                        r"1 value\(s\) up to 7e\+04"):
+        list(pack_stream(plan, [("model.norm.weight", big)]))
+    (bucket, buffer), = pack_stream(plan, [("model.norm.weight", big)], allow_overflow=True)
+    assert buffer is not None and torch.isinf(unpack(buffer, bucket)[0][1][1])
+    # infinities the trainer already had are not an overflow
+    (_, buffer), = pack_stream(plan, [("model.norm.weight", torch.tensor([1.0, float("-inf"), float("nan")]))])
+    assert buffer is not None

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
+import torch
+
 from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest, PausePolicy
 
 __all__ = ["AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine", "EngineCapabilities", "Link",
@@ -56,6 +58,9 @@ class EngineCapabilities:
 
     num_ranks: int = 1
     """Ranks the engine joins a broadcast group with (its TP x PP size)."""
+    dtype: torch.dtype | None = None
+    """The dtype the engine serves floating weights in; floating tensors are cast to
+    it in the stream. None: unknown (a stock SGLang), tensors go as the trainer holds them."""
     stages_updates: bool = False
     """Updates are staged and swapped in at commit, so the coordinator pauses only
     around the commit; otherwise it pauses from begin to commit."""

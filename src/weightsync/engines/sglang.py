@@ -23,11 +23,13 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
+import torch
+
 from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Link, PausePolicy
-from weightsync.engines.http import JsonClient
+from weightsync.engines.http import JsonClient, decode
 from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import byte_view
-from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
+from weightsync.types import Ack, BucketMeta, Manifest, dtype_from_name, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class SGLangEngine:
         self.timeout_s = timeout_s
         self._http = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s)
         self._native: bool | None = None
+        self._dtype: torch.dtype | None = None  # what a weightsync serve reports in /weightsync/info
         self._session_open = False
         self._flush_cache = True
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
@@ -65,14 +68,16 @@ class SGLangEngine:
         deltas, reports digests; a stock SGLang does none of that: it could have been
         restarted from its checkpoint, so it cannot prove which version it holds."""
         native = self._is_native(timeout_s)
-        return EngineCapabilities(num_ranks=self.num_ranks, stages_updates=native, supports_delta=native,
-                                  reads_digests=native, unloads_adapters=True)
+        return EngineCapabilities(num_ranks=self.num_ranks, dtype=self._dtype, stages_updates=native,
+                                  supports_delta=native, reads_digests=native, unloads_adapters=True)
 
     def _is_native(self, timeout_s: float | None = None) -> bool:
         """True when the server has weightsync's routes; asked once (within `timeout_s`)."""
         if self._native is None:
             response = self._http.request("GET", "/weightsync/info", allow=(404,), timeout_s=timeout_s)
             self._native = response.status_code != 404
+            dtype = decode(response).get("dtype") if self._native else None
+            self._dtype = dtype_from_name(str(dtype)) if dtype else None
         return self._native
 
     def _require_native(self, what: str, timeout_s: float) -> None:

@@ -56,7 +56,7 @@ from weightsync.errors import (
     SyncTimeoutError,
     WeightSyncError,
 )
-from weightsync.types import Ack, BucketMeta, Manifest
+from weightsync.types import Ack, BucketMeta, Manifest, dtype_from_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,19 +108,20 @@ class VLLMEngine:
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
         """The workers stage every bucket and swap at commit (no pause while streaming);
         no deltas (vLLM reloads fused layers from all their checkpoint tensors, so
-        "delta" pushes go out whole); adapters unloaded by name. The rank count is
-        asked of rank 0 once (within `timeout_s`) unless it was given."""
-        return EngineCapabilities(num_ranks=self._ranks(timeout_s), stages_updates=True, supports_delta=False,
-                                  reads_digests=False, unloads_adapters=True)
+        "delta" pushes go out whole); adapters unloaded by name. Rank 0 tells (within
+        `timeout_s`) the dtype vLLM serves and, unless it was given, the rank count."""
+        info = self.info(timeout_s=timeout_s)
+        if self._num_ranks is None:
+            self._num_ranks = int(info["num_ranks"])
+        return EngineCapabilities(num_ranks=self._num_ranks, dtype=dtype_from_name(str(info["dtype"])),
+                                  stages_updates=True, supports_delta=False, reads_digests=False,
+                                  unloads_adapters=True)
 
     @property
     def num_ranks(self) -> int:
         """The engine's workers (TP x PP); each joins a broadcast group with its own rank."""
-        return self._ranks(self.timeout_s)
-
-    def _ranks(self, timeout_s: float) -> int:
         if self._num_ranks is None:
-            self._num_ranks = int(self.info(timeout_s=timeout_s)["num_ranks"])
+            self._num_ranks = int(self.info()["num_ranks"])
         return self._num_ranks
 
     def info(self, *, timeout_s: float | None = None) -> dict[str, Any]:

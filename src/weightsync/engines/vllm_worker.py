@@ -63,7 +63,7 @@ from weightsync.errors import (
 from weightsync.groups import UpdateGroup, join_group
 from weightsync.integrity import check_bucket, check_manifest_fits
 from weightsync.shmem import SharedSlots
-from weightsync.types import BucketMeta, Link, Manifest, TensorMeta
+from weightsync.types import BucketMeta, Link, Manifest, TensorMeta, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,7 @@ class WorkerSync:
             "lora_enabled": lora_config is not None,
             "max_lora_rank": lora_config.max_lora_rank if lora_config is not None else None,
             "model": str(self.worker.vllm_config.model_config.model),
+            "dtype": dtype_name(self.worker.vllm_config.model_config.dtype),
         }
 
     def connect(self, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ collectives, disk reads) runs in worker threads.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from weightsync.server.http import (
 from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
-from weightsync.types import Manifest, TensorEntry
+from weightsync.types import Manifest, TensorEntry, TensorMeta, dtype_name
 from weightsync.wire import MAX_HEADER_BYTES, decode_frame
 
 FRAME_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES
@@ -73,6 +74,12 @@ def confined_dir(path: str, root: Path) -> Path:
     for entry in real.iterdir():
         confine(entry, root)
     return real
+
+
+def _serving_dtype(metas: Iterable[TensorMeta]) -> str | None:
+    """The one dtype every floating weight is served in (trainers cast to it), or None if mixed."""
+    dtypes = {m.dtype for m in metas if m.dtype.is_floating_point}
+    return dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
 
 
 def _add_generation_control(app: FastAPI, state: ServerState) -> None:
@@ -263,6 +270,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "session": _session_info(state),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
                        for n, m in updater.metas.items()},
+            "dtype": _serving_dtype(updater.metas.values()),
         }
 
     @app.post("/weightsync/digests")
