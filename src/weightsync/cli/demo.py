@@ -13,6 +13,7 @@ EPILOG = """examples:
   weightsync demo --mode full --transport broadcast
   weightsync demo --mode lora-merged --transport shm --steps 20
   weightsync demo --engine vllm --mode full --transport broadcast
+  weightsync demo --mode full --engine-dtype bfloat16   # fp32 trainer, bf16 engine, cast in the stream
   weightsync demo --json > report.json
 """
 
@@ -24,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", choices=["http", "shm", "broadcast", "disk"], default=None,
                    help="default: http for the embedded engine, shm for vLLM (it takes no http)")
     p.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
+    p.add_argument("--engine-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the dtype the engine serves; the trainer keeps float32 weights (default float32)")
     p.add_argument("--steps", type=int, default=30, help="RL steps, one push each (default 30)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output directory (default runs/demo)")
@@ -38,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
 
     transport = args.transport or ("shm" if args.engine == "vllm" else "http")
     cfg = DemoConfig(steps=args.steps, mode=args.mode, transport=transport, engine=args.engine,
-                     seed=args.seed, out_dir=args.out)
-    print(f"weightsync demo: {cfg.mode} over {cfg.transport} to the {cfg.engine} engine, {cfg.steps} steps",
-          file=sys.stderr)
+                     engine_dtype=args.engine_dtype, seed=args.seed, out_dir=args.out)
+    print(f"weightsync demo: {cfg.mode} over {cfg.transport} to the {cfg.engine} engine ({cfg.engine_dtype}), "
+          f"{cfg.steps} steps", file=sys.stderr)
     with tqdm(total=cfg.steps, desc="RL steps", unit="step", file=sys.stderr) as bar:
         def on_step(row: StepRow) -> None:
             bar.set_postfix(reward=f"{row.reward:.3f}", sync_ms=f"{row.sync_seconds * 1000:.1f}",

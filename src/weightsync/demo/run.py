@@ -15,7 +15,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,9 @@ class DemoConfig:
     """"http", "shm", "broadcast" or "disk"."""
     engine: str = "embedded"
     """"embedded" (weightsync serve) or "vllm"."""
+    engine_dtype: str = "float32"
+    """The dtype the engine serves ("bfloat16": the trainer keeps float32 master weights and
+    every push casts them in the stream)."""
     prompts_per_step: int = 4
     """Distinct prompts per step."""
     group_size: int = 8
@@ -101,7 +104,9 @@ class DemoResult:
 
 @contextlib.contextmanager
 def start_engine(cfg: DemoConfig, model_dir: Path) -> Iterator[Any]:
-    """The engine and its client; the server process ends with the block, even on Ctrl-C."""
+    """The engine and its client; the server process ends with the block, even on Ctrl-C.
+
+    `model_dir` holds the model in the engine's dtype (`cfg.engine_dtype`)."""
     if cfg.engine == "embedded":
         from weightsync.engines.sglang import SGLangEngine
         from weightsync.server.launch import launch_server
@@ -114,7 +119,7 @@ def start_engine(cfg: DemoConfig, model_dir: Path) -> Iterator[Any]:
         from weightsync.engines.vllm import VLLMEngine
         from weightsync.engines.vllm_launch import launch_vllm_server
 
-        args = ["--dtype", "float32", "--max-model-len", "256"]
+        args = ["--dtype", cfg.engine_dtype, "--max-model-len", "256"]
         if cfg.mode == "lora":
             args += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras", "4"]
         with launch_vllm_server(model_dir, args=args) as vllm, contextlib.closing(VLLMEngine(vllm.url)) as engine:
@@ -152,16 +157,19 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[StepRow], None] | None = Non
     hf_logging.disable_progress_bar()
     started = time.perf_counter()
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = cfg.out_dir / "model"
+    model_dir = cfg.out_dir / "model"  # the trainer's float32 weights
     if not (model_dir / "config.json").exists():
-        make_tiny_model(model_dir, cfg.model)
+        make_tiny_model(model_dir, replace(cfg.model, dtype="float32"))
+    engine_dir = model_dir if cfg.engine_dtype == "float32" else cfg.out_dir / f"model-{cfg.engine_dtype}"
+    if not (engine_dir / "config.json").exists():
+        make_tiny_model(engine_dir, replace(cfg.model, dtype=cfg.engine_dtype))  # the same weights, cast
     rng = random.Random(cfg.seed)
     vocab = cfg.model.vocab_size
     targets = frozenset(rng.sample(range(2, vocab), cfg.num_targets))
     prompt_pool = [[rng.randrange(2, vocab) for _ in range(cfg.prompt_len)] for _ in range(64)]
     model, optimizer = build_trainer(cfg, model_dir)
     rows: list[StepRow] = []
-    with start_engine(cfg, model_dir) as engine, ws.WeightSync(
+    with start_engine(cfg, engine_dir) as engine, ws.WeightSync(
         [engine], transport=cfg.transport, mode=cfg.mode, bucket_bytes=4 << 20,
         pause="retract", timeout_s=60, disk_root=str(cfg.out_dir / "versions"),
     ) as sync:
