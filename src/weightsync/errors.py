@@ -54,12 +54,16 @@ class IntegrityError(WeightSyncError):
 class EngineError(WeightSyncError):
     """An engine answered with a failure; carries the engine's own message."""
 
-    def __init__(self, engine: str, message: str, *, status: int | None = None) -> None:
+    def __init__(self, engine: str, message: str, *, status: int | None = None,
+                 retry_after_s: float | None = None) -> None:
         where = f"{engine} (HTTP {status})" if status is not None else engine
         super().__init__(f"{where}: {message}")
         self.engine = engine
         self.remote_message = message
         self.status = status
+        self.retry_after_s = retry_after_s
+        """Set when the engine said the same request may succeed after this many seconds
+        (another trainer's session that expires then)."""
 
 
 class AdapterNotLoadedError(EngineError):

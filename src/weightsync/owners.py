@@ -1,5 +1,6 @@
-"""Owner tags for what a trainer leaves on its host while it writes: a disk
-version's hidden `.tmp-v*` directory and a shm segment.
+"""Owner tags for what a trainer leaves on its host while it writes (a disk
+version's hidden `.tmp-v*` directory, a shm segment) and for the update
+sessions it holds on engines.
 
 A trainer removes both when it finishes, fails or exits; a SIGKILLed one cannot.
 Naming them after their writer (`<host id>-<pid>`) lets the next writer on the
@@ -18,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import re
+import secrets
 import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -55,6 +57,18 @@ def owner_gone(tag: str) -> bool:
     except (PermissionError, OverflowError):
         return False
     return False
+
+
+def session_owner() -> str:
+    """A new trainer identity for update sessions: `<host id>-<pid>/<nonce>` (one per
+    `WeightSync`, so two in one process are two owners)."""
+    return f"{owner_tag()}/{secrets.token_hex(4)}"
+
+
+def session_owner_gone(owner: str) -> bool:
+    """True only if `owner` (from `session_owner`) is a process of this host and pid
+    namespace that no longer exists (see `owner_gone`)."""
+    return owner_gone(owner.partition("/")[0])
 
 
 def orphans(paths: Iterable[Path], pattern: re.Pattern[str]) -> Iterator[Path]:

@@ -62,6 +62,7 @@ from weightsync.errors import (
 from weightsync.integrity import ack_problems, digest
 from weightsync.modes.lora import AdapterRollover
 from weightsync.naming import rename
+from weightsync.owners import session_owner
 from weightsync.sources import WeightSource, make_source
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import make_transport
@@ -196,6 +197,9 @@ class WeightSync:
         self._acked_version: int | None = None
         self._tensor_digests: dict[str, str] = {}
         self._adapters = AdapterRollover(keep=self.config.lora_keep)
+        self.owner = session_owner()
+        """This trainer's identity on the engines: its sessions are never taken by another
+        live trainer, and it takes over those of a dead one (see `weightsync.sessions`)."""
         self._base_checked = False
         self._closed = False
 
@@ -277,6 +281,7 @@ class WeightSync:
             lora_config=source.config() if mode == "lora" else None,  # type: ignore[attr-defined]
             lora_name=f"{self.config.lora_prefix}-v{version}" if mode == "lora" else None,
             base_version=self._acked_version if mode == "delta" else None,
+            owner=self.owner, timeout_s=self.config.timeout_s,
         )
         to_hf = {v: k for k, v in to_engine.items()}
         order = [to_hf[n] for n in stream_order(plan)]
@@ -291,7 +296,7 @@ class WeightSync:
                 self._pause()
                 paused = True
             try:
-                self._all(lambda e, link: e.begin(manifest, link), "begin")
+                begin_notes = self._begin(manifest)
             except EngineError as e:
                 if mode == "delta" and e.status == 409:
                     log.info("delta refused (%s); sending the whole model instead", e)
@@ -326,6 +331,7 @@ class WeightSync:
             if paused:
                 self._resume(self.config.cleanup_timeout_s if failed else self.config.timeout_s)
         verified, notes = self._verify(manifest, acks, to_engine)
+        notes = begin_notes + notes
         cast = sorted({str(m.dtype).removeprefix("torch.") for m in metas if _sent_dtype(m.dtype, cast_to) != m.dtype})
         if cast_to is not None and cast:
             notes.append(f"floating tensors cast from {', '.join(cast)} to {dtype_name(cast_to)} in the stream")
@@ -430,6 +436,32 @@ class WeightSync:
             self._wait(future, f"{engine.label}: receiving bucket {bucket.index}")
 
     # -- session, pause, commit helpers ------------------------------------
+
+    def _begin(self, manifest: Manifest) -> list[str]:
+        """Every engine's dry run. An engine busy with another live trainer's session says
+        when that session would expire: ask again until it ends or expires, within
+        timeout_s. Returns notes for the report (a dead trainer's session discarded)."""
+        started = time.monotonic()
+        deadline = started + self.config.timeout_s
+        backoff, busy = 0.05, 0
+        while True:
+            try:
+                answers = self._all(lambda e, link: e.begin(manifest, link), "begin")
+            except EngineError as e:
+                expires = e.retry_after_s
+                if e.status != 409 or expires is None or time.monotonic() + expires > deadline:
+                    raise
+                log.info("%s", e)
+                busy += 1
+                # ask again soon (the other push may just finish) and at the latest when it expires
+                time.sleep(min(backoff, expires + 0.05))
+                backoff = min(2 * backoff, 1.0)
+                continue
+            notes = [f"{e.label}: {a}" for e, a in zip(self.engines, answers, strict=True) if a]
+            if busy:
+                notes.append(f"waited {time.monotonic() - started:.1f}s ({busy} busy answer(s)) for another "
+                             "trainer's update session to end or expire")
+            return notes
 
     def _capabilities(self) -> list[EngineCapabilities]:
         """Every engine's declared capabilities, asked once per transport session."""

@@ -225,6 +225,12 @@ class Manifest:
     """The adapter name the engine loads a "lora" update under, e.g. "policy-v7"."""
     base_version: int | None = None
     """"delta" mode: the version the engine must be serving for the delta to apply."""
+    owner: str | None = None
+    """The trainer sending this update (`owners.session_owner()`): engines keep one
+    owner's session from being taken by another while that owner is alive."""
+    timeout_s: float | None = None
+    """The owner's push timeout: an engine may discard the session, and let another
+    trainer begin, once the owner has been silent this long."""
 
     @property
     def num_bytes(self) -> int:
@@ -260,6 +266,8 @@ class Manifest:
             "lora_config": dict(self.lora_config) if self.lora_config is not None else None,
             "lora_name": self.lora_name,
             "base_version": self.base_version,
+            "owner": self.owner,
+            "timeout_s": self.timeout_s,
             "buckets": [b.to_dict() for b in self.buckets],
         }
 
@@ -308,8 +316,16 @@ class Manifest:
             raise ManifestError("base_version must be an integer or null")
         if mode == "delta" and base_version is None:
             raise ManifestError("a 'delta' manifest needs the base_version it applies on top of")
+        owner = d.get("owner")
+        if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 200):
+            raise ManifestError("owner must be a string of 1 to 200 characters or null")
+        timeout_s = d.get("timeout_s")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
+                                      or not 0 < timeout_s < 1e6):
+            raise ManifestError("timeout_s must be a positive number of seconds or null")
         return cls(version=version, mode=mode, buckets=buckets, lora_config=lora_config,
-                   lora_name=lora_name, base_version=base_version)
+                   lora_name=lora_name, base_version=base_version, owner=owner,
+                   timeout_s=float(timeout_s) if timeout_s is not None else None)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:

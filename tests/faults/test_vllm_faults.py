@@ -141,8 +141,8 @@ def push_faulted(sync: ws.WeightSync, reader: VLLMEngine, model: Any) -> tuple[w
     return info.value, time.monotonic() - started
 
 
-def make_sync(engine: VLLMEngine, transport: str, tmp_path: Path) -> ws.WeightSync:
-    return ws.WeightSync([engine], transport=transport, bucket_bytes=faults.BUCKET_BYTES, timeout_s=TIMEOUT_S,
+def make_sync(engine: VLLMEngine, transport: str, tmp_path: Path, timeout_s: float = TIMEOUT_S) -> ws.WeightSync:
+    return ws.WeightSync([engine], transport=transport, bucket_bytes=faults.BUCKET_BYTES, timeout_s=timeout_s,
                          disk_root=str(tmp_path / "versions"))
 
 
@@ -225,8 +225,12 @@ def test_trainer_killed_mid_stream_leaves_vllm_serving(server: VLLMServer, engin
         child.kill()  # buckets 0 and 1 are staged in the workers
     assert faults.segments_left(ready), "the killed trainer's shm segment should still be there"
     assert fingerprint(reader) == before, "vLLM changed after a trainer died mid-push"
-    with make_sync(engine, "shm", tmp_path) as sync:
-        push_good(sync, reader, trainer)  # the next begin discards the dead trainer's update
+    with make_sync(engine, "shm", tmp_path) as sync:  # the next begin discards the dead trainer's update at once
+        perturb(trainer)
+        report = sync.push(trainer, version=int(before[0]) + 1)
+        assert report.verified and any("its process is gone" in n for n in report.notes), report.notes
+        probe = ws.probe_logprobs(trainer, reader, PROMPTS, max_new_tokens=4)
+        assert probe.token_agreement == 1.0 and probe.max_gap < LOGPROB_TOLERANCE, probe
     assert not faults.segments_left(ready), "the next push removes the killed trainer's segment"
 
 
@@ -246,7 +250,9 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
     watcher.start()
     try:
         a_client, b_client = (VLLMEngine(server.url) for _ in range(2))
-        with make_sync(a_client, "shm", tmp_path / "a") as a, make_sync(b_client, "shm", tmp_path / "b") as b:
+        # A's session stays live for faults.LIVE_LEASE_S after its last request; B waits at most TIMEOUT_S
+        with make_sync(a_client, "shm", tmp_path / "a", timeout_s=faults.LIVE_LEASE_S) as a, \
+                make_sync(b_client, "shm", tmp_path / "b") as b:
             perturb(a_model)
             a_version = int(reader.weight_version()) + 1
             a_error: list[BaseException] = []
@@ -264,19 +270,23 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
                 while not (made and made[0].fired.is_set()) and time.monotonic() < deadline:
                     time.sleep(0.01)  # until A is mid-stream
             assert made and made[0].fired.is_set()
-            b_version = push_good(b, reader, b_model)  # B's begin discards A's unfinished update
-            assert b_version == a_version  # the number A never committed
+            before = fingerprint(reader)
+            perturb(b_model)
+            with pytest.raises(ws.EngineError) as busy:  # A is alive: its session is not taken
+                b.push(b_model, version=a_version + 1)
+            assert busy.value.status == 409 and "is held by trainer" in str(busy.value), busy.value
+            assert fingerprint(reader) == before
             made[0].release.set()
             thread.join(60)
-            assert a_error and isinstance(a_error[0], ws.EngineError) and a_error[0].status == 409, a_error
+            assert not a_error, a_error  # A wins whole
             served = fingerprint(reader)
-            assert served[0] == str(b_version)
-            probe = ws.probe_logprobs(b_model, reader, PROMPTS, max_new_tokens=4)
+            assert served[0] == str(a_version)
+            probe = ws.probe_logprobs(a_model, reader, PROMPTS, max_new_tokens=4)
             assert probe.token_agreement == 1.0 and probe.max_gap < LOGPROB_TOLERANCE, "never a mix"
-            for older in (b_version - 1, b_version):  # older, and equal
-                perturb(a_model)
+            for older in (a_version - 1, a_version):  # older, and equal
+                perturb(b_model)
                 with pytest.raises(ws.EngineError) as info:
-                    a.push(a_model, version=older)
+                    b.push(b_model, version=older)
                 assert info.value.status == 409 and "not newer" in str(info.value)
                 assert fingerprint(reader) == served
     finally:

@@ -26,7 +26,7 @@ GOLDEN_MANIFEST = (
     '{"dtype":"bool","hf_name":"mask","nbytes":1,"offset":24,"shape":[]},'
     '{"dtype":"float8_e4m3fn","hf_name":"scale","nbytes":1,"offset":25,"shape":[1]}]}],'
     '"digest_algorithm":"xxh3_64","format":"weightsync.manifest","format_version":1,'
-    '"lora_config":null,"lora_name":null,"mode":"full","version":7}'
+    '"lora_config":null,"lora_name":null,"mode":"full","owner":null,"timeout_s":null,"version":7}'
 )
 
 
@@ -58,6 +58,8 @@ def test_lora_and_delta_fields_round_trip() -> None:
     lora = Manifest(version=3, mode="lora", buckets=base.buckets, lora_config={"r": 8}, lora_name="policy-v3")
     assert Manifest.from_json(lora.to_json()) == lora
     delta = Manifest(version=4, mode="delta", buckets=base.buckets, base_version=3)
+    owned = Manifest(version=5, buckets=base.buckets, owner="0123abcd-42/9f", timeout_s=3.0)
+    assert Manifest.from_json(owned.to_json()) == owned
     assert Manifest.from_json(delta.to_json()) == delta
 
 

@@ -101,10 +101,13 @@ class Engine(Protocol):
     def resume(self, *, timeout_s: float | None = None) -> None:
         """Continue generation after an update (or after an abort)."""
 
-    def begin(self, manifest: Manifest, link: Link) -> None:
+    def begin(self, manifest: Manifest, link: Link) -> str | None:
         """Check `manifest` against the engine's weights and open an update.
 
-        Raises ManifestMismatchError naming every offender; nothing changes.
+        Raises ManifestMismatchError naming every offender; nothing changes. An
+        engine busy with another live trainer's session raises EngineError 409 with
+        `retry_after_s`. Returns a note for the report (e.g. that a dead trainer's
+        session was discarded), or None.
         """
 
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:

@@ -84,4 +84,6 @@ def remote_error(engine: str, path: str, response: httpx.Response) -> Exception:
             unexpected=body.get("unexpected") or (),
             mismatched=body.get("mismatched") or (),
         )
-    return EngineError(engine, f"{path}: {message}", status=response.status_code)
+    retry_after = body.get("retry_after_s")
+    retry_after_s = float(retry_after) if isinstance(retry_after, int | float) and retry_after >= 0 else None
+    return EngineError(engine, f"{path}: {message}", status=response.status_code, retry_after_s=retry_after_s)

@@ -57,6 +57,7 @@ class SGLangEngine:
         self._session_open = False
         self._flush_cache = True
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
+        self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
 
     def _cleanup_timeout_s(self, timeout_s: float | None) -> float:
         return min(CLEANUP_TIMEOUT_S, self.timeout_s if timeout_s is None else timeout_s)
@@ -119,19 +120,23 @@ class SGLangEngine:
     def resume(self, *, timeout_s: float | None = None) -> None:
         self._http.post("/continue_generation", {}, timeout_s=timeout_s)
 
-    def begin(self, manifest: Manifest, link: Link) -> None:
+    def begin(self, manifest: Manifest, link: Link) -> str | None:
         timeout_s = link.timeout_s
+        note = None
         if link.transport in ("http", "shm"):
             self._require_native(f"transport {link.transport!r}", timeout_s)
         if manifest.mode == "lora" and link.transport != "disk":
             self._require_native(f"a LoRA adapter over {link.transport!r}", timeout_s)
         if self._is_native(timeout_s):
-            self._http.post("/weightsync/begin", {"manifest": manifest.to_dict()}, timeout_s=timeout_s)
+            answer = self._http.post("/weightsync/begin", {"manifest": manifest.to_dict()}, timeout_s=timeout_s)
+            note = answer.get("preempted")
         self._open = (manifest.version, link)
+        self._owner = manifest.owner
         if link.transport == "broadcast":
             response = self._http.request("POST", "/begin_weight_update", json_body={"selector": "all"},
                                           allow=(404,), timeout_s=timeout_s)
             self._session_open = response.status_code != 404
+        return str(note) if note else None
 
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
         assert self._open is not None, "begin() first"
@@ -174,7 +179,7 @@ class SGLangEngine:
         errors = []
         if self._is_native(cleanup_s):
             try:
-                self._http.post("/weightsync/abort", {"version": version}, timeout_s=cleanup_s)
+                self._http.post("/weightsync/abort", {"version": version, "owner": self._owner}, timeout_s=cleanup_s)
             except EngineError as e:
                 errors.append(e)
         if self._session_open:

@@ -102,6 +102,7 @@ class VLLMEngine:
         self._num_ranks = num_ranks
         self._policy = PausePolicy.NONE
         self._open: tuple[int, Link] | None = None
+        self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
 
     # -- capabilities ------------------------------------------------------
 
@@ -151,14 +152,17 @@ class VLLMEngine:
     def resume(self, *, timeout_s: float | None = None) -> None:
         self._backend.resume(timeout_s=self._timeout(timeout_s))
 
-    def begin(self, manifest: Manifest, link: Link) -> None:
+    def begin(self, manifest: Manifest, link: Link) -> str | None:
         allowed = self.lora_transports if manifest.mode == "lora" else self.transports
         if link.transport not in allowed:
             raise EngineError(self.label, f"transport {link.transport!r} is not supported for mode "
                               f"{manifest.mode!r}; use one of {sorted(allowed)}")
-        self._rpc("weightsync_begin", {"manifest": manifest.to_dict(), "link": link.to_dict()},
-                  timeout_s=link.timeout_s)
+        results = self._rpc("weightsync_begin", {"manifest": manifest.to_dict(), "link": link.to_dict()},
+                            timeout_s=link.timeout_s)
         self._open = (manifest.version, link)
+        self._owner = manifest.owner
+        note = results[0].get("preempted")
+        return str(note) if note else None
 
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
         assert self._open is not None, "begin() first"
@@ -186,7 +190,7 @@ class VLLMEngine:
 
     def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self._open = None
-        self._rpc("weightsync_abort", {"version": version},
+        self._rpc("weightsync_abort", {"version": version, "owner": self._owner},
                   timeout_s=min(CLEANUP_TIMEOUT_S, self._timeout(timeout_s)), margin_s=0.0)
 
     def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
@@ -250,10 +254,11 @@ class VLLMEngine:
             return ManifestError(f"{self.label}: {where}")
         if kind in ("SyncTimeoutError", "TimeoutError"):
             return SyncTimeoutError(f"{self.label}: {where}")
-        status = error.get("status")
+        status, retry_after = error.get("status"), error.get("retry_after_s")
         prefix = "" if kind == "EngineError" else f"{kind}: "
         return EngineError(self.label, f"{method} on rank {result.get('rank')}: {prefix}{message}",
-                           status=int(status) if status is not None else None)
+                           status=int(status) if status is not None else None,
+                           retry_after_s=float(retry_after) if retry_after is not None else None)
 
     def _combine_acks(self, results: list[dict[str, Any]]) -> Ack:
         acks = [Ack.from_dict(r["ack"], engine=self.label) for r in results]

@@ -44,7 +44,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ from weightsync.errors import (
 )
 from weightsync.groups import UpdateGroup, join_group
 from weightsync.integrity import check_bucket, check_manifest_fits
+from weightsync.sessions import Holder, SessionBusyError, take_over
 from weightsync.shmem import SharedSlots
 from weightsync.types import BucketMeta, Link, Manifest, TensorMeta, dtype_name
 
@@ -75,6 +77,11 @@ LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 LORA_ROOT_PREFIX = "weightsync-vllm-lora-"
+MAX_SESSIONS = 4
+"""Broadcast groups (and shm segments) a worker stays joined to at once, one per trainer."""
+SESSION_TIMEOUT_S = 60.0
+"""How long an update from a client that sent no timeout_s may stay silent before
+another trainer's begin may take it."""
 """Adapter directories live in `<tmp>/weightsync-vllm-lora-<pid>-<random>/<lora_name>/`."""
 
 
@@ -147,6 +154,7 @@ def error_payload(e: BaseException) -> dict[str, Any]:
     if isinstance(e, EngineError):
         payload["message"] = e.remote_message
         payload["status"] = e.status
+        payload["retry_after_s"] = e.retry_after_s
     if isinstance(e, ManifestMismatchError):
         payload.update(missing=list(e.missing), unexpected=list(e.unexpected), mismatched=list(e.mismatched))
     return payload
@@ -173,6 +181,12 @@ class _Update:
     """Bucket index -> (name, tensor) pairs, private copies, verified."""
     digests: dict[int, str] = field(default_factory=dict)
     """Bucket index -> the digest computed here."""
+    holder: Holder = field(init=False)
+    """The trainer behind it and its last sign of life (see `weightsync.sessions`)."""
+
+    def __post_init__(self) -> None:
+        self.holder = Holder(owner=self.manifest.owner, version=self.manifest.version,
+                             timeout_s=self.manifest.timeout_s or SESSION_TIMEOUT_S, touched=time.monotonic())
 
 
 class WorkerSync:
@@ -187,8 +201,11 @@ class WorkerSync:
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
         self.dirty = False
-        self.group: UpdateGroup | None = None
-        self.segment: SharedSlots | None = None
+        self.groups: dict[str, UpdateGroup] = {}
+        """Joined weight-update groups by name: one per trainer session (two trainers may
+        be connected at once; one holds the update, the other waits)."""
+        self.segments: dict[str, SharedSlots] = {}
+        """Mapped shm segments by name, likewise."""
         self.update: _Update | None = None
         self._expected: dict[str, TensorMeta] | None = None
         self._retired_dirs: list[Path] = []
@@ -211,32 +228,40 @@ class WorkerSync:
         link = Link.from_dict(body["link"])
         if link.transport == "broadcast":
             _require(link, "master_address", "master_port", "world_size", "group_name", "rank_offset", "backend")
-            self._leave_group()
-            self.group = join_group(
+            self._leave_group(str(link.group_name))
+            self._make_room(self.groups, lambda name: self._leave_group(name))
+            self.groups[str(link.group_name)] = join_group(
                 master_address=str(link.master_address), master_port=int(link.master_port or 0),
                 rank=int(link.rank_offset or 0) + self.rank, world_size=int(link.world_size or 0),
                 group_name=str(link.group_name), backend=str(link.backend), timeout_s=link.timeout_s,
             )
         elif link.transport == "shm":
             _require(link, "shm_name", "slot_bytes", "num_slots")
-            self._close_segment()
-            self.segment = SharedSlots.open(str(link.shm_name), slot_bytes=int(link.slot_bytes or 0),
+            self._close_segment(str(link.shm_name))
+            self._make_room(self.segments, lambda name: self._close_segment(name))
+            self.segments[str(link.shm_name)] = SharedSlots.open(str(link.shm_name), slot_bytes=int(link.slot_bytes or 0),
                                             num_slots=int(link.num_slots or 0))
         return {}
 
     def disconnect(self, body: Mapping[str, Any]) -> dict[str, Any]:
         link = Link.from_dict(body["link"])
-        if link.transport == "broadcast" and self.group is not None and self.group.group_name == link.group_name:
-            self._leave_group()
-        elif link.transport == "shm" and self.segment is not None and self.segment.name == link.shm_name:
-            self._close_segment()
+        if link.transport == "broadcast":
+            self._leave_group(str(link.group_name))
+        elif link.transport == "shm":
+            self._close_segment(str(link.shm_name))
         return {}
 
     def begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         manifest = Manifest.from_dict(body["manifest"])
         link = Link.from_dict(body["link"])
+        preempted = None
         if self.update is not None:
-            log.warning("v%d: discarding the unfinished update v%d", manifest.version, self.update.manifest.version)
+            try:
+                preempted = take_over(self.update.holder, manifest.owner, time.monotonic())
+            except SessionBusyError as e:
+                raise EngineError(self._who, str(e), status=409, retry_after_s=e.retry_after_s) from None
+            log.warning("v%d: discarding the unfinished update v%d (%s)", manifest.version,
+                        self.update.manifest.version, preempted or "its own trainer begins again")
             self.update = None
         if manifest.version <= self.version:
             raise EngineError(self._who, f"update v{manifest.version} is not newer than the served "
@@ -245,15 +270,16 @@ class WorkerSync:
             self._check_lora(manifest)
         else:
             self._check_full(manifest)
-        if link.transport == "broadcast" and self.group is None:
+        if link.transport == "broadcast" and link.group_name not in self.groups:
             raise EngineError(self._who, "no broadcast group: connect() first")
-        if link.transport == "shm" and (self.segment is None or self.segment.name != link.shm_name):
+        if link.transport == "shm" and link.shm_name not in self.segments:
             raise EngineError(self._who, f"shared memory segment {link.shm_name!r} is not mapped: connect() first")
         self.update = _Update(manifest=manifest, link=link)
-        return {}
+        return {"preempted": preempted}
 
     def receive(self, body: Mapping[str, Any]) -> dict[str, Any]:
         update = self._open(int(body["version"]))
+        update.holder.touched = time.monotonic()
         index = int(body["index"])
         if not 0 <= index < len(update.manifest.buckets):
             raise IntegrityError(f"bucket {index} is not in update v{update.manifest.version} "
@@ -263,8 +289,10 @@ class WorkerSync:
         if transport == "broadcast":
             buffer = self._receive_broadcast(bucket, update.link)
         elif transport == "shm":
-            assert self.segment is not None
-            buffer = self.segment.slot(int(body["slot"]), bucket.nbytes).clone()  # our copy, then check it
+            segment = self.segments.get(str(update.link.shm_name))
+            if segment is None:
+                raise EngineError(self._who, f"shared memory segment {update.link.shm_name!r} is not mapped")
+            buffer = segment.slot(int(body["slot"]), bucket.nbytes).clone()  # our copy, then check it
         else:
             raise EngineError(self._who, f"no per-bucket receive over transport {transport!r}")
         self._stage(update, bucket, buffer)
@@ -290,7 +318,10 @@ class WorkerSync:
                 **result}
 
     def abort(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        if self.update is not None and self.update.manifest.version == int(body["version"]):
+        """Drop the open update of that version, unless it belongs to another trainer."""
+        update, owner = self.update, body.get("owner")
+        if update is not None and update.manifest.version == int(body["version"]) \
+                and (owner is None or update.manifest.owner in (None, owner)):
             self.update = None
         return {}
 
@@ -303,10 +334,12 @@ class WorkerSync:
     # -- receiving ---------------------------------------------------------
 
     def _receive_broadcast(self, bucket: BucketMeta, link: Link) -> torch.Tensor:
-        assert self.group is not None
-        device = _device(self.worker) if self.group.backend == "nccl" else torch.device("cpu")
+        group = self.groups.get(str(link.group_name))
+        if group is None:
+            raise EngineError(self._who, f"no broadcast group {link.group_name!r}: connect() first")
+        device = _device(self.worker) if group.backend == "nccl" else torch.device("cpu")
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        self.group.broadcast(buffer, src=0, timeout_s=link.timeout_s)
+        group.broadcast(buffer, src=0, timeout_s=link.timeout_s)
         return buffer.cpu()  # staged in host memory; a no-op on CPU
 
     def _stage(self, update: _Update, bucket: BucketMeta, buffer: torch.Tensor) -> None:
@@ -464,15 +497,22 @@ class WorkerSync:
             atexit.register(shutil.rmtree, self._lora_root_dir, ignore_errors=True)
         return self._lora_root_dir
 
-    def _leave_group(self) -> None:
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
+    def _leave_group(self, name: str) -> None:
+        group = self.groups.pop(name, None)
+        if group is not None:
+            group.destroy()
 
-    def _close_segment(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+    def _close_segment(self, name: str) -> None:
+        segment = self.segments.pop(name, None)
+        if segment is not None:
+            segment.close()
+
+    @staticmethod
+    def _make_room(joined: Mapping[str, Any], leave: Callable[[str], None]) -> None:
+        """Keep at most MAX_SESSIONS - 1 before a new connect: trainers that died without
+        disconnecting leave theirs behind; the oldest go first."""
+        for name in list(joined)[: max(0, len(joined) - MAX_SESSIONS + 1)]:
+            leave(name)
 
     def _delete_retired(self) -> None:
         """Adapter directories unloaded before the previous commit (one push of grace,

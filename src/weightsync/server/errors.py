@@ -11,7 +11,12 @@ from weightsync.errors import WeightSyncError
 
 class ConflictError(WeightSyncError):
     """The request is valid but clashes with the server's state (HTTP 409): a
-    version that is not newer, a session already open, an adapter name taken."""
+    version that is not newer, a session already open, an adapter name taken.
+    `retry_after_s` is set when the same request may succeed after that long."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NotFoundError(WeightSyncError, ValueError):

@@ -56,7 +56,7 @@ def _status_of(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 400, {"missing": list(exc.missing), "unexpected": list(exc.unexpected),
                      "mismatched": list(exc.mismatched)}
     if isinstance(exc, ConflictError):
-        return 409, {}
+        return 409, {} if exc.retry_after_s is None else {"retry_after_s": round(exc.retry_after_s, 3)}
     if isinstance(exc, SyncTimeoutError | TimeoutError):
         return 504, {}
     if isinstance(exc, PermissionError):

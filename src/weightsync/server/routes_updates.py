@@ -8,6 +8,7 @@ collectives, disk reads) runs in worker threads.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,11 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from weightsync.bucketing import pack_one
 from weightsync.checkpoint import MANIFEST_FILE, confine
+from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
 from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
@@ -216,12 +219,17 @@ def _add_group_routes(app: FastAPI, state: ServerState) -> None:
 
 def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[TensorEntry],
                          body: dict[str, Any], load_format: str | None) -> StageResult:
-    with joined.lock:
-        named, buffer = ingest.receive_broadcast(joined.group, entries, flattened=load_format == "flattened_bucket",
-                                                 timeout_s=state.config.group_timeout_s,
-                                                 alloc=state.updater.buffers.take)
-    _maybe_abort_all(state, body)
     bucket_index = field_int(body, "weightsync_bucket")
+    with joined.lock:
+        try:
+            named, buffer = ingest.receive_broadcast(
+                joined.group, entries, flattened=load_format == "flattened_bucket",
+                timeout_s=state.config.group_timeout_s, alloc=state.updater.buffers.take)
+        except (RuntimeError, SyncTimeoutError):  # the group broke (a trainer died) or stalled
+            if bucket_index is not None:  # that trainer's weightsync update cannot complete
+                state.updater.abort(field_int(body, "weightsync_version"))
+            raise
+    _maybe_abort_all(state, body)
     if bucket_index is None:
         return state.updater.stage_named(named, weight_version=weight_version_field(body))
     version = field_int(body, "weightsync_version", required=True)
@@ -286,8 +294,8 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     async def begin(request: Request) -> JSONResponse:
         body = await _admin_json(request, state)
         manifest = Manifest.from_dict(body.get("manifest"))  # type: ignore[arg-type]
-        await run_in_threadpool(updater.begin, manifest)
-        return answer(f"update v{manifest.version} begun ({len(manifest.buckets)} bucket(s))")
+        preempted = await run_in_threadpool(updater.begin, manifest)
+        return answer(f"update v{manifest.version} begun ({len(manifest.buckets)} bucket(s))", preempted=preempted)
 
     @app.post("/weightsync/bucket")
     async def bucket(request: Request) -> JSONResponse:
@@ -296,7 +304,11 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         if session is None or session.manifest is None:
             raise ConflictError("no weightsync update session is open; call /weightsync/begin")
         largest = max((b.nbytes for b in session.manifest.buckets), default=0)
-        frame = await read_body(request, largest + FRAME_OVERHEAD_BYTES)
+        try:
+            frame = await read_body(request, largest + FRAME_OVERHEAD_BYTES)
+        except ClientDisconnect:  # the trainer vanished mid-body: its update cannot complete
+            updater.abort(session.version, owner=session.owner)
+            raise
 
         def work() -> str:
             header, payload = decode_frame(frame)
@@ -327,7 +339,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     async def abort(request: Request) -> JSONResponse:
         body = await _admin_json(request, state)
         version = field_int(body, "version")
-        dropped = updater.abort(version)
+        dropped = updater.abort(version, owner=field_str(body, "owner"))
         return answer(f"update v{version} aborted" if dropped else "nothing to abort", aborted=dropped)
 
 
@@ -359,6 +371,7 @@ def _session_info(state: ServerState) -> dict[str, Any] | None:
     session = state.updater.session
     if session is None:
         return None
-    return {"kind": session.kind, "version": session.version,
+    return {"kind": session.kind, "version": session.version, "owner": session.owner,
+            "timeout_s": session.timeout_s, "idle_s": round(time.monotonic() - session.touched, 3),
             "mode": session.manifest.mode if session.manifest is not None else None,
             "buckets_received": sorted(session.bucket_digests)}

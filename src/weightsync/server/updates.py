@@ -44,6 +44,7 @@ from weightsync.naming import map_names
 from weightsync.server import lora
 from weightsync.server.buffers import BufferPool
 from weightsync.server.errors import ConflictError, NotFoundError
+from weightsync.sessions import Holder, SessionBusyError, take_over
 from weightsync.types import Manifest, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,11 @@ class Session:
     buffers: list[torch.Tensor] = field(default_factory=list)
     """The whole-bucket buffers `tensors` views; back to the pool once unused."""
     touched: float = field(default_factory=time.monotonic)
+    """The owner's last request or received bucket."""
+    owner: str | None = None
+    """The trainer that opened it (from the manifest)."""
+    timeout_s: float | None = None
+    """How long that trainer may stay silent before another may take the session."""
 
     def expected(self) -> dict[str, TensorMeta]:
         assert self.manifest is not None
@@ -139,22 +145,36 @@ class WeightUpdater:
     def session(self) -> Session | None:
         return self._session
 
-    def begin(self, manifest: Manifest) -> None:
-        """Dry-run check of `manifest` against the served model, then open a session."""
+    def begin(self, manifest: Manifest) -> str | None:
+        """Dry-run check of `manifest` against the served model, then open a session.
+
+        An open session gives way by `weightsync.sessions.take_over`: to its own owner,
+        or when its owner is gone or silent past its timeout (returns what was
+        discarded); a live owner's session is never taken (ConflictError with
+        `retry_after_s`)."""
         with self._lock:
             self._expire_idle()
-            if self._session is not None:
-                if self._session.kind == "sglang" and not self._session.tensors:
+            preempted = None
+            session = self._session
+            if session is not None:
+                if session.kind == "sglang" and not session.tensors:
                     self._session = None  # an empty SGLang session gives way
                 else:
-                    raise ConflictError(
-                        f"an update session ({self._session.kind}, v{self._session.version}) is open; "
-                        f"abort it or wait {self.session_timeout_s:.0f}s for it to expire"
-                    )
+                    holder = Holder(owner=session.owner, version=session.version, touched=session.touched,
+                                    timeout_s=session.timeout_s or self.session_timeout_s)
+                    try:
+                        preempted = take_over(holder, manifest.owner, time.monotonic())
+                    except SessionBusyError as e:
+                        raise ConflictError(str(e), retry_after_s=e.retry_after_s) from None
+                    log.warning("update v%s: %s", manifest.version, preempted or "its own trainer begins again")
             self._check_newer(manifest.version, adapter=manifest.mode == "lora")
             self._check_manifest(manifest)
-            self._session = Session(kind="weightsync", version=manifest.version, manifest=manifest)
+            if self._session is not None:
+                self._drop(self._session)
+            self._session = Session(kind="weightsync", version=manifest.version, manifest=manifest,
+                                    owner=manifest.owner, timeout_s=manifest.timeout_s)
             log.info("update v%d (%s, %d buckets) begun", manifest.version, manifest.mode, len(manifest.buckets))
+            return preempted
 
     def _check_manifest(self, manifest: Manifest) -> None:
         if manifest.mode == "lora":
@@ -228,10 +248,13 @@ class WeightUpdater:
             self.version = version
         log.info("LoRA adapter %s loaded as v%d", manifest.lora_name, version)
 
-    def abort(self, version: int | None) -> bool:
-        """Drop the open session (if `version` matches or is None); True if one was dropped."""
+    def abort(self, version: int | None, *, owner: str | None = None) -> bool:
+        """Drop the open session (if `version` matches or is None, and it is not another
+        owner's); True if one was dropped."""
         with self._lock:
             if self._session is None or (version is not None and self._session.version != version):
+                return False
+            if owner is not None and self._session.owner not in (None, owner):
                 return False
             log.info("update v%s (%s) aborted; served weights unchanged", self._session.version, self._session.kind)
             self._drop(self._session)

@@ -51,6 +51,7 @@ from weightsync.bench.faults.rig import (
     perturbed,
 )
 from weightsync.bench.faults.scenarios import (
+    LIVE_LEASE_S,
     FaultOutcome,
     bad_bucket,
     disk_full,
@@ -144,7 +145,7 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 __all__ = [
-    "ADMIN_KEY", "BUCKET_BYTES", "CHILD_READY_TIMEOUT_S", "MARGIN_S", "POLICIES", "PROMPTS", "TRANSPORTS",
+    "ADMIN_KEY", "BUCKET_BYTES", "CHILD_READY_TIMEOUT_S", "LIVE_LEASE_S", "MARGIN_S", "POLICIES", "PROMPTS", "TRANSPORTS",
     "Answer", "AnswerVerifier", "ChildTrainer", "DictSource", "FaultOutcome", "FaultyTransport", "LoadFigures",
     "Rig", "Weights", "bad_bucket", "child_main", "disk_full", "engine_killed", "engine_stalled",
     "engine_stalled_before_push", "error_bound_s", "format_table", "injected", "load_weights", "make_fault_model", "perturbed",

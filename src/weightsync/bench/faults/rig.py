@@ -187,9 +187,11 @@ class Rig:
         """Built as the README builds it: no timeout of its own, so the push's bounds every call."""
         return SGLangEngine(self.url, api_key=self.api_key)
 
-    def sync(self, transport: str, *, disk_root: Path | None = None, engine: Any = None, **options: Any) -> WeightSync:
+    def sync(self, transport: str, *, disk_root: Path | None = None, engine: Any = None,
+             timeout_s: float | None = None, **options: Any) -> WeightSync:
         return WeightSync([engine or self.engine()], transport=transport, bucket_bytes=BUCKET_BYTES,
-                          timeout_s=self.timeout_s, disk_root=str(disk_root or self.disk_root(transport)), **options)
+                          timeout_s=timeout_s or self.timeout_s, disk_root=str(disk_root or self.disk_root(transport)),
+                          **options)
 
     def disk_root(self, name: str) -> Path:
         """A directory under the engine's --disk-root for one trainer's versions."""

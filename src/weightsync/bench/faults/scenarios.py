@@ -73,6 +73,10 @@ class FaultOutcome:
     next_push: bool = False
     """The following push succeeded and the engine then served exactly its weights and version."""
     next_push_error: str = ""
+    next_push_seconds: float = 0.0
+    """How long the next push took (after a killed trainer: includes taking over its session)."""
+    next_push_notes: list[str] = field(default_factory=list)
+    """The next push's report notes (a dead trainer's session discarded, a wait for one)."""
     conflicts_before_next: int = 0
     """409s the next push met while a dead or stalled trainer's session was open."""
     versions: list[tuple[int, int]] = field(default_factory=list)
@@ -159,10 +163,13 @@ def _next_push(out: FaultOutcome, rig: Rig, sync: WeightSync, *, conflicts_for_s
     """The trainer's next push must succeed (after waiting out a dead peer's session on
     409 for up to `conflicts_for_s`), and the engine must then serve exactly its weights."""
     version, weights = rig.next_version(), rig.new_weights()
-    deadline = time.monotonic() + conflicts_for_s
+    started = time.monotonic()
+    deadline = started + conflicts_for_s
     while True:
         try:
-            sync.push(DictSource(weights), version=version)
+            report = sync.push(DictSource(weights), version=version)
+            out.next_push_seconds = time.monotonic() - started
+            out.next_push_notes = list(report.notes)
             break
         except EngineError as e:
             if e.status == 409 and time.monotonic() < deadline:
@@ -215,9 +222,9 @@ def engine_stalled(rig: Rig, transport: str) -> FaultOutcome:
         finally:
             rig.cont()
         _check_kept(out, rig)
-        # The trainer's abort timed out against the stopped engine; the engine reads it
-        # on waking, or discards the idle session after --session-timeout.
-        _next_push(out, rig, sync, conflicts_for_s=rig.session_timeout_s + MARGIN_S)
+        # The trainer's abort timed out against the stopped engine; its next begin replaces
+        # its own unfinished session (same owner), so no 409 on the way.
+        _next_push(out, rig, sync)
     return out
 
 
@@ -234,7 +241,7 @@ def engine_stalled_before_push(rig: Rig, transport: str) -> FaultOutcome:
         finally:
             rig.cont()
         _check_kept(out, rig)
-        _next_push(out, rig, sync, conflicts_for_s=rig.session_timeout_s + MARGIN_S)
+        _next_push(out, rig, sync)
     return out
 
 
@@ -276,7 +283,7 @@ def trainer_killed(rig: Rig, transport: str, *, mid_wire: bool = False) -> Fault
     _observe(out, rig)
     version, weights = rig.next_version(), rig.new_weights()
     fault = "block" if not mid_wire else ("block-body" if transport == "http" else "block-send")
-    spec = _child_spec(rig, transport, weights, version, fault=fault, at_bucket=2)
+    spec = _child_spec(rig, transport, weights, version, fault=fault, at_bucket=2, timeout_s=rig.timeout_s)
     with ChildTrainer(spec) as child:
         ready = child.wait_for("READY", CHILD_READY_TIMEOUT_S)
         if ready is None:
@@ -292,8 +299,8 @@ def trainer_killed(rig: Rig, transport: str, *, mid_wire: bool = False) -> Fault
     out.bad_version_dirs = version_dir_problems(root)
     if left := leftover_temp_dirs(root) + segments_left(ready):
         out.notes.append(f"the killed trainer left {left} (hidden from engines; the next push removes them)")
-    with rig.sync(transport, disk_root=root) as sync:
-        _next_push(out, rig, sync, conflicts_for_s=rig.session_timeout_s + MARGIN_S)
+    with rig.sync(transport, disk_root=root) as sync:  # a new trainer, built as the README builds it
+        _next_push(out, rig, sync)  # takes over the dead trainer's session: no 409 reaches the user
     out.leftovers = leftover_temp_dirs(root) + segments_left(ready)
     return out
 
@@ -376,11 +383,18 @@ class _VersionWatch:
         self._thread.join()
 
 
+LIVE_LEASE_S = 30.0
+"""Trainer A's timeout_s in `two_trainers`: its session counts as live (it cannot be taken)
+for this long after A's last request, longer than B is willing to wait (rig.timeout_s)."""
+
+
 def two_trainers(rig: Rig, transport: str, *, race_rounds: int = 2) -> FaultOutcome:
-    """Trainer B pushes while trainer A is mid-stream (B must get 409, A must win whole);
-    then B pushes an older and an equal version (refused); then both race freely."""
+    """Trainer B pushes while trainer A, alive, is mid-stream (B must get a 409 naming A's
+    session, A must win whole); then B pushes an older and an equal version (refused);
+    then both race freely."""
     out = FaultOutcome("two trainers at once, then older versions", transport)
-    with _VersionWatch(rig) as watch, rig.sync(transport, disk_root=rig.disk_root(f"{transport}-a")) as a, \
+    with _VersionWatch(rig) as watch, \
+            rig.sync(transport, disk_root=rig.disk_root(f"{transport}-a"), timeout_s=LIVE_LEASE_S) as a, \
             rig.sync(transport, disk_root=rig.disk_root(f"{transport}-b")) as b:
         _observe(out, rig)
         a_weights, a_version = rig.new_weights(), rig.next_version()
