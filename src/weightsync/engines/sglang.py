@@ -70,6 +70,11 @@ class SGLangEngine:
         return self._native
 
     @property
+    def num_requests(self) -> int:
+        """HTTP requests this client has sent (a push's round trips are the difference)."""
+        return self._http.num_requests
+
+    @property
     def supports_delta(self) -> bool:
         """A delta needs an engine that proves which version it holds; a stock
         SGLang (possibly restarted from its checkpoint) cannot, so it gets full pushes."""
