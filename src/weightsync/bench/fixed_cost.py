@@ -34,6 +34,14 @@ LORA_RANK = 1
 LORA_TARGETS = ["q_proj"]
 
 
+def describe() -> str:
+    """What the fixed cost pushes, in words."""
+    cfg = SCENARIO.model
+    return (f"a Qwen2 of {cfg.num_layers} layer x hidden {cfg.hidden_size}, {SCENARIO.num_tensors} tensors, "
+            f"{SCENARIO.num_bytes / 1024:.1f} KiB, pushed whole; lora: a rank-{LORA_RANK} adapter on "
+            f"{', '.join(LORA_TARGETS)}")
+
+
 def trainer_models(modes: Sequence[str]) -> dict[str, Any]:
     """mode -> the trainer's model: the engine's own weights for "full", plus a
     rank-1 adapter on q_proj for "lora"."""

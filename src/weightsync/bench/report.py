@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.bench.analysis import CellView, Target, cell_views, targets
-from weightsync.bench.fixed_cost import SCENARIO as FIXED_COST_SCENARIO
+from weightsync.bench.fixed_cost import describe as describe_fixed_cost
 from weightsync.bench.matrix import STAGES, CellResult
 from weightsync.bench.scenarios import MANY_SMALL_NOTE
 from weightsync.bench.suite import BenchResult
@@ -145,8 +145,7 @@ def format_report(result: BenchResult) -> str:
         "baselines (embedded engine):\n" + baselines_table(result),
     ]
     if result.fixed_cost:
-        sections.append(f"fixed cost of a push ({FIXED_COST_SCENARIO.describe()}; lora: a rank-1 adapter "
-                        "on q_proj):\n" + fixed_cost_table(result.fixed_cost))
+        sections.append(f"fixed cost of a push ({describe_fixed_cost()}):\n" + fixed_cost_table(result.fixed_cost))
     if result.memory:
         sections.append("trainer peak memory beyond the model:\n" + memory_table(result))
     sections.append("targets (reported, never asserted; judged on the embedded engine):\n" + targets_table(found))

@@ -190,7 +190,7 @@ def _run_scenario(scenario: Scenario, config: BenchConfig, result: BenchResult, 
 def _run_fixed_cost(config: BenchConfig, result: BenchResult, progress: Progress,
                     on_cell: Callable[[CellResult], None] | None) -> None:
     for kind in config.engines:
-        progress(f"fixed cost of a push: {fixed_cost_mod.SCENARIO.describe()}; starting the {kind} engine")
+        progress(f"fixed cost of a push ({fixed_cost_mod.describe()}): starting the {kind} engine")
         try:
             result.fixed_cost.extend(fixed_cost_mod.run_fixed_cost(
                 kind, root=config.out_dir, modes=config.modes, transports=config.transports,
