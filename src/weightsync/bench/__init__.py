@@ -3,8 +3,9 @@
 Sync suite: `scenarios` (model shapes by bytes), `limits` (the machine's own
 copy / gloo / xxh3 / TCP / disk rates for the same bytes), `engines` (start
 and stop the engines), `matrix` (WeightSync.push per mode x transport x
-engine x bucket size), `baselines` (how RL frameworks sync today), `memory`
-(trainer peak memory of merged LoRA), `suite` (runs them all), `analysis`
-(fractions, speed-ups, targets) and `report` (table, chart, JSON).
+engine x bucket size), `fixed_cost` (seconds and HTTP round trips of a push
+that moves almost nothing), `baselines` (how RL frameworks sync today),
+`memory` (trainer peak memory of merged LoRA), `suite` (runs them all),
+`analysis` (fractions, speed-ups, targets) and `report` (table, chart, JSON).
 Fault suite: `faults`. Importing this package imports none of them.
 """

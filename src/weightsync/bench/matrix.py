@@ -5,8 +5,9 @@ A cell opens a fresh `WeightSync`, pushes once to warm up (forms the
 broadcast group, maps shared memory, syncs the base weights before the
 first adapter), then pushes `repeats` more times and keeps every report.
 The cell's figure is its fastest push; per-stage seconds (gather, pack,
-hash, wire, load) come from that push's `SyncReport`. A cell that fails is
-kept with its error and the matrix goes on.
+hash, wire, load) come from that push's `SyncReport`; the HTTP requests of
+each push are counted by the engine client (`num_requests`). A cell that
+fails is kept with its error and the matrix goes on.
 
 Boundaries: runs pushes and records reports; starting engines is
 `bench.engines`, models are `bench.scenarios`, judging is `bench.report`.
@@ -61,6 +62,9 @@ class CellResult:
     """Per-stage seconds of the fastest push."""
     verified: bool = False
     """Every measured push was acked with matching digests and names."""
+    requests: tuple[int, ...] = ()
+    """HTTP requests (round trips to the engine) of every measured push. A LoRA push's
+    unload of the adapter it retires runs in the background, in this push or the next."""
     error: str | None = None
 
     @property
@@ -84,7 +88,8 @@ class CellResult:
                 "num_buckets": self.num_buckets, "seconds": self.seconds if self.ok else None,
                 "median_seconds": self.median_seconds if self.ok else None,
                 "gbps": self.gbps if self.ok else None, "runs": list(self.runs),
-                "stages": dict(self.stages), "verified": self.verified, "error": self.error}
+                "stages": dict(self.stages), "verified": self.verified, "requests": list(self.requests),
+                "error": self.error}
 
 
 def run_cell(cell: Cell, engine: RunningEngine, model: Any, *, repeats: int, versions_dir: Path,
@@ -92,14 +97,16 @@ def run_cell(cell: Cell, engine: RunningEngine, model: Any, *, repeats: int, ver
     """Warm-up push plus `repeats` measured pushes of `model` for `cell`."""
     import weightsync as ws
 
-    reports = []
+    reports, requests = [], []
     try:
         with ws.WeightSync([engine.client], transport=cell.transport, mode=cell.mode,
                            bucket_bytes=cell.bucket_bytes, timeout_s=timeout_s, disk_root=str(versions_dir),
                            keep_versions=1) as sync:
             sync.push(model, version=engine.next_version())
             for _ in range(max(1, repeats)):
+                before = engine.client.num_requests
                 reports.append(sync.push(model, version=engine.next_version()))
+                requests.append(engine.client.num_requests - before)
     except (WeightSyncError, OSError, RuntimeError, ValueError) as e:  # reported; the matrix goes on
         log.warning("cell %s failed: %s", cell, e, exc_info=log.isEnabledFor(logging.DEBUG))
         return CellResult(cell=cell, error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
@@ -107,7 +114,7 @@ def run_cell(cell: Cell, engine: RunningEngine, model: Any, *, repeats: int, ver
     return CellResult(
         cell=cell, num_bytes=best.num_bytes, num_tensors=best.num_tensors, num_buckets=best.num_buckets,
         runs=tuple(r.seconds for r in reports), stages=best.stages.to_dict(),
-        verified=all(r.verified for r in reports),
+        verified=all(r.verified for r in reports), requests=tuple(requests),
     )
 
 

@@ -2,8 +2,9 @@
 
 `format_report` lays out, in order: the machine, the matrix (one row per
 cell with per-stage seconds, fraction of its limit and speed-up over each
-baseline), the limits, the baselines, the trainer's peak memory, the
-targets (met / NOT MET / not measured) and any notes. `to_json` carries the
+baseline), the limits, the baselines, the fixed cost of a push (seconds and
+HTTP requests of a push that moves almost nothing), the trainer's peak
+memory, the targets (met / NOT MET / not measured) and any notes. `to_json` carries the
 same figures for machines; `write_chart` draws them.
 
 Boundaries: formatting only; the figures come from `bench.analysis` and the
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.bench.analysis import CellView, Target, cell_views, targets
-from weightsync.bench.matrix import STAGES
+from weightsync.bench.fixed_cost import describe as describe_fixed_cost
+from weightsync.bench.matrix import STAGES, CellResult
 from weightsync.bench.scenarios import MANY_SMALL_NOTE
 from weightsync.bench.suite import BenchResult
 
@@ -87,6 +89,30 @@ def baselines_table(result: BenchResult) -> str:
     return _table(["scenario", "baseline", "requests", "MiB", "s", "GB/s", "parts"], rows)
 
 
+def _requests(counts: tuple[int, ...]) -> str:
+    """HTTP requests per push: "5", or "5-6" when the pushes differ."""
+    if not counts:
+        return "-"
+    low, high = min(counts), max(counts)
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def fixed_cost_table(cells: list[CellResult]) -> str:
+    rows = []
+    for r in cells:
+        c = r.cell
+        if not r.ok:
+            rows.append([c.engine, c.mode, c.transport, "-", "-", "-", "-", "-", f"FAILED: {r.error}"[:60]])
+            continue
+        rows.append([c.engine, c.mode, c.transport, f"{r.num_bytes / 1024:.1f}", str(r.num_tensors),
+                     _num(r.seconds * 1e3, ".1f"), _num(r.median_seconds * 1e3, ".1f"), _requests(r.requests),
+                     "yes" if r.verified else "no"])
+    return (_table(["engine", "mode", "transport", "KiB", "tensors", "ms", "median ms", "HTTP requests",
+                    "verified"], rows)
+            + "\nms: fastest push; HTTP requests: round trips to the engine per push (a LoRA push's unload "
+              "of the adapter it retires runs in the background and lands in this push or the next)")
+
+
 def memory_table(result: BenchResult) -> str:
     rows = [[m.method, f"{m.model_bytes / MiB:.0f}", f"{m.peak_extra_bytes / MiB:.1f}",
              f"{m.peak_extra_bytes / max(1, m.model_bytes):.0%}", f"{m.largest_tensor_bytes / MiB:.1f}"]
@@ -118,6 +144,8 @@ def format_report(result: BenchResult) -> str:
         "machine limits (same bytes, same chunks):\n" + limits_table(result),
         "baselines (embedded engine):\n" + baselines_table(result),
     ]
+    if result.fixed_cost:
+        sections.append(f"fixed cost of a push ({describe_fixed_cost()}):\n" + fixed_cost_table(result.fixed_cost))
     if result.memory:
         sections.append("trainer peak memory beyond the model:\n" + memory_table(result))
     sections.append("targets (reported, never asserted; judged on the embedded engine):\n" + targets_table(found))
@@ -138,6 +166,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "limits": [{"scenario": sc, **lim.to_dict()} for (sc, _), lims in result.limits.items()
                    for lim in lims.values()],
         "cells": [v.to_dict() for v in views],
+        "fixed_cost": [c.to_dict() for c in result.fixed_cost],
         "baselines": [{"scenario": sc, **b.to_dict()} for sc, runs in result.baselines.items() for b in runs],
         "memory": [m.to_dict() for m in result.memory],
         "targets": [t.to_dict() for t in targets(result, views)],

@@ -144,13 +144,15 @@ def trainer_model(scenario: Scenario) -> Any:
     return build_model(scenario.model)
 
 
-def with_lora(model: Any, *, rank: int = LORA_RANK, seed: int = 0) -> Any:
-    """`model` wrapped in a PEFT LoRA adapter of rank `rank` on every linear layer,
-    with B initialised non-zero (so merged weights differ from the base)."""
+def with_lora(model: Any, *, rank: int = LORA_RANK, seed: int = 0,
+              target_modules: str | list[str] = LORA_TARGETS) -> Any:
+    """`model` wrapped in a PEFT LoRA adapter of rank `rank` on `target_modules`
+    (default every linear layer), with B initialised non-zero (so merged weights
+    differ from the base)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS,
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target_modules,
                                                   lora_dropout=0.0))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -7,13 +7,16 @@ the baselines, and (once) the trainer's peak memory, all in one run.
             matrix  mode x transport x bucket size, WeightSync.push
         baselines   per-tensor broadcast, per-tensor HTTP, checkpoint + reload
                     (embedded engine)
+    fixed cost      a push that moves almost nothing (a 194 KB model, a rank-1
+                    adapter), every transport, per engine: seconds and HTTP
+                    requests (`bench.fixed_cost`)
     memory          merged LoRA layer by layer vs the whole model at once
 
 "many-small" runs mode "full" only (the question it answers is per-tensor
 overhead); vLLM runs on "dense" only, at one bucket size (its start and its
 loads take minutes on CPU). Boundaries: orchestration and bookkeeping; every
-measurement lives in `limits`, `matrix`, `baselines` and `memory`, every
-judgement in `report`.
+measurement lives in `limits`, `matrix`, `fixed_cost`, `baselines` and
+`memory`, every judgement in `report`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.bench import baselines as baselines_mod
+from weightsync.bench import fixed_cost as fixed_cost_mod
 from weightsync.bench import limits as limits_mod
 from weightsync.bench import memory as memory_mod
 from weightsync.bench.engines import start_engine
@@ -67,6 +71,8 @@ class BenchConfig:
     """Runs per limit; the fastest counts."""
     baselines: tuple[str, ...] = baselines_mod.BASELINES
     """Baselines run on the embedded engine."""
+    fixed_cost_repeats: int = 5
+    """Measured pushes per fixed-cost cell (0: skip the fixed cost)."""
     memory_methods: tuple[str, ...] = memory_mod.METHODS
     """Merged-LoRA memory methods measured (empty: skip)."""
     vllm_bucket_sizes: tuple[int, ...] = (64 * MiB,)
@@ -92,6 +98,8 @@ class BenchResult:
     limits: dict[tuple[str, int], dict[str, limits_mod.Limit]] = field(default_factory=dict)
     """(scenario, bucket_bytes) -> limit name -> Limit."""
     cells: list[CellResult] = field(default_factory=list)
+    fixed_cost: list[CellResult] = field(default_factory=list)
+    """Pushes of the fixed-cost model, per engine, mode and transport."""
     baselines: dict[str, list[baselines_mod.BaselineResult]] = field(default_factory=dict)
     """scenario -> baseline results (embedded engine)."""
     memory: list[memory_mod.MemoryResult] = field(default_factory=list)
@@ -132,6 +140,8 @@ def run_sync_suite(config: BenchConfig, *, progress: Progress = lambda _: None,
         result.scenarios.append(scenario)
         progress(f"scenario {scenario.describe()}")
         _run_scenario(scenario, config, result, progress, on_cell)
+    if config.fixed_cost_repeats > 0:
+        _run_fixed_cost(config, result, progress, on_cell)
     if config.memory_methods and "dense" in config.scenarios:
         progress("trainer memory: merged LoRA layer by layer vs whole model")
         dense = next(s for s in result.scenarios if s.name == "dense")
@@ -175,6 +185,18 @@ def _run_scenario(scenario: Scenario, config: BenchConfig, result: BenchResult, 
             result.notes.append(f"{scenario.name}/{kind}: engine failed: {type(e).__name__}: {e}"[:500])
         finally:
             shutil.rmtree(versions, ignore_errors=True)
+
+
+def _run_fixed_cost(config: BenchConfig, result: BenchResult, progress: Progress,
+                    on_cell: Callable[[CellResult], None] | None) -> None:
+    for kind in config.engines:
+        progress(f"fixed cost of a push ({fixed_cost_mod.describe()}): starting the {kind} engine")
+        try:
+            result.fixed_cost.extend(fixed_cost_mod.run_fixed_cost(
+                kind, root=config.out_dir, modes=config.modes, transports=config.transports,
+                bucket_bytes=config.bucket_sizes[0], repeats=config.fixed_cost_repeats, on_cell=on_cell))
+        except (RuntimeError, OSError) as e:
+            result.notes.append(f"fixed cost/{kind}: engine failed: {type(e).__name__}: {e}"[:500])
 
 
 def _cell_modes(scenario: Scenario, modes: tuple[str, ...]) -> list[str]:

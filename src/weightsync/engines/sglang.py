@@ -81,6 +81,11 @@ class SGLangEngine:
             self._dtype = dtype_from_name(str(dtype)) if dtype else None
         return self._native
 
+    @property
+    def num_requests(self) -> int:
+        """HTTP requests this client has sent (a push's round trips are the difference)."""
+        return self._http.num_requests
+
     def _require_native(self, what: str, timeout_s: float) -> None:
         if not self._is_native(timeout_s):
             raise EngineError(

@@ -125,6 +125,11 @@ class VLLMEngine:
             self._num_ranks = int(self.info()["num_ranks"])
         return self._num_ranks
 
+    @property
+    def num_requests(self) -> int:
+        """HTTP requests this client has sent (0 in process); a push's round trips are the difference."""
+        return self._backend.num_requests
+
     def info(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """Rank 0's view: num_ranks, version (weightsync's counter), dirty, lora_enabled."""
         return self._rpc("weightsync_info", {}, timeout_s=self.timeout_s if timeout_s is None else timeout_s)[0]
@@ -314,6 +319,11 @@ class _Backend:
                  lora_name: str | None, seed: int | None) -> list[Completion]:
         raise NotImplementedError
 
+    @property
+    def num_requests(self) -> int:
+        """HTTP requests sent so far (none in process)."""
+        return 0
+
     def close(self) -> None:
         return None
 
@@ -417,6 +427,10 @@ class _Server(_Backend):
         self._tokens_api: bool | None = None
         self._model: str | None = None
         self._loras: set[str] = set()
+
+    @property
+    def num_requests(self) -> int:
+        return self.http.num_requests
 
     def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
         response = self.http.request("POST", "/collective_rpc", allow=(404, 500),

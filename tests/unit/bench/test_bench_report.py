@@ -53,6 +53,9 @@ def result(tmp_path: Path) -> BenchResult:
         "many-small": [BaselineResult(name="per-tensor-broadcast", num_bytes=N, num_requests=400, seconds=3.0),
                        BaselineResult(name="per-tensor-http", num_bytes=N, num_requests=400, seconds=2.0)],
     }
+    tiny = Cell(scenario="fixed-cost", mode="lora", transport="http", engine="embedded", bucket_bytes=MiB)
+    res.fixed_cost = [CellResult(cell=tiny, num_bytes=512, num_tensors=2, num_buckets=1, runs=(0.009, 0.008),
+                                 verified=True, requests=(5, 6))]
     res.memory = [MemoryResult(method="layer-by-layer", model_bytes=N, base_rss_bytes=N, peak_extra_bytes=MiB,
                                largest_tensor_bytes=MiB)]
     return res
@@ -87,13 +90,17 @@ def test_missing_parts_are_not_measured(tmp_path: Path) -> None:
 
 def test_table_json_line_and_chart(result: BenchResult, tmp_path: Path) -> None:
     text = format_report(result)
-    for section in ("sync matrix:", "machine limits", "baselines", "trainer peak memory", "targets (", "FAILED"):
+    for section in ("sync matrix:", "machine limits", "baselines", "fixed cost of a push", "trainer peak memory",
+                    "targets (", "FAILED"):
         assert section in text
+    fixed_row = next(line.split() for line in text.splitlines() if line.lstrip().startswith("embedded  lora"))
+    assert fixed_row[-4:] == ["8.0", "8.5", "5-6", "yes"]  # fastest ms, median ms, requests per push
     line = json.dumps(to_json(result))
     assert "\n" not in line
     doc = json.loads(line)
     assert {c["transport"] for c in doc["cells"]} == {"broadcast", "shm", "disk"}
     assert {t["name"] for t in doc["targets"]} >= {"broadcast_vs_limit", "digest_share"}
     assert doc["cells"][0]["stages"].keys() == set(STAGES)
+    assert [(c["mode"], c["requests"], c["seconds"]) for c in doc["fixed_cost"]] == [("lora", [5, 6], 0.008)]
     chart = write_chart(result, tmp_path / "out" / "bench.png")
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,8 @@ import pytest
 
 from weightsync.bench.baselines import run_baselines
 from weightsync.bench.engines import RunningEngine, start_engine
+from weightsync.bench.fixed_cost import SCENARIO as FIXED_COST
+from weightsync.bench.fixed_cost import run_fixed_cost
 from weightsync.bench.matrix import STAGES, Cell, engine_cells, run_cell
 from weightsync.bench.memory import measure_memory
 from weightsync.bench.scenarios import engine_model_dir, make_scenario, trainer_model, with_lora
@@ -46,6 +48,9 @@ def test_full_cell_figures_are_consistent(transport: str, engine: RunningEngine,
     assert len(result.runs) == 2 and result.seconds == min(result.runs)
     assert set(result.stages) == set(STAGES) and all(v >= 0 for v in result.stages.values())
     assert result.gbps == pytest.approx(result.num_bytes / result.seconds / 1e9)
+    # every push makes round trips: at least begin and commit, and one per bucket unless on disk
+    assert len(result.requests) == 2
+    assert min(result.requests) >= 2 + (0 if transport == "disk" else result.num_buckets)
 
 
 def test_lora_cell_moves_only_the_adapter(engine: RunningEngine, root: Path) -> None:
@@ -55,6 +60,17 @@ def test_lora_cell_moves_only_the_adapter(engine: RunningEngine, root: Path) -> 
     assert result.ok and result.verified, result.error
     adapter = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     assert result.num_bytes == adapter < SCENARIO.num_bytes
+
+
+def test_fixed_cost_pushes_the_tiny_model_and_a_rank_1_adapter(root: Path) -> None:
+    cells = run_fixed_cost("embedded", root=root, modes=["full", "lora", "lora-merged"], transports=["http", "shm"],
+                           bucket_bytes=MiB, repeats=2)
+    assert [(c.cell.mode, c.cell.transport) for c in cells] == [
+        ("full", "http"), ("full", "shm"), ("lora", "http"), ("lora", "shm")]
+    assert all(c.ok and c.verified and len(c.requests) == 2 and min(c.requests) >= 3 for c in cells), cells
+    full, lora = cells[0], cells[2]
+    assert (full.num_bytes, full.num_tensors, full.num_buckets) == (FIXED_COST.num_bytes, FIXED_COST.num_tensors, 1)
+    assert (lora.num_bytes, lora.num_tensors) == (2 * 64 * 4, 2)  # rank-1 A and B on one 64-wide q_proj
 
 
 def test_a_failing_cell_is_recorded_not_raised(engine: RunningEngine, tmp_path: Path) -> None:
