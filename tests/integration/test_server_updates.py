@@ -262,6 +262,15 @@ def test_sglang_labels_are_free_strings_on_tensor_and_disk_updates(client: Any, 
     assert_labelled(client, str(version + 11), version + 11)
 
 
+def test_a_server_started_with_a_label(tiny_model: Path, ws: SimpleNamespace) -> None:
+    for server in ws.start_server(tiny_model, "--weight-version", "step_0"):  # SGLang's --weight-version
+        client = ws.Client(server.url)
+        try:
+            assert_labelled(client, "step_0", 0)
+        finally:
+            client.close()
+
+
 def test_model_info_names_the_last_disk_update(client: Any, ws: SimpleNamespace, tiny_model: Path,
                                                model_root: Path) -> None:
     # SGLang's test: model_path follows a successful load and stays put after a failed one.
