@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 from weightsync.bench.faults import MARGIN_S, FaultOutcome
 
-READ_ONLY = {"/health", "/health_generate", "/model_info", "/get_model_info", "/generate", "/flush_cache",
-             "/get_weights_by_name", "/weightsync/info", "/weightsync/digests"}
+READ_ONLY = {"/health", "/health_generate", "/model_info", "/get_model_info", "/get_weight_version", "/generate",
+             "/flush_cache", "/get_weights_by_name", "/weightsync/info", "/weightsync/digests"}
 """Routes that change nothing (/flush_cache: there is no prefix cache to flush)."""
 
 def app_routes() -> dict[str, set[str]]:

@@ -42,7 +42,8 @@ def test_answer_has_sglang_shape_and_weight_version(client: Any) -> None:
     assert meta["finish_reason"] == {"type": "length", "length": 4}
     assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 4
     assert meta["weight_version"] == str(client.version())
-    assert meta["weight_versions"] == [client.version()]
+    assert meta["weight_versions"] == [{"version": str(client.version()), "start": 0, "end": 4,
+                                        "weightsync_version": client.version()}]
     assert meta["lora_path"] is None
     assert "output_token_logprobs" not in meta
 
@@ -128,6 +129,7 @@ def test_info_routes(client: Any, tiny_model: Path) -> None:
         assert info["is_generation"] is True
         assert info["model_path"] == str(tiny_model)
         assert info["weight_version"] == "0"
+    assert client.http.get("/get_weight_version").json() == {"weight_version": "0"}
     assert client.http.get("/health").status_code == 200
     assert client.http.get("/health_generate").status_code == 200
     assert client.ok("/flush_cache")["success"] is True

@@ -58,6 +58,11 @@ def submit(pool: ThreadPoolExecutor, url: str, prompt: list[int]) -> Future[dict
     return pool.submit(call)
 
 
+def versions_of(answer: dict[str, Any]) -> list[int]:
+    """The weightsync versions of an answer's weight-version spans, in order."""
+    return [span["weightsync_version"] for span in answer["meta_info"]["weight_versions"]]
+
+
 def split_point(output: list[int], old_tokens: list[int]) -> int:
     """Tokens at the start of `output` that the old weights produced (at least 1: the prefill)."""
     k = 0
@@ -91,39 +96,37 @@ def test_update_under_pause(client: Any, ws: SimpleNamespace, tiny_model: Path, 
     assert client.digests() == {n: digest(t) for n, t in new_weights.items()}
     for answer in late_results:  # waited while paused, ran entirely on the new weights
         assert answer["meta_info"]["finish_reason"]["type"] == "length"
-        assert answer["meta_info"]["weight_versions"] == [old + 1]
+        assert versions_of(answer) == [old + 1]
         assert answer["meta_info"]["weight_version"] == str(old + 1)
     if mode == "abort":
         for answer in results:
             assert answer["meta_info"]["finish_reason"]["type"] == "abort"
-            assert answer["meta_info"]["weight_versions"] == [old]
+            assert versions_of(answer) == [old]
             assert 0 < answer["meta_info"]["completion_tokens"] < MAX_NEW_TOKENS
         return
     old_model, new_model = ws.load_model(tiny_model, old_weights), ws.load_model(tiny_model, new_weights)
     for prompt, answer in zip(IN_FLIGHT, results, strict=True):
         meta = answer["meta_info"]
         assert meta["finish_reason"] == {"type": "length", "length": MAX_NEW_TOKENS}
-        assert meta["weight_versions"] == [old, old + 1] and meta["weight_version"] == str(old + 1)
+        assert versions_of(answer) == [old, old + 1] and meta["weight_version"] == str(old + 1)
+        # SGLang's spans: tokens [0, j) came from the old weights, [j, end) from the new.
+        first, second = meta["weight_versions"]
+        j = first["end"]
+        assert (first["start"], second["start"], second["end"]) == (0, j, MAX_NEW_TOKENS)
         output = answer["output_ids"]
         old_tokens, _ = ws.reference_greedy(old_model, prompt, MAX_NEW_TOKENS)
         k = split_point(output, old_tokens)
-        assert 0 < k < MAX_NEW_TOKENS, "the request must span the update"
+        assert 0 < j <= k < MAX_NEW_TOKENS, "the request must span the update"
         if mode == "retract":
             # KV dropped at pause and recomputed with the new weights: from the split on,
             # the output is exactly the new model's continuation of prompt + old tokens.
-            matches = any(
-                output[j:] == ws.reference_greedy(new_model, prompt + output[:j], MAX_NEW_TOKENS - j)[0]
-                for j in range(k, max(k - 3, 0), -1)
-            )
-            assert matches, f"retracted request did not continue from a recomputed KV (split near {k})"
+            assert output[j:] == ws.reference_greedy(new_model, prompt + output[:j], MAX_NEW_TOKENS - j)[0], \
+                f"retracted request did not continue from a recomputed KV (split at {j})"
         else:
             # KV kept from the old weights; only the new tokens use the new weights.
-            matches = any(
-                output[j:] == continue_with_kept_cache(old_model, new_model, prompt + output[: j - 1],
-                                                       output[j - 1], MAX_NEW_TOKENS - j)
-                for j in range(k, max(k - 3, 0), -1)
-            )
-            assert matches, f"in-place request did not keep its KV cache (split near {k})"
+            assert output[j:] == continue_with_kept_cache(old_model, new_model, prompt + output[: j - 1],
+                                                          output[j - 1], MAX_NEW_TOKENS - j), \
+                f"in-place request did not keep its KV cache (split at {j})"
 
 
 def continue_with_kept_cache(old_model: Any, new_model: Any, prefix: list[int], last: int, n: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Every weight-update route of a real `weightsync serve`: after each, the served
 weights equal the sent ones (digests computed here vs the server's) and the
-weight version moves."""
+weight version moves. SGLang's `weight_version` labels are free strings on every
+route that takes one, reported back everywhere SGLang reports them."""
 
 from __future__ import annotations
 
@@ -191,11 +192,101 @@ def test_sglang_session_applies_at_end(client: Any, ws: SimpleNamespace, tiny_mo
 
 
 def test_update_weight_version(client: Any) -> None:
-    version = client.version() + 5
+    version = client.version()
     before = client.digests()
-    client.ok("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-    assert client.version() == version and client.digests() == before
-    assert client.http.get("/model_info").json()["weight_version"] == str(version)
+    got = client.ok("/update_weight_version", {"new_version": "step_10", "abort_all_requests": False})
+    assert got["new_version"] == "step_10"  # SGLang's answer, read by its own test
+    assert client.version() == version and client.digests() == before  # a label, not an update
+    assert_labelled(client, "step_10", version)
+    client.ok("/update_weight_version", {"new_version": "step_10"})  # the same label again: accepted
+    assert_labelled(client, "step_10", version)
+
+
+def assert_labelled(client: Any, label: str, version: int) -> None:
+    """SGLang's label is reported wherever SGLang reports it; weightsync's integer
+    version stays in /weightsync/info beside it."""
+    info = client.info()
+    assert (info["weight_version"], info["label"]) == (version, label)
+    for route in ("/model_info", "/get_model_info", "/get_weight_version"):
+        assert client.http.get(route).json()["weight_version"] == label, route
+    meta = client.generate([5, 17, 42], sampling_params={"max_new_tokens": 2, "ignore_eos": True})["meta_info"]
+    assert meta["weight_version"] == label
+    assert meta["weight_versions"] == [{"version": label, "start": 0, "end": 2, "weightsync_version": version}]
+
+
+def test_sglang_labels_are_free_strings_on_tensor_and_disk_updates(client: Any, ws: SimpleNamespace,
+                                                                   tiny_model: Path, model_root: Path) -> None:
+    # Each SGLang-shaped update is applied on arrival as weightsync's next version, under its label.
+    version = client.version()
+    weights = ws.perturbed(tiny_model, seed=21, names=SOME)
+    got = client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(list(weights.items()))],
+                                                    "weight_version": "v1", "flush_cache": False})
+    assert got["ack"]["version"] == version + 1
+    assert_served(client, weights, version + 1)
+    assert_labelled(client, "v1", version + 1)
+
+    # No label: SGLang keeps the current one (the weights still move on).
+    weights = ws.perturbed(tiny_model, seed=22, names=SOME)
+    client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(list(weights.items()))]})
+    assert_served(client, weights, version + 2)
+    assert_labelled(client, "v1", version + 2)
+
+    # A plain Hugging Face checkpoint from disk, labelled.
+    weights = ws.perturbed(tiny_model, seed=23)
+    directory = model_root / "hf-checkpoint-step_10"
+    ws.load_model(tiny_model, weights).save_pretrained(directory)
+    client.ok("/update_weights_from_disk", {"model_path": str(directory), "weight_version": "step_10"})
+    assert_served(client, weights, version + 3)
+    assert_labelled(client, "step_10", version + 3)
+
+    # A weightsync version directory keeps its own integer version; the label is the request's.
+    weights = ws.perturbed(tiny_model, seed=24)
+    manifest, buffers = ws.make_update(weights, version=version + 10, bucket_bytes=200_000)
+    directory = ws.write_version_dir(model_root, manifest, buffers)
+    got = client.ok("/update_weights_from_disk", {"model_path": str(directory), "weight_version": "ckpt-a"})
+    assert got["ack"]["version"] == version + 10
+    assert_served(client, weights, version + 10)
+    assert_labelled(client, "ckpt-a", version + 10)
+
+    # weightsync's own order is untouched by labels: an older push is refused, a newer one
+    # is labelled with its version.
+    stale, _ = ws.make_update(weights, version=version + 9)
+    refused = client.post("/weightsync/begin", {"manifest": stale.to_dict()})
+    assert refused.status_code == 409 and "not newer" in refused.json()["message"]
+    weights = ws.perturbed(tiny_model, seed=25)
+    manifest, buffers = ws.make_update(weights, version=version + 11, bucket_bytes=200_000)
+    client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
+    for index, buffer in enumerate(buffers):
+        client.ok("/weightsync/bucket", content=ws.frame(manifest, index, buffer))
+    client.ok("/weightsync/commit", {"version": version + 11})
+    assert_labelled(client, str(version + 11), version + 11)
+
+
+def test_a_server_started_with_a_label(tiny_model: Path, ws: SimpleNamespace) -> None:
+    for server in ws.start_server(tiny_model, "--weight-version", "step_0"):  # SGLang's --weight-version
+        client = ws.Client(server.url)
+        try:
+            assert_labelled(client, "step_0", 0)
+        finally:
+            client.close()
+
+
+def test_model_info_names_the_last_disk_update(client: Any, ws: SimpleNamespace, tiny_model: Path,
+                                               model_root: Path) -> None:
+    # SGLang's test: model_path follows a successful load and stays put after a failed one.
+    weights = ws.perturbed(tiny_model, seed=26)
+    directory = model_root / "hf-checkpoint-model-path"
+    ws.load_model(tiny_model, weights).save_pretrained(directory)
+    client.ok("/update_weights_from_disk", {"model_path": str(directory)})
+    version = client.version()
+    broken = model_root / "hf-checkpoint-broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    assert client.post("/update_weights_from_disk", {"model_path": str(broken)}).status_code == 400
+    for route in ("/model_info", "/get_model_info"):
+        assert client.http.get(route).json()["model_path"] == str(directory)
+        assert client.http.get(route).json()["tokenizer_path"] == str(tiny_model)
+    assert_served(client, weights, version)
 
 
 def _join(client: Any, group_name: str) -> UpdateGroup:
@@ -258,6 +349,23 @@ def test_broadcast_from_a_gloo_group(client: Any, ws: SimpleNamespace, tiny_mode
         ack = client.ok("/weightsync/commit", {"version": version})["ack"]
         assert ack["digests"] == list(manifest.digests)
         assert_served(client, weights, version)
+
+        # 4. slime: every bucket of one update carries the same label; each is applied on
+        # arrival (as SGLang does), so between the two the engine serves bucket 1 only.
+        weights = ws.perturbed(tiny_model, seed=27, names=SOME)
+        before = client.digests()
+        sent: set[str] = set()
+        for count, bucket in enumerate((names[:1], names[1:]), start=1):
+            spec = {"names": bucket, "dtypes": [dtype_name(weights[n].dtype) for n in bucket],
+                    "shapes": [list(weights[n].shape) for n in bucket], "group_name": group_name,
+                    "load_format": "flattened_bucket", "weight_version": "1", "flush_cache": False}
+            flat = torch.cat([weights[n].flatten().view(torch.uint8) for n in bucket])
+            _broadcast(client, group, spec, [flat])
+            sent |= set(bucket)
+            assert_labelled(client, "1", version + count)
+            served = client.digests()
+            assert {n for n in SOME if served[n] != before[n]} == sent
+        assert_served(client, weights, version + 2)
     finally:
         client.ok("/destroy_weights_update_group", {"group_name": group_name})
         group.destroy()

@@ -33,7 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-loaded-loras", type=int, default=4, help="adapters kept loaded (LRU beyond; default 4)")
     p.add_argument("--disk-root", type=Path, default=None,
                    help="disk updates and adapter dirs must resolve under this (default: the model dir's parent)")
-    p.add_argument("--weight-version", type=int, default=0, help="initial weight version (default 0)")
+    p.add_argument("--weight-version", default="0",
+                   help="initial weight_version label; an integer also starts weightsync's version there (default 0)")
     p.add_argument("--session-timeout", type=float, default=60.0,
                    help="seconds an idle update session survives a competing begin (default 60)")
     p.add_argument("--max-running", type=int, default=16, help="requests stepped together (default 16)")

@@ -64,8 +64,8 @@ async def _handle_error(request: Request, exc: Exception) -> JSONResponse:
 
 def _model_info(state: ServerState) -> dict[str, Any]:
     path = str(state.config.model_dir)
-    return {"model_path": path, "tokenizer_path": path, "is_generation": True,
-            "weight_version": str(state.updater.version), "preferred_sampling_params": None}
+    return {"model_path": state.model_path or path, "tokenizer_path": path, "is_generation": True,
+            "weight_version": state.updater.label, "preferred_sampling_params": None}
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -97,6 +97,11 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.api_route("/get_model_info", methods=["GET", "POST"])
     async def get_model_info() -> dict[str, Any]:
         return _model_info(state)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        """Older SGLang's route (newer ones put the label in /model_info)."""
+        return {"weight_version": state.updater.label}
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
@@ -142,7 +147,7 @@ async def _run(state: ServerState, items: list[GenerateItem]) -> list[dict[str, 
             if not req.finished:
                 await run_in_threadpool(state.scheduler.cancel, req, "client went away")
         raise
-    return [to_response(req, current_version=state.updater.version) for req in done]
+    return [to_response(req, current=state.updater.served) for req in done]
 
 
 def _make_requests(state: ServerState, items: list[GenerateItem]) -> list[GenRequest]:

@@ -25,8 +25,9 @@ class ServerConfig:
     disk_root: Path | None = None
     """Disk updates and adapter directories must resolve under this root
     (default: the model directory's parent)."""
-    weight_version: int = 0
-    """The version the engine starts at."""
+    weight_version: str = "0"
+    """The label the engine starts with (SGLang's `--weight-version`); a decimal
+    integer also sets weightsync's starting version, any other label starts at 0."""
     session_timeout_s: float = 60.0
     """An update session idle this long is discarded when another begins."""
     max_running: int = 16

@@ -150,14 +150,12 @@ def field_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def weight_version_field(body: Mapping[str, Any], key: str = "weight_version") -> int | None:
-    """SGLang's `weight_version` string; on this server it must parse as an integer."""
+def weight_version_field(body: Mapping[str, Any], key: str = "weight_version") -> str | None:
+    """SGLang's `weight_version` label: any string (an integer is taken as its decimal
+    string); None when absent. It names the weights in answers and orders nothing."""
     value = body.get(key)
-    if value is None:
-        return None
-    try:
-        if not isinstance(value, str | int) or isinstance(value, bool):
-            raise ValueError
-        return int(value)
-    except ValueError:
-        raise HTTPError(400, f"{key} {value!r} is not an integer; this server's versions are integers") from None
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise HTTPError(400, f"field {key!r} must be a string (a label such as \"v1\"), got {value!r:.80}")

@@ -29,6 +29,32 @@ FinishReason = dict[str, Any]
 Decode = Callable[[list[int]], str]
 
 
+@dataclass(frozen=True)
+class ServedVersion:
+    """Which weights a forward pass ran with. Two schemes meet here: weightsync's
+    own integer order and SGLang's free-string label."""
+
+    version: int
+    """weightsync's version: +1 per applied update (a push sets its own), never backwards."""
+    label: str
+    """SGLang's `weight_version`: whatever string the last update or
+    `/update_weight_version` gave ("v1", "step_10", the same on several updates)."""
+
+
+@dataclass(eq=False)
+class VersionSpan:
+    """Output tokens [start, end) of one request, computed with `served`."""
+
+    served: ServedVersion
+    start: int
+    end: int
+
+    def to_json(self) -> dict[str, Any]:
+        """SGLang's `meta_info.weight_versions` entry, plus weightsync's integer version."""
+        return {"version": self.served.label, "start": self.start, "end": self.end,
+                "weightsync_version": self.served.version}
+
+
 @dataclass(eq=False)
 class GenRequest:
     """A request in flight. Mutated only by the scheduler thread (and by pause
@@ -53,10 +79,9 @@ class GenRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
-    versions: set[int] = field(default_factory=set)
-    """Every weight version a forward pass of this request ran with."""
-    last_version: int | None = None
-    """The version of the latest forward pass."""
+    spans: list[VersionSpan] = field(default_factory=list)
+    """Which weights computed which output tokens, in order; a new span starts
+    whenever the version or the label changed between two steps."""
     cache: Any = None
     """KV cache covering every token but the last generated one; None = recompute."""
     finish_reason: FinishReason | None = None
@@ -72,6 +97,15 @@ class GenRequest:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def record_served(self, served: ServedVersion) -> None:
+        """The newest output token was computed with `served`."""
+        num_tokens = len(self.output_ids)
+        if self.spans and self.spans[-1].served == served:
+            self.spans[-1].end = num_tokens
+        else:
+            start = self.spans[-1].end if self.spans else 0
+            self.spans.append(VersionSpan(served, start, num_tokens))
 
     def pending_ids(self) -> list[int]:
         """Tokens the next forward pass must feed: all of them without a cache,
@@ -119,17 +153,19 @@ def abort_reason(message: str) -> FinishReason:
     return {"type": "abort", "message": message}
 
 
-def to_response(req: GenRequest, *, current_version: int) -> dict[str, Any]:
-    """The SGLang `/generate` answer for one finished request."""
-    version = req.last_version if req.last_version is not None else current_version
+def to_response(req: GenRequest, *, current: ServedVersion) -> dict[str, Any]:
+    """The SGLang `/generate` answer for one finished request. `weight_version` is
+    the label of the last forward pass (`current` for a request that never ran one);
+    `weight_versions` are SGLang's spans, one per version or label the request saw."""
+    spans = req.spans or [VersionSpan(current, 0, len(req.output_ids))]
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
         "cached_tokens": 0,
-        "weight_version": str(version),
-        "weight_versions": sorted(req.versions),
+        "weight_version": spans[-1].served.label,
+        "weight_versions": [span.to_json() for span in spans],
         "lora_path": req.adapter_name,
     }
     if req.return_logprob:

@@ -120,39 +120,42 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
         body = await _admin_json(request, state)
         model_path = field_str(body, "model_path", required=True)
         assert model_path is not None
-        version = weight_version_field(body)
+        label = weight_version_field(body)
 
         def work() -> StageResult:
             directory = confined_dir(model_path, state.config.resolved_disk_root)
             _maybe_abort_all(state, body)
             if (directory / MANIFEST_FILE).is_file():
-                return updater.apply_version_dir(directory, weight_version=version)
-            return updater.stage_named(ingest.read_hf_checkpoint(directory), weight_version=version, full=True)
+                return updater.apply_version_dir(directory, label=label)
+            return updater.stage_named(ingest.read_hf_checkpoint(directory), label=label, full=True)
 
-        return _staged_answer(await run_in_threadpool(work))
+        result = await run_in_threadpool(work)
+        if result.ack is not None:  # served now: /model_info names it, as SGLang does
+            state.model_path = model_path
+        return _staged_answer(result)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
         body = await _admin_json(request, state)
-        version = weight_version_field(body)
+        label = weight_version_field(body)
         load_format = field_str(body, "load_format")
 
         def work() -> StageResult:
             named = ingest.decode_serialized(body.get("serialized_named_tensors"), load_format)
             _maybe_abort_all(state, body)
-            return updater.stage_named(named, weight_version=version)
+            return updater.stage_named(named, label=label)
 
         return _staged_answer(await run_in_threadpool(work))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         body = await _admin_json(request, state)
-        version = weight_version_field(body, "new_version")
-        if version is None:
+        label = weight_version_field(body, "new_version")
+        if label is None:
             raise HTTPError(400, "missing required field 'new_version'")
         _maybe_abort_all(state, body, default=True)
-        await run_in_threadpool(updater.set_version, version)
-        return answer(f"weight version set to {version}")
+        await run_in_threadpool(updater.set_label, label)
+        return answer(f"Weight version updated to {label}", new_version=label)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:
@@ -231,7 +234,7 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
             raise
     _maybe_abort_all(state, body)
     if bucket_index is None:
-        return state.updater.stage_named(named, weight_version=weight_version_field(body))
+        return state.updater.stage_named(named, label=weight_version_field(body))
     version = field_int(body, "weightsync_version", required=True)
     assert version is not None
     packed = buffer if buffer is not None else _pack_listed(state, version, bucket_index, named)
@@ -268,6 +271,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "message": "",
             "weightsync": 1,
             "weight_version": updater.version,
+            "label": updater.label,
             "dirty": False,
             "transports": ["disk", "http", "broadcast", "shm"],
             "lora_transports": ["disk", "http", "broadcast", "shm"] if lora_enabled else [],
@@ -371,7 +375,7 @@ def _session_info(state: ServerState) -> dict[str, Any] | None:
     session = state.updater.session
     if session is None:
         return None
-    return {"kind": session.kind, "version": session.version, "owner": session.owner,
+    return {"kind": session.kind, "version": session.version, "label": session.label, "owner": session.owner,
             "timeout_s": session.timeout_s, "idle_s": round(time.monotonic() - session.touched, 3),
             "mode": session.manifest.mode if session.manifest is not None else None,
             "buckets_received": sorted(session.bucket_digests)}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.server.requests import Decode, GenRequest, stop_reason
+from weightsync.server.requests import Decode, GenRequest, ServedVersion, stop_reason
 from weightsync.server.sampling import next_token
 
 log = logging.getLogger(__name__)
@@ -76,15 +76,15 @@ class ModelRunner:
                 f"model's {self.max_positions} positions"
             )
 
-    def step(self, requests: Sequence[GenRequest], *, version: int) -> list[StepOutcome]:
-        """Advance every request by one token, computed with the weights of `version`."""
+    def step(self, requests: Sequence[GenRequest], *, served: ServedVersion) -> list[StepOutcome]:
+        """Advance every request by one token, computed with the weights `served` names."""
         outcomes: list[StepOutcome] = []
         for group in group_for_batching(requests, batchable=self._batchable):
-            outcomes.extend(self._step_group(group, version))
+            outcomes.extend(self._step_group(group, served))
         return outcomes
 
     @torch.no_grad()
-    def _step_group(self, group: list[GenRequest], version: int) -> list[StepOutcome]:
+    def _step_group(self, group: list[GenRequest], served: ServedVersion) -> list[StepOutcome]:
         from transformers import DynamicCache
 
         first = group[0]
@@ -105,8 +105,7 @@ class ModelRunner:
             token, logprob = next_token(out.logits[row, -1], req.params, req.generator)
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
-            req.versions.add(version)
-            req.last_version = version
+            req.record_served(served)
             outcomes.append(StepOutcome(req, token, stop_reason(req, token, self.eos_ids, self.decode)))
         return outcomes
 

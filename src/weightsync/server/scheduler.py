@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from weightsync.server.requests import GenRequest, abort_reason
+from weightsync.server.requests import GenRequest, ServedVersion, abort_reason
 from weightsync.server.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,14 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 class Scheduler:
     """Owns the request queues and the step thread."""
 
-    def __init__(self, runner: ModelRunner, *, max_running: int, version: Callable[[], int],
+    def __init__(self, runner: ModelRunner, *, max_running: int, served: Callable[[], ServedVersion],
                  release_adapter: Callable[[Any], None] | None = None) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         self.runner = runner
         self.max_running = max_running
-        self._version = version
+        self._served = served
+        """The weights in force now (read at the start of each step)."""
         self._release_adapter = release_adapter
         self.step_lock = threading.RLock()
         """Held for every step; use `between_steps()` rather than taking it directly."""
@@ -188,9 +189,9 @@ class Scheduler:
             return list(self._running)
 
     def _step(self, batch: list[GenRequest]) -> None:
-        version = self._version()
+        served = self._served()
         try:
-            outcomes = self.runner.step(batch, version=version)
+            outcomes = self.runner.step(batch, served=served)
         except Exception as e:
             # The step thread must survive anything a forward pass raises: fail the
             # requests of this step and keep serving the others.

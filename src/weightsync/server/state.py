@@ -40,6 +40,9 @@ class ServerState:
     """The trainer's shm segment, mapped once and reused while its name stays the same
     (a fresh mapping page-faults every byte of the first copy out of it)."""
     shm_lock: threading.Lock = field(default_factory=threading.Lock)
+    model_path: str | None = None
+    """The `model_path` of the last `/update_weights_from_disk` that was applied
+    (None: the model directory the server started with)."""
 
     def shm_slots(self, name: str, *, slot_bytes: int, num_slots: int) -> SharedSlots:
         """The mapping of segment `name`, opened on first use; a new name replaces the old."""
@@ -65,10 +68,12 @@ class ServerState:
         scheduler = Scheduler(
             runner,
             max_running=config.max_running,
-            version=lambda: updater_box[0].version,
+            served=lambda: updater_box[0].served,
             release_adapter=lora_store.release if lora_store is not None else None,
         )
-        updater = WeightUpdater(runner.model, version=config.weight_version, between_steps=scheduler.between_steps,
+        label = config.weight_version
+        version = int(label) if label.isascii() and label.isdigit() else 0
+        updater = WeightUpdater(runner.model, version=version, label=label, between_steps=scheduler.between_steps,
                                 session_timeout_s=config.session_timeout_s, lora_store=lora_store)
         updater_box.append(updater)
         scheduler.start()

@@ -19,7 +19,16 @@ At most one session is open:
 - "sglang": opened by `/begin_weight_update`; SGLang-shaped routes stage named
   tensors into it; `/end_weight_update` applies them.
 With no session open, an SGLang-shaped update is staged and applied within
-its own call. Versions are integers and must strictly increase.
+its own call.
+
+What is served carries two names (`ServedVersion`): weightsync's integer
+version, which orders updates (a push's version must be newer; a delta names
+its base), and SGLang's `weight_version` label, a free string. A weightsync
+push of version N serves N, labelled "N" unless the request gave a label. An
+SGLang-shaped update serves current + 1 under the label it gave, or keeps the
+label when it gave none, as SGLang does; labels may repeat (slime sends one
+label on every bucket of a multi-request update, each applied on arrival).
+`/update_weight_version` changes the label only.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from weightsync.naming import map_names
 from weightsync.server import lora
 from weightsync.server.buffers import BufferPool
 from weightsync.server.errors import ConflictError, NotFoundError
+from weightsync.server.requests import ServedVersion
 from weightsync.sessions import Holder, SessionBusyError, take_over
 from weightsync.types import Manifest, TensorMeta
 
@@ -59,7 +69,10 @@ class Session:
     kind: str
     """"weightsync" or "sglang"."""
     version: int | None
-    """The version the commit produces (sglang sessions: set by the first weight_version)."""
+    """The version the commit produces (None for sglang sessions: current + 1 at the end)."""
+    label: str | None = None
+    """SGLang's `weight_version` given by the latest request that staged into this
+    session; None: a weightsync commit labels "N", an sglang one keeps the label."""
     manifest: Manifest | None = None
     """The manifest given at /weightsync/begin."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -92,13 +105,14 @@ class StageResult:
 class WeightUpdater:
     """The served weights, their version and the one open update session."""
 
-    def __init__(self, model: nn.Module, *, version: int, between_steps: Callable[[], ContextManager[None]],
-                 session_timeout_s: float, lora_store: lora.LoraStore | None = None) -> None:
+    def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
+                 between_steps: Callable[[], ContextManager[None]], session_timeout_s: float,
+                 lora_store: lora.LoraStore | None = None) -> None:
         self.model = model
         self.params: dict[str, torch.Tensor] = {p.hf_name: p.param for p in map_names(model).params}
         self.metas: dict[str, TensorMeta] = {n: TensorMeta.of(n, p) for n, p in self.params.items()}
-        self.version = version
-        """The served version; written only between two steps, read lock-free."""
+        self.served = ServedVersion(version, str(version) if label is None else label)
+        """The served version and label; replaced whole, only between two steps, read lock-free."""
         self.between_steps = between_steps
         """Context manager holding generation between two steps (the scheduler's)."""
         self.session_timeout_s = session_timeout_s
@@ -111,6 +125,16 @@ class WeightUpdater:
         """hf_name -> the received bucket buffer its served parameter views."""
 
     # -- served weights ----------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """weightsync's served version."""
+        return self.served.version
+
+    @property
+    def label(self) -> str:
+        """SGLang's served `weight_version` label."""
+        return self.served.label
 
     def digests(self, names: Iterable[str] | None = None) -> tuple[int, dict[str, str]]:
         """(version, hf_name -> xxh3 digest) of the served weights, read between two steps."""
@@ -132,12 +156,10 @@ class WeightUpdater:
             values = param.detach().to(torch.float32).tolist()
             return (values[:truncate_size] if isinstance(values, list) else values), digest(param.detach())
 
-    def set_version(self, version: int) -> None:
-        """`/update_weight_version`: a new label for the same weights."""
-        with self._lock:
-            self._check_newer(version)
-            with self.between_steps():
-                self.version = version
+    def set_label(self, label: str) -> None:
+        """`/update_weight_version`: a new label for the same weights (the version stays)."""
+        with self._lock, self.between_steps():
+            self.served = ServedVersion(self.version, label)
 
     # -- weightsync sessions -----------------------------------------------------------------
 
@@ -233,20 +255,22 @@ class WeightUpdater:
             self._check_newer(version, adapter=manifest.mode == "lora")
             digests = [session.bucket_digests.get(b.index) or _digest_staged(b.hf_names, session.tensors)
                        for b in manifest.buckets]
+            served = ServedVersion(version, str(version) if session.label is None else session.label)
             if manifest.mode == "lora":
-                self._install_adapter(manifest, session.tensors, version)
+                self._install_adapter(manifest, session.tensors, served)
             else:
-                self._swap(session.tensors, version, owners=_owners(session))
+                self._swap(session.tensors, served, owners=_owners(session))
             self._drop(session)
             return {"version": version, "digests": digests, "loaded_names": sorted(manifest.hf_names)}
 
-    def _install_adapter(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def _install_adapter(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor],
+                         served: ServedVersion) -> None:
         assert self.lora_store is not None and manifest.lora_name is not None and manifest.lora_config is not None
         adapter = lora.build_adapter(self.model, manifest.lora_name, manifest.lora_config, tensors)
         self.lora_store.add(adapter)
         with self.between_steps():
-            self.version = version
-        log.info("LoRA adapter %s loaded as v%d", manifest.lora_name, version)
+            self.served = served
+        log.info("LoRA adapter %s loaded as v%d (%r)", manifest.lora_name, served.version, served.label)
 
     def abort(self, version: int | None, *, owner: str | None = None) -> bool:
         """Drop the open session (if `version` matches or is None, and it is not another
@@ -280,49 +304,42 @@ class WeightUpdater:
             self._session = None
             if not session.tensors:
                 return StageResult("weight update session closed; nothing was staged")
-            version = session.version if session.version is not None else self.version + 1
-            self._check_newer(version)
-            self._swap(session.tensors, version)
-            return StageResult(f"applied {len(session.tensors)} tensor(s) as v{version}",
-                               ack={"version": version, "digests": [], "loaded_names": sorted(session.tensors)})
+            return self._apply_sglang(session.tensors, session.label)
 
-    def stage_named(self, named: NamedTensors, *, weight_version: int | None, full: bool = False) -> StageResult:
-        """Check and stage named tensors from an SGLang-shaped route (see the module docstring)."""
+    def stage_named(self, named: NamedTensors, *, label: str | None, full: bool = False) -> StageResult:
+        """Check and stage named tensors from an SGLang-shaped route (see the module docstring);
+        `label` is the request's `weight_version`."""
         with self._lock:
             self._expire_idle()
             session = self._session
             if session is not None and session.kind == "weightsync":
-                if weight_version is not None and weight_version != session.version:
-                    raise ConflictError(f"weight_version {weight_version} != open weightsync session v{session.version}")
                 _check_against(named, session.expected(), what=f"update v{session.version}")
-                session.tensors.update(_copies(named))
-                session.touched = time.monotonic()
+            else:
+                _check_against(named, self.metas, what="the served model", full=full)
+            if session is None:
+                return self._apply_sglang(_copies(named), label)
+            session.tensors.update(_copies(named))
+            if label is not None:
+                session.label = label
+            session.touched = time.monotonic()
+            if session.kind == "weightsync":
                 return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{session.version}")
-            _check_against(named, self.metas, what="the served model", full=full)
-            if session is not None:
-                if weight_version is not None:
-                    if session.version is not None and weight_version != session.version:
-                        raise ConflictError(f"weight_version {weight_version} != v{session.version} of this session")
-                    self._check_newer(weight_version)
-                    session.version = weight_version
-                session.tensors.update(_copies(named))
-                session.touched = time.monotonic()
-                return StageResult(f"staged {len(named)} tensor(s); /end_weight_update applies them")
-            version = weight_version if weight_version is not None else self.version + 1
-            self._check_newer(version)
-            self._swap(_copies(named), version)
-            names = sorted(n for n, _ in named)
-            return StageResult(f"applied {len(named)} tensor(s) as v{version}",
-                               ack={"version": version, "digests": [], "loaded_names": names})
+            return StageResult(f"staged {len(named)} tensor(s); /end_weight_update applies them")
 
-    def apply_version_dir(self, directory: Path, *, weight_version: int | None) -> StageResult:
+    def _apply_sglang(self, tensors: Mapping[str, torch.Tensor], label: str | None) -> StageResult:
+        """Serve `tensors` (checked, owned) as current + 1, under `label` or the current one."""
+        served = ServedVersion(self.version + 1, self.label if label is None else label)
+        self._swap(tensors, served)
+        return StageResult(f"applied {len(tensors)} tensor(s) as v{served.version} ({served.label!r})",
+                           ack={"version": served.version, "digests": [], "loaded_names": sorted(tensors)})
+
+    def apply_version_dir(self, directory: Path, *, label: str | None) -> StageResult:
         """A disk version directory (manifest.json + bucket files), every bucket verified,
         applied as one update: into the open weightsync session of the same version
-        (which this commits), else through a session of its own.
+        (which this commits), else through a session of its own. Served as the
+        manifest's version, labelled `label` (default: the version's decimal string).
         """
         manifest, buckets = read_version(directory)
-        if weight_version is not None and weight_version != manifest.version:
-            raise ValueError(f"weight_version {weight_version} != version {manifest.version} in {directory}/manifest.json")
         session = self._session
         if session is not None and session.kind == "weightsync":
             assert session.manifest is not None
@@ -333,6 +350,8 @@ class WeightUpdater:
         else:
             self.begin(manifest)
         try:
+            if label is not None:
+                self._require_weightsync(manifest.version).label = label
             for bucket, buffer in buckets:
                 self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
                                   digest_hex=bucket.digest)
@@ -361,9 +380,9 @@ class WeightUpdater:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _swap(self, staged: Mapping[str, torch.Tensor], version: int, *,
+    def _swap(self, staged: Mapping[str, torch.Tensor], served: ServedVersion, *,
               owners: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Make the staged tensors the served parameters between two steps; bump the version.
+        """Make the staged tensors the served parameters between two steps, served as `served`.
 
         The staged tensors are adopted, not copied (they are owned by this update
         and never written again); `owners` names the bucket buffer each one views.
@@ -376,10 +395,10 @@ class WeightUpdater:
         with self.between_steps():
             for name, tensor in staged.items():
                 self.params[name].data = tensor
-            self.version = version
+            self.served = served
             released = self._rebind_backing(staged, owners)
         self.buffers.give(released)
-        log.info("v%d committed (%d tensor(s))", version, len(staged))
+        log.info("v%d (%r) committed (%d tensor(s))", served.version, served.label, len(staged))
 
     def _rebind_backing(self, staged: Mapping[str, torch.Tensor],
                         owners: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

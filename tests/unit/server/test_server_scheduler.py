@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from weightsync.server.requests import GenRequest, parse_generate, stop_reason
+from weightsync.server.requests import (
+    GenRequest,
+    ServedVersion,
+    parse_generate,
+    stop_reason,
+    to_response,
+)
 from weightsync.server.runner import StepOutcome, group_for_batching
 from weightsync.server.sampling import SamplingParams
 from weightsync.server.scheduler import Scheduler
@@ -23,7 +29,7 @@ class FakeRunner:
         self.permits = threading.Semaphore(0)
         self.prefills: list[str] = []
 
-    def step(self, requests: Sequence[GenRequest], *, version: int) -> list[StepOutcome]:
+    def step(self, requests: Sequence[GenRequest], *, served: ServedVersion) -> list[StepOutcome]:
         self.permits.acquire()
         outcomes = []
         for req in requests:
@@ -32,8 +38,7 @@ class FakeRunner:
                 req.cache = "kv"
             req.output_ids.append(7)
             req.output_logprobs.append(-1.0)
-            req.versions.add(version)
-            req.last_version = version
+            req.record_served(served)
             outcomes.append(StepOutcome(req, 7, stop_reason(req, 7, set(), self.decode)))
         return outcomes
 
@@ -68,7 +73,7 @@ def runner() -> FakeRunner:
 
 @pytest.fixture
 def scheduler(runner: FakeRunner) -> Iterator[Scheduler]:
-    scheduler = Scheduler(runner, max_running=2, version=lambda: 3)  # type: ignore[arg-type]
+    scheduler = Scheduler(runner, max_running=2, served=lambda: ServedVersion(3, "v3"))  # type: ignore[arg-type]
     scheduler.start()
     yield scheduler
     runner.run_freely()
@@ -84,7 +89,8 @@ def test_requests_finish_with_length_and_queue_beyond_max_running(scheduler: Sch
     for req, done in pairs:
         assert done.wait(10)
         assert req.finish_reason == {"type": "length", "length": 5}
-        assert req.output_ids == [7] * 5 and req.versions == {3}
+        assert req.output_ids == [7] * 5 and [span.to_json() for span in req.spans] == [
+            {"version": "v3", "start": 0, "end": 5, "weightsync_version": 3}]
     assert scheduler.is_idle()
 
 
@@ -164,6 +170,26 @@ def test_group_for_batching_needs_equal_lengths_and_adapter() -> None:
 
 def encode_chars(text: str) -> list[int]:
     return [ord(c) for c in text]
+
+
+def test_answer_spans_split_where_the_version_or_the_label_changed() -> None:
+    req, _ = make_request("r", 5)
+    req.finish({"type": "length", "length": 5})
+    current = ServedVersion(7, "v7")
+    assert to_response(req, current=current)["meta_info"]["weight_versions"] == [
+        {"version": "v7", "start": 0, "end": 0, "weightsync_version": 7}]  # never ran: the current weights
+    steps = [ServedVersion(3, "v1"), ServedVersion(3, "v1"), ServedVersion(4, "v1"), ServedVersion(4, "step_10"),
+             ServedVersion(4, "step_10")]
+    for served in steps:
+        req.output_ids.append(0)
+        req.record_served(served)
+    meta = to_response(req, current=current)["meta_info"]
+    assert meta["weight_version"] == "step_10"
+    assert meta["weight_versions"] == [
+        {"version": "v1", "start": 0, "end": 2, "weightsync_version": 3},
+        {"version": "v1", "start": 2, "end": 3, "weightsync_version": 4},  # same label, new weights
+        {"version": "step_10", "start": 3, "end": 5, "weightsync_version": 4},  # new label, same weights
+    ]
 
 
 def test_parse_generate_single_and_batch() -> None:

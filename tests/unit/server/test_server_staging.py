@@ -15,6 +15,7 @@ from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import IntegrityError, ManifestMismatchError
 from weightsync.integrity import digest
 from weightsync.server.errors import ConflictError
+from weightsync.server.requests import ServedVersion
 from weightsync.server.updates import WeightUpdater
 from weightsync.types import Manifest, TensorMeta
 
@@ -121,23 +122,48 @@ def test_named_tensors_checked_before_anything_is_copied(updater: WeightUpdater,
     ]
     for named in cases:
         with pytest.raises((ManifestMismatchError, ValueError)):
-            updater.stage_named(named, weight_version=None)
+            updater.stage_named(named, label=None)
     assert served(updater) == before and updater.version == 3
-    result = updater.stage_named([("proj.weight", good["proj.weight"])], weight_version=None)
+    result = updater.stage_named([("proj.weight", good["proj.weight"])], label=None)
     assert result.ack is not None and result.ack["version"] == 4
     assert served(updater)["proj.weight"] == digest(good["proj.weight"])
 
 
-def test_sglang_session_applies_at_end_with_its_version(updater: WeightUpdater, model: Tiny) -> None:
+def test_sglang_session_applies_at_end_as_the_next_version_under_its_label(updater: WeightUpdater,
+                                                                           model: Tiny) -> None:
     good = new_weights(model, 6)
     updater.begin_sglang()
-    updater.stage_named([("norm.weight", good["norm.weight"])], weight_version=10)
-    with pytest.raises(ConflictError):
-        updater.stage_named([("norm.bias", good["norm.bias"])], weight_version=11)
-    assert updater.version == 3
+    # slime sends one label on every bucket of an update; SGLang's labels are free strings.
+    updater.stage_named([("norm.weight", good["norm.weight"])], label="step_10")
+    updater.stage_named([("norm.bias", good["norm.bias"])], label="step_10")
+    assert updater.served == ServedVersion(3, "3")
     result = updater.end_sglang()
-    assert result.ack is not None and updater.version == 10
+    assert result.ack is not None and result.ack["version"] == 4
+    assert updater.served == ServedVersion(4, "step_10")
     assert served(updater)["norm.weight"] == digest(good["norm.weight"])
+    assert served(updater)["norm.bias"] == digest(good["norm.bias"])
+
+
+def test_labels_are_sglang_strings_and_versions_stay_weightsync_integers(updater: WeightUpdater,
+                                                                         model: Tiny) -> None:
+    good = new_weights(model, 8)
+    # Applied on arrival: each SGLang-shaped update is the next version; a repeated label is fine.
+    for expected in (4, 5):
+        updater.stage_named([("norm.bias", good["norm.bias"])], label="v1")
+        assert updater.served == ServedVersion(expected, "v1")
+    updater.stage_named([("norm.bias", good["norm.bias"])], label=None)  # no label: SGLang keeps it
+    assert updater.served == ServedVersion(6, "v1")
+    updater.set_label("step_10")  # /update_weight_version: the label only
+    assert updater.served == ServedVersion(6, "step_10")
+    # weightsync's own pushes still order by integer, whatever the label says.
+    with pytest.raises(ConflictError, match="not newer"):
+        updater.begin(update(good, 6)[0])
+    manifest, buffers = update(good, 7)
+    updater.begin(manifest)
+    for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
+        updater.stage_bucket(version=7, index=bucket.index, buffer=buffer.clone(), digest_hex=bucket.digest)
+    updater.commit(7)
+    assert updater.served == ServedVersion(7, "7")
 
 
 def test_delta_needs_its_base_version(updater: WeightUpdater, model: Tiny) -> None:

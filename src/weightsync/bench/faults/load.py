@@ -84,7 +84,7 @@ def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int
                     meta = body["meta_info"]
                     answer = Answer(prompt, tuple(body["output_ids"]),
                                     tuple(lp for lp, _, _ in meta["output_token_logprobs"]),
-                                    tuple(meta["weight_versions"]), meta["finish_reason"]["type"])
+                                    _weightsync_versions(meta), meta["finish_reason"]["type"])
                     answers.append(answer)
                     if answer.finish == "abort":
                         figures.aborted += 1
@@ -121,6 +121,12 @@ def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int
             figures.torn += 1
             figures.errors.append(problem)
     return figures
+
+
+def _weightsync_versions(meta: dict[str, Any]) -> tuple[int, ...]:
+    """The weightsync versions an answer ran on, in order (its SGLang spans also split
+    where only the label changed)."""
+    return tuple(dict.fromkeys(span["weightsync_version"] for span in meta["weight_versions"]))
 
 
 def _generate(http: httpx.Client, prompt: Sequence[int], max_new_tokens: int) -> tuple[dict[str, Any] | None, str]:

@@ -218,7 +218,7 @@ class Rig:
             return None
         if response.status_code != 200 or response.json()["meta_info"]["finish_reason"]["type"] != "length":
             return None
-        return int(response.json()["meta_info"]["weight_version"])
+        return int(response.json()["meta_info"]["weight_versions"][-1]["weightsync_version"])
 
     def wait_healthy(self, timeout_s: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout_s
