@@ -97,10 +97,29 @@ def test_versions_must_increase_and_one_session_at_a_time(updater: WeightUpdater
     with pytest.raises(ConflictError, match="not newer"):
         updater.begin(update(weights, 3)[0])
     updater.begin(update(weights, 5)[0])
-    with pytest.raises(ConflictError, match="is open"):
+    with pytest.raises(ConflictError, match="is held by a trainer that sent no owner") as busy:
         updater.begin(update(weights, 6)[0])
+    assert busy.value.retry_after_s is not None and busy.value.retry_after_s > 0
     with pytest.raises(ConflictError, match="not v9"):
         updater.commit(9)
+
+
+def test_a_session_is_its_owners_until_the_owner_is_gone_or_silent(updater: WeightUpdater, model: Tiny) -> None:
+    from dataclasses import replace
+
+    from weightsync.owners import session_owner
+
+    a, b = session_owner(), session_owner()
+    manifest = update(new_weights(model, 3), 5)[0]
+    updater.begin(replace(manifest, owner=a, timeout_s=30.0))
+    with pytest.raises(ConflictError, match=f"held by trainer {a}"):
+        updater.begin(replace(manifest, version=6, owner=b, timeout_s=30.0))
+    assert updater.abort(5, owner=b) is False, "an abort never drops another trainer's session"
+    updater.begin(replace(manifest, version=6, owner=a, timeout_s=30.0))  # its owner begins again
+    assert updater.session is not None and updater.session.version == 6
+    updater.session.touched -= 31.0  # a's silence, past its own timeout
+    assert "past its timeout" in (updater.begin(replace(manifest, version=7, owner=b, timeout_s=30.0)) or "")
+    assert updater.session.owner == b
 
 
 def test_idle_session_gives_way_after_the_timeout(updater: WeightUpdater, model: Tiny) -> None:
