@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import shutil
 import tempfile
 import time
@@ -88,7 +89,9 @@ def _vllm(model_dir: Path, timeout_s: float) -> Iterator[RunningEngine]:
     from weightsync.engines.vllm_launch import launch_vllm_server
 
     before = _vllm_lora_dirs()
-    args = ["--dtype", "float32", "--max-model-len", "256", "--enable-lora", "--max-lora-rank", "16",
+    checkpoint = json.loads((model_dir / "config.json").read_text())
+    dtype = str(checkpoint.get("dtype") or checkpoint.get("torch_dtype") or "float32")  # serve what it holds
+    args = ["--dtype", dtype, "--max-model-len", "256", "--enable-lora", "--max-lora-rank", "16",
             "--max-loras", "2"]
     try:
         with launch_vllm_server(model_dir, args=args) as server:

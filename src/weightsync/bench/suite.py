@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,9 @@ class BenchConfig:
     """"embedded" and/or "vllm"."""
     repeats: int = 3
     """Measured pushes per cell (after one warm-up push); the fastest counts."""
+    engine_dtype: str = "float32"
+    """The dtype the engines serve; the trainer's model stays float32 and every push casts
+    its floating tensors in the stream ("bfloat16": the usual RL setup)."""
     limit_repeats: int = 3
     """Runs per limit; the fastest counts."""
     baselines: tuple[str, ...] = baselines_mod.BASELINES
@@ -156,7 +159,8 @@ def _run_scenario(scenario: Scenario, config: BenchConfig, result: BenchResult, 
     from weightsync.bench.scenarios import trainer_model
 
     out = config.out_dir
-    model_dir = engine_model_dir(scenario, out / "models")
+    engine_scenario = replace(scenario, model=replace(scenario.model, dtype=config.engine_dtype))
+    model_dir = engine_model_dir(engine_scenario, out / "models")  # the same weights, in the engine's dtype
     models = _trainer_models(scenario, config.modes, trainer_model(scenario))
     for size in config.bucket_sizes:
         progress(f"limits for {scenario.num_bytes / MiB:.0f} MiB in {size // MiB} MiB chunks")
@@ -179,8 +183,8 @@ def _run_scenario(scenario: Scenario, config: BenchConfig, result: BenchResult, 
                 if kind == "embedded" and config.baselines:
                     progress(f"baselines on {scenario.name}: {', '.join(config.baselines)}")
                     result.baselines[scenario.name] = baselines_mod.run_baselines(
-                        engine.url, models["full"], next_version=engine.next_version,
-                        directory=out / "checkpoint", names=config.baselines)
+                        engine.url, _in_engine_dtype(models["full"], config.engine_dtype),
+                        next_version=engine.next_version, directory=out / "checkpoint", names=config.baselines)
         except (RuntimeError, OSError) as e:
             result.notes.append(f"{scenario.name}/{kind}: engine failed: {type(e).__name__}: {e}"[:500])
         finally:
@@ -202,6 +206,17 @@ def _run_fixed_cost(config: BenchConfig, result: BenchResult, progress: Progress
 def _cell_modes(scenario: Scenario, modes: tuple[str, ...]) -> list[str]:
     """The modes a scenario runs: all asked for on "dense", "full" only elsewhere."""
     return list(modes) if scenario.name == "dense" else [m for m in modes if m == "full"]
+
+
+def _in_engine_dtype(model: Any, engine_dtype: str) -> Any:
+    """The baselines send tensors as they are: give them a copy cast to the engine's dtype
+    once, up front (outside their timings; a framework casts on every push)."""
+    import copy
+
+    import torch
+
+    dtype = getattr(torch, engine_dtype)
+    return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
 
 
 def _trainer_models(scenario: Scenario, modes: tuple[str, ...], model: Any) -> dict[str, Any]:

@@ -82,6 +82,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scenarios", type=_list(("dense", "many-small")), default=None,
                    help="comma-separated (default dense,many-small)")
     p.add_argument("--repeats", type=int, default=None, help="measured pushes per cell (default 3, --quick 2)")
+    p.add_argument("--engine-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the dtype engines serve; the trainer keeps float32 weights, cast in the stream "
+                        "(default float32)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory (default runs/bench)")
     p.add_argument("--json", action="store_true", help="only the JSON line on stdout (the table goes to stderr)")
 
@@ -93,7 +96,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
     quick = bool(args.quick)
     engines = args.engines or (("embedded",) if quick or not vllm_available() else ("embedded", "vllm"))
-    options: dict[str, Any] = dict(out_dir=args.out, quick=quick, engines=engines)
+    options: dict[str, Any] = dict(out_dir=args.out, quick=quick, engines=engines, engine_dtype=args.engine_dtype)
     if quick:
         options.update(model_bytes=QUICK_MODEL_BYTES, bucket_sizes=(QUICK_BUCKET_BYTES,), repeats=2,
                        limit_repeats=2, vllm_bucket_sizes=(QUICK_BUCKET_BYTES,),
