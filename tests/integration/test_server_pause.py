@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_server_support import wait_until
 
+from serve_check import wait_until
 from weightsync.integrity import digest
 
 pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws

@@ -15,8 +15,7 @@ fixtures give a plain one, a module needing other flags overrides `server`
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,15 +34,6 @@ from weightsync.types import Manifest, TensorMeta
 from weightsync.wire import FrameHeader, encode_prefix
 
 REQUEST_TIMEOUT_S = 120.0
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    """Poll server state until `predicate` holds (the state decides, not the clock; the
-    timeout only turns a hang into a failure)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def widen_weights(model: torch.nn.Module, seed: int) -> None:

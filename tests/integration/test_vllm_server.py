@@ -23,9 +23,9 @@ import httpx
 import pytest
 import torch
 import vllm_fixtures as vf
-from test_server_support import wait_until
 
 import weightsync as ws
+from serve_check import wait_until
 from weightsync.engines.vllm import VLLMEngine
 from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server
 
