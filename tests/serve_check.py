@@ -1,9 +1,10 @@
-"""One helper for fixtures that run a real `weightsync serve` (importable from every
-test directory: pytest puts tests/, the directory of the root conftest.py, on sys.path)."""
+"""Helpers for tests that run real servers (importable from every test directory:
+pytest puts tests/, the directory of the root conftest.py, on sys.path)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from weightsync.server.launch import ServerProcess
 
@@ -17,3 +18,12 @@ def checked(server: ServerProcess) -> Iterator[ServerProcess]:
     finally:
         server.close()
     assert "Traceback" not in log, f"the server logged an unhandled error (a 500?):\n{log[-4000:]}"
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll server state until `predicate` holds (the state decides, not the clock; the
+    timeout only turns a hang into a failure)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)

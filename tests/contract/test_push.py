@@ -4,7 +4,6 @@ the trainer computes, digests match, and nothing else changes."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,7 +113,8 @@ def test_mismatched_model_is_refused_before_any_byte_moves(
 
 
 class _KillAfter:
-    """A weight source that kills the engine once `n` tensors have streamed."""
+    """A weight source that kills the engine (and waits until it is gone) before it
+    yields tensor `n`, so everything the push sends from then on meets a dead engine."""
 
     def __init__(self, model: torch.nn.Module, server: ServerProcess, n: int) -> None:
         self.inner = ModuleSource(model)
@@ -128,7 +128,7 @@ class _KillAfter:
     def tensors(self, hf_names: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
         for i, item in enumerate(self.inner.tensors(hf_names)):
             if i == self.n:
-                threading.Thread(target=self.server.kill, daemon=True).start()
+                self.server.kill()
             yield item
 
 

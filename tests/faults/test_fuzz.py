@@ -30,6 +30,7 @@ from fault_helpers import READ_ONLY, app_routes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from serve_check import wait_until
 from weightsync.wire import MAGIC
 
 pytest_plugins = ["fault_fixtures"]  # fixtures: admin, keyed_server, keyed_root, fault_model
@@ -303,8 +304,16 @@ def test_values_fuzzing_found_are_refused_cleanly(admin: httpx.Client, ctx: dict
         return dict(admin.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
             "temperature": temperature, "max_new_tokens": 8, "ignore_eos": True}}).json())
 
-    with ThreadPoolExecutor(2) as pool:
-        tiny, greedy = pool.map(generate, [1e-300, 0.0])
+    # In one step, as when it failed: queued while generation is paused, admitted together.
+    assert admin.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(generate, temperature) for temperature in (1e-300, 0.0)]
+            wait_until(lambda: admin.get("/weightsync/info").json()["waiting_requests"] == 2, "both to queue")
+            assert admin.post("/continue_generation", json={}).status_code == 200
+            tiny, greedy = (answer.result() for answer in answers)
+    finally:
+        admin.post("/continue_generation", json={})
     assert tiny["meta_info"]["finish_reason"]["type"] == "length", tiny
     assert greedy["meta_info"]["finish_reason"]["type"] == "length", greedy
     assert tiny["output_ids"] == greedy["output_ids"]  # below SGLang's epsilon a temperature is greedy

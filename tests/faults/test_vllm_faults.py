@@ -238,13 +238,12 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
                                                   tmp_path: Path) -> None:
     """Two trainers, each with its own client (as two processes would have)."""
     a_model, b_model = copy.deepcopy(trainer), copy.deepcopy(trainer)
-    versions: list[int] = []
+    versions = [int(reader.weight_version())]  # read first and last, polled in between
     stop = threading.Event()
 
     def watch() -> None:
-        while not stop.is_set():
+        while not stop.wait(0.05):
             versions.append(int(reader.weight_version()))
-            stop.wait(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -292,7 +291,8 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
     finally:
         stop.set()
         watcher.join()
-    assert versions == sorted(versions), f"versions went backwards: {versions}"
+    versions.append(int(reader.weight_version()))
+    assert versions == sorted(versions) and versions[0] < versions[-1], f"versions went backwards: {versions}"
 
 
 def test_vllm_killed_mid_stream_then_restarted(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine,

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import base64
 import pickle
-import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +18,7 @@ import httpx
 import pytest
 import torch
 
+from serve_check import wait_until
 from weightsync.integrity import digest
 
 pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
@@ -29,14 +28,9 @@ MAX_NEW_TOKENS = 160
 # a batch-of-one reference bit for bit.
 IN_FLIGHT = [[5, 17, 42], [9, 8, 7, 6], [100, 200, 300, 400, 500], [11, 12, 13, 14, 15, 16]]
 LATE = [[21, 22], [31, 32, 33, 34, 35, 36, 37]]
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    """Poll server state until `predicate` holds (the state decides, not the clock)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
+MAX_ROUNDS = 5
+"""Rounds of IN_FLIGHT requests sent until a pause catches them mid-decode (one, unless
+all MAX_NEW_TOKENS steps run between a continue and the next pause)."""
 
 
 def push_tensors(client: Any, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -63,6 +57,25 @@ def versions_of(answer: dict[str, Any]) -> list[int]:
     return [span["weightsync_version"] for span in answer["meta_info"]["weight_versions"]]
 
 
+def hold_mid_decode(client: Any, pool: ThreadPoolExecutor, prompts: list[list[int]]) -> list[Future[dict[str, Any]]]:
+    """Requests for `prompts`, held mid-decode by an in_place pause. Sent while generation
+    is paused, they are admitted together on continue and step in lockstep; the next
+    in_place pause reports how many it froze while running: all of them (each has a
+    token and is unfinished), none yet (paused before the first step: continue again),
+    or none left (all finished in between, answered in full: send new ones)."""
+    for _ in range(MAX_ROUNDS):
+        client.ok("/pause_generation", {"mode": "in_place"})
+        futures = [submit(pool, client.url, p) for p in prompts]
+        wait_until(lambda: client.info()["waiting_requests"] == len(prompts), "requests to queue")
+        while client.info()["waiting_requests"]:
+            client.ok("/continue_generation")
+            if client.ok("/pause_generation", {"mode": "in_place"})["num_paused_requests"] == len(prompts):
+                return futures
+        client.ok("/continue_generation")
+        assert all(f.result()["meta_info"]["finish_reason"]["type"] == "length" for f in futures)
+    raise AssertionError(f"in {MAX_ROUNDS} rounds no pause caught the requests mid-decode")
+
+
 def split_point(output: list[int], old_tokens: list[int]) -> int:
     """Tokens at the start of `output` that the old weights produced (at least 1: the prefill)."""
     k = 0
@@ -79,8 +92,7 @@ def test_update_under_pause(client: Any, ws: SimpleNamespace, tiny_model: Path, 
     push_tensors(client, old_weights, old)
 
     with ThreadPoolExecutor(len(IN_FLIGHT) + len(LATE)) as pool:
-        in_flight = [submit(pool, client.url, p) for p in IN_FLIGHT]
-        wait_until(lambda: client.info()["running_requests"] == len(IN_FLIGHT), "requests to run")
+        in_flight = hold_mid_decode(client, pool, IN_FLIGHT)
         paused = client.ok("/pause_generation", {"mode": mode})
         assert paused["num_paused_requests"] == len(IN_FLIGHT)
         late = [submit(pool, client.url, p) for p in LATE]

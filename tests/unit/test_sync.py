@@ -40,6 +40,7 @@ class MemoryEngine:
         self.digests: dict[int, str] = {}
         self.fail_receive_at: int | None = None
         self.hang_receive_at: int | None = None
+        self.unhang = threading.Event()
         self.corrupt_ack = False
         self.paused = False
         self._manifest: Manifest | None = None
@@ -85,7 +86,7 @@ class MemoryEngine:
             if bucket.index == self.fail_receive_at:
                 raise EngineError(self.label, f"injected failure at bucket {bucket.index}", status=400)
             if bucket.index == self.hang_receive_at:
-                time.sleep(30)
+                self.unhang.wait(60)
             if delivery.transport == "http":
                 data = delivery.data
             else:
@@ -191,11 +192,14 @@ def test_hung_engine_becomes_a_timeout() -> None:
     model = tiny()
     engine = engine_for(model)
     engine.hang_receive_at = 0
-    with ws.WeightSync([engine], transport="http", timeout_s=0.5) as sync:
-        t0 = time.monotonic()
-        with pytest.raises(SyncTimeoutError, match="receiving bucket 0"):
-            sync.push(model, version=1)
-        assert time.monotonic() - t0 < 15
+    try:  # 2 s: only the hung call may run out of it, not a prompt one on a loaded machine
+        with ws.WeightSync([engine], transport="http", timeout_s=2.0) as sync:
+            t0 = time.monotonic()
+            with pytest.raises(SyncTimeoutError, match="receiving bucket 0"):
+                sync.push(model, version=1)
+            assert time.monotonic() - t0 < 15
+    finally:
+        engine.unhang.set()
     assert engine.version == 0
 
 

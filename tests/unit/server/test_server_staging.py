@@ -125,7 +125,8 @@ def test_a_session_is_its_owners_until_the_owner_is_gone_or_silent(updater: Weig
 def test_idle_session_gives_way_after_the_timeout(updater: WeightUpdater, model: Tiny) -> None:
     weights = new_weights(model, 4)
     updater.begin(update(weights, 5)[0])
-    updater.session_timeout_s = 0.0
+    assert updater.session is not None
+    updater.session.touched -= 2 * updater.session_timeout_s  # idle for twice the timeout
     updater.begin(update(weights, 6)[0])  # the idle v5 session is discarded
     assert updater.session is not None and updater.session.version == 6
 

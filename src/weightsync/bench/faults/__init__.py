@@ -124,10 +124,10 @@ def format_table(figures: dict[str, Any]) -> str:
                      "yes" if f["next_push"] else "NO", "ok" if f["survived"] else "FAILED"))
     lines = _table(rows)
     lines.append("")
-    load_rows = [("policy", "sent", "completed", "aborted", "failed", "lost", "spanning", "torn")]
+    load_rows = [("policy", "held", "sent", "completed", "aborted", "failed", "lost", "spanning", "torn")]
     for f in figures["load"].values():
-        load_rows.append((f["policy"], *(str(f[k]) for k in ("sent", "completed", "aborted", "failed", "lost",
-                                                             "spanning", "torn"))))
+        load_rows.append((f["policy"], *(str(f[k]) for k in ("held", "sent", "completed", "aborted", "failed",
+                                                             "lost", "spanning", "torn"))))
     lines += _table(load_rows)
     lines.append("")
     lines.append(f"faults injected {figures['faults_injected']}, survived {figures['survived']}, "

@@ -29,6 +29,8 @@ class LoadFigures:
     transport: str
     clients: int
     pushes: int = 0
+    held: int = 0
+    """Requests held mid-decode when the pushes began (at least one per push)."""
     sent: int = 0
     completed: int = 0
     aborted: int = 0
@@ -45,8 +47,8 @@ class LoadFigures:
 
     def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, "transport": self.transport, "clients": self.clients, "pushes": self.pushes,
-                "sent": self.sent, "completed": self.completed, "aborted": self.aborted, "failed": self.failed,
-                "lost": self.lost, "spanning": self.spanning, "torn": self.torn}
+                "held": self.held, "sent": self.sent, "completed": self.completed, "aborted": self.aborted,
+                "failed": self.failed, "lost": self.lost, "spanning": self.spanning, "torn": self.torn}
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,11 @@ class Answer:
 def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int = 3, num_pushes: int = 4,
              max_new_tokens: int = 16) -> LoadFigures:
     """`num_clients` loopback clients send greedy requests back to back while `num_pushes`
-    pushes run (each starts once a request is running); then every answer is checked."""
+    pushes run, then one request more each; then every answer is checked.
+
+    Each push starts with requests held mid-decode (`_hold_running`), so its pause (or,
+    under "none", its commit) surely lands on running requests; generation resumes after
+    it. The clients' last requests are sent after the last push, so they complete."""
     figures = LoadFigures(policy=policy, transport=transport, clients=num_clients)
     answers: list[Answer] = []
     lock = threading.Lock()
@@ -70,8 +76,7 @@ def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int
     def client(first: int) -> None:
         with httpx.Client(base_url=rig.url, timeout=120) as http:
             for k in itertools.count(first):
-                if stop.is_set():
-                    return
+                last = stop.is_set()
                 prompt = PROMPTS[k % len(PROMPTS)]
                 with lock:
                     figures.sent += 1
@@ -93,6 +98,8 @@ def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int
                     else:
                         figures.failed += 1
                         figures.errors.append(f"unexpected finish {meta['finish_reason']}")
+                if last:
+                    return
 
     served: dict[int, Weights] = {}
     with rig.sync(transport, pause=policy) as sync:
@@ -104,8 +111,11 @@ def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int
             t.start()
         try:
             for _ in range(num_pushes):
-                _wait_for_running(rig)
-                version = rig.push(sync)
+                figures.held += _hold_running(rig)
+                try:
+                    version = rig.push(sync)
+                finally:
+                    rig.continue_generation()  # the push resumed, except under "none"
                 served[version] = rig.weights
                 figures.pushes += 1
         finally:
@@ -142,9 +152,21 @@ def _generate(http: httpx.Client, prompt: Sequence[int], max_new_tokens: int) ->
     return dict(response.json()), ""
 
 
-def _wait_for_running(rig: Rig, timeout_s: float = 60.0) -> None:
+def _hold_running(rig: Rig, timeout_s: float = 60.0) -> int:
+    """Pause generation in place with requests mid-decode; returns how many it holds.
+
+    The in_place pause's count is the engine's own, taken between two steps: requests
+    running then have a token and are unfinished. A pause that held none (the requests
+    seen running had finished) is undone and tried again."""
     deadline = time.monotonic() + timeout_s
-    while rig.info()["running_requests"] == 0 and time.monotonic() < deadline:
+    while True:
+        if rig.info()["running_requests"]:
+            held = rig.pause_generation("in_place")
+            if held:
+                return held
+            rig.continue_generation()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no request was running within {timeout_s:.0f}s of load")
         time.sleep(0.005)  # polling the engine's own count; it decides
 
 

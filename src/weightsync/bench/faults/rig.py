@@ -200,6 +200,19 @@ class Rig:
     def info(self) -> dict[str, Any]:
         return dict(httpx.get(f"{self.url}/weightsync/info", timeout=30).json())
 
+    def pause_generation(self, mode: str) -> int:
+        """Pause generation (SGLang's modes); returns how many requests the pause affected."""
+        return int(self._admin("/pause_generation", {"mode": mode})["num_paused_requests"])
+
+    def continue_generation(self) -> None:
+        self._admin("/continue_generation", {})
+
+    def _admin(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key is not None else {}
+        response = httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=30)
+        response.raise_for_status()
+        return dict(response.json())
+
     def served(self) -> tuple[int, dict[str, str]]:
         """(version, hf_name -> digest) of what the engine serves now."""
         body = httpx.post(f"{self.url}/weightsync/digests", json={"names": None}, timeout=30).json()

@@ -359,7 +359,8 @@ def unwritable_root(rig: Rig) -> FaultOutcome:
 
 
 class _VersionWatch:
-    """Polls the engine's version in the background; `versions` in the order seen."""
+    """Polls the engine's version in the background; `versions` in the order seen, the
+    first read on entering and the last on leaving (however often the poller ran)."""
 
     def __init__(self, rig: Rig) -> None:
         self.rig = rig
@@ -367,20 +368,23 @@ class _VersionWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weightsync-version-watch", daemon=True)
 
+    def _read(self) -> None:
+        self.versions.append(int(self.rig.info()["weight_version"]))
+
     def _run(self) -> None:
-        with httpx.Client(base_url=self.rig.url, timeout=30) as http:
-            while not self._stop.is_set():
-                with contextlib.suppress(httpx.HTTPError):
-                    self.versions.append(int(http.get("/weightsync/info").json()["weight_version"]))
-                self._stop.wait(0.02)
+        while not self._stop.wait(0.02):
+            with contextlib.suppress(httpx.HTTPError):
+                self._read()
 
     def __enter__(self) -> _VersionWatch:
+        self._read()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self._read()
 
 
 LIVE_LEASE_S = 30.0
