@@ -175,7 +175,7 @@ def test_lora_tensors_through_the_server(engine: VLLMEngine, model_dir: Path, se
     peft_model = vf.make_peft(model_dir, seed=41)
     names = []
     with ws.WeightSync([engine], transport="shm", mode="lora", bucket_bytes=64 << 10) as sync:
-        for seed in (42, 43):
+        for seed in (42, 43, 44):  # lora_keep=2: the third push retires the first name
             vf.set_adapter_weights(peft_model, seed)
             version = vf.next_version(engine)
             report = sync.push(peft_model, version=version)
@@ -186,7 +186,7 @@ def test_lora_tensors_through_the_server(engine: VLLMEngine, model_dir: Path, se
             assert vf.greedy_tokens(engine, lora_name=sync.lora_name) != base_tokens
             print(f"\nserver LoRA shm v{version}: push {report.seconds:.3f}s, max logprob gap vs PEFT {gap:.2e}")
     served = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
-    assert names[1] in served and names[0] not in served, served
+    assert set(names[1:]) <= set(served) and names[0] not in served, served
     response = httpx.post(f"{server.url}/v1/completions", json={"model": names[0], "prompt": [5], "max_tokens": 1})
     assert response.status_code == 404, response.text
 
