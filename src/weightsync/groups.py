@@ -69,7 +69,7 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
         text = str(e)
-        if "imeout" in text or "timed out" in text:
+        if "timeout" in text.lower() or "timed out" in text.lower():  # gloo: "Timed out waiting 3000ms ..."
             raise SyncTimeoutError(f"{what} did not finish within {timeout_s:.1f}s: {text}") from e
         raise WeightSyncError(f"{what} failed (did a peer die or leave the group?): {text}") from e
     if ok is False:
