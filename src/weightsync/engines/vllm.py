@@ -18,16 +18,41 @@ One `VLLMEngine`, two forms:
 | pause    | -                                           | server: /pause?mode=abort/wait/keep (PausePolicy.vllm_mode) |
 | begin    | weightsync_begin (dry run, opens staging)   | -                                              |
 | receive  | weightsync_receive (verify digest, stage)   | -                                              |
-| commit   | weightsync_commit (reload_weights, ack)     | reset prefix cache, set vLLM's weight version; LoRA: add_lora / /v1/load_lora_adapter |
+| commit   | weightsync_commit (reload_weights, ack)     | reset the prefix cache (see below), set vLLM's weight version; LoRA: add_lora / /v1/load_lora_adapter |
 | abort    | weightsync_abort (drop staging)             | -                                              |
 | resume   | -                                           | server: /resume                                |
 
 Updates are staged in the workers, so generation continues while bytes
 stream (`stages_updates`); each worker call runs between two engine steps,
 so a broadcast bucket holds decoding for as long as it takes to arrive.
-After a committed update the prefix cache is reset; that fails while
-requests hold KV blocks (pause "in_place"/"keep", or no pause), which is
-logged, not raised. The "http" transport is not offered: on one host "shm"
+
+No answer from KV computed with older weights (vLLM's prefix cache hands
+the KV blocks of one request to the next request with the same prefix):
+- pause "abort", "retract" and "none": after a full commit the prefix cache
+  is reset with running requests preempted (vLLM's
+  `reset_prefix_cache(reset_running_requests=True)`), which cannot fail:
+  requests still running (only under "none") recompute their KV with the new
+  weights and keep the tokens they already have. A request prefilled from
+  then on uses no older KV. Under "none" the engine steps between the
+  workers' reload and that reset (same commit, a few steps at most) may
+  still read older KV.
+- pause "in_place" (vLLM's "keep", sent with `clear_cache=false`: vLLM
+  0.32's default would preempt the kept requests and drop their KV): the
+  kept requests continue on their own KV (their answers span two versions
+  and say so), so the reset cannot preempt them; it is attempted without
+  preemption at every commit and fails while any request holds KV blocks.
+  Requests stay apart by salt instead: every request `generate` makes
+  carries `cache_salt()` ("weightsync-v<version>", vLLM's `cache_salt`
+  request field, which separates prefix-cache entries by salt), and an
+  answer that was prefilled under a newer version than its salt is asked
+  again. Users' own requests get the same guarantee by sending
+  `"cache_salt": engine.cache_salt()` (or `cache_salt(report.version)`),
+  read after the push returned; unsalted requests may reuse KV of older
+  versions until a reset succeeds (a commit with no request running).
+LoRA commits reset nothing: vLLM keys adapter KV by adapter name and path,
+and every adapter version has its own name.
+
+The "http" transport is not offered: on one host "shm"
 moves the same bytes without sending them through the server. vLLM's own
 GPU weight transfer (`--weight-transfer-config`) is not used: it cannot run
 on CPU, where this was built and tested (TODO: use it for NCCL on GPU).
@@ -61,6 +86,10 @@ from weightsync.types import Ack, BucketMeta, Manifest, dtype_from_name
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+CACHE_SALT_PREFIX = "weightsync-v"
+"""`cache_salt` of requests for weight version N: "weightsync-v<N>"."""
+MAX_GENERATE_ATTEMPTS = 3
+"""Rounds of requests one `generate` call makes at most (see `generate`)."""
 RPC_MARGIN_S = 10.0
 """Added to a verb's own timeout for the RPC carrying it, so the worker's error comes first."""
 CLEANUP_TIMEOUT_S = 10.0
@@ -103,6 +132,7 @@ class VLLMEngine:
         self._policy = PausePolicy.NONE
         self._open: tuple[int, Link] | None = None
         self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
+        self._warned_unreset = False
 
     # -- capabilities ------------------------------------------------------
 
@@ -180,6 +210,7 @@ class VLLMEngine:
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None
+        policy, self._policy = self._policy, PausePolicy.NONE  # a push under "none" calls no pause()
         results = self._rpc("weightsync_commit", {"version": manifest.version}, timeout_s=link.timeout_s)
         ack = self._combine_acks(results)
         if manifest.mode == "lora":
@@ -189,12 +220,13 @@ class VLLMEngine:
                 raise EngineError(self.label, f"adapter {manifest.lora_name!r}: rank 0 reported no directory")
             self._backend.add_lora(manifest.lora_name, str(path), timeout_s=link.timeout_s)
         else:
-            self._reset_prefix_cache(timeout_s=link.timeout_s)
+            self._reset_prefix_cache(policy, timeout_s=link.timeout_s)
         self._backend.set_weight_version(str(manifest.version), timeout_s=link.timeout_s)
         return ack
 
     def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self._open = None
+        self._policy = PausePolicy.NONE
         self._rpc("weightsync_abort", {"version": version, "owner": self._owner},
                   timeout_s=min(CLEANUP_TIMEOUT_S, self._timeout(timeout_s)), margin_s=0.0)
 
@@ -210,13 +242,57 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  lora_name: str | None = None, seed: int | None = None) -> list[Completion]:
-        """Generate for token-id prompts (EOS ignored); tokens, their logprobs, the weight version."""
-        return self._backend.generate([list(p) for p in prompts], max_new_tokens=max_new_tokens,
-                                      temperature=temperature, lora_name=lora_name, seed=seed)
+        """Generate for token-id prompts (EOS ignored); tokens, their logprobs, the weight version.
+
+        Every request carries `cache_salt()` for the version served when it is
+        sent. An answer prefilled under a newer version than its salt (a push
+        committed in between, so it may have reused the older version's KV) is
+        asked again with the new salt, in at most MAX_GENERATE_ATTEMPTS rounds;
+        where vLLM reports no weight versions (no `--enable-scale-out`), every
+        answer of a batch during which the served version changed is. The
+        served version is asked of the engine once per round (twice without
+        weight versions).
+        """
+        todo = list(range(len(prompts)))
+        answers: dict[int, Completion] = {}
+        for _ in range(MAX_GENERATE_ATTEMPTS):
+            version = int(self.weight_version())
+            completions = self._backend.generate(
+                [list(prompts[i]) for i in todo], max_new_tokens=max_new_tokens, temperature=temperature,
+                lora_name=lora_name, seeds=[None if seed is None else seed + i for i in todo],
+                cache_salt=self.cache_salt(version))
+            prefilled = [_prefill_version(c) for c in completions]
+            version_after = int(self.weight_version()) if None in prefilled else version
+            stale = [i for i, c, first in zip(todo, completions, prefilled, strict=True)
+                     if (version_after if first is None else first) > version]
+            answers.update((i, c) for i, c in zip(todo, completions, strict=True) if i not in stale)
+            if not stale:
+                return [answers[i] for i in range(len(prompts))]
+            log.info("%s: %d answer(s) salted for v%d were prefilled under a newer version; asking again",
+                     self.label, len(stale), version)
+            todo = stale
+        raise EngineError(self.label, f"{len(todo)} answer(s) were prefilled under a newer version than their "
+                          f"cache salt {MAX_GENERATE_ATTEMPTS} times in a row (pushes commit faster than "
+                          f"requests start); generate between pushes")
 
     def weight_version(self) -> str:
         """weightsync's version counter in the workers, as a string."""
         return str(self.info()["version"])
+
+    def cache_salt(self, version: int | None = None) -> str:
+        """The `cache_salt` for requests to this engine: "weightsync-v<version>",
+        by default for the version the workers serve now (asked of the engine).
+
+        Requests with different salts share no prefix-cache entries, so a request
+        salted for the served version reuses only KV computed with these weights.
+        Send it in the request body of `/v1/completions`, `/v1/chat/completions`
+        or `/inference/v1/generate` (`TokensPrompt(..., cache_salt=...)` in
+        process); read it after the push returned (`cache_salt(report.version)`
+        needs no round trip). A request salted before a push and prefilled after
+        it may reuse the older version's KV: its first `weight_versions` span
+        then names a newer version than its salt (ask again, as `generate` does).
+        """
+        return f"{CACHE_SALT_PREFIX}{int(self.weight_version()) if version is None else version}"
 
     def loaded_loras(self) -> list[str]:
         """Adapter names requests can use now."""
@@ -273,14 +349,25 @@ class VLLMEngine:
                                      f"{acks[0].to_dict()}; the engine's ranks hold different weights")
         return acks[0]
 
-    def _reset_prefix_cache(self, *, timeout_s: float) -> None:
-        if self._backend.reset_prefix_cache(timeout_s=timeout_s):
-            return
-        log.warning(
-            "%s: the prefix cache was not reset (requests still hold KV blocks, pause=%s): new requests "
-            "may reuse KV computed with the previous weights until those blocks are evicted; pause with "
-            "'abort' or 'retract' (or start vLLM without prefix caching) to rule that out",
-            self.label, self._policy.value)
+    def _reset_prefix_cache(self, policy: PausePolicy, *, timeout_s: float) -> None:
+        """After a full commit: drop every prefix-cache entry (see the module docstring).
+
+        Only "in_place" promises the running requests their KV; under any other
+        policy they are preempted (recomputed), so the reset cannot fail.
+        """
+        preempt = policy is not PausePolicy.IN_PLACE
+        try:
+            if self._backend.reset_prefix_cache(preempt_running=preempt, timeout_s=timeout_s):
+                return
+            why = "requests still hold KV blocks"
+        except WeightSyncError as e:  # vLLM raises if even preempting cannot free the blocks
+            why = str(e)
+        expected = policy is PausePolicy.IN_PLACE and self._warned_unreset  # every in_place push under load
+        self._warned_unreset = True
+        log.log(logging.INFO if expected else logging.WARNING,
+                "%s: the prefix cache was not reset (pause=%s: %s). Requests salted with cache_salt() "
+                "(every request of generate()) are unaffected; unsalted requests may reuse KV computed with "
+                "older weights until a later commit resets it", self.label, policy.value, why)
 
 
 # --- the two forms -------------------------------------------------------------
@@ -299,7 +386,9 @@ class _Backend:
     def resume(self, *, timeout_s: float) -> None:
         raise NotImplementedError
 
-    def reset_prefix_cache(self, *, timeout_s: float) -> bool:
+    def reset_prefix_cache(self, *, preempt_running: bool, timeout_s: float) -> bool:
+        """True if the prefix cache is now empty; `preempt_running` makes running
+        requests recompute their KV so that the reset cannot fail."""
         raise NotImplementedError
 
     def set_weight_version(self, version: str, *, timeout_s: float) -> None:
@@ -316,7 +405,8 @@ class _Backend:
         raise NotImplementedError
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 lora_name: str | None, seed: int | None) -> list[Completion]:
+                 lora_name: str | None, seeds: list[int | None], cache_salt: str) -> list[Completion]:
+        """One answer per prompt; `seeds[i]` samples prompts[i]; every request carries `cache_salt`."""
         raise NotImplementedError
 
     @property
@@ -360,8 +450,8 @@ class _InProcess(_Backend):
     def resume(self, *, timeout_s: float) -> None:
         return None
 
-    def reset_prefix_cache(self, *, timeout_s: float) -> bool:
-        return bool(self._call("reset_prefix_cache", self.llm.reset_prefix_cache))
+    def reset_prefix_cache(self, *, preempt_running: bool, timeout_s: float) -> bool:
+        return bool(self._call("reset_prefix_cache", lambda: self.llm.reset_prefix_cache(preempt_running)))
 
     def set_weight_version(self, version: str, *, timeout_s: float) -> None:
         self._call("set_weight_version", lambda: self.llm.llm_engine.set_weight_version(version))
@@ -386,7 +476,7 @@ class _InProcess(_Backend):
         return sorted(self._loras)
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 lora_name: str | None, seed: int | None) -> list[Completion]:
+                 lora_name: str | None, seeds: list[int | None], cache_salt: str) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -395,13 +485,11 @@ class _InProcess(_Backend):
             lora = self._loras.get(lora_name)
             if lora is None:
                 raise EngineError("vllm-inprocess", f"no adapter {lora_name!r}; loaded: {sorted(self._loras)}")
-        params = [
-            SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
-                           seed=None if seed is None else seed + i, logprobs=0, ignore_eos=True)
-            for i in range(len(prompts))
-        ]
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0,
+                                 ignore_eos=True) for seed in seeds]
         outputs = self._call("generate", lambda: self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False))
+            [TokensPrompt(prompt_token_ids=p, cache_salt=cache_salt) for p in prompts], params,
+            lora_request=lora, use_tqdm=False))
         return [_completion_from_output(o.outputs[0]) for o in outputs]
 
 
@@ -411,6 +499,12 @@ def _completion_from_output(output: Any) -> Completion:
     spans = output.weight_versions or []
     return Completion(output_ids=token_ids, logprobs=logprobs, finish_reason=str(output.finish_reason),
                       weight_version=_versions([s.version for s in spans]), text=output.text or "")
+
+
+def _prefill_version(completion: Completion) -> int | None:
+    """The version that prefilled an answer (its first weight-version span), if vLLM said."""
+    first = completion.weight_version.split("+", 1)[0]
+    return int(first) if first.isdigit() else None  # vLLM's unset label is "default"
 
 
 def _versions(labels: Sequence[str]) -> str:
@@ -448,13 +542,17 @@ class _Server(_Backend):
         return results
 
     def pause(self, mode: str, *, timeout_s: float) -> None:
-        self.http.post("/pause", params={"mode": mode}, timeout_s=timeout_s)
+        # "keep" promises the kept requests their KV; vLLM 0.32 would drop it (a reset with the
+        # running requests preempted) unless told clear_cache=false
+        params = {"mode": mode, **({"clear_cache": "false"} if mode == "keep" else {})}
+        self.http.post("/pause", params=params, timeout_s=timeout_s)
 
     def resume(self, *, timeout_s: float) -> None:
         self.http.post("/resume", timeout_s=timeout_s)
 
-    def reset_prefix_cache(self, *, timeout_s: float) -> bool:
-        return bool(self.http.post("/reset_prefix_cache", timeout_s=timeout_s).get("success", False))
+    def reset_prefix_cache(self, *, preempt_running: bool, timeout_s: float) -> bool:
+        params = {"reset_running_requests": "true" if preempt_running else "false"}
+        return bool(self.http.post("/reset_prefix_cache", params=params, timeout_s=timeout_s).get("success", False))
 
     def set_weight_version(self, version: str, *, timeout_s: float) -> None:
         response = self.http.request("POST", "/update_weight_version", json_body={"new_version": version},
@@ -490,18 +588,20 @@ class _Server(_Backend):
         return self._model
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 lora_name: str | None, seed: int | None) -> list[Completion]:
+                 lora_name: str | None, seeds: list[int | None], cache_salt: str) -> list[Completion]:
         sampling: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "logprobs": 0,
                                     "ignore_eos": True}
-        per_prompt = [sampling if seed is None else {**sampling, "seed": seed + i} for i in range(len(prompts))]
+        per_prompt = [sampling if seed is None else {**sampling, "seed": seed} for seed in seeds]
         model = lora_name or self.model
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 16))) as pool:  # one batch in vLLM
-            return list(pool.map(self._generate_one, prompts, per_prompt, [model] * len(prompts)))
+            return list(pool.map(self._generate_one, prompts, per_prompt, [model] * len(prompts),
+                                 [cache_salt] * len(prompts)))
 
-    def _generate_one(self, prompt: list[int], sampling: dict[str, Any], model: str) -> Completion:
+    def _generate_one(self, prompt: list[int], sampling: dict[str, Any], model: str, cache_salt: str) -> Completion:
         if self._tokens_api is not False:
             response = self.http.request("POST", "/inference/v1/generate", allow=(403, 404),
-                                         json_body={"token_ids": prompt, "sampling_params": sampling, "model": model})
+                                         json_body={"token_ids": prompt, "sampling_params": sampling, "model": model,
+                                                    "cache_salt": cache_salt})
             if response.status_code not in (403, 404):
                 self._tokens_api = True
                 choice = response.json()["choices"][0]
@@ -513,7 +613,7 @@ class _Server(_Backend):
                                   weight_version=_versions([str(s["version"]) for s in spans]))
             self._tokens_api = False  # no --enable-scale-out: the OpenAI route, without weight versions
         body = self.http.post("/v1/completions", {"model": model, "prompt": prompt, "return_token_ids": True,
-                                                  **sampling})
+                                                  "cache_salt": cache_salt, **sampling})
         choice = body["choices"][0]
         return Completion(output_ids=list(choice.get("token_ids") or []),
                           logprobs=[float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []],

