@@ -3,12 +3,11 @@
 vLLM hands the KV blocks of a prompt prefix to the next request with the same
 prefix. After a push, a new request must never be computed on blocks that
 older weights produced. Each test pushes while a long request sharing the
-prefix is mid-decode: vLLM's own pause (mode "keep") freezes it as soon as its
-first token reaches the client, and a plain `/reset_prefix_cache` failing
-then shows that it holds KV blocks (frozen, it holds them through the push;
-it decodes on beside the checks after the push, then is aborted). New
-requests sharing the prefix must get
-transformers' greedy tokens for the NEW weights:
+prefix is mid-decode: vLLM's own pause (mode "keep") freezes the engine, and a
+plain `/reset_prefix_cache` failing then shows that the request holds KV
+blocks (nothing else runs); frozen, it holds them through the push. It decodes
+on beside the first request after the push, then is aborted. New requests
+sharing the prefix must get transformers' greedy tokens for the NEW weights:
 - `pause="none"`: the commit preempts the running request, so the reset
   succeeds and even unsalted requests are clean;
 - `pause="in_place"`: the kept request keeps its KV (no preemption), the reset
@@ -22,12 +21,11 @@ One server for the module; each test pushes from the served weights upward.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +41,12 @@ from weightsync.tiny import TinyModelConfig, make_tiny_model
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
+pytest_plugins = ["test_server_support"]  # fixture: one_torch_thread
 
 MAX_MODEL_LEN = 32768
-"""The held request may run to the end of it: tens of seconds of decoding here, far more
-than its first token can take to reach the client (seconds under load, while the engine
-decodes on)."""
+"""The held request may run to the end of it: tens of seconds of decoding here."""
+MAX_HOLD_ATTEMPTS = 20
+"""Pause-and-probe rounds until the held request is seen holding KV blocks (usually one)."""
 CHECK_TOKENS = 8
 
 
@@ -63,7 +62,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[VLLMServer]:
+def server(model_dir: Path, one_torch_thread: None) -> Iterator[VLLMServer]:
     args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching"]
     with launch_vllm_server(model_dir, args=args) as running:
         yield running
@@ -79,63 +78,52 @@ def prefix(server: VLLMServer) -> list[int]:
 
 @dataclass
 class _Held:
-    """A streamed /inference/v1/generate request to the end of the context that pauses the
-    engine (mode "keep") when its first token arrives, and holds its connection open,
-    unread, until `abort()`."""
+    """A (not streamed) /inference/v1/generate request to the end of the context."""
 
     url: str
     model_dir: Path
     prompt: list[int]
-    paused: threading.Event = field(default_factory=threading.Event)
-    release: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
-    def start(self) -> bool:
-        """Start it; True once the engine is paused with it holding KV blocks, False if it
-        ended before the pause (the engine is then paused, its prefix cache empty)."""
-        self.thread = threading.Thread(target=self._run, daemon=True)
+    def start(self) -> None:
+        body = _generate_body(self.model_dir, self.prompt, MAX_MODEL_LEN - len(self.prompt))
+        self.thread = threading.Thread(target=httpx.post, args=(f"{self.url}/inference/v1/generate",),
+                                       kwargs={"json": body, "timeout": 600}, daemon=True)
         self.thread.start()
-        assert self.paused.wait(timeout=120), "the held request never started decoding"
-        return not _post(self.url, "/reset_prefix_cache")["success"]  # fails while blocks are held
+
+    @property
+    def ended(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
 
     def abort(self) -> None:
-        """Abort it (every request the server runs), and drop its connection."""
-        assert self.thread is not None
+        """Abort it (every request the server runs) and wait for its answer."""
         _post(self.url, "/abort_requests", {})
-        self.release.set()
-        self.thread.join(timeout=60)
-        assert not self.thread.is_alive(), "the held request's client did not stop"
-
-    def _run(self) -> None:
-        body = _generate_body(self.model_dir, self.prompt, MAX_MODEL_LEN - len(self.prompt), stream=True)
-        try:
-            with httpx.stream("POST", f"{self.url}/inference/v1/generate", json=body, timeout=600) as response:
-                lines = response.iter_lines()  # kept: a closed iterator closes the connection (an abort)
-                for line in lines:
-                    if line.startswith("data: {") and json.loads(line[len("data: "):])["choices"][0]["token_ids"]:
-                        _post(self.url, "/pause", params={"mode": "keep", "clear_cache": "false"})
-                        break
-                self.paused.set()
-                self.release.wait(timeout=600)
-        finally:
-            self.paused.set()
+        assert self.thread is not None
+        self.thread.join(timeout=120)
+        assert self.ended, "the held request did not end after its abort"
 
 
-def _hold_mid_decode(server: VLLMServer, model_dir: Path, prefix: list[int], salts: tuple[str | None, ...],
-                     attempts: int = 3) -> _Held:
-    """Cache the prefix's KV under each of `salts`, then start a held request sharing the
-    prefix; the engine is left paused with it mid-decode. A held request that ended before
-    the pause (its first token reached the client too late) is started again, the cache
-    filled again."""
-    for _ in range(attempts):
+def _hold_mid_decode(server: VLLMServer, model_dir: Path, prefix: list[int],
+                     salts: tuple[str | None, ...]) -> _Held:
+    """Start a held request sharing the prefix, cache the prefix's KV under each of `salts`,
+    and pause the engine (mode "keep") with the held request mid-decode, holding KV blocks.
+
+    Each round pauses and probes with a plain prefix-cache reset, which fails only while
+    a request holds blocks. If it succeeds (the held request not admitted yet, or already
+    ended), the engine resumes and the round is done again (the cache filled again).
+    """
+    held = _Held(server.url, model_dir, [*prefix, 12])
+    for _ in range(MAX_HOLD_ATTEMPTS):
+        if held.thread is None or held.ended:
+            held = _Held(server.url, model_dir, [*prefix, 12])
+            held.start()
         for salt in salts:
             _tokens(server, model_dir, [*prefix, 11], salt=salt)
-        held = _Held(server.url, model_dir, [*prefix, 12])
-        if held.start():
+        _post(server.url, "/pause", params={"mode": "keep", "clear_cache": "false"})
+        if not _post(server.url, "/reset_prefix_cache")["success"] and not held.ended:
             return held
         _post(server.url, "/resume")
-        held.abort()
-    raise AssertionError(f"the held request ended before the pause {attempts} times")
+    raise AssertionError(f"the held request was not seen holding KV blocks in {MAX_HOLD_ATTEMPTS} rounds")
 
 
 class _SaltReadBeforePush(VLLMEngine):
@@ -171,11 +159,11 @@ def test_none_push_preempts_running_requests(server: VLLMServer, model_dir: Path
     expected, _ = vf.reference_greedy(trainer, new_prompt, CHECK_TOKENS)
     try:
         assert _tokens(server, model_dir, new_prompt, salt=None) == expected  # unsalted too: the cache was reset
-        assert engine.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
-        # the held request decoded on beside these (vLLM reports a preemption with its next token)
+        # the held request decoded beside it (vLLM counts a preemption with the next token)
         assert _metric(server.url, "vllm:num_preemptions_total") > preemptions  # it was preempted
     finally:
         held.abort()
+    assert engine.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
     engine.close()
 
 
@@ -198,25 +186,25 @@ def test_in_place_push_serves_salted_requests_no_older_kv(server: VLLMServer, mo
 
     new_prompt = [*prefix, 13]
     expected, _ = vf.reference_greedy(trainer, new_prompt, CHECK_TOKENS)
-    late = _SaltReadBeforePush(server.url, stale_version=old)
     try:
         # The old weights' prefix KV is still cached (the reset failed while the request held
         # blocks): requests without the new salt reuse it. This is what salting guards against.
         assert _tokens(server, model_dir, new_prompt, salt=None) != expected
-        assert _tokens(server, model_dir, new_prompt, salt=f"weightsync-v{old}") != expected
-        # salted for the served version: the new weights' tokens, on every route
-        assert engine.cache_salt() == engine.cache_salt(report.version) == f"weightsync-v{old + 1}"
-        assert engine.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
-        assert _tokens(server, model_dir, new_prompt, salt=engine.cache_salt()) == expected
-        assert _completion_tokens(server, model_dir, new_prompt, salt=engine.cache_salt(report.version)) == expected
-        # an own request salted for the old version is asked again with the new salt
-        assert late.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
-        assert late.versions_read == [str(old), str(old + 1)], late.versions_read  # asked twice
-        # the held request decoded on beside these (vLLM reports a preemption with its next token)
+        # the held request decoded beside it (vLLM counts a preemption with the next token)
         assert _metric(server.url, "vllm:num_preemptions_total") == preemptions  # in_place: its KV was kept
     finally:
         held.abort()
-        late.close()
+    assert _tokens(server, model_dir, new_prompt, salt=f"weightsync-v{old}") != expected
+    # salted for the served version: the new weights' tokens, on every route
+    assert engine.cache_salt() == engine.cache_salt(report.version) == f"weightsync-v{old + 1}"
+    assert engine.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
+    assert _tokens(server, model_dir, new_prompt, salt=engine.cache_salt()) == expected
+    assert _completion_tokens(server, model_dir, new_prompt, salt=engine.cache_salt(report.version)) == expected
+    # an own request salted for the old version is asked again with the new salt
+    late = _SaltReadBeforePush(server.url, stale_version=old)
+    assert late.generate([new_prompt], max_new_tokens=CHECK_TOKENS)[0].output_ids == expected
+    assert late.versions_read == [str(old), str(old + 1)], late.versions_read  # asked twice
+    late.close()
     engine.close()
 
 
