@@ -138,7 +138,7 @@ def test_bad_bucket_frames(client: Any, tiny_model: Path, ws: SimpleNamespace) -
     version = client.version() + 1
     manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=300_000)
     client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
-    refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 409, "open")
+    refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 409, "is held by")
     good = ws.frame(manifest, 0, buffers[0])
 
     def post(frame: bytes) -> Any:
