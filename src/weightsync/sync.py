@@ -65,7 +65,7 @@ from weightsync.naming import rename
 from weightsync.owners import session_owner
 from weightsync.sources import WeightSource, make_source
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.transports import make_transport
+from weightsync.transports import TRANSPORTS, make_transport
 from weightsync.transports.base import NUM_SLOTS, Transport
 from weightsync.types import (
     MODES,
@@ -82,6 +82,9 @@ from weightsync.types import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+TRANSPORT_OPTIONS = frozenset({"disk_root", "keep_versions", "master_address", "backend"})
+"""`SyncConfig` fields that only configure a transport made by name."""
+
 CLEANUP_TIMEOUT_S = 10.0
 """Upper bound of each cleanup call after a failed push (never more than timeout_s):
 they often go to an engine that already stopped answering."""
@@ -92,7 +95,8 @@ class SyncConfig:
     """How `WeightSync` moves weights."""
 
     transport: str = "http"
-    """"disk", "http", "broadcast" or "shm"."""
+    """The transport's name, one of `weightsync.transports.TRANSPORTS` ("disk", "http",
+    "broadcast", "shm"); with a transport object, its `name`."""
     mode: str = "full"
     """"full", "lora", "lora-merged" or "delta"."""
     bucket_bytes: int = 256 << 20
@@ -131,6 +135,8 @@ class SyncConfig:
     such a push fails naming the tensor, and the engines keep their last version."""
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; valid names: {', '.join(TRANSPORTS)}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; one of {MODES}")
         if self.bucket_bytes <= 0:
@@ -168,13 +174,18 @@ class WeightSync:
     With `process_group` (the trainer's group, e.g. FSDP2's), every rank calls
     `push` with its shard of the model; rank `send_rank` talks to the engines
     and every rank returns the same report.
+
+    `transport` is a name (made at the first push from `timeout_s` and the
+    transport options: `disk_root`, `keep_versions`, `master_address`, `backend`)
+    or a `Transport` object built by the caller, e.g. `DiskTransport(root)`,
+    used as it is; `config.transport` holds its name.
     """
 
     def __init__(
         self,
         engines: Sequence[Engine],
         *,
-        transport: str = "http",
+        transport: str | Transport = "http",
         mode: str = "full",
         bucket_bytes: int = 256 << 20,
         pause: str | PausePolicy = PausePolicy.RETRACT,
@@ -183,13 +194,28 @@ class WeightSync:
         send_rank: int = 0,
         **options: Any,
     ) -> None:
+        given: Transport | None = None
+        if not isinstance(transport, str):
+            if not isinstance(transport, Transport):
+                raise TypeError(f"transport must be a name ({', '.join(TRANSPORTS)}) or a Transport, "
+                                f"got {type(transport).__name__}")
+            clashing = sorted(TRANSPORT_OPTIONS & options.keys())
+            if clashing:
+                raise ValueError(f"{', '.join(clashing)} configure a transport made by name; with a "
+                                 f"{type(transport).__name__} object, set them when you build it")
+            given, transport = transport, transport.name
         self.config = SyncConfig(transport=transport, mode=mode, bucket_bytes=bucket_bytes,
                                  pause=PausePolicy.parse(pause), timeout_s=timeout_s, **options)
         self.engines = list(engines)
         self.ranks = TrainerRanks(process_group, send_rank=send_rank)
+        self._transport: Transport | None = None
+        """The sending rank's transport; the other ranks have none."""
         if self.ranks.is_sender:
             self._check_engines()
-        self._transport: Transport | None = None
+            self._transport = given or make_transport(
+                self.config.transport, timeout_s=self.config.timeout_s, disk_root=self.config.disk_root,
+                keep_versions=self.config.keep_versions, master_address=self.config.master_address,
+                backend=self.config.backend)
         self._links: list[Link] | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines) + 1), thread_name_prefix="weightsync")
         self._caps: list[EngineCapabilities] | None = None
@@ -490,13 +516,8 @@ class WeightSync:
                 if c.unloads_adapters and isinstance(e, AdapterUnloader)]
 
     def _ensure_session(self, max_bucket_bytes: int) -> list[Link]:
-        if self._transport is None:
-            self._transport = make_transport(
-                self.config.transport, timeout_s=self.config.timeout_s, disk_root=self.config.disk_root,
-                keep_versions=self.config.keep_versions, master_address=self.config.master_address,
-                backend=self.config.backend,
-            )
         transport = self._transport
+        assert transport is not None, "only the sending rank opens a session"
         links = transport.open([c.num_ranks for c in self._capabilities()], max_bucket_bytes=max_bucket_bytes)
         if links is self._links:
             return links  # formed earlier and reused
@@ -657,8 +678,6 @@ class WeightSync:
                     f"{e.label} cannot take mode={self.config.mode!r} over transport={self.config.transport!r}; "
                     f"it supports {sorted(allowed)}"
                 )
-        if self.config.transport == "disk" and self.config.disk_root is None:
-            raise ValueError("transport='disk' needs disk_root=<a directory the engines can read>")
         if self.config.disk_root is not None:
             Path(self.config.disk_root).mkdir(parents=True, exist_ok=True)
 

@@ -1,16 +1,51 @@
-"""Transports: how packed buckets move from the trainer to the engines."""
+"""Transports: how packed buckets move from the trainer to the engines.
+
+`REGISTRY` names every transport, "module:Class", imported on first use; adding
+a transport is its module plus one line here. `make_transport(name, ...)` builds
+one from the options `WeightSync` holds, passing each class the ones its
+constructor takes (`root` is `disk_root`).
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from weightsync.transports.base import Transport
-from weightsync.transports.broadcast import BroadcastTransport
-from weightsync.transports.disk import DiskTransport
-from weightsync.transports.http import HttpTransport
-from weightsync.transports.shm import ShmTransport
 
-TRANSPORTS = ("disk", "http", "broadcast", "shm")
+if TYPE_CHECKING:
+    from weightsync.transports.broadcast import BroadcastTransport
+    from weightsync.transports.disk import DiskTransport
+    from weightsync.transports.http import HttpTransport
+    from weightsync.transports.shm import ShmTransport
+
+REGISTRY: dict[str, str] = {
+    "disk": "weightsync.transports.disk:DiskTransport",
+    "http": "weightsync.transports.http:HttpTransport",
+    "broadcast": "weightsync.transports.broadcast:BroadcastTransport",
+    "shm": "weightsync.transports.shm:ShmTransport",
+}
+"""Transport name -> "module:Class" of its trainer side."""
+
+TRANSPORTS: tuple[str, ...] = tuple(REGISTRY)
+"""Every transport name, in registry order."""
+
+_NEEDS = {"root": "disk_root: a directory the engines can read"}
+"""How to supply a constructor argument that has no default, by parameter name."""
+
+
+def transport_class(name: str) -> Callable[..., Transport]:
+    """The trainer-side class of transport `name`, imported now."""
+    try:
+        target = REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown transport {name!r}; valid names: {', '.join(TRANSPORTS)}") from None
+    module_name, _, class_name = target.partition(":")
+    cls: Callable[..., Transport] = getattr(importlib.import_module(module_name), class_name)
+    return cls
 
 
 def make_transport(
@@ -22,19 +57,30 @@ def make_transport(
     master_address: str = "127.0.0.1",
     backend: str | None = None,
 ) -> Transport:
-    """The trainer-side transport called `name`."""
-    if name == "http":
-        return HttpTransport(timeout_s=timeout_s)
-    if name == "shm":
-        return ShmTransport(timeout_s=timeout_s)
-    if name == "broadcast":
-        return BroadcastTransport(master_address=master_address, backend=backend, timeout_s=timeout_s)
-    if name == "disk":
-        if disk_root is None:
-            raise ValueError("transport='disk' needs disk_root: a directory the engines can read")
-        return DiskTransport(disk_root, keep_versions=keep_versions, timeout_s=timeout_s)
-    raise ValueError(f"unknown transport {name!r}; one of {TRANSPORTS}")
+    """The trainer-side transport called `name`, given the options of its constructor."""
+    cls = transport_class(name)
+    options: dict[str, Any] = {"timeout_s": timeout_s, "root": disk_root, "keep_versions": keep_versions,
+                               "master_address": master_address, "backend": backend}
+    kwargs: dict[str, Any] = {}
+    for parameter in inspect.signature(cls).parameters.values():
+        value = options.get(parameter.name)
+        if value is not None:
+            kwargs[parameter.name] = value
+        elif parameter.default is inspect.Parameter.empty and parameter.kind not in (
+                inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            needs = _NEEDS.get(parameter.name, parameter.name)
+            raise ValueError(f"transport={name!r} needs {needs}")
+    return cls(**kwargs)
 
 
-__all__ = ["TRANSPORTS", "BroadcastTransport", "DiskTransport", "HttpTransport", "ShmTransport",
-           "Transport", "make_transport"]
+def __getattr__(attr: str) -> Any:
+    """The transport classes by their class names (`from weightsync.transports import
+    DiskTransport`), imported on first use."""
+    for name, target in REGISTRY.items():
+        if target.endswith(f":{attr}"):
+            return transport_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+__all__ = ["REGISTRY", "TRANSPORTS", "BroadcastTransport", "DiskTransport", "HttpTransport", "ShmTransport",
+           "Transport", "make_transport", "transport_class"]

@@ -24,7 +24,7 @@ engine took bucket k, which bounds trainer memory to 2 x bucket_bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -37,10 +37,17 @@ NUM_SLOTS = 2
 class Transport(Protocol):
     """Trainer side of one way to move bytes (disk, http, broadcast, shm)."""
 
-    name: ClassVar[str]
-    """"disk", "http", "broadcast" or "shm"."""
-    per_bucket_delivery: ClassVar[bool]
-    """False where engines take the whole update at commit (disk)."""
+    # Read-only properties, so that a class attribute and a wrapper's instance attribute
+    # both satisfy them.
+    @property
+    def name(self) -> str:
+        """Its name in `weightsync.transports.REGISTRY`: "disk", "http", "broadcast" or "shm"."""
+        ...
+
+    @property
+    def per_bucket_delivery(self) -> bool:
+        """False where engines take the whole update at commit (disk)."""
+        ...
 
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
         """Prepare a session for engines with these rank counts; one Link each."""
