@@ -4,5 +4,5 @@
 # to the demo, e.g. `bash scripts/demo.sh --mode full --transport broadcast`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh tools
 exec .venv/bin/weightsync demo "$@"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create ./.venv and install weightsync into it with the given extras
-# ("" = core, "dev,vllm" = everything the tests need). Idempotent: a stamp
+# ("" = core, "tools" = what `weightsync demo`/`bench` need, "dev,vllm,tools" =
+# everything the tests need). Idempotent: a stamp
 # keyed by the install inputs skips the work when nothing changed.
 #
 #   bash scripts/setup.sh [EXTRAS]

@@ -5,7 +5,7 @@
 #   bash scripts/test.sh [PYTEST ARGS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,vllm
+bash scripts/setup.sh dev,vllm,tools
 export WEIGHTSYNC_REQUIRE_VLLM=1   # vLLM tests fail, never skip, when vllm is missing
 .venv/bin/ruff check src tests
 .venv/bin/mypy

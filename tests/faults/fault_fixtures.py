@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from serve_check import checked
-from weightsync.bench.faults import ADMIN_KEY, Rig, make_fault_model
 from weightsync.server.launch import ServerProcess, launch_server
+from weightsync_tools.faults import ADMIN_KEY, Rig, make_fault_model
 
 
 @pytest.fixture(scope="session")

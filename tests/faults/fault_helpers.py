@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from weightsync.bench.faults import MARGIN_S, FaultOutcome
+from weightsync_tools.faults import MARGIN_S, FaultOutcome
 
 READ_ONLY = {"/health", "/health_generate", "/model_info", "/get_model_info", "/get_weight_version", "/generate",
              "/flush_cache", "/get_weights_by_name", "/weightsync/info", "/weightsync/digests"}

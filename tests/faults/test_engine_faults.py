@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 from fault_helpers import assert_survived
 
-from weightsync.bench import faults
-from weightsync.bench.faults import Rig
+from weightsync_tools import faults
+from weightsync_tools.faults import Rig
 
 pytest_plugins = ["fault_fixtures"]  # fixtures: rig, fault_model
 pytestmark = pytest.mark.faults

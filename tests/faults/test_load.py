@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from weightsync.bench import faults
-from weightsync.bench.faults import Answer, AnswerVerifier, Rig, Weights
+from weightsync_tools import faults
+from weightsync_tools.faults import Answer, AnswerVerifier, Rig, Weights
 
 pytest_plugins = ["fault_fixtures"]  # fixtures: rig, fault_model
 pytestmark = pytest.mark.faults

@@ -39,11 +39,11 @@ import httpx
 import pytest
 from fault_helpers import READ_ONLY, app_routes
 
-from weightsync.bench.faults import ADMIN_KEY, Rig
 from weightsync.checkpoint import MAX_MANIFEST_BYTES, bucket_file_name
 from weightsync.server.http import HTTPError, require_admin
 from weightsync.server.launch import ServerProcess
 from weightsync.server.unpickle import UnsafePickleError, safe_loads
+from weightsync_tools.faults import ADMIN_KEY, Rig
 
 pytest_plugins = ["fault_fixtures"]  # fixtures: admin, keyed_server, keyed_root, rig, fault_model
 pytestmark = pytest.mark.faults

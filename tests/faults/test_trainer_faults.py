@@ -3,7 +3,7 @@ process killed mid-stream (between buckets, and with a bucket half on the wire),
 the disk transport's disk filling up or its directory becoming unwritable, two
 trainers pushing at once, and older versions pushed after newer ones.
 
-Killed trainers run in child processes (`python -m weightsync.bench.faults child`)
+Killed trainers run in child processes (`python -m weightsync_tools.faults child`)
 and are SIGKILLed once they report, deterministically, that the fault point is
 reached; the engine must keep serving bit-identically and must not be wedged by
 the half-open session: a new trainer, built as the README builds it, pushes at
@@ -17,8 +17,8 @@ import pytest
 from fault_helpers import assert_survived
 
 import weightsync as ws
-from weightsync.bench import faults
-from weightsync.bench.faults import Rig
+from weightsync_tools import faults
+from weightsync_tools.faults import Rig
 
 pytest_plugins = ["fault_fixtures"]  # fixtures: rig, fault_model
 pytestmark = pytest.mark.faults

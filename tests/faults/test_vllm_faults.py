@@ -36,8 +36,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import weightsync as ws
-from weightsync.bench import faults
-from weightsync.bench.faults import injected
+from weightsync_tools import faults
+from weightsync_tools.faults import FaultyTransport, faulty
 
 pytest_plugins = ["fault_fixtures"]  # fixtures: fault_model
 pytestmark = [pytest.mark.faults, pytest.mark.vllm]
@@ -141,9 +141,19 @@ def push_faulted(sync: ws.WeightSync, reader: VLLMEngine, model: Any) -> tuple[w
     return info.value, time.monotonic() - started
 
 
-def make_sync(engine: VLLMEngine, transport: str, tmp_path: Path, timeout_s: float = TIMEOUT_S) -> ws.WeightSync:
+def make_sync(engine: VLLMEngine, transport: str | FaultyTransport, tmp_path: Path,
+              timeout_s: float = TIMEOUT_S) -> ws.WeightSync:
+    """A sync by transport name (versions under tmp_path), or over a `with_fault` transport."""
+    if isinstance(transport, FaultyTransport):
+        return ws.WeightSync([engine], transport=transport, bucket_bytes=faults.BUCKET_BYTES, timeout_s=timeout_s)
     return ws.WeightSync([engine], transport=transport, bucket_bytes=faults.BUCKET_BYTES, timeout_s=timeout_s,
                          disk_root=str(tmp_path / "versions"))
+
+
+def with_fault(transport: str, fault: str, tmp_path: Path, timeout_s: float = TIMEOUT_S,
+               **options: Any) -> FaultyTransport:
+    """The transport `make_sync(engine, transport, tmp_path)` would use, with `fault` injected."""
+    return faulty(transport, fault, timeout_s=timeout_s, disk_root=tmp_path / "versions", **options)
 
 
 @pytest.mark.parametrize(("transport", "fault", "needle"), [
@@ -153,11 +163,12 @@ def make_sync(engine: VLLMEngine, transport: str, tmp_path: Path, timeout_s: flo
 def test_bad_bucket_is_refused_and_vllm_keeps_its_weights(engine: VLLMEngine, reader: VLLMEngine, trainer: Any,
                                                            tmp_path: Path,
                                                            transport: str, fault: str, needle: str) -> None:
-    with injected(fault, at_push=2) as made, make_sync(engine, transport, tmp_path) as sync:
+    faulty_transport = with_fault(transport, fault, tmp_path, at_push=2)
+    with make_sync(engine, faulty_transport, tmp_path) as sync:
         push_good(sync, reader, trainer)
         before = fingerprint(reader)
         error, seconds = push_faulted(sync, reader, trainer)
-        assert made[0].fired.is_set()
+        assert faulty_transport.fired.is_set()
         assert isinstance(error, ws.IntegrityError | ws.EngineError) and needle in str(error), error
         assert seconds < BOUND_S
         assert fingerprint(reader) == before, "the engine changed after a refused update"
@@ -167,7 +178,7 @@ def test_bad_bucket_is_refused_and_vllm_keeps_its_weights(engine: VLLMEngine, re
 def test_stalled_vllm_is_a_timeout_not_a_hang(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine, trainer: Any,
                                               tmp_path: Path) -> None:
     group = _ProcessGroup(server)
-    with injected("stop", rig=group, at_push=2), make_sync(engine, "shm", tmp_path) as sync:
+    with make_sync(engine, with_fault("shm", "stop", tmp_path, rig=group, at_push=2), tmp_path) as sync:
         push_good(sync, reader, trainer)
         before = fingerprint(reader)
         try:
@@ -250,7 +261,9 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
     try:
         a_client, b_client = (VLLMEngine(server.url) for _ in range(2))
         # A's session stays live for faults.LIVE_LEASE_S after its last request; B waits at most TIMEOUT_S
-        with make_sync(a_client, "shm", tmp_path / "a", timeout_s=faults.LIVE_LEASE_S) as a, \
+        a_transport = with_fault("shm", "block", tmp_path / "a", timeout_s=faults.LIVE_LEASE_S, at_bucket=1,
+                                 block_s=60)  # A's first push stops at bucket 1 until released
+        with make_sync(a_client, a_transport, tmp_path / "a", timeout_s=faults.LIVE_LEASE_S) as a, \
                 make_sync(b_client, "shm", tmp_path / "b") as b:
             perturb(a_model)
             a_version = int(reader.weight_version()) + 1
@@ -262,20 +275,19 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
                 except ws.WeightSyncError as e:
                     a_error.append(e)
 
-            with injected("block", at_bucket=1, block_s=60) as made:
-                thread = threading.Thread(target=push_a, daemon=True)
-                thread.start()
-                deadline = time.monotonic() + 60
-                while not (made and made[0].fired.is_set()) and time.monotonic() < deadline:
-                    time.sleep(0.01)  # until A is mid-stream
-            assert made and made[0].fired.is_set()
+            thread = threading.Thread(target=push_a, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 60
+            while not a_transport.fired.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)  # until A is mid-stream
+            assert a_transport.fired.is_set()
             before = fingerprint(reader)
             perturb(b_model)
             with pytest.raises(ws.EngineError) as busy:  # A is alive: its session is not taken
                 b.push(b_model, version=a_version + 1)
             assert busy.value.status == 409 and "is held by trainer" in str(busy.value), busy.value
             assert fingerprint(reader) == before
-            made[0].release.set()
+            a_transport.release.set()
             thread.join(60)
             assert not a_error, a_error  # A wins whole
             served = fingerprint(reader)
@@ -298,7 +310,8 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
 def test_vllm_killed_mid_stream_then_restarted(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine,
                                                trainer: Any, fault_model: Path, tmp_path: Path) -> None:
     """Last in this module: it kills the module's server, then starts a new one."""
-    with injected("kill", rig=_ProcessGroup(server), at_push=2), make_sync(engine, "shm", tmp_path) as sync:
+    killing = with_fault("shm", "kill", tmp_path, rig=_ProcessGroup(server), at_push=2)
+    with make_sync(engine, killing, tmp_path) as sync:
         push_good(sync, reader, trainer)
         error, seconds = push_faulted(sync, reader, trainer)
     assert isinstance(error, ws.EngineError | ws.SyncTimeoutError), error

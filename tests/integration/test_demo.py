@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from weightsync.cli.main import main
-from weightsync.demo import DemoConfig, run_demo
+from weightsync_tools.demo import DemoConfig, run_demo
 
 
 def test_default_demo_learns_with_every_push_verified(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,9 +4,11 @@ pushes its weights into a live engine every step, verified."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
+
+from weightsync.cli.tools import tools_installed
+from weightsync.transports import TRANSPORTS
+from weightsync.types import MODES
 
 EPILOG = """examples:
   weightsync demo                                  # LoRA tensors over HTTP to the embedded engine
@@ -21,8 +23,8 @@ EPILOG = """examples:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run an RL loop that syncs weights into an engine every step",
                        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["lora", "full", "lora-merged"], default="lora")
-    p.add_argument("--transport", choices=["http", "shm", "broadcast", "disk"], default=None,
+    p.add_argument("--mode", choices=MODES, default="lora")
+    p.add_argument("--transport", choices=TRANSPORTS, default=None,
                    help="default: http for the embedded engine, shm for vLLM (it takes no http)")
     p.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
     p.add_argument("--engine-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -34,28 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    if not tools_installed("demo"):
+        return 1
+    from weightsync_tools.demo.command import run as run_demo
 
-    from weightsync.demo import DemoConfig, StepRow, run_demo
-    from weightsync.demo.report import format_table, write_json, write_plot
-
-    transport = args.transport or ("shm" if args.engine == "vllm" else "http")
-    cfg = DemoConfig(steps=args.steps, mode=args.mode, transport=transport, engine=args.engine,
-                     engine_dtype=args.engine_dtype, seed=args.seed, out_dir=args.out)
-    print(f"weightsync demo: {cfg.mode} over {cfg.transport} to the {cfg.engine} engine ({cfg.engine_dtype}), "
-          f"{cfg.steps} steps", file=sys.stderr)
-    with tqdm(total=cfg.steps, desc="RL steps", unit="step", file=sys.stderr) as bar:
-        def on_step(row: StepRow) -> None:
-            bar.set_postfix(reward=f"{row.reward:.3f}", sync_ms=f"{row.sync_seconds * 1000:.1f}",
-                            verified=row.verified)
-            bar.update(1)
-
-        result = run_demo(cfg, on_step=on_step)
-    print(format_table(result), file=sys.stderr)
-    plot = write_plot(result, cfg.out_dir / "demo.png")
-    report = write_json(result, cfg.out_dir / "demo.json")
-    print(f"plot: {plot}\nreport: {report}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    ok = all(r.verified for r in result.rows)
-    return 0 if ok else 1
+    return run_demo(args)

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.bench.matrix import CellResult
-from weightsync.bench.suite import BenchResult
+from weightsync_tools.bench.matrix import CellResult
+from weightsync_tools.bench.suite import BenchResult
 
 LIMIT_OF_TRANSPORT = {"broadcast": "gloo", "shm": "copy", "http": "tcp", "disk": "disk"}
 PER_TENSOR = ("per-tensor-broadcast", "per-tensor-http")

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from weightsync.bench.engines import start_engine
-from weightsync.bench.matrix import CellResult, engine_cells, run_engine_cells
-from weightsync.bench.scenarios import Scenario, engine_model_dir, trainer_model, with_lora
 from weightsync.tiny import TinyModelConfig
+from weightsync_tools.bench.engines import start_engine
+from weightsync_tools.bench.matrix import CellResult, engine_cells, run_engine_cells
+from weightsync_tools.bench.scenarios import Scenario, engine_model_dir, trainer_model, with_lora
 
 SCENARIO = Scenario(name="fixed-cost", model=TinyModelConfig(
     num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=64, vocab_size=320, tie_word_embeddings=True))

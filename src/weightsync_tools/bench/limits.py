@@ -15,7 +15,7 @@ in the same chunk size, with no weightsync code on the path:
   transport's floor; the page cache serves the engine's read back).
 
 Every figure is the best of `repeats` runs. Receiving processes are
-`python -m weightsync.bench.limits ...` children, always reaped; the
+`python -m weightsync_tools.bench.limits ...` children, always reaped; the
 rendezvous is a file store in a temporary directory and the socket a
 kernel-chosen port: no fixed ports.
 Boundaries: measuring only; no printing, no weightsync transport or engine.
@@ -144,9 +144,9 @@ def measure_disk(num_bytes: int, chunk_bytes: int, directory: Path, *, repeats: 
 
 @contextlib.contextmanager
 def _receiver(*args: str | int, stdout: int | None = None, grace_s: float = 30.0) -> Iterator[subprocess.Popen[str]]:
-    """`python -m weightsync.bench.limits ARGS`, the receiving side of a limit. Reaped on
+    """`python -m weightsync_tools.bench.limits ARGS`, the receiving side of a limit. Reaped on
     exit: given `grace_s` to finish after a clean run, killed at once after an error."""
-    command = [sys.executable, "-m", "weightsync.bench.limits", *map(str, args)]
+    command = [sys.executable, "-m", "weightsync_tools.bench.limits", *map(str, args)]
     child = subprocess.Popen(command, stdout=stdout, text=True, start_new_session=True)
     try:
         yield child

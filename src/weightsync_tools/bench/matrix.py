@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightsync.bench.engines import RunningEngine
 from weightsync.errors import WeightSyncError
+from weightsync.types import MODES as ALL_MODES
+from weightsync_tools.bench.engines import RunningEngine
 
 log = logging.getLogger(__name__)
 
-MODES = ("full", "lora", "lora-merged")
-TRANSPORTS = ("disk", "http", "broadcast", "shm")
+MODES = tuple(m for m in ALL_MODES if m != "delta")
+"""Every mode but "delta": a cell pushes the same weights again and again, so a delta
+push would move nothing."""
 STAGES = ("gather", "pack", "hash", "wire", "load")
 
 

@@ -1,6 +1,6 @@
 """Trainer peak memory of producing merged-LoRA weights, one way against another.
 
-Each method runs in a fresh `python -m weightsync.bench.memory` process with
+Each method runs in a fresh `python -m weightsync_tools.bench.memory` process with
 `MALLOC_MMAP_THRESHOLD_=65536`, so freed tensors go back to the OS and the
 resident set tracks live tensor bytes. The child builds the scenario's model
 with a rank-16 LoRA adapter on every linear layer, resets the kernel's
@@ -86,8 +86,8 @@ def _child(method: str, scenario_json: str) -> dict[str, Any]:
     """In the fresh process: build, reset the peak, merge, report."""
     import torch
 
-    from weightsync.bench.scenarios import with_lora
     from weightsync.tiny import TinyModelConfig, build_model
+    from weightsync_tools.bench.scenarios import with_lora
 
     torch.set_num_threads(1)
     model = with_lora(build_model(TinyModelConfig(**json.loads(scenario_json))))
@@ -108,7 +108,7 @@ def measure_memory(method: str, model_config: dict[str, Any], *, timeout_s: floa
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; one of {METHODS}")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "weightsync.bench.memory", method, json.dumps(model_config)],
+    done = subprocess.run([sys.executable, "-m", "weightsync_tools.bench.memory", method, json.dumps(model_config)],
                           capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"memory child ({method}) failed with code {done.returncode}: {done.stderr[-2000:]}")

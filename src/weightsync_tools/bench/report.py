@@ -17,11 +17,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from weightsync.bench.analysis import CellView, Target, cell_views, targets
-from weightsync.bench.fixed_cost import describe as describe_fixed_cost
-from weightsync.bench.matrix import STAGES, CellResult
-from weightsync.bench.scenarios import MANY_SMALL_NOTE
-from weightsync.bench.suite import BenchResult
+from weightsync_tools.bench.analysis import CellView, Target, cell_views, targets
+from weightsync_tools.bench.fixed_cost import describe as describe_fixed_cost
+from weightsync_tools.bench.matrix import STAGES, CellResult
+from weightsync_tools.bench.scenarios import MANY_SMALL_NOTE
+from weightsync_tools.bench.suite import BenchResult
 
 MiB = 1 << 20
 BASELINE_ABBREV = {"per-tensor-broadcast": "xPTB", "per-tensor-http": "xPTH", "checkpoint-reload": "xCKPT"}

@@ -31,13 +31,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from weightsync.bench import baselines as baselines_mod
-from weightsync.bench import fixed_cost as fixed_cost_mod
-from weightsync.bench import limits as limits_mod
-from weightsync.bench import memory as memory_mod
-from weightsync.bench.engines import start_engine
-from weightsync.bench.matrix import MODES, TRANSPORTS, CellResult, engine_cells, run_engine_cells
-from weightsync.bench.scenarios import (
+from weightsync.transports import TRANSPORTS
+from weightsync_tools.bench import baselines as baselines_mod
+from weightsync_tools.bench import fixed_cost as fixed_cost_mod
+from weightsync_tools.bench import limits as limits_mod
+from weightsync_tools.bench import memory as memory_mod
+from weightsync_tools.bench.engines import start_engine
+from weightsync_tools.bench.matrix import MODES, CellResult, engine_cells, run_engine_cells
+from weightsync_tools.bench.scenarios import (
     DEFAULT_MODEL_BYTES,
     SCENARIOS,
     Scenario,
@@ -156,7 +157,7 @@ def run_sync_suite(config: BenchConfig, *, progress: Progress = lambda _: None,
 
 def _run_scenario(scenario: Scenario, config: BenchConfig, result: BenchResult, progress: Progress,
                   on_cell: Callable[[CellResult], None] | None) -> None:
-    from weightsync.bench.scenarios import trainer_model
+    from weightsync_tools.bench.scenarios import trainer_model
 
     out = config.out_dir
     engine_scenario = replace(scenario, model=replace(scenario.model, dtype=config.engine_dtype))
@@ -224,7 +225,7 @@ def _trainer_models(scenario: Scenario, modes: tuple[str, ...], model: Any) -> d
     the baselines), one LoRA-wrapped copy for the LoRA modes."""
     import copy
 
-    from weightsync.bench.scenarios import with_lora
+    from weightsync_tools.bench.scenarios import with_lora
 
     out: dict[str, Any] = {"full": model}
     lora_modes = [m for m in _cell_modes(scenario, modes) if m != "full"]

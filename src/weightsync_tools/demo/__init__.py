@@ -1,5 +1,5 @@
 """`weightsync demo`: a tiny GRPO-style RL loop that syncs weights every step."""
 
-from weightsync.demo.run import DemoConfig, DemoResult, StepRow, run_demo
+from weightsync_tools.demo.run import DemoConfig, DemoResult, StepRow, run_demo
 
 __all__ = ["DemoConfig", "DemoResult", "StepRow", "run_demo"]

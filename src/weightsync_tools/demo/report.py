@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from weightsync.demo.run import DemoResult
+from weightsync_tools.demo.run import DemoResult
 
 
 def format_table(result: DemoResult) -> str:

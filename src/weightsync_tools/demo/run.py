@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from weightsync.demo.grpo import group_advantages, policy_loss, target_reward, token_logprobs
 from weightsync.tiny import TinyModelConfig, make_tiny_model
+from weightsync_tools.demo.grpo import group_advantages, policy_loss, target_reward, token_logprobs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ field; `run_faults` runs them all, adds a load test per pause policy
 (`run_load`), and returns the counts (`format_table` renders them).
 
     rig.py        the engine under test, the trainer's weights
-    inject.py     FaultyTransport, child trainer processes
+    inject.py     FaultyTransport (pass it as WeightSync(transport=...)), child trainer processes
     scenarios.py  one function per fault -> FaultOutcome
     load.py       generate clients under pushes, answer replay
 
@@ -26,22 +26,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from weightsync.bench.faults.inject import (
+from weightsync.transports import TRANSPORTS
+from weightsync_tools.faults.inject import (
     CHILD_READY_TIMEOUT_S,
     ChildTrainer,
     FaultyTransport,
     child_main,
-    injected,
+    faulty,
     segments_left,
 )
-from weightsync.bench.faults.load import Answer, AnswerVerifier, LoadFigures, run_load
-from weightsync.bench.faults.rig import (
+from weightsync_tools.faults.load import Answer, AnswerVerifier, LoadFigures, run_load
+from weightsync_tools.faults.rig import (
     ADMIN_KEY,
     BUCKET_BYTES,
     MARGIN_S,
     POLICIES,
     PROMPTS,
-    TRANSPORTS,
     DictSource,
     Rig,
     Weights,
@@ -50,7 +50,7 @@ from weightsync.bench.faults.rig import (
     make_fault_model,
     perturbed,
 )
-from weightsync.bench.faults.scenarios import (
+from weightsync_tools.faults.scenarios import (
     LIVE_LEASE_S,
     FaultOutcome,
     bad_bucket,
@@ -148,6 +148,6 @@ __all__ = [
     "ADMIN_KEY", "BUCKET_BYTES", "CHILD_READY_TIMEOUT_S", "LIVE_LEASE_S", "MARGIN_S", "POLICIES", "PROMPTS", "TRANSPORTS",
     "Answer", "AnswerVerifier", "ChildTrainer", "DictSource", "FaultOutcome", "FaultyTransport", "LoadFigures",
     "Rig", "Weights", "bad_bucket", "child_main", "disk_full", "engine_killed", "engine_stalled",
-    "engine_stalled_before_push", "error_bound_s", "format_table", "injected", "load_weights", "make_fault_model", "perturbed",
+    "engine_stalled_before_push", "error_bound_s", "faulty", "format_table", "load_weights", "make_fault_model", "perturbed",
     "run_faults", "run_load", "segments_left", "summarize", "trainer_killed", "two_trainers", "unwritable_root",
 ]

@@ -22,20 +22,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import httpx
 import torch
 
-from weightsync.bench.faults.rig import DictSource
 from weightsync.checkpoint import bucket_file_name
 from weightsync.engines.base import Delivery, Link
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.errors import WeightSyncError
 from weightsync.sync import WeightSync
+from weightsync.transports import make_transport
 from weightsync.transports.base import Transport
 from weightsync.types import BucketMeta, Manifest
 from weightsync.wire import FrameHeader, encode_prefix
+from weightsync_tools.faults.rig import DictSource
 
 # -- injecting faults --------------------------------------------------------------------------
 
@@ -156,32 +156,20 @@ class FaultyTransport:
         self.inner.close()
 
 
-@contextlib.contextmanager
-def injected(fault: str, **options: Any) -> Iterator[list[FaultyTransport]]:
-    """Every transport a `WeightSync` makes inside the block (at its first push) is a
-    `FaultyTransport(real, fault, **options)`; the list fills as they are made. A sync
-    keeps its transport after the block ends."""
-    from weightsync import sync as sync_module
-
-    made: list[FaultyTransport] = []
-    real = sync_module.make_transport
-
-    def make(name: str, **kw: Any) -> Transport:
-        transport = FaultyTransport(real(name, **kw), fault, **options)
-        made.append(transport)
-        return transport  # type: ignore[return-value]
-
-    with mock.patch.object(sync_module, "make_transport", make):
-        yield made
+def faulty(transport: str, fault: str, *, timeout_s: float, disk_root: str | Path | None = None,
+           **options: Any) -> FaultyTransport:
+    """A `FaultyTransport(real, fault, **options)` around the transport `WeightSync` would
+    make by that name; pass it as `WeightSync(transport=...)`."""
+    return FaultyTransport(make_transport(transport, timeout_s=timeout_s, disk_root=disk_root), fault, **options)
 
 
 class ChildTrainer:
-    """A trainer in a child process (`python -m weightsync.bench.faults child SPEC`, see
+    """A trainer in a child process (`python -m weightsync_tools.faults child SPEC`, see
     `child_main`), whose output lines can be waited for and which can be SIGKILLed."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.bench.faults", "child", json.dumps(spec)],
+            [sys.executable, "-m", "weightsync_tools.faults", "child", json.dumps(spec)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.output: list[str] = []
@@ -301,9 +289,10 @@ def child_main(spec: dict[str, Any]) -> int:
     fault = spec.get("fault")
     if fault == "block-body":
         engine = _CutBodyEngine(engine, spec["at_bucket"], announce, spec["api_key"])
-    injection: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    transport: Transport = make_transport(spec["transport"], timeout_s=spec["timeout_s"], disk_root=spec["disk_root"])
     if fault in ("block", "block-send"):
-        injection = injected(fault, at_bucket=spec["at_bucket"], on_fire=announce, block_s=None)
+        made.append(FaultyTransport(transport, fault, at_bucket=spec["at_bucket"], on_fire=announce, block_s=None))
+        transport = made[0]
     if spec.get("fsize_limit"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
         _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -311,9 +300,8 @@ def child_main(spec: dict[str, Any]) -> int:
     started = time.monotonic()
     result: dict[str, Any] = {"ok": True}
     try:
-        with injection as faulty, WeightSync([engine], transport=spec["transport"], bucket_bytes=spec["bucket_bytes"],
-                                             timeout_s=spec["timeout_s"], disk_root=spec["disk_root"]) as sync:
-            made = faulty if faulty is not None else []  # the list fills when the push makes its transport
+        with WeightSync([engine], transport=transport, bucket_bytes=spec["bucket_bytes"],
+                        timeout_s=spec["timeout_s"]) as sync:
             sync.push(DictSource(weights), version=spec["version"])
     except (WeightSyncError, OSError) as e:
         result = {"ok": False, "error_type": type(e).__name__, "error": str(e)}

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import torch
 
-from weightsync.bench.faults.rig import LOGPROB_TOLERANCE, PROMPTS, Rig, Weights
+from weightsync_tools.faults.rig import LOGPROB_TOLERANCE, PROMPTS, Rig, Weights
 
 # -- load: generation while pushes run back to back ---------------------------------------------
 

@@ -27,9 +27,10 @@ from weightsync.engines.sglang import CLEANUP_TIMEOUT_S, SGLangEngine
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.sync import WeightSync
+from weightsync.transports import make_transport
+from weightsync.transports.base import Transport
 from weightsync.types import Manifest, TensorMeta
 
-TRANSPORTS = ("http", "shm", "broadcast", "disk")
 POLICIES = ("none", "abort", "retract", "in_place")
 BUCKET_BYTES = 64 << 10
 """Small buckets: the tiny model (1.7 MB) streams as 19 buckets, so a fault lands mid-stream."""
@@ -187,11 +188,18 @@ class Rig:
         """Built as the README builds it: no timeout of its own, so the push's bounds every call."""
         return SGLangEngine(self.url, api_key=self.api_key)
 
-    def sync(self, transport: str, *, disk_root: Path | None = None, engine: Any = None,
+    def sync(self, transport: str | Transport, *, disk_root: Path | None = None, engine: Any = None,
              timeout_s: float | None = None, **options: Any) -> WeightSync:
+        """A trainer's sync; `transport` by name (its versions under `disk_root`, by default
+        `self.disk_root(transport)`) or a transport object (`self.transport`, wrapped)."""
+        if isinstance(transport, str):
+            options["disk_root"] = str(disk_root or self.disk_root(transport))
         return WeightSync([engine or self.engine()], transport=transport, bucket_bytes=BUCKET_BYTES,
-                          timeout_s=timeout_s or self.timeout_s, disk_root=str(disk_root or self.disk_root(transport)),
-                          **options)
+                          timeout_s=timeout_s or self.timeout_s, **options)
+
+    def transport(self, name: str, *, disk_root: Path | None = None, timeout_s: float | None = None) -> Transport:
+        """The transport `self.sync(name, ...)` would make, to wrap in a `FaultyTransport`."""
+        return make_transport(name, timeout_s=timeout_s or self.timeout_s, disk_root=disk_root or self.disk_root(name))
 
     def disk_root(self, name: str) -> Path:
         """A directory under the engine's --disk-root for one trainer's versions."""

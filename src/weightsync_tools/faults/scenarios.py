@@ -25,13 +25,15 @@ from typing import Any
 
 import httpx
 
-from weightsync.bench.faults.inject import (
+from weightsync.errors import EngineError, WeightSyncError
+from weightsync.sync import WeightSync
+from weightsync_tools.faults.inject import (
     CHILD_READY_TIMEOUT_S,
     ChildTrainer,
-    injected,
+    FaultyTransport,
     segments_left,
 )
-from weightsync.bench.faults.rig import (
+from weightsync_tools.faults.rig import (
     BUCKET_BYTES,
     MARGIN_S,
     DictSource,
@@ -42,8 +44,6 @@ from weightsync.bench.faults.rig import (
     leftover_temp_dirs,
     version_dir_problems,
 )
-from weightsync.errors import EngineError, WeightSyncError
-from weightsync.sync import WeightSync
 
 # -- outcomes ----------------------------------------------------------------------------------
 
@@ -195,7 +195,7 @@ def _next_push(out: FaultOutcome, rig: Rig, sync: WeightSync, *, conflicts_for_s
 def engine_killed(rig: Rig, transport: str) -> FaultOutcome:
     """SIGKILL the engine just before bucket 1 goes out; restart it on the same port."""
     out = FaultOutcome("engine killed mid-stream, restarted", transport)
-    with injected("kill", rig=rig, at_push=2), rig.sync(transport) as sync:
+    with rig.sync(FaultyTransport(rig.transport(transport), "kill", rig=rig, at_push=2)) as sync:
         rig.push(sync)
         _observe(out, rig)
         _timed_push(out, sync, rig.new_weights(), rig.next_version())
@@ -214,7 +214,7 @@ def engine_killed(rig: Rig, transport: str) -> FaultOutcome:
 def engine_stalled(rig: Rig, transport: str) -> FaultOutcome:
     """SIGSTOP the engine just before bucket 1 goes out, for longer than timeout_s."""
     out = FaultOutcome("engine stalled past timeout_s (SIGSTOP)", transport)
-    with injected("stop", rig=rig, at_push=2), rig.sync(transport) as sync:
+    with rig.sync(FaultyTransport(rig.transport(transport), "stop", rig=rig, at_push=2)) as sync:
         rig.push(sync)
         _observe(out, rig)
         try:
@@ -248,11 +248,12 @@ def engine_stalled_before_push(rig: Rig, transport: str) -> FaultOutcome:
 def bad_bucket(rig: Rig, transport: str, fault: str) -> FaultOutcome:
     """One bucket flipped ("flip") or cut short ("truncate") after it was hashed."""
     out = FaultOutcome("corrupted bucket (one flipped byte)" if fault == "flip" else "truncated bucket", transport)
-    with injected(fault, at_push=2) as made, rig.sync(transport) as sync:
+    faulty = FaultyTransport(rig.transport(transport), fault, at_push=2)
+    with rig.sync(faulty) as sync:
         rig.push(sync)
         _observe(out, rig)
         _timed_push(out, sync, rig.new_weights(), rig.next_version())
-        if not made[0].fired.is_set():
+        if not faulty.fired.is_set():
             out.notes.append("the fault never fired")
             out.error_type = None
         _check_kept(out, rig)
@@ -397,23 +398,24 @@ def two_trainers(rig: Rig, transport: str, *, race_rounds: int = 2) -> FaultOutc
     session, A must win whole); then B pushes an older and an equal version (refused);
     then both race freely."""
     out = FaultOutcome("two trainers at once, then older versions", transport)
-    with _VersionWatch(rig) as watch, \
-            rig.sync(transport, disk_root=rig.disk_root(f"{transport}-a"), timeout_s=LIVE_LEASE_S) as a, \
+    a_transport = FaultyTransport(  # A's first push stops at bucket 1 until released
+        rig.transport(transport, disk_root=rig.disk_root(f"{transport}-a"), timeout_s=LIVE_LEASE_S),
+        "block", at_bucket=1)
+    with _VersionWatch(rig) as watch, rig.sync(a_transport, timeout_s=LIVE_LEASE_S) as a, \
             rig.sync(transport, disk_root=rig.disk_root(f"{transport}-b")) as b:
         _observe(out, rig)
         a_weights, a_version = rig.new_weights(), rig.next_version()
         a_out = FaultOutcome("trainer A", transport)
-        with injected("block", at_bucket=1) as made:
-            thread = threading.Thread(target=_timed_push, args=(a_out, a, a_weights, a_version), daemon=True)
-            thread.start()
-            deadline = time.monotonic() + 60
-            while not (made and made[0].fired.is_set()) and time.monotonic() < deadline and thread.is_alive():
-                time.sleep(0.01)  # until A holds its session, mid-stream
-        if not (made and made[0].fired.is_set()):
+        thread = threading.Thread(target=_timed_push, args=(a_out, a, a_weights, a_version), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not a_transport.fired.is_set() and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.01)  # until A holds its session, mid-stream
+        if not a_transport.fired.is_set():
             out.notes.append(f"trainer A never reached bucket 1: {a_out.error_type}: {a_out.error}")
             return out
         _timed_push(out, b, rig.new_weights(), rig.next_version())  # B collides with A's session
-        made[0].release.set()
+        a_transport.release.set()
         thread.join()
         if a_out.error_type is not None or a_out.hung:
             out.notes.append(f"trainer A failed: {a_out.error_type}: {a_out.error}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.bench import limits
+from weightsync_tools.bench import limits
 
 MiB = 1 << 20
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.bench.analysis import cell_views, targets
-from weightsync.bench.baselines import BaselineResult
-from weightsync.bench.limits import Limit
-from weightsync.bench.matrix import STAGES, Cell, CellResult
-from weightsync.bench.memory import MemoryResult
-from weightsync.bench.report import format_report, to_json, write_chart
-from weightsync.bench.scenarios import make_scenario
-from weightsync.bench.suite import BenchConfig, BenchResult
+from weightsync_tools.bench.analysis import cell_views, targets
+from weightsync_tools.bench.baselines import BaselineResult
+from weightsync_tools.bench.limits import Limit
+from weightsync_tools.bench.matrix import STAGES, Cell, CellResult
+from weightsync_tools.bench.memory import MemoryResult
+from weightsync_tools.bench.report import format_report, to_json, write_chart
+from weightsync_tools.bench.scenarios import make_scenario
+from weightsync_tools.bench.suite import BenchConfig, BenchResult
 
 MiB = 1 << 20
 N = 100 * MiB

@@ -9,16 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.bench.baselines import run_baselines
-from weightsync.bench.engines import RunningEngine, start_engine
-from weightsync.bench.fixed_cost import SCENARIO as FIXED_COST
-from weightsync.bench.fixed_cost import run_fixed_cost
-from weightsync.bench.matrix import STAGES, Cell, engine_cells, run_cell
-from weightsync.bench.memory import measure_memory
-from weightsync.bench.scenarios import engine_model_dir, make_scenario, trainer_model, with_lora
 from weightsync.bucketing import plan_buckets
 from weightsync.cli.main import main
 from weightsync.sources import make_source
+from weightsync_tools.bench.baselines import run_baselines
+from weightsync_tools.bench.engines import RunningEngine, start_engine
+from weightsync_tools.bench.fixed_cost import SCENARIO as FIXED_COST
+from weightsync_tools.bench.fixed_cost import run_fixed_cost
+from weightsync_tools.bench.matrix import STAGES, Cell, engine_cells, run_cell
+from weightsync_tools.bench.memory import measure_memory
+from weightsync_tools.bench.scenarios import (
+    engine_model_dir,
+    make_scenario,
+    trainer_model,
+    with_lora,
+)
 
 MiB = 1 << 20
 SCENARIO = make_scenario("dense", 2 * MiB)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bench.scenarios import SCENARIOS, make_scenario, trainer_model, with_lora
+from weightsync_tools.bench.scenarios import SCENARIOS, make_scenario, trainer_model, with_lora
 
 MiB = 1 << 20
 

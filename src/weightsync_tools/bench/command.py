@@ -1,0 +1,84 @@
+"""What `weightsync bench` runs once `weightsync.cli.bench` parsed its arguments:
+the sync suite (table, chart, JSON) or the faults suite."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+QUICK_MODEL_BYTES = 64 << 20
+QUICK_BUCKET_BYTES = 16 << 20
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """The suite's BenchConfig from the command line."""
+    from weightsync_tools.bench.engines import vllm_available
+    from weightsync_tools.bench.suite import BenchConfig
+
+    quick = bool(args.quick)
+    engines = args.engines or (("embedded",) if quick or not vllm_available() else ("embedded", "vllm"))
+    options: dict[str, Any] = dict(out_dir=args.out, quick=quick, engines=engines, engine_dtype=args.engine_dtype)
+    if quick:
+        options.update(model_bytes=QUICK_MODEL_BYTES, bucket_sizes=(QUICK_BUCKET_BYTES,), repeats=2,
+                       limit_repeats=2, vllm_bucket_sizes=(QUICK_BUCKET_BYTES,),
+                       memory_methods=("layer-by-layer", "whole-model"))
+    if args.model_bytes is not None:
+        options["model_bytes"] = args.model_bytes
+    if args.bucket_bytes:
+        options["bucket_sizes"] = args.bucket_bytes
+        options["vllm_bucket_sizes"] = args.bucket_bytes[:1]
+    for name in ("transports", "modes", "scenarios"):
+        if getattr(args, name):
+            options[name] = getattr(args, name)
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+        options["repeats"] = args.repeats
+    return BenchConfig(**options)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.suite == "faults":
+        return _run_faults(args)
+    from weightsync_tools.bench.report import format_report, to_json, write_chart
+    from weightsync_tools.bench.suite import run_sync_suite
+
+    try:
+        config = build_config(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table_out = sys.stderr if args.json else sys.stdout
+
+    def progress(message: str) -> None:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+    def on_cell(result: Any) -> None:
+        c = result.cell
+        what = f"{c.scenario} {c.mode} {c.transport} {c.engine} {c.bucket_bytes >> 20}MiB"
+        figure = f"{result.seconds:.3f} s, {result.gbps:.2f} GB/s" if result.ok else f"FAILED: {result.error}"
+        progress(f"{what}: {figure}")
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress lines only
+    result = run_sync_suite(config, progress=progress, on_cell=on_cell)
+    chart = write_chart(result, config.out_dir / "bench.png")
+    document = to_json(result)
+    document["chart"] = str(chart)
+    (config.out_dir / "bench.json").write_text(json.dumps(document, indent=1) + "\n")
+    print(format_report(result), file=table_out)
+    print(f"chart: {chart}\nreport: {config.out_dir / 'bench.json'}", file=table_out, flush=True)
+    print(json.dumps(document), flush=True)
+    return 0 if all(c.ok for c in [*result.cells, *result.fixed_cost]) and not result.notes else 1
+
+
+def _run_faults(args: argparse.Namespace) -> int:
+    from weightsync_tools.faults import format_table, run_faults
+
+    figures = run_faults(quick=bool(args.quick), out_dir=args.out / "faults")
+    print(format_table(figures), file=sys.stderr if args.json else sys.stdout, flush=True)
+    print(json.dumps(figures, default=str), flush=True)
+    return 0
