@@ -39,3 +39,14 @@ def test_usage_errors_exit_2() -> None:
 def test_python_dash_m() -> None:
     out = subprocess.run([sys.executable, "-m", "weightsync", "--help"], capture_output=True, text=True, check=True)
     assert "tiny-model" in out.stdout
+
+
+@pytest.mark.parametrize("command", [["demo", "--steps", "1"], ["bench", "--quick"]])
+def test_tools_subcommands_without_the_tools_extra(command: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Without matplotlib (a module set to None cannot be found or imported), `weightsync
+    demo` and `weightsync bench` fail at once, naming what is missing and how to install it."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(command) == 1
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and "pip install 'weightsync[tools]'" in err, err

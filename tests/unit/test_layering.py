@@ -1,0 +1,110 @@
+"""The library stays a library: the tooling (bench, faults, demo) lives beside it in
+`weightsync_tools`, its dependencies (matplotlib, tqdm) are an extra, and no mock ships.
+
+These read the source tree the tests import `weightsync` from (its `src/`), and run
+`import weightsync` in a fresh interpreter on the same path.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import weightsync
+
+PACKAGE = Path(weightsync.__file__).parent
+SRC = PACKAGE.parent
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+TOOL_MODULES = ("matplotlib", "tqdm", "weightsync_tools", "weightsync.bench", "weightsync.demo")
+
+
+def _is_under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _imports(path: Path) -> Iterator[tuple[str, bool]]:
+    """(module imported, at module level?) for every import statement in `path`;
+    `from a import b` yields both "a" and "a.b"."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, id(node) in top_level
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, id(node) in top_level
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}", id(node) in top_level
+
+
+def test_import_weightsync_adds_no_tooling() -> None:
+    """`import weightsync` and building the CLI parser (`weightsync --help`) import
+    neither the tools nor their dependencies. torch itself imports tqdm (torch.hub), so
+    what counts is what weightsync adds after `import torch`."""
+    code = (
+        "import json, sys\n"
+        "import torch\n"
+        "before = set(sys.modules)\n"
+        "import weightsync\n"
+        "from weightsync.cli.main import build_parser\n"
+        "build_parser()\n"
+        "print(json.dumps({'added': sorted(set(sys.modules) - before), 'all': sorted(sys.modules)}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    modules = json.loads(done.stdout.splitlines()[-1])
+    added = [m for m in modules["added"] if _is_under(m, TOOL_MODULES)]
+    assert not added, f"import weightsync imported tooling: {added}"
+    anywhere = [m for m in modules["all"] if _is_under(m, ("matplotlib", "weightsync_tools"))]
+    assert not anywhere, anywhere
+
+
+def test_tooling_is_not_in_the_weightsync_package() -> None:
+    assert not (PACKAGE / "bench").exists(), "bench/ belongs in weightsync_tools, beside the library"
+    assert not (PACKAGE / "demo").exists(), "demo/ belongs in weightsync_tools, beside the library"
+    assert (SRC / "weightsync_tools" / "__init__.py").exists()
+
+
+def test_the_library_never_imports_the_tools() -> None:
+    """No module of weightsync imports matplotlib or tqdm; only the CLI imports
+    weightsync_tools, and only inside the function that runs a subcommand."""
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        in_cli = path.parent == PACKAGE / "cli"
+        for module, top_level in _imports(path):
+            where = f"{path.relative_to(SRC)}: {module}"
+            if _is_under(module, ("matplotlib", "tqdm")):
+                problems.append(f"{where} (tools extra)")
+            elif _is_under(module, ("weightsync_tools",)) and (not in_cli or top_level):
+                problems.append(f"{where} (only weightsync.cli may, lazily)")
+        if not in_cli and "weightsync_tools" in path.read_text():
+            problems.append(f"{path.relative_to(SRC)} names weightsync_tools")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_mock_in_src() -> None:
+    """Fakes belong to tests; the fault rig injects faults by passing a wrapping
+    transport (WeightSync(transport=FaultyTransport(...))), never by patching."""
+    found = [f"{path.relative_to(SRC)}: {module}"
+             for path in sorted(SRC.rglob("*.py"))
+             for module, _ in _imports(path)
+             if _is_under(module, ("mock", "unittest.mock"))]
+    assert not found, found
+
+
+def test_matplotlib_and_tqdm_are_the_tools_extra() -> None:
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {r.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
+                for r in requirements}
+
+    assert not names(project["dependencies"]) & {"matplotlib", "tqdm"}, project["dependencies"]
+    assert names(project["optional-dependencies"]["tools"]) >= {"matplotlib", "tqdm"}

@@ -1,0 +1,68 @@
+"""The transport registry, and WeightSync taking a transport by name or as an object."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import weightsync
+from weightsync import SGLangEngine, WeightSync
+from weightsync.transports import (
+    REGISTRY,
+    TRANSPORTS,
+    DiskTransport,
+    HttpTransport,
+    make_transport,
+    transport_class,
+)
+from weightsync.transports.base import Transport
+
+
+def test_registry_names_match_their_classes() -> None:
+    assert tuple(REGISTRY) == TRANSPORTS
+    for name in TRANSPORTS:
+        assert transport_class(name).name == name  # type: ignore[attr-defined]
+
+
+def test_unknown_transport_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError, match=r"unknown transport 'nccl'; valid names: disk, http, broadcast, shm"):
+        make_transport("nccl")
+    with pytest.raises(ValueError, match="valid names: disk, http, broadcast, shm"):
+        WeightSync([SGLangEngine("http://127.0.0.1:9")], transport="nccl")
+
+
+def test_make_transport_passes_each_class_its_options(tmp_path: Path) -> None:
+    disk = make_transport("disk", disk_root=tmp_path, keep_versions=3, timeout_s=5.0)
+    assert isinstance(disk, DiskTransport) and disk.root == tmp_path and disk.keep_versions == 3
+    assert disk.timeout_s == 5.0
+    with pytest.raises(ValueError, match="transport='disk' needs disk_root"):
+        make_transport("disk")
+    assert isinstance(make_transport("http", disk_root=tmp_path), HttpTransport)  # options it lacks are dropped
+
+
+def test_transport_modules_load_on_first_use() -> None:
+    code = "import json, sys, weightsync; print(json.dumps(sorted(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": str(Path(weightsync.__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loaded = [m for m in json.loads(done.stdout.splitlines()[-1])
+              if m.startswith("weightsync.transports.") and m != "weightsync.transports.base"]
+    assert not loaded, loaded
+
+
+def test_weightsync_takes_a_transport_object(tmp_path: Path) -> None:
+    engine = SGLangEngine("http://127.0.0.1:9")  # never contacted: nothing is pushed
+    transport = DiskTransport(tmp_path / "versions", keep_versions=1)
+    assert isinstance(transport, Transport)
+    with WeightSync([engine], transport=transport) as sync:
+        assert sync.config.transport == "disk"
+        assert sync._transport is transport
+    with pytest.raises(ValueError, match="disk_root configure a transport made by name"):
+        WeightSync([engine], transport=transport, disk_root=str(tmp_path))
+    with pytest.raises(TypeError, match="transport must be a name"):
+        WeightSync([engine], transport=object())  # type: ignore[arg-type]
