@@ -260,3 +260,25 @@ def test_rename_table_maps_checkpoint_names_to_engine_names() -> None:
     assert torch.equal(engine.weights["net.2.weight"], model.state_dict()["2.weight"])
     with pytest.raises(ws.NamingError, match="match no weight: 'typo'"):
         ws.WeightSync([engine], transport="http", rename={"typo": "x"}).push(model, version=2)
+
+
+def test_rename_table_holds_for_delta_pushes_that_leave_renamed_tensors_out() -> None:
+    """Names are renamed at plan time, for the whole model: a rename entry whose tensor
+    did not change (so a delta push leaves it out) is not a stale entry."""
+    model = tiny()
+    engine_weights = {("net." + k if k.startswith("2.") else k): torch.zeros_like(v)
+                      for k, v in model.state_dict().items()}
+    engine = MemoryEngine(engine_weights)
+    table = {"2.weight": "net.2.weight", "2.bias": "net.2.bias"}
+    with ws.WeightSync([engine], transport="http", mode="delta", rename=table) as sync:
+        assert sync.push(model, version=1).mode == "full"
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+        second = sync.push(model, version=2)
+        assert second.mode == "delta" and second.num_tensors == 1 and second.verified
+        with torch.no_grad():
+            model[2].bias.add_(1.0)
+        third = sync.push(model, version=3)
+        assert third.mode == "delta" and set(third.acks[0].loaded_names) == {"net.2.bias"}
+    assert torch.equal(engine.weights["0.bias"], model.state_dict()["0.bias"])
+    assert torch.equal(engine.weights["net.2.bias"], model.state_dict()["2.bias"])

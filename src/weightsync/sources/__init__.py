@@ -8,7 +8,7 @@ the tensors in the order it is asked for.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -37,6 +37,15 @@ class WeightSource(Protocol):
         ...
 
 
+@runtime_checkable
+class AdapterSource(WeightSource, Protocol):
+    """A source of LoRA adapter tensors ("lora" mode), with the adapter's config."""
+
+    def config(self) -> dict[str, Any]:
+        """adapter_config.json contents, as PEFT writes them."""
+        ...
+
+
 def make_source(model: nn.Module | WeightSource, mode: str = "full", *, adapter_name: str | None = None) -> WeightSource:
     """The source for `model` in `mode` ("delta" reads like "full")."""
     if mode not in MODES:
@@ -62,4 +71,4 @@ def named_weights(
     return make_source(model, mode, adapter_name=adapter_name).tensors()
 
 
-__all__ = ["ModuleSource", "WeightSource", "make_source", "named_weights"]
+__all__ = ["AdapterSource", "ModuleSource", "WeightSource", "make_source", "named_weights"]
