@@ -281,8 +281,8 @@ class WeightSync:
         engine_metas = [TensorMeta(hf_name=to_engine[m.hf_name], dtype=_sent_dtype(m.dtype, cast_to), shape=m.shape)
                         for m in selection.metas]
         bucket_bytes = self.config.bucket_bytes
-        if selection.lora_config is not None and self.config.transport == "disk":
-            bucket_bytes = max(1, sum(m.nbytes for m in engine_metas))  # one adapter_model.safetensors
+        if selection.lora_config is not None and self._make_transport().adapter_in_one_bucket:
+            bucket_bytes = max(1, sum(m.nbytes for m in engine_metas))
         buckets = plan_buckets(engine_metas, bucket_bytes)
         manifest = Manifest(
             version=version, mode=selection.mode, buckets=buckets,
@@ -482,14 +482,18 @@ class WeightSync:
         return [e for e, c in zip(self.engines, self._capabilities(), strict=True)
                 if c.unloads_adapters and isinstance(e, AdapterUnloader)]
 
-    def _ensure_session(self, max_bucket_bytes: int) -> list[Link]:
+    def _make_transport(self) -> Transport:
+        """The trainer side of the transport, made on first use and kept."""
         if self._transport is None:
             self._transport = make_transport(
                 self.config.transport, timeout_s=self.config.timeout_s, disk_root=self.config.disk_root,
                 keep_versions=self.config.keep_versions, master_address=self.config.master_address,
                 backend=self.config.backend,
             )
-        transport = self._transport
+        return self._transport
+
+    def _ensure_session(self, max_bucket_bytes: int) -> list[Link]:
+        transport = self._make_transport()
         links = transport.open([c.num_ranks for c in self._capabilities()], max_bucket_bytes=max_bucket_bytes)
         if links is self._links:
             return links  # formed earlier and reused
@@ -540,8 +544,8 @@ class WeightSync:
             self._cleanup(lambda e, _: e.abort(version, timeout_s=cleanup_s), f"abort of v{version}")
         if self._transport is not None:
             self._transport.discard(version)
-        if self.config.transport == "broadcast" or isinstance(error, SyncTimeoutError):
-            self._end_session()  # a failed collective leaves the group unusable
+        if not self._make_transport().survives_failure or isinstance(error, SyncTimeoutError):
+            self._end_session()
 
     def _all(self, call: Callable[[Any, Link | None], T], what: str) -> list[T]:
         """`call(engine, link)` on every engine at once; the first error wins."""

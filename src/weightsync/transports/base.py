@@ -41,6 +41,11 @@ class Transport(Protocol):
     """"disk", "http", "broadcast" or "shm"."""
     per_bucket_delivery: ClassVar[bool]
     """False where engines take the whole update at commit (disk)."""
+    adapter_in_one_bucket: ClassVar[bool]
+    """A LoRA adapter must travel as one bucket (disk: it is adapter_model.safetensors)."""
+    survives_failure: ClassVar[bool]
+    """The session stays usable after a failed push (False for broadcast: a failed
+    collective leaves the group broken, so the next push forms a new one)."""
 
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
         """Prepare a session for engines with these rank counts; one Link each."""
