@@ -60,10 +60,10 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.integrity import ack_problems, digest
-from weightsync.modes import ModeOptions, PushMode, Selection, make_mode
+from weightsync.modes import ModeOptions, PushMode, Selection, make_mode, make_source
 from weightsync.naming import rename
 from weightsync.owners import session_owner
-from weightsync.sources import WeightSource, make_source
+from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import make_transport
 from weightsync.transports.base import NUM_SLOTS, Transport

@@ -12,8 +12,13 @@ its name in `weightsync.types.MODES` (the manifest's mode field).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
 
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
+from weightsync.sources import WeightSource
 from weightsync.types import MODES
 
 _MODES: dict[str, str] = {
@@ -35,4 +40,20 @@ def make_mode(name: str, options: ModeOptions | None = None) -> PushMode:
     return mode
 
 
-__all__ = ["MODES", "ModeDefaults", "ModeOptions", "Planner", "PushMode", "Selection", "make_mode"]
+def make_source(model: nn.Module | WeightSource, mode: str = "full", *,
+                adapter_name: str | None = None) -> WeightSource:
+    """The stream `mode` reads from `model` ("delta" reads like "full"); a `WeightSource`
+    that is not a module is its own stream."""
+    return make_mode(mode, ModeOptions(adapter_name=adapter_name)).source(model)
+
+
+def named_weights(model: nn.Module, *, mode: str = "full",
+                  adapter_name: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(hf_name, tensor)` for every weight of `model` in `mode`, in module order.
+
+    FSDP2 models: a collective per tensor; call on every rank.
+    """
+    return make_source(model, mode, adapter_name=adapter_name).tensors()
+
+
+__all__ = ["MODES", "ModeDefaults", "ModeOptions", "Planner", "PushMode", "Selection", "make_mode", "make_source", "named_weights"]

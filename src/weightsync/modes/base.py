@@ -28,7 +28,7 @@ from torch import nn
 
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import EngineError
-from weightsync.sources import WeightSource, make_source
+from weightsync.sources import ModuleSource, WeightSource, as_source
 from weightsync.types import SyncReport, TensorMeta
 
 
@@ -145,7 +145,9 @@ class ModeDefaults:
         return None
 
     def source(self, model: nn.Module | WeightSource) -> WeightSource:
-        return make_source(model, self.name, adapter_name=self.options.adapter_name)
+        if not isinstance(model, nn.Module):
+            return as_source(model)
+        return ModuleSource(model, adapter_name=self.options.adapter_name)
 
     def prepare(self, model: Any, version: int, planner: Planner) -> None:
         return None

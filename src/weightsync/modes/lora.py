@@ -32,11 +32,13 @@ from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, ClassVar
 
+from torch import nn
+
 from weightsync.engines.base import AdapterUnloader
 from weightsync.errors import AdapterNotLoadedError, WeightSyncError
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
 from weightsync.modes.full import FullMode
-from weightsync.sources import AdapterSource, WeightSource
+from weightsync.sources import AdapterSource, WeightSource, as_source
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,13 @@ class LoraMode(ModeDefaults):
     @property
     def lora_name(self) -> str | None:
         return self.rollover.current
+
+    def source(self, model: nn.Module | WeightSource) -> WeightSource:
+        if not isinstance(model, nn.Module):
+            return as_source(model)
+        from weightsync.lora.source import LoraSource  # imports peft
+
+        return LoraSource(model, adapter_name=self.options.adapter_name)
 
     def prepare(self, model: Any, version: int, planner: Planner) -> None:
         """First push: make sure each engine that reports digests serves the trainer's

@@ -18,7 +18,7 @@ from weightsync.bench.memory import measure_memory
 from weightsync.bench.scenarios import engine_model_dir, make_scenario, trainer_model, with_lora
 from weightsync.bucketing import plan_buckets
 from weightsync.cli.main import main
-from weightsync.sources import make_source
+from weightsync.modes import make_source
 
 MiB = 1 << 20
 SCENARIO = make_scenario("dense", 2 * MiB)
