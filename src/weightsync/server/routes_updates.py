@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from weightsync.bucketing import pack_one
 from weightsync.checkpoint import MANIFEST_FILE, confine
+from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
 from weightsync.server import ingest
@@ -40,7 +41,8 @@ from weightsync.server.http import (
 from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
-from weightsync.types import Manifest, TensorEntry, TensorMeta, dtype_name
+from weightsync.transports import TRANSPORTS
+from weightsync.types import Manifest, TensorEntry, TensorMeta, dtype_from_name, dtype_name
 from weightsync.wire import MAX_HEADER_BYTES, decode_frame
 
 FRAME_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES
@@ -266,15 +268,21 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/weightsync/info")
     async def info() -> dict[str, Any]:
         lora_enabled = state.lora_store is not None
+        dtype = _serving_dtype(updater.metas.values())
+        capabilities = EngineCapabilities(
+            num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
+            supports_delta=True, reads_digests=True, unloads_adapters=lora_enabled,
+            transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,
             "message": "",
             "weightsync": 1,
             "weight_version": updater.version,
             "label": updater.label,
-            "dirty": False,
-            "transports": ["disk", "http", "broadcast", "shm"],
-            "lora_transports": ["disk", "http", "broadcast", "shm"] if lora_enabled else [],
+            "capabilities": capabilities.to_dict(),
+            "dirty": False,  # commits swap whole tensors between two steps: never half-applied
+            "transports": sorted(capabilities.transports),
+            "lora_transports": sorted(capabilities.lora_transports),
             "loaded_loras": state.lora_store.names() if state.lora_store is not None else [],
             "paused": state.scheduler.paused,
             "running_requests": state.scheduler.num_running,
@@ -282,7 +290,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "session": _session_info(state),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
                        for n, m in updater.metas.items()},
-            "dtype": _serving_dtype(updater.metas.values()),
+            "dtype": dtype,
         }
 
     @app.post("/weightsync/digests")
