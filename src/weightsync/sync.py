@@ -460,7 +460,13 @@ class WeightSync:
         """Every engine's declared capabilities, asked once per transport session."""
         if self._caps is None:
             timeout_s = self.config.timeout_s
-            self._caps = self._all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
+            caps = self._all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
+            for engine, c in zip(self.engines, caps, strict=True):
+                declared = c.lora_transports if self._mode.sends_adapter else c.transports
+                if declared and self.config.transport not in declared:
+                    raise EngineError(engine.label, f"this engine takes mode={self.config.mode!r} over "
+                                      f"{sorted(declared)}, not transport={self.config.transport!r}")
+            self._caps = caps
         return self._caps
 
     def _cast_dtype(self, caps: Sequence[EngineCapabilities], *, cast: bool) -> torch.dtype | None:

@@ -282,3 +282,19 @@ def test_rename_table_holds_for_delta_pushes_that_leave_renamed_tensors_out() ->
         assert third.mode == "delta" and set(third.acks[0].loaded_names) == {"net.2.bias"}
     assert torch.equal(engine.weights["0.bias"], model.state_dict()["0.bias"])
     assert torch.equal(engine.weights["net.2.bias"], model.state_dict()["2.bias"])
+
+
+def test_an_engine_declaring_other_transports_is_refused_before_any_byte_moves() -> None:
+    """What an engine declares at the first push (a stock SGLang: broadcast and disk only)
+    is checked before begin, naming the engine and what it takes."""
+
+    class Declaring(MemoryEngine):
+        def capabilities(self, timeout_s: float) -> EngineCapabilities:
+            return EngineCapabilities(stages_updates=True, transports=frozenset({"broadcast", "disk"}))
+
+    model = tiny()
+    engine = Declaring({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, label="stock")
+    with ws.WeightSync([engine], transport="http") as sync, \
+            pytest.raises(EngineError, match=r"stock: .*over \['broadcast', 'disk'\], not transport='http'"):
+        sync.push(model, version=1)
+    assert engine.version == 0 and not any(c.startswith(("begin", "receive")) for c in engine.calls)

@@ -100,6 +100,9 @@ class PushMode(Protocol):
     casts: ClassVar[bool]
     """Floating tensors travel in the engines' dtype (False: as the trainer holds them,
     unless the user forces a dtype)."""
+    sends_adapter: ClassVar[bool]
+    """Pushes carry a LoRA adapter (engines load it by name), so they go over the
+    engines' `lora_transports`; otherwise over their `transports`."""
 
     @property
     def lora_name(self) -> str | None:
@@ -136,6 +139,7 @@ class ModeDefaults:
 
     name: ClassVar[str]
     casts: ClassVar[bool] = True
+    sends_adapter: ClassVar[bool] = False
 
     def __init__(self, options: ModeOptions | None = None) -> None:
         self.options = options or ModeOptions()

@@ -129,6 +129,7 @@ class LoraMode(ModeDefaults):
 
     name: ClassVar[str] = "lora"
     casts: ClassVar[bool] = False
+    sends_adapter: ClassVar[bool] = True
 
     def __init__(self, options: ModeOptions | None = None) -> None:
         super().__init__(options)
