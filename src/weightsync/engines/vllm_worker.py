@@ -76,6 +76,7 @@ LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 LORA_ROOT_PREFIX = "weightsync-vllm-lora-"
+"""Adapter directories live in `<tmp>/weightsync-vllm-lora-<pid>-<random>/<lora_name>/`."""
 MAX_SESSIONS = 4
 """Broadcast groups (and shm segments) a worker stays joined to at once, one per trainer."""
 SESSION_TIMEOUT_S = 60.0
