@@ -8,7 +8,6 @@ collectives, disk reads) runs in worker threads.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ async def _admin_json(request: Request, state: ServerState) -> dict[str, Any]:
 
 def _staged_answer(result: StageResult, **extra: Any) -> JSONResponse:
     if result.ack is not None:
-        extra["ack"] = result.ack
+        extra["ack"] = result.ack.to_wire()
     return answer(result.message, num_paused_requests=0, **extra)
 
 
@@ -247,13 +246,7 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
 
 def _pack_listed(state: ServerState, version: int, index: int, named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """Tensors received one broadcast each, packed into their bucket's layout."""
-    session = state.updater.session
-    if session is None or session.manifest is None or session.version != version:
-        raise ConflictError(f"no weightsync session v{version} is open for bucket {index}")
-    buckets = session.manifest.buckets
-    if not 0 <= index < len(buckets):
-        raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
-    bucket = buckets[index]
+    bucket = state.updater.receiver.bucket(version, index)
     if [n for n, _ in named] != list(bucket.hf_names):
         raise ValueError(f"bucket {index}: names listed differ from the manifest's bucket (same names, same order)")
     buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
@@ -287,7 +280,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "paused": state.scheduler.paused,
             "running_requests": state.scheduler.num_running,
             "waiting_requests": state.scheduler.num_waiting,
-            "session": _session_info(state),
+            "session": updater.session_info(),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
                        for n, m in updater.metas.items()},
             "dtype": dtype,
@@ -313,7 +306,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     async def bucket(request: Request) -> JSONResponse:
         require_admin(request, state.config.admin_api_key)
         session = updater.session
-        if session is None or session.manifest is None:
+        if session is None:
             raise ConflictError("no weightsync update session is open; call /weightsync/begin")
         largest = max((b.nbytes for b in session.manifest.buckets), default=0)
         try:
@@ -345,7 +338,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         version = field_int(body, "version", required=True)
         assert version is not None
         ack = await run_in_threadpool(updater.commit, version)
-        return answer(f"v{version} committed", ack=ack)
+        return answer(f"v{version} committed", ack=ack.to_wire())
 
     @app.post("/weightsync/abort")
     async def abort(request: Request) -> JSONResponse:
@@ -366,24 +359,8 @@ def _stage_from_shm(state: ServerState, body: dict[str, Any]) -> str:
     assert slot_bytes is not None and num_slots is not None
     if slot_bytes <= 0 or num_slots <= 0:
         raise ValueError("slot_bytes and num_slots must be positive")
-    session = state.updater.session
-    if session is None or session.manifest is None or session.version != version:
-        raise ConflictError(f"no weightsync session v{version} is open")
-    buckets = session.manifest.buckets
-    if not 0 <= index < len(buckets):
-        raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
+    nbytes = state.updater.receiver.bucket(version, index).nbytes
     slots = state.shm_slots(shm_name, slot_bytes=slot_bytes, num_slots=num_slots)
-    nbytes = buckets[index].nbytes
     buffer = state.updater.buffers.take(nbytes).copy_(slots.slot(slot, nbytes))
     return state.updater.stage_bucket(version=version, index=index, buffer=buffer,
                                       digest_hex=field_str(body, "digest"))
-
-
-def _session_info(state: ServerState) -> dict[str, Any] | None:
-    session = state.updater.session
-    if session is None:
-        return None
-    return {"kind": session.kind, "version": session.version, "label": session.label, "owner": session.owner,
-            "timeout_s": session.timeout_s, "idle_s": round(time.monotonic() - session.touched, 3),
-            "mode": session.manifest.mode if session.manifest is not None else None,
-            "buckets_received": sorted(session.bucket_digests)}
