@@ -24,8 +24,9 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.lora.export import export_lora_adapter
+from weightsync.modes import named_weights
 from weightsync.probe import ProbeResult, probe_logprobs
-from weightsync.sources import WeightSource, named_weights
+from weightsync.sources import WeightSource
 from weightsync.sync import SyncConfig, WeightSync
 from weightsync.types import (
     Ack,

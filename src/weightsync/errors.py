@@ -51,6 +51,17 @@ class IntegrityError(WeightSyncError):
     """Bytes arrived wrong: a digest mismatch, a truncated bucket, a bad ack."""
 
 
+class ConflictError(WeightSyncError):
+    """An engine-side request is valid but clashes with the engine's state (HTTP 409):
+    a version that is not newer, an update session held by another trainer, an
+    adapter name taken. `retry_after_s` is set when the same request may succeed
+    after that long. Raised on the engine side; a trainer sees it as EngineError 409."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class EngineError(WeightSyncError):
     """An engine answered with a failure; carries the engine's own message."""
 

@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,10 +60,10 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.integrity import ack_problems, digest
-from weightsync.modes.lora import AdapterRollover
+from weightsync.modes import ModeOptions, PushMode, Selection, make_mode, make_source
 from weightsync.naming import rename
 from weightsync.owners import session_owner
-from weightsync.sources import WeightSource, make_source
+from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import TRANSPORTS, make_transport
 from weightsync.transports.base import NUM_SLOTS, Transport
@@ -175,10 +175,10 @@ class WeightSync:
     `push` with its shard of the model; rank `send_rank` talks to the engines
     and every rank returns the same report.
 
-    `transport` is a name (made at the first push from `timeout_s` and the
-    transport options: `disk_root`, `keep_versions`, `master_address`, `backend`)
-    or a `Transport` object built by the caller, e.g. `DiskTransport(root)`,
-    used as it is; `config.transport` holds its name.
+    `transport` is a name (the sending rank makes it at construction from
+    `timeout_s` and the transport options: `disk_root`, `keep_versions`,
+    `master_address`, `backend`) or a `Transport` object built by the caller,
+    e.g. `DiskTransport(root)`, used as it is; `config.transport` holds its name.
     """
 
     def __init__(
@@ -208,25 +208,22 @@ class WeightSync:
                                  pause=PausePolicy.parse(pause), timeout_s=timeout_s, **options)
         self.engines = list(engines)
         self.ranks = TrainerRanks(process_group, send_rank=send_rank)
-        self._transport: Transport | None = None
-        """The sending rank's transport; the other ranks have none."""
+        self._transport: Transport | None = given
+        """The sending rank's transport (given, or made by name); the other ranks have none."""
         if self.ranks.is_sender:
             self._check_engines()
-            self._transport = given or make_transport(
-                self.config.transport, timeout_s=self.config.timeout_s, disk_root=self.config.disk_root,
-                keep_versions=self.config.keep_versions, master_address=self.config.master_address,
-                backend=self.config.backend)
+            self._make_transport()  # now: a missing transport option fails here, not at the first push
         self._links: list[Link] | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines) + 1), thread_name_prefix="weightsync")
         self._caps: list[EngineCapabilities] | None = None
         """What each engine can do; asked once per transport session."""
-        self._acked_version: int | None = None
-        self._tensor_digests: dict[str, str] = {}
-        self._adapters = AdapterRollover(keep=self.config.lora_keep)
+        self._mode = make_mode(self.config.mode, ModeOptions(
+            adapter_name=self.config.adapter_name, lora_prefix=self.config.lora_prefix,
+            lora_keep=self.config.lora_keep))
+        """What pushes send, and what that mode remembers between pushes."""
         self.owner = session_owner()
         """This trainer's identity on the engines: its sessions are never taken by another
         live trainer, and it takes over those of a dead one (see `weightsync.sessions`)."""
-        self._base_checked = False
         self._closed = False
 
     # -- public ------------------------------------------------------------
@@ -235,7 +232,7 @@ class WeightSync:
     def lora_name(self) -> str | None:
         """The adapter name requests should use now ("lora" mode); it stays servable
         until push N + lora_keep commits (see `SyncConfig.lora_keep`)."""
-        return self._adapters.current
+        return self._mode.lora_name
 
     def push(self, model: nn.Module | WeightSource, version: int) -> SyncReport:
         """Make every engine serve `model`'s weights as `version`."""
@@ -245,9 +242,8 @@ class WeightSync:
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
         if not self.ranks.is_sender:
             return self._follow(model)
-        source = make_source(model, self.config.mode, adapter_name=self.config.adapter_name)
         try:
-            report = self._push(source, version, self.config.mode, model)
+            report = self._push(self._mode, model, version)
         except WeightSyncError as e:
             self._tell_followers({"error": f"{type(e).__name__}: {e}"})
             raise
@@ -259,11 +255,7 @@ class WeightSync:
         if self._closed:
             return
         self._closed = True
-        if self._adapters.due:
-            try:
-                self._adapters.finish(self._unloaders(), timeout_s=self.config.timeout_s)
-            except WeightSyncError as e:
-                log.warning("unloading old adapters at close: %s", e)
+        self._mode.close(_Planner(self, _Stages()))
         self._end_session()
         self._pool.shutdown(wait=False)
 
@@ -275,46 +267,64 @@ class WeightSync:
 
     # -- one push ----------------------------------------------------------
 
-    def _push(self, source: WeightSource, version: int, mode: str, model: Any,
-              tensor_digests: dict[str, str] | None = None) -> SyncReport:
+    def _push(self, mode: PushMode, model: Any, version: int) -> SyncReport:
+        """plan -> begin -> stream -> commit -> verify, asking `mode` what to send."""
         started = time.perf_counter()
         stages = _Stages()
-        caps = self._capabilities()
-        cast_to = self._cast_dtype(caps, mode)
-        if mode == "lora" and not self._base_checked:
-            self._sync_base_if_needed(model, version)
-        all_metas = list(source.metas())
-        metas = all_metas
-        if mode == "delta" and not all(c.supports_delta for c in caps):
-            mode = "full"  # an engine that cannot apply a partial update gets the whole model
-        if mode == "delta":
-            if tensor_digests is None:
-                tensor_digests = self._hash_tensors(source, mode, cast_to, stages)
-            if self._acked_version is None:
-                mode = "full"  # nothing acked yet: the first delta is the whole model
-            else:
-                metas = [m for m in metas if self._tensor_digests.get(m.hf_name) != tensor_digests[m.hf_name]]
+        planner = _Planner(self, stages)
+        source = mode.source(model)
+        mode.prepare(model, version, planner)
+        while True:
+            plan = self._plan(mode, source, version, planner)
+            try:
+                manifest, acks, begin_notes = self._transfer(mode, plan, source, stages)
+            except _Refused:
+                continue  # the mode chose again (delta: the whole model)
+            break
+        verified, notes = self._verify(manifest, acks)
+        notes = begin_notes + notes
+        metas = plan.selection.metas
+        cast = sorted({dtype_name(m.dtype) for m in metas if _sent_dtype(m.dtype, plan.cast_to) != m.dtype})
+        if plan.cast_to is not None and cast:
+            notes.append(f"floating tensors cast from {', '.join(cast)} to {dtype_name(plan.cast_to)} in the stream")
+        mode.committed(plan.selection, version, planner)
+        return SyncReport(
+            version=version, mode=manifest.mode, transport=self.config.transport, num_bytes=manifest.num_bytes,
+            num_tensors=len(metas), num_buckets=len(manifest.buckets), seconds=time.perf_counter() - started,
+            stages=stages.frozen(), verified=verified, acks=tuple(acks),
+            num_skipped=plan.selection.num_skipped, notes=tuple(notes),
+        )
 
-        to_engine = rename([m.hf_name for m in metas], self.config.rename or {})
+    def _plan(self, mode: PushMode, source: WeightSource, version: int, planner: _Planner) -> _PushPlan:
+        """What the mode selects, renamed, cast and cut into buckets; checked before a byte moves."""
+        cast_to = self._cast_dtype(self._capabilities(), cast=mode.casts)
+        selection = mode.select(source, version, planner)
+        # renamed for the whole source, so a rename entry of a tensor left out is not stale
+        to_engine = rename([m.hf_name for m in source.metas()], self.config.rename or {})
         engine_metas = [TensorMeta(hf_name=to_engine[m.hf_name], dtype=_sent_dtype(m.dtype, cast_to), shape=m.shape)
-                        for m in metas]
+                        for m in selection.metas]
         bucket_bytes = self.config.bucket_bytes
-        if mode == "lora" and self.config.transport == "disk":
-            bucket_bytes = max(1, sum(m.nbytes for m in metas))  # one adapter_model.safetensors
-        plan = plan_buckets(engine_metas, bucket_bytes)
+        if selection.lora_config is not None and self._make_transport().adapter_in_one_bucket:
+            bucket_bytes = max(1, sum(m.nbytes for m in engine_metas))
+        buckets = plan_buckets(engine_metas, bucket_bytes)
         manifest = Manifest(
-            version=version, mode=mode, buckets=plan,
-            lora_config=source.config() if mode == "lora" else None,  # type: ignore[attr-defined]
-            lora_name=f"{self.config.lora_prefix}-v{version}" if mode == "lora" else None,
-            base_version=self._acked_version if mode == "delta" else None,
-            owner=self.owner, timeout_s=self.config.timeout_s,
+            version=version, mode=selection.mode, buckets=buckets,
+            lora_config=selection.lora_config, lora_name=selection.lora_name,
+            base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
         )
         to_hf = {v: k for k, v in to_engine.items()}
-        order = [to_hf[n] for n in stream_order(plan)]
+        return _PushPlan(selection=selection, manifest=manifest, cast_to=cast_to, to_engine=to_engine,
+                         order=[to_hf[n] for n in stream_order(buckets)])
 
-        links = self._ensure_session(max((b.nbytes for b in plan), default=1))
+    def _transfer(self, mode: PushMode, plan: _PushPlan, source: WeightSource,
+                  stages: _Stages) -> tuple[Manifest, list[Ack], list[str]]:
+        """begin, stream, commit on every engine: (the manifest with its digests, acks, notes
+        of begin). On any failure every engine is left on its last version; raises
+        `_Refused` (nothing moved) when an engine refused at begin and the mode plans again."""
+        manifest, version = plan.manifest, plan.manifest.version
+        links = self._ensure_session(max((b.nbytes for b in manifest.buckets), default=1))
         paused = False
-        stage_all = all(c.stages_updates for c in caps)
+        stage_all = all(c.stages_updates for c in self._capabilities())
         begun = False
         failed = False
         try:
@@ -324,13 +334,8 @@ class WeightSync:
             try:
                 begin_notes = self._begin(manifest)
             except EngineError as e:
-                if mode == "delta" and e.status == 409:
-                    log.info("delta refused (%s); sending the whole model instead", e)
-                    if paused:
-                        self._resume(self.config.timeout_s)
-                        paused = False
-                    self._acked_version = None
-                    return self._push(source, version, "delta", model, tensor_digests)
+                if mode.refused(plan.selection, e):
+                    raise _Refused from e
                 raise
             except SyncTimeoutError:
                 begun = True  # the engine may still open the update when it answers: abort it
@@ -338,8 +343,8 @@ class WeightSync:
             begun = True
             assert self._transport is not None
             self._transport.begin(manifest)
-            self._share_with_followers(mode=source.mode, order=order)
-            digests = self._stream(source, plan, order, links, stages, to_engine)
+            self._share_with_followers(mode=source.mode, order=plan.order)
+            digests = self._stream(source, manifest.buckets, plan.order, links, stages, plan.to_engine)
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:
@@ -349,6 +354,8 @@ class WeightSync:
             acks = self._all(lambda e, link: e.commit(manifest, link), "commit")
             stages.load = time.perf_counter() - t0
             begun = False
+        except _Refused:
+            raise
         except BaseException as e:
             failed = True
             self._fail(version, begun, e)
@@ -356,24 +363,7 @@ class WeightSync:
         finally:
             if paused:
                 self._resume(self.config.cleanup_timeout_s if failed else self.config.timeout_s)
-        verified, notes = self._verify(manifest, acks, to_engine)
-        notes = begin_notes + notes
-        cast = sorted({str(m.dtype).removeprefix("torch.") for m in metas if _sent_dtype(m.dtype, cast_to) != m.dtype})
-        if cast_to is not None and cast:
-            notes.append(f"floating tensors cast from {', '.join(cast)} to {dtype_name(cast_to)} in the stream")
-        self._acked_version = version
-        if tensor_digests is not None:
-            self._tensor_digests = tensor_digests
-        if mode == "lora":
-            assert manifest.lora_name is not None
-            self._adapters.committed(manifest.lora_name, self._unloaders())
-        self._adapters.retire(self._unloaders(), self._pool, timeout_s=self.config.timeout_s)
-        return SyncReport(
-            version=version, mode=mode, transport=self.config.transport, num_bytes=manifest.num_bytes,
-            num_tensors=len(metas), num_buckets=len(plan), seconds=time.perf_counter() - started,
-            stages=stages.frozen(), verified=verified, acks=tuple(acks),
-            num_skipped=len(all_metas) - len(metas), notes=tuple(notes),
-        )
+        return manifest, acks, begin_notes
 
     def _stream(self, source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],
                 links: Sequence[Link], stages: _Stages, to_engine: Mapping[str, str]) -> list[str]:
@@ -493,16 +483,22 @@ class WeightSync:
         """Every engine's declared capabilities, asked once per transport session."""
         if self._caps is None:
             timeout_s = self.config.timeout_s
-            self._caps = self._all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
+            caps = self._all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
+            for engine, c in zip(self.engines, caps, strict=True):
+                declared = c.lora_transports if self._mode.sends_adapter else c.transports
+                if declared and self.config.transport not in declared:
+                    raise EngineError(engine.label, f"this engine takes mode={self.config.mode!r} over "
+                                      f"{sorted(declared)}, not transport={self.config.transport!r}")
+            self._caps = caps
         return self._caps
 
-    def _cast_dtype(self, caps: Sequence[EngineCapabilities], mode: str) -> torch.dtype | None:
+    def _cast_dtype(self, caps: Sequence[EngineCapabilities], *, cast: bool) -> torch.dtype | None:
         """The dtype floating tensors travel in (see `SyncConfig.dtype`); checked before any byte moves."""
         forced = self.config.dtype
         if forced is not None:
             assert isinstance(forced, torch.dtype)
             return forced
-        if mode == "lora":
+        if not cast:
             return None
         served = {e.label: c.dtype for e, c in zip(self.engines, caps, strict=True) if c.dtype is not None}
         if len(set(served.values())) > 1:
@@ -515,9 +511,18 @@ class WeightSync:
         return [e for e, c in zip(self.engines, self._capabilities(), strict=True)
                 if c.unloads_adapters and isinstance(e, AdapterUnloader)]
 
+    def _make_transport(self) -> Transport:
+        """The trainer side of the transport, made on first use and kept."""
+        if self._transport is None:
+            self._transport = make_transport(
+                self.config.transport, timeout_s=self.config.timeout_s, disk_root=self.config.disk_root,
+                keep_versions=self.config.keep_versions, master_address=self.config.master_address,
+                backend=self.config.backend,
+            )
+        return self._transport
+
     def _ensure_session(self, max_bucket_bytes: int) -> list[Link]:
-        transport = self._transport
-        assert transport is not None, "only the sending rank opens a session"
+        transport = self._make_transport()
         links = transport.open([c.num_ranks for c in self._capabilities()], max_bucket_bytes=max_bucket_bytes)
         if links is self._links:
             return links  # formed earlier and reused
@@ -568,8 +573,8 @@ class WeightSync:
             self._cleanup(lambda e, _: e.abort(version, timeout_s=cleanup_s), f"abort of v{version}")
         if self._transport is not None:
             self._transport.discard(version)
-        if self.config.transport == "broadcast" or isinstance(error, SyncTimeoutError):
-            self._end_session()  # a failed collective leaves the group unusable
+        if not self._make_transport().survives_failure or isinstance(error, SyncTimeoutError):
+            self._end_session()
 
     def _all(self, call: Callable[[Any, Link | None], T], what: str) -> list[T]:
         """`call(engine, link)` on every engine at once; the first error wins."""
@@ -597,7 +602,7 @@ class WeightSync:
         except FutureTimeout:
             raise SyncTimeoutError(f"{what}: no answer within {timeout_s:.0f}s") from None
 
-    def _verify(self, manifest: Manifest, acks: Sequence[Ack], to_engine: Mapping[str, str]) -> tuple[bool, list[str]]:
+    def _verify(self, manifest: Manifest, acks: Sequence[Ack]) -> tuple[bool, list[str]]:
         notes: list[str] = []
         verified = True
         for ack in acks:
@@ -610,36 +615,21 @@ class WeightSync:
                 raise IntegrityError("engines acked something other than what was sent: " + "; ".join(problems))
         return verified, notes
 
-    # -- state across pushes -----------------------------------------------
+    # -- what modes ask ------------------------------------------------------
 
-    def _hash_tensors(self, source: WeightSource, mode: str, cast_to: torch.dtype | None,
-                      stages: _Stages | None = None) -> dict[str, str]:
+    def _hash_tensors(self, source: WeightSource, cast_to: torch.dtype | None) -> dict[str, str]:
         """Digest of every tensor of `source` as the engines would hold it (cast to
         `cast_to` where floating); every trainer rank gathers along."""
         names = [m.hf_name for m in source.metas()]
-        self._share_with_followers(mode=mode, order=names)
-        t0 = time.perf_counter()
-        out = {name: digest(t.to(_sent_dtype(t.dtype, cast_to)).contiguous()) for name, t in source.tensors(names)}
-        if stages is not None:
-            stages.hash += time.perf_counter() - t0
-        return out
+        self._share_with_followers(mode=source.mode, order=names)
+        return {name: digest(t.to(_sent_dtype(t.dtype, cast_to)).contiguous()) for name, t in source.tensors(names)}
 
-    def _sync_base_if_needed(self, model: Any, version: int) -> None:
-        """First "lora" push: make sure each engine serves the trainer's base weights."""
-        self._base_checked = True
-        base = make_source(model, "full", adapter_name=self.config.adapter_name)
+    def _served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:
         readers = [e for e, c in zip(self.engines, self._capabilities(), strict=True)
                    if c.reads_digests and isinstance(e, DigestReader)]
-        if not readers:
-            return
-        trainer = self._hash_tensors(base, "full", self._cast_dtype(self._capabilities(), "full"))
-        names = list(trainer)
         timeout_s = self.config.timeout_s
-        served = [self._pool.submit(e.digests, names, timeout_s=timeout_s) for e in readers]
-        if all(self._wait(f, f"{e.label}: reading digests") == trainer for e, f in zip(readers, served, strict=True)):
-            return
-        log.info("engine base weights differ from the trainer's: syncing them before the adapter")
-        self._push(base, version, "full", model)
+        served = [self._pool.submit(e.digests, hf_names, timeout_s=timeout_s) for e in readers]
+        return [self._wait(f, f"{e.label}: reading digests") for e, f in zip(readers, served, strict=True)]
 
     # -- the other trainer ranks -------------------------------------------
 
@@ -680,6 +670,54 @@ class WeightSync:
                 )
         if self.config.disk_root is not None:
             Path(self.config.disk_root).mkdir(parents=True, exist_ok=True)
+
+
+class _Refused(Exception):
+    """An engine refused the manifest at begin and the mode chose to plan again."""
+
+
+@dataclass
+class _PushPlan:
+    """One push, planned: what the mode selected, as the engines will receive it."""
+
+    selection: Selection
+    manifest: Manifest
+    """Without digests (they are known once the buckets are packed)."""
+    cast_to: torch.dtype | None
+    """The dtype floating tensors travel in (None: as the trainer holds them)."""
+    to_engine: dict[str, str]
+    """hf_name -> engine name, for the whole source."""
+    order: list[str]
+    """hf_names in stream order."""
+
+
+class _Planner:
+    """What a mode may ask of one `WeightSync` (`modes.base.Planner`), for one push."""
+
+    def __init__(self, sync: WeightSync, stages: _Stages) -> None:
+        self._sync = sync
+        self._stages = stages
+        self.pool: Executor = sync._pool
+        self.timeout_s = sync.config.timeout_s
+
+    def capabilities(self) -> Sequence[EngineCapabilities]:
+        return self._sync._capabilities()
+
+    def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:
+        t0 = time.perf_counter()
+        cast_to = self._sync._cast_dtype(self._sync._capabilities(), cast=cast)
+        digests = self._sync._hash_tensors(source, cast_to)
+        self._stages.hash += time.perf_counter() - t0
+        return digests
+
+    def served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:
+        return self._sync._served_digests(hf_names)
+
+    def push(self, mode: PushMode, model: Any, version: int) -> SyncReport:
+        return self._sync._push(mode, model, version)
+
+    def unloaders(self) -> Sequence[AdapterUnloader]:
+        return self._sync._unloaders()
 
 
 def _sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:

@@ -358,6 +358,11 @@ class Ack:
             "loaded_names": sorted(self.loaded_names),
         }
 
+    def to_wire(self) -> dict[str, Any]:
+        """The ack as an engine sends it in its commit answer: no `engine` (the client
+        names the engine it asked). `from_dict(d, engine=...)` reads it back."""
+        return {"version": self.version, "digests": list(self.digests), "loaded_names": sorted(self.loaded_names)}
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, engine: str | None = None) -> Ack:
         return cls(

@@ -23,7 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 
 from weightsync.lora import CONFIG_NAME, WEIGHTS_NAME, export_lora_adapter
-from weightsync.sources.peft import LoraSource, MergedLoraSource
+from weightsync.lora.source import LoraSource, MergedLoraSource
 from weightsync.tiny import TinyModelConfig, build_model
 
 WORLD_SIZE = 2

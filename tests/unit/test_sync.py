@@ -1,6 +1,8 @@
 """The coordinator's own logic against an in-process engine, with failures injected.
 
-`MemoryEngine` is a fake used only to inject failures and to count calls; the
+`MemoryEngine` is an engine whose weights are a dict: it receives through the
+real `weightsync.receiving.UpdateSession` (so these tests run the engines'
+receiving code too) and only adds failure injection and call counting; the
 contract suite (tests/contract) runs the same flows against real servers.
 """
 
@@ -8,6 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -16,17 +21,23 @@ import torch
 from torch import nn
 
 import weightsync as ws
-from weightsync.bucketing import unpack
 from weightsync.checkpoint import read_version
 from weightsync.engines.base import EngineCapabilities
-from weightsync.errors import EngineError, IntegrityError, ManifestMismatchError, SyncTimeoutError
-from weightsync.integrity import check_bucket, check_manifest_fits, digest
+from weightsync.errors import (
+    ConflictError,
+    EngineError,
+    IntegrityError,
+    ManifestMismatchError,
+    SyncTimeoutError,
+)
+from weightsync.integrity import digest
+from weightsync.receiving import OpenUpdate, UpdateSession
 from weightsync.shmem import SharedSlots
 from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest, PausePolicy, TensorMeta
 
 
 class MemoryEngine:
-    """An engine whose weights are a dict; stages updates like the real ones."""
+    """An engine whose weights are a dict; the `receiving.Applier` of a real update session."""
 
     transports: ClassVar[frozenset[str]] = frozenset({"http", "shm", "disk"})
     lora_transports: ClassVar[frozenset[str]] = frozenset({"http"})
@@ -35,19 +46,21 @@ class MemoryEngine:
         self.label = label
         self.weights = {k: v.clone() for k, v in weights.items()}
         self.version = 0
+        self.session = UpdateSession(self, engine=label)
         self.calls: list[str] = []
-        self.staged: dict[str, torch.Tensor] | None = None
-        self.digests: dict[int, str] = {}
         self.fail_receive_at: int | None = None
         self.hang_receive_at: int | None = None
         self.unhang = threading.Event()
         self.corrupt_ack = False
         self.paused = False
-        self._manifest: Manifest | None = None
         self._link: Link | None = None
+        self._version = 0
+        """The version of the update begun last (a delivery does not name it)."""
         self.max_concurrent = 0
         self._inflight = 0
         self._lock = threading.Lock()
+
+    # -- the engine, as the coordinator sees it -----------------------------------------------
 
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
         self.calls.append("capabilities")
@@ -69,13 +82,9 @@ class MemoryEngine:
 
     def begin(self, manifest: Manifest, link: Link) -> None:
         self.calls.append("begin")
-        if manifest.version < self.version:
-            raise EngineError(self.label, f"version {manifest.version} is older than {self.version}", status=409)
-        if manifest.mode == "delta" and manifest.base_version != self.version:
-            raise EngineError(self.label, f"base_version {manifest.base_version} != {self.version}", status=409)
-        expected = {k: TensorMeta.of(k, v) for k, v in self.weights.items()}
-        check_manifest_fits(manifest, expected, partial=manifest.mode == "delta")
-        self._manifest, self._link, self.staged, self.digests = manifest, link, {}, {}
+        with self._as_engine_errors():
+            self.session.begin(manifest)
+        self._link, self._version = link, manifest.version
 
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
         with self._lock:
@@ -88,39 +97,61 @@ class MemoryEngine:
             if bucket.index == self.hang_receive_at:
                 self.unhang.wait(60)
             if delivery.transport == "http":
-                data = delivery.data
+                data = delivery.data.clone()
             else:
                 assert self._link is not None
                 seg = SharedSlots.open(self._link.shm_name, slot_bytes=self._link.slot_bytes,
                                        num_slots=self._link.num_slots)
                 data = seg.slot(delivery.slot, bucket.nbytes).clone()
-            self._stage(bucket, data)
+            with self._as_engine_errors():
+                self.session.stage_bucket(version=self._version, index=bucket.index, buffer=data,
+                                          digest_hex=bucket.digest)
         finally:
             with self._lock:
                 self._inflight -= 1
 
-    def _stage(self, bucket: BucketMeta, data: torch.Tensor) -> None:
-        self.digests[bucket.index] = check_bucket(bucket, data)
-        assert self.staged is not None
-        self.staged.update(unpack(data.clone(), bucket))
-
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self.calls.append("commit")
-        if link.transport == "disk":
-            _, buckets = read_version(Path(link.version_dir(manifest.version)))
-            for bucket, data in buckets:
-                self._stage(bucket, data)
-        assert self.staged is not None
-        self.weights.update(self.staged)
-        self.version = manifest.version
-        digests = tuple(self.digests[i] for i in range(len(manifest.buckets)))
+        with self._as_engine_errors():
+            if link.transport == "disk":
+                _, buckets = read_version(Path(link.version_dir(manifest.version)))
+                for bucket, data in buckets:
+                    self.session.stage_bucket(version=manifest.version, index=bucket.index, buffer=data)
+            ack = self.session.commit(manifest.version)
         if self.corrupt_ack:
-            digests = ("0" * 16, *digests[1:])
-        return Ack(engine=self.label, version=self.version, digests=digests, loaded_names=frozenset(self.staged))
+            ack = replace(ack, digests=("0" * 16, *ack.digests[1:]))
+        return ack
 
     def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self.calls.append("abort")
-        self.staged = None
+        self.session.abort(version)
+
+    @contextmanager
+    def _as_engine_errors(self) -> Iterator[None]:
+        """What a real engine's client makes of a 409 answer."""
+        try:
+            yield
+        except ConflictError as e:
+            raise EngineError(self.label, str(e), status=409, retry_after_s=e.retry_after_s) from None
+
+    # -- the receiving.Applier -------------------------------------------------------------------
+
+    def expected(self) -> dict[str, TensorMeta]:
+        return {k: TensorMeta.of(k, v) for k, v in self.weights.items()}
+
+    def check_adapter(self, manifest: Manifest) -> None:
+        raise ConflictError(f"{self.label} holds no adapters")
+
+    def apply(self, update: OpenUpdate) -> Sequence[str]:
+        self.weights.update(update.tensors)
+        self.version = update.version
+        return list(update.tensors)
+
+    def install_adapter(self, update: OpenUpdate) -> None:
+        raise AssertionError("check_adapter refuses every adapter")
+
+    def release(self, update: OpenUpdate) -> None:
+        pass
 
 
 def tiny() -> nn.Module:
@@ -260,3 +291,41 @@ def test_rename_table_maps_checkpoint_names_to_engine_names() -> None:
     assert torch.equal(engine.weights["net.2.weight"], model.state_dict()["2.weight"])
     with pytest.raises(ws.NamingError, match="match no weight: 'typo'"):
         ws.WeightSync([engine], transport="http", rename={"typo": "x"}).push(model, version=2)
+
+
+def test_rename_table_holds_for_delta_pushes_that_leave_renamed_tensors_out() -> None:
+    """Names are renamed at plan time, for the whole model: a rename entry whose tensor
+    did not change (so a delta push leaves it out) is not a stale entry."""
+    model = tiny()
+    engine_weights = {("net." + k if k.startswith("2.") else k): torch.zeros_like(v)
+                      for k, v in model.state_dict().items()}
+    engine = MemoryEngine(engine_weights)
+    table = {"2.weight": "net.2.weight", "2.bias": "net.2.bias"}
+    with ws.WeightSync([engine], transport="http", mode="delta", rename=table) as sync:
+        assert sync.push(model, version=1).mode == "full"
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+        second = sync.push(model, version=2)
+        assert second.mode == "delta" and second.num_tensors == 1 and second.verified
+        with torch.no_grad():
+            model[2].bias.add_(1.0)
+        third = sync.push(model, version=3)
+        assert third.mode == "delta" and set(third.acks[0].loaded_names) == {"net.2.bias"}
+    assert torch.equal(engine.weights["0.bias"], model.state_dict()["0.bias"])
+    assert torch.equal(engine.weights["net.2.bias"], model.state_dict()["2.bias"])
+
+
+def test_an_engine_declaring_other_transports_is_refused_before_any_byte_moves() -> None:
+    """What an engine declares at the first push (a stock SGLang: broadcast and disk only)
+    is checked before begin, naming the engine and what it takes."""
+
+    class Declaring(MemoryEngine):
+        def capabilities(self, timeout_s: float) -> EngineCapabilities:
+            return EngineCapabilities(stages_updates=True, transports=frozenset({"broadcast", "disk"}))
+
+    model = tiny()
+    engine = Declaring({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, label="stock")
+    with ws.WeightSync([engine], transport="http") as sync, \
+            pytest.raises(EngineError, match=r"stock: .*over \['broadcast', 'disk'\], not transport='http'"):
+        sync.push(model, version=1)
+    assert engine.version == 0 and not any(c.startswith(("begin", "receive")) for c in engine.calls)

@@ -24,13 +24,22 @@ the plain `Link` and `Delivery` records of `weightsync.types`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest, PausePolicy
+from weightsync.types import (
+    Ack,
+    BucketMeta,
+    Delivery,
+    Link,
+    Manifest,
+    PausePolicy,
+    dtype_from_name,
+    dtype_name,
+)
 
 __all__ = ["AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine", "EngineCapabilities", "Link",
            "PausePolicy"]
@@ -73,6 +82,32 @@ class EngineCapabilities:
     unloads_adapters: bool = False
     """The engine unloads LoRA adapters by name (`AdapterUnloader`); "lora" pushes
     retire old versions through it."""
+    transports: frozenset[str] = frozenset()
+    """Transports the engine takes full, delta and merged updates over, as it reports
+    them now (a stock SGLang: fewer than its client's `Engine.transports`)."""
+    lora_transports: frozenset[str] = frozenset()
+    """Transports the engine takes a LoRA adapter over (empty: no LoRA)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form an engine serves (`/weightsync/info` "capabilities")."""
+        return {
+            "num_ranks": self.num_ranks, "dtype": None if self.dtype is None else dtype_name(self.dtype),
+            "stages_updates": self.stages_updates, "supports_delta": self.supports_delta,
+            "reads_digests": self.reads_digests, "unloads_adapters": self.unloads_adapters,
+            "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineCapabilities:
+        """Parse `to_dict`'s form; unknown keys are ignored (a newer engine may say more)."""
+        dtype = d.get("dtype")
+        return cls(
+            num_ranks=int(d.get("num_ranks", 1)), dtype=dtype_from_name(str(dtype)) if dtype else None,
+            stages_updates=bool(d.get("stages_updates", False)), supports_delta=bool(d.get("supports_delta", True)),
+            reads_digests=bool(d.get("reads_digests", False)),
+            unloads_adapters=bool(d.get("unloads_adapters", False)),
+            transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),
+        )
 
 
 @runtime_checkable

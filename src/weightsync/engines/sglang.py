@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
-
-import torch
 
 from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient, decode
 from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import byte_view
-from weightsync.types import Ack, BucketMeta, Manifest, dtype_from_name, dtype_name
+from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
 
 log = logging.getLogger(__name__)
@@ -37,6 +36,11 @@ log = logging.getLogger(__name__)
 CLEANUP_TIMEOUT_S = 10.0
 """Upper limit for abort and group teardown calls (never more than the push's timeout_s):
 they run after a failure, often against a peer that already stopped answering."""
+
+
+STOCK_SGLANG = EngineCapabilities(unloads_adapters=True, supports_delta=False,
+                                  transports=frozenset({"broadcast", "disk"}), lora_transports=frozenset({"disk"}))
+"""A stock SGLang server (no weightsync routes): its own broadcast and disk routes."""
 
 
 class SGLangEngine:
@@ -52,8 +56,9 @@ class SGLangEngine:
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
         self._http = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s)
-        self._native: bool | None = None
-        self._dtype: torch.dtype | None = None  # what a weightsync serve reports in /weightsync/info
+        self._native = False
+        self._capabilities: EngineCapabilities | None = None
+        """What the server declared (asked once)."""
         self._session_open = False
         self._flush_cache = True
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
@@ -65,20 +70,23 @@ class SGLangEngine:
     # -- capabilities ------------------------------------------------------
 
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
-        """A `weightsync serve` (it has weightsync's routes) stages updates, applies
-        deltas, reports digests; a stock SGLang does none of that: it could have been
-        restarted from its checkpoint, so it cannot prove which version it holds."""
-        native = self._is_native(timeout_s)
-        return EngineCapabilities(num_ranks=self.num_ranks, dtype=self._dtype, stages_updates=native,
-                                  supports_delta=native, reads_digests=native, unloads_adapters=True)
+        """What the server declares in `/weightsync/info` (a `weightsync serve`: it stages
+        updates, applies deltas, reports digests), else what a stock SGLang can do: none
+        of that (it could have been restarted from its checkpoint, so it cannot prove
+        which version it holds); broadcast and disk, LoRA from disk."""
+        self._is_native(timeout_s)
+        assert self._capabilities is not None
+        return replace(self._capabilities, num_ranks=self.num_ranks)
 
     def _is_native(self, timeout_s: float | None = None) -> bool:
         """True when the server has weightsync's routes; asked once (within `timeout_s`)."""
-        if self._native is None:
+        if self._capabilities is None:
             response = self._http.request("GET", "/weightsync/info", allow=(404,), timeout_s=timeout_s)
-            self._native = response.status_code != 404
-            dtype = decode(response).get("dtype") if self._native else None
-            self._dtype = dtype_from_name(str(dtype)) if dtype else None
+            if response.status_code == 404:
+                self._capabilities = STOCK_SGLANG
+            else:
+                self._capabilities = EngineCapabilities.from_dict(decode(response).get("capabilities") or {})
+                self._native = True
         return self._native
 
     @property

@@ -13,8 +13,10 @@ Boundaries:
   The server route passes only strings through, and `collective_rpc` would
   flatten an exception into a bare message; errors are rebuilt as weightsync
   errors by the client.
-- Updates are staged: received buckets are verified (xxh3 digest computed
-  here) and copied; weights change only at commit, through vLLM's own
+- Updates are staged by `weightsync.receiving.UpdateSession` (versions,
+  takeover, dry run, digests, ack), which `WorkerSync` plugs into as its
+  applier: received buckets are verified (xxh3 digest computed here) and
+  copied; weights change only at commit, through vLLM's own
   `reload_weights(..., is_checkpoint_format=True)` (calling the model's
   `load_weights` directly breaks on CPU, where linear weights are repacked
   after loading). `abort` drops the staging and leaves the weights untouched.
@@ -44,17 +46,15 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from weightsync.bucketing import unpack
 from weightsync.checkpoint import read_checkpoint_metas, read_version
 from weightsync.errors import (
+    ConflictError,
     EngineError,
     IntegrityError,
     ManifestMismatchError,
@@ -62,8 +62,7 @@ from weightsync.errors import (
     format_names,
 )
 from weightsync.groups import UpdateGroup, join_group
-from weightsync.integrity import check_bucket, check_manifest_fits
-from weightsync.sessions import Holder, SessionBusyError, take_over
+from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
 from weightsync.shmem import SharedSlots
 from weightsync.types import BucketMeta, Link, Manifest, TensorMeta, dtype_name
 
@@ -77,12 +76,15 @@ LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 LORA_ROOT_PREFIX = "weightsync-vllm-lora-"
+"""Adapter directories live in `<tmp>/weightsync-vllm-lora-<pid>-<random>/<lora_name>/`."""
 MAX_SESSIONS = 4
 """Broadcast groups (and shm segments) a worker stays joined to at once, one per trainer."""
 SESSION_TIMEOUT_S = 60.0
 """How long an update from a client that sent no timeout_s may stay silent before
 another trainer's begin may take it."""
-"""Adapter directories live in `<tmp>/weightsync-vllm-lora-<pid>-<random>/<lora_name>/`."""
+DELTA_REFUSED = ("delta updates are not applied by the vLLM extension (its in-place reload needs every tensor "
+                 "of a layer); send mode='full'")
+"""Why a delta is refused (409: the coordinator then sends the whole model); see the module docstring."""
 
 
 # --- the extension -------------------------------------------------------------
@@ -151,6 +153,8 @@ def _call(worker: Any, verb: str, request: str) -> dict[str, Any]:
 def error_payload(e: BaseException) -> dict[str, Any]:
     """A JSON form of an error that `engines.vllm` turns back into the same error type."""
     payload: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, ConflictError):  # a state clash, as the embedded engine's HTTP 409
+        payload.update(type="EngineError", status=409, retry_after_s=e.retry_after_s)
     if isinstance(e, EngineError):
         payload["message"] = e.remote_message
         payload["status"] = e.status
@@ -171,26 +175,9 @@ def _state(worker: Any) -> WorkerSync:
 # --- the state of one worker ---------------------------------------------------
 
 
-@dataclass
-class _Update:
-    """An open update: what begin announced and what arrived since."""
-
-    manifest: Manifest
-    link: Link
-    staged: dict[int, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
-    """Bucket index -> (name, tensor) pairs, private copies, verified."""
-    digests: dict[int, str] = field(default_factory=dict)
-    """Bucket index -> the digest computed here."""
-    holder: Holder = field(init=False)
-    """The trainer behind it and its last sign of life (see `weightsync.sessions`)."""
-
-    def __post_init__(self) -> None:
-        self.holder = Holder(owner=self.manifest.owner, version=self.manifest.version,
-                             timeout_s=self.manifest.timeout_s or SESSION_TIMEOUT_S, touched=time.monotonic())
-
-
 class WorkerSync:
-    """weightsync's state in one vLLM worker: session, staging, version, adapters.
+    """weightsync's state in one vLLM worker: links, version, adapters, and the
+    `receiving.Applier` of its update session (`self.session`).
 
     `worker` is vLLM's worker object (`model_runner`, `vllm_config`,
     `reload_weights`); it is only read, except through `reload_weights`.
@@ -206,7 +193,12 @@ class WorkerSync:
         be connected at once; one holds the update, the other waits)."""
         self.segments: dict[str, SharedSlots] = {}
         """Mapped shm segments by name, likewise."""
-        self.update: _Update | None = None
+        self.session = UpdateSession(self, engine=self._who, rules=SessionRules(
+            timeout_s=SESSION_TIMEOUT_S, refuse_delta=DELTA_REFUSED))
+        self.link: Link | None = None
+        """The link of the open update (set by a successful begin)."""
+        self._lora_path: Path | None = None
+        """Where the last adapter commit wrote its PEFT directory (engine rank 0)."""
         self._expected: dict[str, TensorMeta] | None = None
         self._retired_dirs: list[Path] = []
         self._lora_dirs: dict[str, Path] = {}
@@ -254,75 +246,48 @@ class WorkerSync:
     def begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         manifest = Manifest.from_dict(body["manifest"])
         link = Link.from_dict(body["link"])
-        preempted = None
-        if self.update is not None:
-            try:
-                preempted = take_over(self.update.holder, manifest.owner, time.monotonic())
-            except SessionBusyError as e:
-                raise EngineError(self._who, str(e), status=409, retry_after_s=e.retry_after_s) from None
-            log.warning("v%d: discarding the unfinished update v%d (%s)", manifest.version,
-                        self.update.manifest.version, preempted or "its own trainer begins again")
-            self.update = None
-        if manifest.version <= self.version:
-            raise EngineError(self._who, f"update v{manifest.version} is not newer than the served "
-                              f"v{self.version}; push a higher version", status=409)
-        if manifest.mode == "lora":
-            self._check_lora(manifest)
-        else:
-            self._check_full(manifest)
         if link.transport == "broadcast" and link.group_name not in self.groups:
             raise EngineError(self._who, "no broadcast group: connect() first")
         if link.transport == "shm" and link.shm_name not in self.segments:
             raise EngineError(self._who, f"shared memory segment {link.shm_name!r} is not mapped: connect() first")
-        self.update = _Update(manifest=manifest, link=link)
+        if self.dirty and manifest.mode == "full":
+            log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
+        preempted = self.session.begin(manifest)
+        self.link = link
         return {"preempted": preempted}
 
     def receive(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        update = self._open(int(body["version"]))
-        update.holder.touched = time.monotonic()
-        index = int(body["index"])
-        if not 0 <= index < len(update.manifest.buckets):
-            raise IntegrityError(f"bucket {index} is not in update v{update.manifest.version} "
-                                 f"({len(update.manifest.buckets)} buckets)")
-        bucket = update.manifest.buckets[index].with_digest(str(body["digest"]))
-        transport = update.link.transport
-        if transport == "broadcast":
-            buffer = self._receive_broadcast(bucket, update.link)
-        elif transport == "shm":
-            segment = self.segments.get(str(update.link.shm_name))
+        version, index = int(body["version"]), int(body["index"])
+        bucket = self.session.bucket(version, index)
+        link = self.link
+        assert link is not None
+        if link.transport == "broadcast":
+            buffer = self._receive_broadcast(bucket, link)
+        elif link.transport == "shm":
+            segment = self.segments.get(str(link.shm_name))
             if segment is None:
-                raise EngineError(self._who, f"shared memory segment {update.link.shm_name!r} is not mapped")
+                raise EngineError(self._who, f"shared memory segment {link.shm_name!r} is not mapped")
             buffer = segment.slot(int(body["slot"]), bucket.nbytes).clone()  # our copy, then check it
         else:
-            raise EngineError(self._who, f"no per-bucket receive over transport {transport!r}")
-        self._stage(update, bucket, buffer)
-        return {"digest": update.digests[index]}
+            raise EngineError(self._who, f"no per-bucket receive over transport {link.transport!r}")
+        return {"digest": self.session.stage_bucket(version=version, index=index, buffer=buffer,
+                                                    digest_hex=str(body["digest"]))}
 
     def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        update = self._open(int(body["version"]))
-        manifest = update.manifest
-        try:
-            if update.link.transport == "disk":
-                self._stage_from_disk(update)
-            missing = [b.index for b in manifest.buckets if b.index not in update.staged]
-            if missing:
-                raise IntegrityError(f"commit of v{manifest.version}: bucket(s) {missing[:8]} never arrived")
-            if manifest.mode == "lora":
-                result = self._commit_lora(update)
-            else:
-                result = self._commit_weights(update)
-        finally:
-            self.update = None
-        digests = [update.digests[b.index] for b in manifest.buckets]
-        return {"ack": {"version": manifest.version, "digests": digests, "loaded_names": result.pop("loaded_names")},
-                **result}
+        version = int(body["version"])
+        update = self.session.open
+        if update is not None and update.version == version and self.link is not None \
+                and self.link.transport == "disk":
+            self._stage_from_disk(update.manifest, self.link)
+        ack = self.session.commit(version)
+        assert update is not None  # commit found it open
+        if update.manifest.mode != "lora":
+            return {"ack": ack.to_wire()}
+        return {"ack": ack.to_wire(), "lora_path": str(self._lora_path) if self._lora_path is not None else None}
 
     def abort(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Drop the open update of that version, unless it belongs to another trainer."""
-        update, owner = self.update, body.get("owner")
-        if update is not None and update.manifest.version == int(body["version"]) \
-                and (owner is None or update.manifest.owner in (None, owner)):
-            self.update = None
+        self.session.abort(int(body["version"]), owner=body.get("owner"))
         return {}
 
     def forget_lora(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -342,34 +307,31 @@ class WorkerSync:
         group.broadcast(buffer, src=0, timeout_s=link.timeout_s)
         return buffer.cpu()  # staged in host memory; a no-op on CPU
 
-    def _stage(self, update: _Update, bucket: BucketMeta, buffer: torch.Tensor) -> None:
-        """Verify a bucket's bytes (a private copy) and stage its tensors (views of it)."""
-        update.digests[bucket.index] = check_bucket(bucket, buffer)
-        update.staged[bucket.index] = unpack(buffer, bucket)
-
-    def _stage_from_disk(self, update: _Update) -> None:
-        directory = Path(update.link.version_dir(update.manifest.version))
-        if update.manifest.mode == "lora":
-            bucket = update.manifest.buckets[0]
-            self._stage(update, bucket, _read_adapter_bucket(directory / ADAPTER_WEIGHTS, bucket))
+    def _stage_from_disk(self, manifest: Manifest, link: Link) -> None:
+        directory = Path(link.version_dir(manifest.version))
+        if manifest.mode == "lora":
+            self.session.stage_bucket(version=manifest.version, index=0,
+                                      buffer=_read_adapter_bucket(directory / ADAPTER_WEIGHTS, manifest.buckets[0]))
             return
         on_disk, buckets = read_version(directory)
-        if on_disk.without_digests() != update.manifest.without_digests():
+        if on_disk.without_digests() != manifest.without_digests():
             raise IntegrityError(f"{directory}: its manifest.json is not the manifest begin() announced")
         for bucket, buffer in buckets:  # read_bucket verified each digest against manifest.json
-            self._stage(update, bucket, buffer)
+            self.session.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer)
 
-    # -- applying ----------------------------------------------------------
+    # -- the receiving.Applier of the update session --------------------------
 
-    def _commit_weights(self, update: _Update) -> dict[str, Any]:
+    def expected(self) -> Mapping[str, TensorMeta] | None:
+        return self._expected_metas()
+
+    def apply(self, update: OpenUpdate) -> list[str]:
         manifest = update.manifest
         loaded: list[str] = []
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for bucket in manifest.buckets:
-                for name, tensor in update.staged[bucket.index]:
-                    loaded.append(name)
-                    yield name, tensor
+            for entry in manifest.entries():
+                loaded.append(entry.hf_name)
+                yield entry.hf_name, update.tensors[entry.hf_name]
 
         self.dirty = True  # until reload_weights returns: a failure midway leaves a mix
         self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
@@ -379,18 +341,18 @@ class WorkerSync:
         self.dirty = False
         self.version = manifest.version
         log.info("rank %d: now serving weight version %d (%d tensors)", self.rank, self.version, len(loaded))
-        return {"loaded_names": loaded}
+        return loaded
 
-    def _commit_lora(self, update: _Update) -> dict[str, Any]:
+    def install_adapter(self, update: OpenUpdate) -> None:
         """Write the verified adapter as a PEFT directory (engine rank 0 only, in a
         private temporary directory of this process: the engine's ranks share a host)."""
         manifest = update.manifest
         assert manifest.lora_name is not None and manifest.lora_config is not None
-        names = [name for b in manifest.buckets for name, _ in update.staged[b.index]]
         self._delete_retired()
         self.version = manifest.version  # one counter for weights and adapters, as in the embedded engine
+        self._lora_path = None
         if self.rank != 0:
-            return {"loaded_names": names, "lora_path": None}
+            return
         from safetensors.torch import save_file
 
         lora_root = self._lora_root()
@@ -398,28 +360,18 @@ class WorkerSync:
         tmp = lora_root / f".{manifest.lora_name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        tensors = {name: t.contiguous() for b in manifest.buckets for name, t in update.staged[b.index]}
+        tensors = {e.hf_name: update.tensors[e.hf_name].contiguous() for e in manifest.entries()}
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(dict(manifest.lora_config), indent=2, sort_keys=True))
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
         self._lora_dirs[manifest.lora_name] = target
-        return {"loaded_names": names, "lora_path": str(target)}
+        self._lora_path = target
 
-    # -- the dry run -------------------------------------------------------
+    def release(self, update: OpenUpdate) -> None:
+        """Nothing to free: the staged copies go with the update."""
 
-    def _check_full(self, manifest: Manifest) -> None:
-        if manifest.mode == "delta":  # see the module docstring
-            raise EngineError(self._who, "delta updates are not applied by the vLLM extension "
-                              "(its in-place reload needs every tensor of a layer); send mode='full'",
-                              status=409)
-        if self.dirty:
-            log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
-        expected = self._expected_metas()
-        if expected is not None:
-            check_manifest_fits(manifest, expected, partial=False)
-
-    def _check_lora(self, manifest: Manifest) -> None:
+    def check_adapter(self, manifest: Manifest) -> None:
         lora_config = self.worker.vllm_config.lora_config
         if lora_config is None:
             raise EngineError(self._who, f"adapter {manifest.lora_name!r}: this vLLM runs without LoRA; "
@@ -482,13 +434,6 @@ class WorkerSync:
     @property
     def _who(self) -> str:
         return f"vLLM worker rank {self.rank}"
-
-    def _open(self, version: int) -> _Update:
-        if self.update is None or self.update.manifest.version != version:
-            open_version = None if self.update is None else self.update.manifest.version
-            raise EngineError(self._who, f"no open update v{version} (open: {open_version}); begin() first",
-                              status=409)
-        return self.update
 
     def _lora_root(self) -> Path:
         if self._lora_root_dir is None:

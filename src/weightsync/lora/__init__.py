@@ -1,7 +1,9 @@
-"""LoRA on the trainer side: the merge math (pure) and the PEFT directory export.
+"""LoRA on the trainer side: the merge math (`merge`, pure), the streams read from a
+PEFT model (`source`: `LoraSource` for "lora", `MergedLoraSource` for "lora-merged")
+and the PEFT directory export (`export`).
 
-The streams themselves ("lora", "lora-merged") are `sources.peft.LoraSource`
-and `MergedLoraSource`. Importing this package does not import peft.
+Importing this package does not import peft; `lora.source` does, when a LoRA mode
+or the export first needs it.
 """
 
 from weightsync.lora.export import CONFIG_NAME, WEIGHTS_NAME, adapter_config, export_lora_adapter

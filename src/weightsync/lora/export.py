@@ -4,13 +4,13 @@ The directory is what PEFT's `save_pretrained` writes and what
 `PeftModel.from_pretrained`, vLLM and SGLang load: `adapter_model.safetensors`
 (PEFT's saved names, no adapter-name segment) and `adapter_config.json`.
 
-The tensors come from `sources.peft.LoraSource`, so FSDP2 models gather only
+The tensors come from `lora.source.LoraSource`, so FSDP2 models gather only
 the adapter tensors, one at a time: every rank must call `export_lora_adapter`,
 and only ranks with `write=True` keep the tensors and write files. Files are
 written under a temporary name and renamed into place, weights first, so a
 reader that sees the config also sees complete weights.
 
-`sources.peft` (which imports peft, slow to import) is imported when a
+`lora.source` (which imports peft, slow to import) is imported when a
 function here is called, so importing this package stays light.
 """
 
@@ -38,7 +38,7 @@ def adapter_config(peft_model: nn.Module, adapter_name: str | None = None) -> di
     a sorted list), with `inference_mode` true; `LoraConfig(**...)` and
     `PeftConfig.from_pretrained` accept it.
     """
-    from weightsync.sources.peft import adapter_config as _adapter_config
+    from weightsync.lora.source import adapter_config as _adapter_config
 
     return _adapter_config(peft_model, adapter_name)
 
@@ -61,7 +61,7 @@ def export_lora_adapter(
     """
     from safetensors.torch import save_file
 
-    from weightsync.sources.peft import LoraSource
+    from weightsync.lora.source import LoraSource
 
     source = LoraSource(peft_model, adapter_name=adapter_name)
     config = source.config()

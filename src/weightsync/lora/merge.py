@@ -2,7 +2,7 @@
 
 Pure: tensors and numbers in, new tensors out. Nothing here knows about
 modules, PEFT objects, names, device meshes or collectives; the caller
-(`sources.peft.MergedLoraSource`) gathers the full tensors and hands them in.
+(`lora.source.MergedLoraSource`) gathers the full tensors and hands them in.
 
 The arithmetic mirrors PEFT (`peft.tuners.lora.layer`, v0.21) operation for
 operation, so that the result is bit-equal to `merge_and_unload()`:

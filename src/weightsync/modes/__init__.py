@@ -1,7 +1,59 @@
-"""What each push mode does beyond streaming buckets, one module per mode.
+"""Push modes: what one push sends, one module per mode behind `modes.base.PushMode`.
 
-The coordinator (`weightsync.sync`) asks these modules; it holds no per-mode
-state of its own. Today: `lora` (versioned adapter names and their retiring).
-The rest of the per-mode logic still lives in `sync.py` and moves here with
-the redesign of issue #18.
+    full         every tensor                          (modes/full.py)
+    delta        only tensors whose bytes changed       (modes/delta.py)
+    lora         the adapter alone, versioned names     (modes/lora.py)
+    lora-merged  base + adapter merged, as a full push  (modes/merged.py)
+
+To add a mode: a module with a `PushMode` class, a line in `_MODES` below, and
+its name in `weightsync.types.MODES` (the manifest's mode field).
 """
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
+from weightsync.sources import WeightSource
+from weightsync.types import MODES
+
+_MODES: dict[str, str] = {
+    "full": "weightsync.modes.full:FullMode",
+    "lora": "weightsync.modes.lora:LoraMode",
+    "lora-merged": "weightsync.modes.merged:MergedLoraMode",
+    "delta": "weightsync.modes.delta:DeltaMode",
+}
+assert tuple(_MODES) == MODES, "every manifest mode has a module, in MODES order"
+
+
+def make_mode(name: str, options: ModeOptions | None = None) -> PushMode:
+    """A fresh `PushMode` called `name` (its state lives as long as one WeightSync)."""
+    target = _MODES.get(name)
+    if target is None:
+        raise ValueError(f"unknown mode {name!r}; one of {list(_MODES)}")
+    module_name, class_name = target.split(":")
+    mode: PushMode = getattr(importlib.import_module(module_name), class_name)(options or ModeOptions())
+    return mode
+
+
+def make_source(model: nn.Module | WeightSource, mode: str = "full", *,
+                adapter_name: str | None = None) -> WeightSource:
+    """The stream `mode` reads from `model` ("delta" reads like "full"); a `WeightSource`
+    that is not a module is its own stream."""
+    return make_mode(mode, ModeOptions(adapter_name=adapter_name)).source(model)
+
+
+def named_weights(model: nn.Module, *, mode: str = "full",
+                  adapter_name: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(hf_name, tensor)` for every weight of `model` in `mode`, in module order.
+
+    FSDP2 models: a collective per tensor; call on every rank.
+    """
+    return make_source(model, mode, adapter_name=adapter_name).tensors()
+
+
+__all__ = ["MODES", "ModeDefaults", "ModeOptions", "Planner", "PushMode", "Selection", "make_mode", "make_source", "named_weights"]

@@ -1,4 +1,9 @@
-"""Versioned LoRA adapter names on the engines: which stay loaded, which are retired.
+"""mode="lora": only the adapter, loaded on the engines under a versioned name.
+
+The first push checks that every engine that reports digests serves the
+trainer's base weights, and pushes them (as a full update of the same version)
+where one does not; later pushes send the adapter tensors alone, uncast (engines
+cast adapters themselves) unless a dtype is forced.
 
 "lora" pushes load each adapter version under a name of its own (`policy-v7`),
 so a request names the exact weights it wants. Names are retired by one rule:
@@ -25,9 +30,15 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, ClassVar
+
+from torch import nn
 
 from weightsync.engines.base import AdapterUnloader
 from weightsync.errors import AdapterNotLoadedError, WeightSyncError
+from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
+from weightsync.modes.full import FullMode
+from weightsync.sources import AdapterSource, WeightSource, as_source
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +122,63 @@ class AdapterRollover:
                         left.discard(i)
                         if not left:
                             del self._due[name]
+
+
+class LoraMode(ModeDefaults):
+    """A PEFT adapter under `<prefix>-v<version>`, retired by `AdapterRollover`."""
+
+    name: ClassVar[str] = "lora"
+    casts: ClassVar[bool] = False
+    sends_adapter: ClassVar[bool] = True
+
+    def __init__(self, options: ModeOptions | None = None) -> None:
+        super().__init__(options)
+        self.rollover = AdapterRollover(keep=self.options.lora_keep)
+        self._base_checked = False
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.rollover.current
+
+    def source(self, model: nn.Module | WeightSource) -> WeightSource:
+        if not isinstance(model, nn.Module):
+            return as_source(model)
+        from weightsync.lora.source import LoraSource  # imports peft
+
+        return LoraSource(model, adapter_name=self.options.adapter_name)
+
+    def prepare(self, model: Any, version: int, planner: Planner) -> None:
+        """First push: make sure each engine that reports digests serves the trainer's
+        base weights; push them as `version` where one does not."""
+        if self._base_checked:
+            return
+        self._base_checked = True
+        if not any(c.reads_digests for c in planner.capabilities()):
+            return
+        base = FullMode(self.options)
+        trainer = planner.hash_tensors(base.source(model), cast=base.casts)
+        if all(served == trainer for served in planner.served_digests(list(trainer))):
+            return
+        log.info("engine base weights differ from the trainer's: syncing them before the adapter")
+        planner.push(base, model, version)
+
+    def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
+        config = source.config() if isinstance(source, AdapterSource) else None
+        if config is None:
+            raise TypeError(f"mode='lora' needs a source with an adapter config, got {type(source).__name__}")
+        return Selection(mode=self.name, metas=list(source.metas()), lora_config=config,
+                         lora_name=f"{self.options.lora_prefix}-v{version}")
+
+    def committed(self, selection: Selection, version: int, planner: Planner) -> None:
+        assert selection.lora_name is not None
+        unloaders = planner.unloaders()
+        self.rollover.committed(selection.lora_name, unloaders)
+        self.rollover.retire(unloaders, planner.pool, timeout_s=planner.timeout_s)
+
+    def close(self, planner: Planner) -> None:
+        if not self.rollover.due:
+            return
+        try:
+            self.rollover.finish(planner.unloaders(), timeout_s=planner.timeout_s)
+        except WeightSyncError as e:
+            log.warning("unloading old adapters at close: %s", e)

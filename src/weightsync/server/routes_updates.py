@@ -8,7 +8,6 @@ collectives, disk reads) runs in worker threads.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from weightsync.bucketing import pack_one
 from weightsync.checkpoint import MANIFEST_FILE, confine
+from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
 from weightsync.server import ingest
@@ -40,7 +40,8 @@ from weightsync.server.http import (
 from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
-from weightsync.types import Manifest, TensorEntry, TensorMeta, dtype_name
+from weightsync.transports import TRANSPORTS
+from weightsync.types import Manifest, TensorEntry, TensorMeta, dtype_from_name, dtype_name
 from weightsync.wire import MAX_HEADER_BYTES, decode_frame
 
 FRAME_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES
@@ -60,7 +61,7 @@ async def _admin_json(request: Request, state: ServerState) -> dict[str, Any]:
 
 def _staged_answer(result: StageResult, **extra: Any) -> JSONResponse:
     if result.ack is not None:
-        extra["ack"] = result.ack
+        extra["ack"] = result.ack.to_wire()
     return answer(result.message, num_paused_requests=0, **extra)
 
 
@@ -245,13 +246,7 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
 
 def _pack_listed(state: ServerState, version: int, index: int, named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """Tensors received one broadcast each, packed into their bucket's layout."""
-    session = state.updater.session
-    if session is None or session.manifest is None or session.version != version:
-        raise ConflictError(f"no weightsync session v{version} is open for bucket {index}")
-    buckets = session.manifest.buckets
-    if not 0 <= index < len(buckets):
-        raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
-    bucket = buckets[index]
+    bucket = state.updater.receiver.bucket(version, index)
     if [n for n, _ in named] != list(bucket.hf_names):
         raise ValueError(f"bucket {index}: names listed differ from the manifest's bucket (same names, same order)")
     buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
@@ -266,23 +261,29 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/weightsync/info")
     async def info() -> dict[str, Any]:
         lora_enabled = state.lora_store is not None
+        dtype = _serving_dtype(updater.metas.values())
+        capabilities = EngineCapabilities(
+            num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
+            supports_delta=True, reads_digests=True, unloads_adapters=lora_enabled,
+            transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,
             "message": "",
             "weightsync": 1,
             "weight_version": updater.version,
             "label": updater.label,
-            "dirty": False,
-            "transports": ["disk", "http", "broadcast", "shm"],
-            "lora_transports": ["disk", "http", "broadcast", "shm"] if lora_enabled else [],
+            "capabilities": capabilities.to_dict(),
+            "dirty": False,  # commits swap whole tensors between two steps: never half-applied
+            "transports": sorted(capabilities.transports),
+            "lora_transports": sorted(capabilities.lora_transports),
             "loaded_loras": state.lora_store.names() if state.lora_store is not None else [],
             "paused": state.scheduler.paused,
             "running_requests": state.scheduler.num_running,
             "waiting_requests": state.scheduler.num_waiting,
-            "session": _session_info(state),
+            "session": updater.session_info(),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
                        for n, m in updater.metas.items()},
-            "dtype": _serving_dtype(updater.metas.values()),
+            "dtype": dtype,
         }
 
     @app.post("/weightsync/digests")
@@ -305,7 +306,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     async def bucket(request: Request) -> JSONResponse:
         require_admin(request, state.config.admin_api_key)
         session = updater.session
-        if session is None or session.manifest is None:
+        if session is None:
             raise ConflictError("no weightsync update session is open; call /weightsync/begin")
         largest = max((b.nbytes for b in session.manifest.buckets), default=0)
         try:
@@ -337,7 +338,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         version = field_int(body, "version", required=True)
         assert version is not None
         ack = await run_in_threadpool(updater.commit, version)
-        return answer(f"v{version} committed", ack=ack)
+        return answer(f"v{version} committed", ack=ack.to_wire())
 
     @app.post("/weightsync/abort")
     async def abort(request: Request) -> JSONResponse:
@@ -358,24 +359,8 @@ def _stage_from_shm(state: ServerState, body: dict[str, Any]) -> str:
     assert slot_bytes is not None and num_slots is not None
     if slot_bytes <= 0 or num_slots <= 0:
         raise ValueError("slot_bytes and num_slots must be positive")
-    session = state.updater.session
-    if session is None or session.manifest is None or session.version != version:
-        raise ConflictError(f"no weightsync session v{version} is open")
-    buckets = session.manifest.buckets
-    if not 0 <= index < len(buckets):
-        raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
+    nbytes = state.updater.receiver.bucket(version, index).nbytes
     slots = state.shm_slots(shm_name, slot_bytes=slot_bytes, num_slots=num_slots)
-    nbytes = buckets[index].nbytes
     buffer = state.updater.buffers.take(nbytes).copy_(slots.slot(slot, nbytes))
     return state.updater.stage_bucket(version=version, index=index, buffer=buffer,
                                       digest_hex=field_str(body, "digest"))
-
-
-def _session_info(state: ServerState) -> dict[str, Any] | None:
-    session = state.updater.session
-    if session is None:
-        return None
-    return {"kind": session.kind, "version": session.version, "label": session.label, "owner": session.owner,
-            "timeout_s": session.timeout_s, "idle_s": round(time.monotonic() - session.touched, 3),
-            "mode": session.manifest.mode if session.manifest is not None else None,
-            "buckets_received": sorted(session.bucket_digests)}

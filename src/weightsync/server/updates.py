@@ -45,52 +45,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.bucketing import entry_view, pack_one
+from weightsync.bucketing import pack_one
 from weightsync.checkpoint import read_version
-from weightsync.errors import IntegrityError, format_names
-from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits, digest
+from weightsync.errors import ConflictError, format_names
+from weightsync.integrity import digest
 from weightsync.naming import map_names
+from weightsync.receiving import (
+    NamedTensors,
+    OpenUpdate,
+    SessionRules,
+    UpdateSession,
+    check_named,
+    copies,
+)
 from weightsync.server import lora
 from weightsync.server.buffers import BufferPool
-from weightsync.server.errors import ConflictError, NotFoundError
+from weightsync.server.errors import NotFoundError
 from weightsync.server.requests import ServedVersion
 from weightsync.sessions import Holder, SessionBusyError, take_over
-from weightsync.types import Manifest, TensorMeta
+from weightsync.types import Ack, Manifest, TensorMeta
 
 log = logging.getLogger(__name__)
 
-NamedTensors = Sequence[tuple[str, torch.Tensor]]
+ENGINE = "this server"
+"""How the embedded engine names itself in messages and acks."""
 
 
 @dataclass(eq=False)
-class Session:
-    """An open update: what was staged so far."""
+class SglangSession:
+    """An SGLang-shaped session (`/begin_weight_update`): named tensors staged until
+    `/end_weight_update`, served as current + 1."""
 
-    kind: str
-    """"weightsync" or "sglang"."""
-    version: int | None
-    """The version the commit produces (None for sglang sessions: current + 1 at the end)."""
-    label: str | None = None
-    """SGLang's `weight_version` given by the latest request that staged into this
-    session; None: a weightsync commit labels "N", an sglang one keeps the label."""
-    manifest: Manifest | None = None
-    """The manifest given at /weightsync/begin."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """name -> staged copy (views of owned bucket buffers, or clones)."""
-    bucket_digests: dict[int, str] = field(default_factory=dict)
-    """Digests computed on receipt of whole buckets."""
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    """The whole-bucket buffers `tensors` views; back to the pool once unused."""
+    """name -> staged copy."""
+    label: str | None = None
+    """The `weight_version` of the latest request that staged into it; None keeps the label."""
     touched: float = field(default_factory=time.monotonic)
-    """The owner's last request or received bucket."""
-    owner: str | None = None
-    """The trainer that opened it (from the manifest)."""
-    timeout_s: float | None = None
-    """How long that trainer may stay silent before another may take the session."""
-
-    def expected(self) -> dict[str, TensorMeta]:
-        assert self.manifest is not None
-        return {e.hf_name: e.meta for e in self.manifest.entries()}
+    """The last request that staged into it."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +89,15 @@ class StageResult:
     """What a SGLang-shaped update call did."""
 
     message: str
-    ack: dict[str, Any] | None = None
+    ack: Ack | None = None
     """Set when the call committed (no session was open)."""
 
 
 class WeightUpdater:
-    """The served weights, their version and the one open update session."""
+    """The served weights, their version and the one open update session.
+
+    It is the `receiving.Applier` of its weightsync sessions (`self.receiver`):
+    a commit swaps the staged bucket-buffer views in between two steps."""
 
     def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
                  between_steps: Callable[[], ContextManager[None]], session_timeout_s: float,
@@ -118,7 +112,12 @@ class WeightUpdater:
         self.session_timeout_s = session_timeout_s
         self.lora_store = lora_store
         self._lock = threading.RLock()
-        self._session: Session | None = None
+        self.receiver = UpdateSession(self, engine=ENGINE, rules=SessionRules(
+            timeout_s=session_timeout_s, adapter_keeps_version=True))
+        """The weightsync update session (at most one session of either kind is open)."""
+        self._sglang: SglangSession | None = None
+        self._update_label: str | None = None
+        """The label the open weightsync update is served under; None: "N"."""
         self.buffers = BufferPool(max_bytes=sum(m.nbytes for m in self.metas.values()))
         """Receive buffers reused across updates (take one per bucket received)."""
         self._backing: dict[str, torch.Tensor] = {}
@@ -164,144 +163,125 @@ class WeightUpdater:
     # -- weightsync sessions -----------------------------------------------------------------
 
     @property
-    def session(self) -> Session | None:
-        return self._session
+    def session(self) -> OpenUpdate | None:
+        """The open weightsync update, if any."""
+        return self.receiver.open
+
+    def session_info(self) -> dict[str, Any] | None:
+        """The open session of either kind, for /weightsync/info."""
+        now = time.monotonic()
+        update, sglang = self.receiver.open, self._sglang
+        if update is not None:
+            return {"kind": "weightsync", "version": update.version, "label": self._update_label,
+                    "owner": update.owner, "timeout_s": update.manifest.timeout_s,
+                    "idle_s": round(now - update.touched, 3), "mode": update.manifest.mode,
+                    "buckets_received": sorted(update.digests)}
+        if sglang is not None:
+            return {"kind": "sglang", "version": None, "label": sglang.label, "owner": None, "timeout_s": None,
+                    "idle_s": round(now - sglang.touched, 3), "mode": None, "buckets_received": []}
+        return None
 
     def begin(self, manifest: Manifest) -> str | None:
-        """Dry-run check of `manifest` against the served model, then open a session.
-
-        An open session gives way by `weightsync.sessions.take_over`: to its own owner,
-        or when its owner is gone or silent past its timeout (returns what was
-        discarded); a live owner's session is never taken (ConflictError with
-        `retry_after_s`)."""
+        """Dry-run check of `manifest` against the served model, then open a session
+        (see `receiving.UpdateSession.begin`); returns what was discarded. An empty
+        SGLang session gives way; one holding tensors is taken like an idle trainer's."""
         with self._lock:
             self._expire_idle()
             preempted = None
-            session = self._session
-            if session is not None:
-                if session.kind == "sglang" and not session.tensors:
-                    self._session = None  # an empty SGLang session gives way
-                else:
-                    holder = Holder(owner=session.owner, version=session.version, touched=session.touched,
-                                    timeout_s=session.timeout_s or self.session_timeout_s)
-                    try:
-                        preempted = take_over(holder, manifest.owner, time.monotonic())
-                    except SessionBusyError as e:
-                        raise ConflictError(str(e), retry_after_s=e.retry_after_s) from None
-                    log.warning("update v%s: %s", manifest.version, preempted or "its own trainer begins again")
-            self._check_newer(manifest.version, adapter=manifest.mode == "lora")
-            self._check_manifest(manifest)
-            if self._session is not None:
-                self._drop(self._session)
-            self._session = Session(kind="weightsync", version=manifest.version, manifest=manifest,
-                                    owner=manifest.owner, timeout_s=manifest.timeout_s)
-            log.info("update v%d (%s, %d buckets) begun", manifest.version, manifest.mode, len(manifest.buckets))
+            sglang = self._sglang
+            if sglang is not None and sglang.tensors:
+                holder = Holder(owner=None, version=None, touched=sglang.touched, timeout_s=self.session_timeout_s)
+                try:
+                    preempted = take_over(holder, manifest.owner, time.monotonic())
+                except SessionBusyError as e:
+                    raise ConflictError(str(e), retry_after_s=e.retry_after_s) from None
+            preempted = self.receiver.begin(manifest) or preempted
+            self._sglang = None
+            self._update_label = None
             return preempted
-
-    def _check_manifest(self, manifest: Manifest) -> None:
-        if manifest.mode == "lora":
-            if self.lora_store is None:
-                raise ConflictError("this server was started without --enable-lora; it cannot take a lora update")
-            if manifest.lora_config is None:
-                raise ValueError("a lora manifest needs lora_config (the adapter_config.json contents)")
-            assert manifest.lora_name is not None
-            if self.lora_store.is_loaded(manifest.lora_name):
-                raise ConflictError(f"LoRA adapter {manifest.lora_name!r} is already loaded; unload it first")
-            config = lora.parse_config(manifest.lora_config)
-            sent = {e.hf_name: e.meta for e in manifest.entries()}
-            lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
-            return
-        if manifest.mode == "delta" and manifest.base_version != self.version:
-            raise ConflictError(
-                f"delta update v{manifest.version} applies on top of v{manifest.base_version}, "
-                f"but this server serves v{self.version}; send a full update"
-            )
-        check_manifest_fits(manifest, self.metas, partial=manifest.mode == "delta")
 
     def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None) -> str:
         """Verify one packed bucket and stage it. Takes ownership of `buffer` (a copy the
         caller made). Returns the digest computed here."""
-        session = self._require_weightsync(version)
-        assert session.manifest is not None
-        buckets = session.manifest.buckets
-        if not 0 <= index < len(buckets):
-            raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
-        bucket = buckets[index]
-        got = check_bucket(bucket, buffer)
-        if digest_hex is not None and got != digest_hex:
-            raise IntegrityError(f"bucket {index}: digest {got} != sent {digest_hex} "
-                                 f"(first tensor {bucket.hf_names[0] if bucket.entries else '-'!r}); "
-                                 "bytes were corrupted in transit")
-        with self._lock:
-            if self._session is not session:
-                raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
-            for entry in bucket.entries:
-                session.tensors[entry.hf_name] = entry_view(buffer, entry)
-            session.buffers.append(buffer)
-            session.bucket_digests[index] = got
-            session.touched = time.monotonic()
-        return got
+        return self.receiver.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex)
 
-    def commit(self, version: int) -> dict[str, Any]:
+    def commit(self, version: int) -> Ack:
         """Apply the open weightsync session; returns the ack."""
         with self._lock:
-            session = self._require_weightsync(version)
-            manifest = session.manifest
-            assert manifest is not None
-            missing = [n for n in manifest.hf_names if n not in session.tensors]
-            if missing:
-                raise ValueError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
-                                 f"{format_names(missing)}")
-            self._check_newer(version, adapter=manifest.mode == "lora")
-            digests = [session.bucket_digests.get(b.index) or _digest_staged(b.hf_names, session.tensors)
-                       for b in manifest.buckets]
-            served = ServedVersion(version, str(version) if session.label is None else session.label)
-            if manifest.mode == "lora":
-                self._install_adapter(manifest, session.tensors, served)
-            else:
-                self._swap(session.tensors, served, owners=_owners(session))
-            self._drop(session)
-            return {"version": version, "digests": digests, "loaded_names": sorted(manifest.hf_names)}
-
-    def _install_adapter(self, manifest: Manifest, tensors: Mapping[str, torch.Tensor],
-                         served: ServedVersion) -> None:
-        assert self.lora_store is not None and manifest.lora_name is not None and manifest.lora_config is not None
-        adapter = lora.build_adapter(self.model, manifest.lora_name, manifest.lora_config, tensors)
-        self.lora_store.add(adapter)
-        with self.between_steps():
-            self.served = served
-        log.info("LoRA adapter %s loaded as v%d (%r)", manifest.lora_name, served.version, served.label)
+            return self.receiver.commit(version)
 
     def abort(self, version: int | None, *, owner: str | None = None) -> bool:
         """Drop the open session (if `version` matches or is None, and it is not another
         owner's); True if one was dropped."""
         with self._lock:
-            if self._session is None or (version is not None and self._session.version != version):
-                return False
-            if owner is not None and self._session.owner not in (None, owner):
-                return False
-            log.info("update v%s (%s) aborted; served weights unchanged", self._session.version, self._session.kind)
-            self._drop(self._session)
-            return True
+            if self.receiver.abort(version, owner=owner):
+                return True
+            if version is None and self._sglang is not None:
+                log.info("SGLang update session aborted; served weights unchanged")
+                self._sglang = None
+                return True
+            return False
+
+    # -- the receiving.Applier of weightsync sessions ----------------------------------------
+
+    def expected(self) -> Mapping[str, TensorMeta]:
+        return self.metas
+
+    def check_adapter(self, manifest: Manifest) -> None:
+        if self.lora_store is None:
+            raise ConflictError("this server was started without --enable-lora; it cannot take a lora update")
+        if manifest.lora_config is None:
+            raise ValueError("a lora manifest needs lora_config (the adapter_config.json contents)")
+        assert manifest.lora_name is not None
+        if self.lora_store.is_loaded(manifest.lora_name):
+            raise ConflictError(f"LoRA adapter {manifest.lora_name!r} is already loaded; unload it first")
+        config = lora.parse_config(manifest.lora_config)
+        sent = {e.hf_name: e.meta for e in manifest.entries()}
+        lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
+
+    def apply(self, update: OpenUpdate) -> Sequence[str]:
+        self._swap(update.tensors, self._served_after(update), owners=_owners(update))
+        return list(update.tensors)
+
+    def install_adapter(self, update: OpenUpdate) -> None:
+        manifest, served = update.manifest, self._served_after(update)
+        assert self.lora_store is not None and manifest.lora_name is not None and manifest.lora_config is not None
+        adapter = lora.build_adapter(self.model, manifest.lora_name, manifest.lora_config, update.tensors)
+        self.lora_store.add(adapter)
+        with self.between_steps():
+            self.served = served
+        log.info("LoRA adapter %s loaded as v%d (%r)", manifest.lora_name, served.version, served.label)
+
+    def release(self, update: OpenUpdate) -> None:
+        """Give back to the pool the update's bucket buffers that no served parameter
+        views: all of them after an abort, those of an adapter (copied at install)
+        after a commit."""
+        served = {id(b) for b in self._backing.values()}
+        self.buffers.give(b for b in update.buffers if id(b) not in served)
+
+    def _served_after(self, update: OpenUpdate) -> ServedVersion:
+        return ServedVersion(update.version, str(update.version) if self._update_label is None else self._update_label)
 
     # -- SGLang-shaped updates ---------------------------------------------------------------
 
     def begin_sglang(self) -> str:
         with self._lock:
             self._expire_idle()
-            if self._session is None:
-                self._session = Session(kind="sglang", version=None)
-                return "weight update session opened"
-            return f"a {self._session.kind} session is already open; updates stage into it"
+            if self.receiver.open is not None:
+                return "a weightsync session is already open; updates stage into it"
+            if self._sglang is not None:
+                return "a sglang session is already open; updates stage into it"
+            self._sglang = SglangSession()
+            return "weight update session opened"
 
     def end_sglang(self) -> StageResult:
         with self._lock:
-            session = self._session
+            update, session = self.receiver.open, self._sglang
+            if update is not None:
+                return StageResult(f"weightsync session v{update.version} is open; /weightsync/commit applies it")
             if session is None:
                 return StageResult("no open weight update session")
-            if session.kind == "weightsync":
-                return StageResult(f"weightsync session v{session.version} is open; /weightsync/commit applies it")
-            self._session = None
+            self._sglang = None
             if not session.tensors:
                 return StageResult("weight update session closed; nothing was staged")
             return self._apply_sglang(session.tensors, session.label)
@@ -311,19 +291,19 @@ class WeightUpdater:
         `label` is the request's `weight_version`."""
         with self._lock:
             self._expire_idle()
-            session = self._session
-            if session is not None and session.kind == "weightsync":
-                _check_against(named, session.expected(), what=f"update v{session.version}")
-            else:
-                _check_against(named, self.metas, what="the served model", full=full)
+            update, session = self.receiver.open, self._sglang
+            if update is not None:
+                self.receiver.stage_named(update.version, named)
+                if label is not None:
+                    self._update_label = label
+                return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{update.version}")
+            check_named(named, self.metas, what="the served model", full=full)
             if session is None:
-                return self._apply_sglang(_copies(named), label)
-            session.tensors.update(_copies(named))
+                return self._apply_sglang(copies(named), label)
+            session.tensors.update(copies(named))
             if label is not None:
                 session.label = label
             session.touched = time.monotonic()
-            if session.kind == "weightsync":
-                return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{session.version}")
             return StageResult(f"staged {len(named)} tensor(s); /end_weight_update applies them")
 
     def _apply_sglang(self, tensors: Mapping[str, torch.Tensor], label: str | None) -> StageResult:
@@ -331,7 +311,7 @@ class WeightUpdater:
         served = ServedVersion(self.version + 1, self.label if label is None else label)
         self._swap(tensors, served)
         return StageResult(f"applied {len(tensors)} tensor(s) as v{served.version} ({served.label!r})",
-                           ack={"version": served.version, "digests": [], "loaded_names": sorted(tensors)})
+                           ack=Ack(engine=ENGINE, version=served.version, loaded_names=frozenset(tensors)))
 
     def apply_version_dir(self, directory: Path, *, label: str | None) -> StageResult:
         """A disk version directory (manifest.json + bucket files), every bucket verified,
@@ -340,18 +320,17 @@ class WeightUpdater:
         manifest's version, labelled `label` (default: the version's decimal string).
         """
         manifest, buckets = read_version(directory)
-        session = self._session
-        if session is not None and session.kind == "weightsync":
-            assert session.manifest is not None
-            if session.version != manifest.version:
-                raise ConflictError(f"{directory} holds v{manifest.version}, the open session is v{session.version}")
-            if manifest.without_digests().buckets != session.manifest.without_digests().buckets:
+        update = self.receiver.open
+        if update is not None:
+            if update.version != manifest.version:
+                raise ConflictError(f"{directory} holds v{manifest.version}, the open session is v{update.version}")
+            if manifest.without_digests().buckets != update.manifest.without_digests().buckets:
                 raise ValueError(f"{directory}/manifest.json differs from the manifest given at begin")
         else:
             self.begin(manifest)
         try:
             if label is not None:
-                self._require_weightsync(manifest.version).label = label
+                self._update_label = label
             for bucket, buffer in buckets:
                 self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
                                   digest_hex=bucket.digest)
@@ -364,11 +343,12 @@ class WeightUpdater:
     def stage_as_buckets(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
         """Pack named tensors into the open weightsync session's bucket layout and stage
         every bucket (checked against the manifest's digests where it has them)."""
-        session = self._session
-        if session is None or session.manifest is None:
+        update = self.receiver.open
+        if update is None:
             raise ConflictError("no weightsync update session is open")
-        manifest = session.manifest
-        _check_against(list(tensors.items()), session.expected(), what=f"update v{manifest.version}", full=True)
+        manifest = update.manifest
+        check_named(list(tensors.items()), {e.hf_name: e.meta for e in manifest.entries()},
+                    what=f"update v{manifest.version}", full=True)
         digests = []
         for bucket in manifest.buckets:
             buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
@@ -416,69 +396,17 @@ class WeightUpdater:
                 del self._backing[name]
         return list(replaced.values())
 
-    def _drop(self, session: Session) -> None:
-        """Close `session` (it is the open one) and give back to the pool the bucket
-        buffers that no served parameter views: all of them after an abort, those of
-        an adapter (copied at install) after a commit."""
-        self._session = None
-        session.tensors = {}
-        served = {id(b) for b in self._backing.values()}
-        self.buffers.give(b for b in session.buffers if id(b) not in served)
-        session.buffers = []
-
-    def _check_newer(self, version: int, *, adapter: bool = False) -> None:
-        """Versions never go backwards. Base weights need a strictly newer version;
-        an adapter may carry the version of the base weights it was trained on
-        (a first LoRA push syncs the base and then the adapter as the same step)."""
-        if version < self.version or (version == self.version and not adapter):
-            raise ConflictError(f"version {version} is not newer than the served v{self.version}; versions must increase")
-
-    def _require_weightsync(self, version: int) -> Session:
-        session = self._session
-        if session is None or session.kind != "weightsync":
-            raise ConflictError(f"no weightsync update session is open (asked for v{version}); call /weightsync/begin")
-        if session.version != version:
-            raise ConflictError(f"the open update session is v{session.version}, not v{version}")
-        return session
-
     def _expire_idle(self) -> None:
-        session = self._session
+        """Discard a session of either kind idle for longer than the server's session timeout."""
+        self.receiver.drop_if_idle(self.session_timeout_s)
+        session = self._sglang
         if session is not None and time.monotonic() - session.touched > self.session_timeout_s:
-            log.warning("discarding update session v%s idle for more than %.0fs", session.version,
-                        self.session_timeout_s)
-            self._drop(session)
+            log.warning("discarding the SGLang update session idle for more than %.0fs", self.session_timeout_s)
+            self._sglang = None
 
 
-def _check_against(named: NamedTensors, expected: Mapping[str, TensorMeta], *, what: str, full: bool = False) -> None:
-    """Names known, shapes and dtypes equal, no duplicates (and every name, with `full`)."""
-    sent: dict[str, torch.Tensor] = {}
-    duplicates = []
-    for name, tensor in named:
-        if name in sent:
-            duplicates.append(name)
-        sent[name] = tensor
-    if duplicates:
-        raise ValueError(f"tensor(s) sent twice in one update: {format_names(duplicates)}")
-    check_fits(
-        [TensorMeta.of(name, t) for name, t in sent.items()], expected, partial=not full,
-        refused="update refused, served weights unchanged", holder=what,
-    )
-
-
-def _copies(named: NamedTensors) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().contiguous().clone() for name, tensor in named}
-
-
-def _owners(session: Session) -> dict[str, torch.Tensor]:
-    """name -> the session's bucket buffer its staged tensor views (none for clones)."""
-    by_storage = {b.untyped_storage().data_ptr(): b for b in session.buffers if b.numel()}
-    return {name: buffer for name, t in session.tensors.items()
+def _owners(update: OpenUpdate) -> dict[str, torch.Tensor]:
+    """name -> the update's bucket buffer its staged tensor views (none for clones)."""
+    by_storage = {b.untyped_storage().data_ptr(): b for b in update.buffers if b.numel()}
+    return {name: buffer for name, t in update.tensors.items()
             if (buffer := by_storage.get(t.untyped_storage().data_ptr())) is not None}
-
-
-def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> str:
-    """A bucket's digest from its staged tensors, in bucket order (== digest of the packed bytes)."""
-    hasher = BucketHasher()
-    for name in hf_names:
-        hasher.update(tensors[name])
-    return hasher.hexdigest()

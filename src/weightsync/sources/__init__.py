@@ -1,6 +1,7 @@
 """Weight sources: where the `(hf_name, tensor)` stream comes from.
 
-A source knows its tensors' metadata without reading any data (so a bucket
+Each push mode picks its source (`weightsync.modes`: `make_source(model, mode)`);
+the LoRA ones live in `weightsync.lora.source`. A source knows its tensors' metadata without reading any data (so a bucket
 plan can be made, and checked by the engines, before a byte moves) and yields
 the tensors in the order it is asked for.
 """
@@ -8,13 +9,12 @@ the tensors in the order it is asked for.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import nn
 
 from weightsync.sources.module import ModuleSource
-from weightsync.types import MODES, TensorMeta
+from weightsync.types import TensorMeta
 
 
 @runtime_checkable
@@ -37,29 +37,20 @@ class WeightSource(Protocol):
         ...
 
 
-def make_source(model: nn.Module | WeightSource, mode: str = "full", *, adapter_name: str | None = None) -> WeightSource:
-    """The source for `model` in `mode` ("delta" reads like "full")."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
-    if isinstance(model, WeightSource) and not isinstance(model, nn.Module):
-        return model
-    if mode in ("full", "delta"):
-        return ModuleSource(model, adapter_name=adapter_name)
-    from weightsync.sources.peft import LoraSource, MergedLoraSource
+@runtime_checkable
+class AdapterSource(WeightSource, Protocol):
+    """A source of LoRA adapter tensors ("lora" mode), with the adapter's config."""
 
-    if mode == "lora":
-        return LoraSource(model, adapter_name=adapter_name)
-    return MergedLoraSource(model, adapter_name=adapter_name)
+    def config(self) -> dict[str, Any]:
+        """adapter_config.json contents, as PEFT writes them."""
+        ...
 
 
-def named_weights(
-    model: nn.Module, *, mode: str = "full", adapter_name: str | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(hf_name, tensor)` for every weight of `model` in `mode`, in module order.
-
-    FSDP2 models: a collective per tensor; call on every rank.
-    """
-    return make_source(model, mode, adapter_name=adapter_name).tensors()
+def as_source(model: object) -> WeightSource:
+    """`model` itself, which must be a `WeightSource` (what a mode reads when not given a module)."""
+    if not isinstance(model, WeightSource):
+        raise TypeError(f"push() takes an nn.Module or a weightsync.WeightSource, got {type(model).__name__}")
+    return model
 
 
-__all__ = ["ModuleSource", "WeightSource", "make_source", "named_weights"]
+__all__ = ["AdapterSource", "ModuleSource", "WeightSource", "as_source"]

@@ -49,6 +49,17 @@ class Transport(Protocol):
         """False where engines take the whole update at commit (disk)."""
         ...
 
+    @property
+    def adapter_in_one_bucket(self) -> bool:
+        """A LoRA adapter must travel as one bucket (disk: it is adapter_model.safetensors)."""
+        ...
+
+    @property
+    def survives_failure(self) -> bool:
+        """The session stays usable after a failed push (False for broadcast: a failed
+        collective leaves the group broken, so the next push forms a new one)."""
+        ...
+
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
         """Prepare a session for engines with these rank counts; one Link each."""
         ...

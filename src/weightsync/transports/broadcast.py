@@ -27,6 +27,8 @@ class BroadcastTransport(TransportDefaults):
 
     name: ClassVar[str] = "broadcast"
     per_bucket_delivery: ClassVar[bool] = True
+    adapter_in_one_bucket: ClassVar[bool] = False
+    survives_failure: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -59,6 +59,8 @@ class DiskTransport:
 
     name: ClassVar[str] = "disk"
     per_bucket_delivery: ClassVar[bool] = False
+    adapter_in_one_bucket: ClassVar[bool] = True
+    survives_failure: ClassVar[bool] = True
 
     def __init__(self, root: str | Path, *, keep_versions: int = 2, timeout_s: float = 60.0) -> None:
         if keep_versions < 1:

@@ -20,6 +20,8 @@ class HttpTransport(TransportDefaults):
 
     name: ClassVar[str] = "http"
     per_bucket_delivery: ClassVar[bool] = True
+    adapter_in_one_bucket: ClassVar[bool] = False
+    survives_failure: ClassVar[bool] = True
 
     def __init__(self, *, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s

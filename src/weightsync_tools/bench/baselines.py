@@ -38,7 +38,7 @@ from torch import nn
 
 from weightsync.engines.http import JsonClient
 from weightsync.groups import UpdateGroup, finish_hosting, host_group
-from weightsync.sources import named_weights
+from weightsync.modes import named_weights
 from weightsync.types import dtype_name
 
 BASELINES = ("per-tensor-broadcast", "per-tensor-http", "checkpoint-reload")

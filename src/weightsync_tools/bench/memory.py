@@ -67,7 +67,7 @@ def _reset_peak() -> None:
 def _merge(method: str, model: Any) -> None:
     import copy
 
-    from weightsync.sources.peft import MergedLoraSource
+    from weightsync.lora.source import MergedLoraSource
 
     if method == "layer-by-layer":
         for _, tensor in MergedLoraSource(model).tensors():

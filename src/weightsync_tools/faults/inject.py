@@ -58,6 +58,8 @@ class FaultyTransport:
         self.inner = inner
         self.name = inner.name
         self.per_bucket_delivery = inner.per_bucket_delivery
+        self.adapter_in_one_bucket = inner.adapter_in_one_bucket
+        self.survives_failure = inner.survives_failure
         self.fault = fault
         self.at_bucket = at_bucket
         self.at_push = at_push

@@ -11,7 +11,7 @@ import pytest
 
 from weightsync.bucketing import plan_buckets
 from weightsync.cli.main import main
-from weightsync.sources import make_source
+from weightsync.modes import make_source
 from weightsync_tools.bench.baselines import run_baselines
 from weightsync_tools.bench.engines import RunningEngine, start_engine
 from weightsync_tools.bench.fixed_cost import SCENARIO as FIXED_COST

@@ -71,7 +71,7 @@ def test_commit_swaps_everything_at_once(updater: WeightUpdater, model: Tiny) ->
                                     digest_hex=bucket.digest) == bucket.digest
         assert served(updater) == before and updater.version == 3
     ack = updater.commit(4)
-    assert ack == {"version": 4, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
+    assert ack.to_wire() == {"version": 4, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
     assert served(updater) == {n: digest(t) for n, t in weights.items()}
 
 
@@ -86,7 +86,7 @@ def test_abort_and_refusals_leave_weights_bit_identical(updater: WeightUpdater, 
     with pytest.raises(IntegrityError, match="truncated"):
         updater.stage_bucket(version=4, index=0, buffer=buffers[0][:-1].clone(), digest_hex=None)
     updater.stage_bucket(version=4, index=0, buffer=buffers[0].clone(), digest_hex=None)
-    with pytest.raises(ValueError, match="never arrived"):
+    with pytest.raises(IntegrityError, match="never arrived"):
         updater.commit(4)
     assert updater.abort(4) is True and updater.abort(4) is False
     assert served(updater) == before and updater.version == 3
@@ -145,7 +145,7 @@ def test_named_tensors_checked_before_anything_is_copied(updater: WeightUpdater,
             updater.stage_named(named, label=None)
     assert served(updater) == before and updater.version == 3
     result = updater.stage_named([("proj.weight", good["proj.weight"])], label=None)
-    assert result.ack is not None and result.ack["version"] == 4
+    assert result.ack is not None and result.ack.version == 4
     assert served(updater)["proj.weight"] == digest(good["proj.weight"])
 
 
@@ -158,7 +158,7 @@ def test_sglang_session_applies_at_end_as_the_next_version_under_its_label(updat
     updater.stage_named([("norm.bias", good["norm.bias"])], label="step_10")
     assert updater.served == ServedVersion(3, "3")
     result = updater.end_sglang()
-    assert result.ack is not None and result.ack["version"] == 4
+    assert result.ack is not None and result.ack.version == 4
     assert updater.served == ServedVersion(4, "step_10")
     assert served(updater)["norm.weight"] == digest(good["norm.weight"])
     assert served(updater)["norm.bias"] == digest(good["norm.bias"])

@@ -13,8 +13,9 @@ import torch
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from torch import nn
 
-from weightsync.sources import ModuleSource, make_source
-from weightsync.sources.peft import LoraSource, MergedLoraSource
+from weightsync.lora.source import LoraSource, MergedLoraSource
+from weightsync.modes import make_source
+from weightsync.sources import ModuleSource
 from weightsync.tiny import TinyModelConfig, build_model
 
 ALL_LINEAR = "all-linear"

@@ -1,0 +1,169 @@
+"""The spec every push mode implements, and what a mode may ask of the coordinator.
+
+A mode decides WHAT one push sends; the coordinator (`weightsync.sync`) decides
+HOW: bucket plan, begin, stream, commit, verify. For every push the coordinator
+asks the mode, in this order:
+
+    source(model)                 the (hf_name, tensor) stream of this mode
+    prepare(model, version, planner)    before planning (lora: check the base weights)
+    select(source, version, planner)    -> Selection: tensors and manifest fields
+      ... begin on every engine ...
+    refused(selection, error)     an engine refused at begin: True = select again
+      ... stream, commit, verify ...
+    committed(selection, version, planner)    after every engine acked
+
+and `close(planner)` once, when the `WeightSync` closes. A mode keeps its own
+state across pushes (delta: the digests the engines hold; lora: the adapter
+names loaded); the coordinator keeps none for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from torch import nn
+
+from weightsync.engines.base import AdapterUnloader, EngineCapabilities
+from weightsync.errors import EngineError
+from weightsync.sources import ModuleSource, WeightSource, as_source
+from weightsync.types import SyncReport, TensorMeta
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeOptions:
+    """The user's options a mode reads (from `SyncConfig`)."""
+
+    adapter_name: str | None = None
+    """The PEFT adapter to sync (default: the model's active one)."""
+    lora_prefix: str = "policy"
+    """"lora": adapters load as `<lora_prefix>-v<version>`."""
+    lora_keep: int = 2
+    """"lora": adapter versions kept loaded per engine (see `modes.lora.AdapterRollover`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Selection:
+    """What one push sends, as its mode chose it."""
+
+    mode: str
+    """The manifest's mode ("delta" sends "full" when no base can be proven)."""
+    metas: Sequence[TensorMeta]
+    """The source's tensors to send (trainer names and dtypes), in source order."""
+    num_skipped: int = 0
+    """Tensors of the source left out (delta: unchanged since the acked version)."""
+    lora_config: Mapping[str, Any] | None = None
+    """"lora": the adapter_config.json contents."""
+    lora_name: str | None = None
+    """"lora": the name the adapter loads under."""
+    base_version: int | None = None
+    """"delta": the version the engines must hold for the delta to apply."""
+
+
+class Planner(Protocol):
+    """What a mode may ask of the coordinator while it plans or after a commit."""
+
+    pool: Executor
+    """For a mode's background work (lora: unloading retired adapters)."""
+    timeout_s: float
+    """The push's bound for every engine call."""
+
+    def capabilities(self) -> Sequence[EngineCapabilities]:
+        """Every engine's declared capabilities."""
+        ...
+
+    def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:
+        """hf_name -> digest of every tensor of `source` as the engines would hold it
+        (cast to their dtype where floating, with `cast`); every trainer rank gathers."""
+        ...
+
+    def served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:
+        """hf_name -> digest of the served weights, from each engine that reports them."""
+        ...
+
+    def push(self, mode: PushMode, model: Any, version: int) -> SyncReport:
+        """A whole push in another mode (lora: the base weights first)."""
+        ...
+
+    def unloaders(self) -> Sequence[AdapterUnloader]:
+        """The engines that unload LoRA adapters by name."""
+        ...
+
+
+class PushMode(Protocol):
+    """One way of choosing what a push sends ("full", "delta", "lora", "lora-merged")."""
+
+    name: ClassVar[str]
+    """The name users pass as `mode=`."""
+    casts: ClassVar[bool]
+    """Floating tensors travel in the engines' dtype (False: as the trainer holds them,
+    unless the user forces a dtype)."""
+    sends_adapter: ClassVar[bool]
+    """Pushes carry a LoRA adapter (engines load it by name), so they go over the
+    engines' `lora_transports`; otherwise over their `transports`."""
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter name requests should use now (lora modes), else None."""
+        ...
+
+    def source(self, model: nn.Module | WeightSource) -> WeightSource:
+        """The stream this mode reads from `model`."""
+        ...
+
+    def prepare(self, model: Any, version: int, planner: Planner) -> None:
+        """Before planning `version`."""
+        ...
+
+    def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
+        """The tensors and manifest fields of this push."""
+        ...
+
+    def refused(self, selection: Selection, error: EngineError) -> bool:
+        """An engine refused the manifest at begin: True to select again (nothing moved)."""
+        ...
+
+    def committed(self, selection: Selection, version: int, planner: Planner) -> None:
+        """Every engine acked `version`."""
+        ...
+
+    def close(self, planner: Planner) -> None:
+        """The `WeightSync` closes."""
+        ...
+
+
+class ModeDefaults:
+    """The verbs most modes leave as they are: the whole source, nothing to remember."""
+
+    name: ClassVar[str]
+    casts: ClassVar[bool] = True
+    sends_adapter: ClassVar[bool] = False
+
+    def __init__(self, options: ModeOptions | None = None) -> None:
+        self.options = options or ModeOptions()
+
+    @property
+    def lora_name(self) -> str | None:
+        return None
+
+    def source(self, model: nn.Module | WeightSource) -> WeightSource:
+        if not isinstance(model, nn.Module):
+            return as_source(model)
+        return ModuleSource(model, adapter_name=self.options.adapter_name)
+
+    def prepare(self, model: Any, version: int, planner: Planner) -> None:
+        return None
+
+    def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
+        return Selection(mode=self.name, metas=list(source.metas()))
+
+    def refused(self, selection: Selection, error: EngineError) -> bool:
+        return False
+
+    def committed(self, selection: Selection, version: int, planner: Planner) -> None:
+        return None
+
+    def close(self, planner: Planner) -> None:
+        return None

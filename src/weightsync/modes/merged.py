@@ -1,0 +1,28 @@
+"""mode="lora-merged": the base weights with the LoRA delta merged in, layer by layer.
+
+The trainer's own weights stay bit-identical: merged tensors are computed out of
+place (`W + scale * B @ A`) by `lora.source.MergedLoraSource`, one at a time.
+Engines take them like a full update.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from weightsync.modes.base import ModeDefaults
+from weightsync.sources import WeightSource, as_source
+
+
+class MergedLoraMode(ModeDefaults):
+    """Merged weights of a PEFT model, as a full update."""
+
+    name: ClassVar[str] = "lora-merged"
+
+    def source(self, model: nn.Module | WeightSource) -> WeightSource:
+        if not isinstance(model, nn.Module):
+            return as_source(model)
+        from weightsync.lora.source import MergedLoraSource  # imports peft
+
+        return MergedLoraSource(model, adapter_name=self.options.adapter_name)

@@ -1,0 +1,322 @@
+"""The receiving side of a weightsync update, written once for every engine.
+
+`UpdateSession` is what an engine runs between a trainer's `begin` and its
+`commit` or `abort`: who holds the engine (`weightsync.sessions`), whether a
+version may follow the served one, the dry run of the manifest, the checks of
+every bucket that arrives (index, size, digest), the staging of its tensors,
+"every tensor arrived" at commit, and the ack (`types.Ack`, sent on the wire
+as `Ack.to_wire()`). It moves no bytes (transports deliver buffers to it) and
+changes no weight: what an engine does with a checked update goes through its
+`Applier` (the embedded engine swaps bucket-buffer views in between two
+generation steps; the vLLM worker reloads copies through vLLM's loader; the
+tests' in-memory engine updates a dict).
+
+Errors: `ConflictError` (HTTP 409, with `retry_after_s` when waiting helps)
+for a state clash: no such update open, a version that is not newer, a live
+trainer holding the session, a delta on the wrong base. `ManifestMismatchError`
+for a manifest that does not fit; `IntegrityError` for bytes that are not what
+was announced or an update that is incomplete at commit; `ValueError` for a
+malformed request. A refused or aborted update leaves the served weights as
+they were.
+
+Thread-safe: buckets may be staged from several threads (their digests are
+computed outside the lock); begin, commit and abort are serialised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from weightsync.bucketing import entry_view
+from weightsync.errors import ConflictError, IntegrityError, format_names
+from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
+from weightsync.sessions import Holder, SessionBusyError, take_over
+from weightsync.types import Ack, BucketMeta, Manifest, TensorMeta
+
+log = logging.getLogger(__name__)
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class OpenUpdate:
+    """An update between its begin and its commit or abort: what arrived so far."""
+
+    manifest: Manifest
+    """The manifest given at begin."""
+    timeout_s: float
+    """How long its trainer may stay silent before another may take the session."""
+    touched: float = field(default_factory=time.monotonic)
+    """Monotonic time of the trainer's last request or staged bucket."""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """hf_name -> staged tensor, checked: views of `buffers`, or private copies."""
+    digests: dict[int, str] = field(default_factory=dict)
+    """Bucket index -> the digest computed here on receipt of the whole bucket."""
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    """The received bucket buffers `tensors` view (the session owns them)."""
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def owner(self) -> str | None:
+        return self.manifest.owner
+
+
+class Applier(Protocol):
+    """What differs between engines: their weights and how a checked update reaches them."""
+
+    @property
+    def version(self) -> int:
+        """The served weight version."""
+        ...
+
+    def expected(self) -> Mapping[str, TensorMeta] | None:
+        """hf_name -> dtype and shape of every weight a full update must send (a delta
+        sends a subset); None where the engine cannot tell (no dry run)."""
+        ...
+
+    def check_adapter(self, manifest: Manifest) -> None:
+        """Refuse (raise) a lora-mode manifest this engine cannot load."""
+        ...
+
+    def apply(self, update: OpenUpdate) -> Sequence[str]:
+        """Serve the staged tensors as `update.version`; returns the names loaded."""
+        ...
+
+    def install_adapter(self, update: OpenUpdate) -> None:
+        """Load the staged lora-mode update as adapter `update.manifest.lora_name`."""
+        ...
+
+    def release(self, update: OpenUpdate) -> None:
+        """`update` is closed (committed, aborted or replaced): free what it holds."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionRules:
+    """The points on which engines' sessions differ."""
+
+    timeout_s: float = 60.0
+    """How long a trainer whose manifest gave no `timeout_s` may stay silent."""
+    adapter_keeps_version: bool = False
+    """An adapter may carry the served version (a first LoRA push syncs the base and
+    then the adapter as one step); base weights always need a newer one."""
+    refuse_delta: str | None = None
+    """Why this engine refuses delta updates (HTTP 409, so the trainer sends the whole
+    model); None: a delta is applied on top of the version it names as its base."""
+
+
+class UpdateSession:
+    """At most one open update of one engine, from begin to commit or abort."""
+
+    def __init__(self, applier: Applier, *, engine: str, rules: SessionRules | None = None) -> None:
+        self.applier = applier
+        self.engine = engine
+        """Who this is, for messages and acks."""
+        self.rules = rules or SessionRules()
+        self._lock = threading.RLock()
+        self._open: OpenUpdate | None = None
+
+    @property
+    def open(self) -> OpenUpdate | None:
+        """The open update, if any."""
+        return self._open
+
+    def begin(self, manifest: Manifest) -> str | None:
+        """Check `manifest` (version, dry run) and open its update.
+
+        An open update gives way by `weightsync.sessions.take_over`: to its own
+        trainer, or when that trainer is gone or silent past its timeout (returns
+        what was discarded); a live trainer's update is never taken (ConflictError
+        with `retry_after_s`). A refused begin leaves the open update as it was.
+        """
+        with self._lock:
+            preempted = None
+            current = self._open
+            if current is not None:
+                holder = Holder(owner=current.owner, version=current.version, touched=current.touched,
+                                timeout_s=current.timeout_s)
+                try:
+                    preempted = take_over(holder, manifest.owner, time.monotonic())
+                except SessionBusyError as e:
+                    raise ConflictError(str(e), retry_after_s=e.retry_after_s) from None
+                log.warning("%s: update v%s replaces v%s: %s", self.engine, manifest.version, current.version,
+                            preempted or "its own trainer begins again")
+            self._check_newer(manifest)
+            self._dry_run(manifest)
+            if current is not None:
+                self._close(current)
+            self._open = OpenUpdate(manifest=manifest, timeout_s=manifest.timeout_s or self.rules.timeout_s)
+            log.info("%s: update v%d (%s, %d buckets) begun", self.engine, manifest.version, manifest.mode,
+                     len(manifest.buckets))
+            return preempted
+
+    def bucket(self, version: int, index: int) -> BucketMeta:
+        """Bucket `index` of the open update `version` (a sign of life of its trainer)."""
+        return self._bucket(version, index)[1]
+
+    def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None = None) -> str:
+        """Verify one packed bucket (its size, the manifest's digest, and `digest_hex`,
+        the digest sent with it) and stage its tensors as views of `buffer`, which the
+        session now owns (a copy the caller made). Returns the digest computed here."""
+        update, bucket = self._bucket(version, index)
+        got = check_bucket(bucket, buffer)
+        if digest_hex is not None and got != digest_hex:
+            raise IntegrityError(f"bucket {index}: digest {got} != sent {digest_hex} "
+                                 f"(first tensor {bucket.hf_names[0] if bucket.entries else '-'!r}); "
+                                 "bytes were corrupted in transit")
+        with self._lock:
+            if self._open is not update:
+                raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
+            for entry in bucket.entries:
+                update.tensors[entry.hf_name] = entry_view(buffer, entry)
+            update.buffers.append(buffer)
+            update.digests[index] = got
+            update.touched = time.monotonic()
+        return got
+
+    def stage_named(self, version: int, named: NamedTensors) -> None:
+        """Stage named tensors (checked against the manifest, copied) into the open update."""
+        with self._lock:
+            update = self._require(version)
+            check_named(named, {e.hf_name: e.meta for e in update.manifest.entries()},
+                        what=f"update v{version}")
+            update.tensors.update(copies(named))
+            update.touched = time.monotonic()
+
+    def commit(self, version: int) -> Ack:
+        """Apply the open update once every tensor arrived; the update is closed
+        after the applier ran, whether it succeeded or not."""
+        with self._lock:
+            update = self._require(version)
+            manifest = update.manifest
+            missing = [n for n in manifest.hf_names if n not in update.tensors]
+            if missing:
+                raise IntegrityError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
+                                     f"{format_names(missing)}")
+            self._check_newer(manifest)
+            digests = tuple(update.digests.get(b.index) or _digest_staged(b.hf_names, update.tensors)
+                            for b in manifest.buckets)
+            try:
+                if manifest.mode == "lora":
+                    self.applier.install_adapter(update)
+                    loaded: Sequence[str] = manifest.hf_names
+                else:
+                    loaded = self.applier.apply(update)
+            finally:
+                self._close(update)
+            return Ack(engine=self.engine, version=version, digests=digests, loaded_names=frozenset(loaded))
+
+    def abort(self, version: int | None = None, *, owner: str | None = None) -> bool:
+        """Drop the open update (if `version` matches or is None, and it is not another
+        trainer's); True if one was dropped. Idempotent; served weights unchanged."""
+        with self._lock:
+            update = self._open
+            if update is None or (version is not None and update.version != version):
+                return False
+            if owner is not None and update.owner not in (None, owner):
+                return False
+            log.info("%s: update v%s aborted; served weights unchanged", self.engine, update.version)
+            self._close(update)
+            return True
+
+    def drop_if_idle(self, idle_s: float) -> bool:
+        """Drop the open update if its trainer has been silent for more than `idle_s`."""
+        with self._lock:
+            update = self._open
+            if update is None or time.monotonic() - update.touched <= idle_s:
+                return False
+            log.warning("%s: discarding update v%s idle for more than %.0fs", self.engine, update.version, idle_s)
+            self._close(update)
+            return True
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_newer(self, manifest: Manifest) -> None:
+        """Versions never go backwards, and base weights need a strictly newer one."""
+        served = self.applier.version
+        same_ok = manifest.mode == "lora" and self.rules.adapter_keeps_version
+        if manifest.version < served or (manifest.version == served and not same_ok):
+            raise ConflictError(f"version {manifest.version} is not newer than the served v{served}; "
+                                "versions must increase")
+
+    def _dry_run(self, manifest: Manifest) -> None:
+        if manifest.mode == "lora":
+            self.applier.check_adapter(manifest)
+            return
+        if manifest.mode == "delta":
+            if self.rules.refuse_delta is not None:
+                raise ConflictError(self.rules.refuse_delta)
+            if manifest.base_version != self.applier.version:
+                raise ConflictError(
+                    f"delta update v{manifest.version} applies on top of v{manifest.base_version}, "
+                    f"but {self.engine} serves v{self.applier.version}; send a full update"
+                )
+        expected = self.applier.expected()
+        if expected is not None:
+            check_manifest_fits(manifest, expected, partial=manifest.mode == "delta")
+
+    def _bucket(self, version: int, index: int) -> tuple[OpenUpdate, BucketMeta]:
+        with self._lock:
+            update = self._require(version)
+            buckets = update.manifest.buckets
+            if not 0 <= index < len(buckets):
+                raise ValueError(f"bucket index {index} out of range: update v{version} has {len(buckets)} bucket(s)")
+            update.touched = time.monotonic()
+            return update, buckets[index]
+
+    def _require(self, version: int) -> OpenUpdate:
+        update = self._open
+        if update is None:
+            raise ConflictError(f"no update session is open (asked for v{version}); begin one first")
+        if update.version != version:
+            raise ConflictError(f"the open update session is v{update.version}, not v{version}")
+        return update
+
+    def _close(self, update: OpenUpdate) -> None:
+        if self._open is update:
+            self._open = None
+        self.applier.release(update)
+        update.tensors = {}
+        update.buffers = []
+
+
+def check_named(named: NamedTensors, expected: Mapping[str, TensorMeta], *, what: str, full: bool = False) -> None:
+    """Names known, shapes and dtypes equal, no duplicates (and every name, with `full`)."""
+    sent: dict[str, torch.Tensor] = {}
+    duplicates = []
+    for name, tensor in named:
+        if name in sent:
+            duplicates.append(name)
+        sent[name] = tensor
+    if duplicates:
+        raise ValueError(f"tensor(s) sent twice in one update: {format_names(duplicates)}")
+    check_fits(
+        [TensorMeta.of(name, t) for name, t in sent.items()], expected, partial=not full,
+        refused="update refused, served weights unchanged", holder=what,
+    )
+
+
+def copies(named: NamedTensors) -> dict[str, torch.Tensor]:
+    """Private contiguous copies of named tensors (the caller's may be reused)."""
+    return {name: tensor.detach().contiguous().clone() for name, tensor in named}
+
+
+def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> str:
+    """A bucket's digest from its staged tensors, in bucket order (== digest of the packed bytes)."""
+    hasher = BucketHasher()
+    for name in hf_names:
+        hasher.update(tensors[name])
+    return hasher.hexdigest()
+
+
+__all__ = ["Applier", "OpenUpdate", "SessionRules", "UpdateSession", "check_named", "copies"]

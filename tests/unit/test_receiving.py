@@ -1,0 +1,257 @@
+"""receiving.UpdateSession: the engine side of an update, against a dict of weights.
+
+The applier here is a test double on purpose: the session is the unit under
+test; the embedded engine, the vLLM worker and tests/unit/test_sync.py's
+MemoryEngine run the same session against their own appliers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+import torch
+
+from weightsync.bucketing import pack, plan_buckets
+from weightsync.errors import ConflictError, IntegrityError, ManifestMismatchError
+from weightsync.integrity import digest
+from weightsync.owners import session_owner
+from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
+from weightsync.types import Ack, Manifest, TensorMeta
+
+
+class DictApplier:
+    """Weights in a dict; records what the session asked of it."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], version: int = 3) -> None:
+        self.weights = {k: v.clone() for k, v in weights.items()}
+        self.version = version
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.released: list[OpenUpdate] = []
+        self.fail_apply = False
+
+    def expected(self) -> dict[str, TensorMeta]:
+        return {k: TensorMeta.of(k, v) for k, v in self.weights.items()}
+
+    def check_adapter(self, manifest: Manifest) -> None:
+        if any(not n.endswith(("lora_A.weight", "lora_B.weight")) for n in manifest.hf_names):
+            raise ValueError("not an adapter")
+
+    def apply(self, update: OpenUpdate) -> Sequence[str]:
+        if self.fail_apply:
+            raise RuntimeError("injected apply failure")
+        self.weights.update({k: t.clone() for k, t in update.tensors.items()})
+        self.version = update.version
+        return list(update.tensors)
+
+    def install_adapter(self, update: OpenUpdate) -> None:
+        assert update.manifest.lora_name is not None
+        self.adapters[update.manifest.lora_name] = dict(update.tensors)
+        self.version = update.version
+
+    def release(self, update: OpenUpdate) -> None:
+        self.released.append(update)
+
+
+WEIGHTS = {
+    "a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+    "a.bias": torch.zeros(3),
+    "b.weight": torch.ones(2, 2, dtype=torch.bfloat16),
+    "scale": torch.tensor(2.0),
+}
+
+
+def new_weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in WEIGHTS.items()}
+
+
+def update(weights: dict[str, torch.Tensor], version: int, **manifest: object) -> tuple[Manifest, list[torch.Tensor]]:
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], 32)
+    buffers = [pack(b, {e.hf_name: weights[e.hf_name] for e in b.entries}) for b in plan]
+    return Manifest(version=version, buckets=plan, **manifest).with_digests([digest(b) for b in buffers]), buffers  # type: ignore[arg-type]
+
+
+def session(applier: DictApplier, **rules: object) -> UpdateSession:
+    return UpdateSession(applier, engine="test engine", rules=SessionRules(**rules))  # type: ignore[arg-type]
+
+
+def stage_all(s: UpdateSession, manifest: Manifest, buffers: list[torch.Tensor]) -> list[str]:
+    return [s.stage_bucket(version=manifest.version, index=b.index, buffer=buf.clone(), digest_hex=b.digest)
+            for b, buf in zip(manifest.buckets, buffers, strict=False)]  # the first len(buffers)
+
+
+def unchanged(applier: DictApplier) -> bool:
+    return all(torch.equal(applier.weights[k], v) for k, v in WEIGHTS.items())
+
+
+def test_commit_acks_what_arrived_and_applies_it_at_once() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier)
+    weights = new_weights(1)
+    manifest, buffers = update(weights, 4)
+    assert len(manifest.buckets) > 1
+    s.begin(manifest.without_digests())
+    digests = stage_all(s, manifest, buffers)
+    assert digests == list(manifest.digests)
+    assert unchanged(applier) and applier.version == 3, "nothing is applied before commit"
+    ack = s.commit(4)
+    assert ack == Ack(engine="test engine", version=4, digests=manifest.digests,
+                      loaded_names=frozenset(weights))
+    assert ack.to_wire() == {"version": 4, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
+    assert Ack.from_dict(ack.to_wire(), engine="test engine") == ack
+    assert all(torch.equal(applier.weights[k], v) for k, v in weights.items()) and applier.version == 4
+    assert s.open is None and applier.released[-1].version == 4
+
+
+def test_named_tensors_are_acked_with_the_digest_of_their_bucket() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier)
+    weights = new_weights(2)
+    manifest, _ = update(weights, 4)
+    s.begin(manifest)
+    with pytest.raises(ManifestMismatchError):
+        s.stage_named(4, [("a.bias", weights["a.bias"][:-1])])
+    s.stage_named(4, list(weights.items()))
+    assert s.commit(4).digests == manifest.digests
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_versions_must_increase(version: int) -> None:
+    s = session(DictApplier(WEIGHTS))
+    with pytest.raises(ConflictError, match=f"version {version} is not newer than the served v3"):
+        s.begin(update(new_weights(3), version)[0])
+    assert s.open is None
+
+
+def test_an_adapter_may_keep_the_served_version_where_the_rules_say_so() -> None:
+    adapter = {"base_model.model.a.lora_A.weight": torch.ones(1, 4), "base_model.model.a.lora_B.weight": torch.ones(3, 1)}
+    manifest, buffers = update(adapter, 3, mode="lora", lora_name="ad")
+    with pytest.raises(ConflictError, match="not newer"):
+        session(DictApplier(WEIGHTS)).begin(manifest)  # the vLLM worker's rule
+    applier = DictApplier(WEIGHTS)
+    s = session(applier, adapter_keeps_version=True)  # the embedded engine's rule
+    s.begin(manifest)
+    stage_all(s, manifest, buffers)
+    assert s.commit(3).loaded_names == frozenset(adapter)
+    assert set(applier.adapters["ad"]) == set(adapter) and unchanged(applier)
+    with pytest.raises(ConflictError, match="not newer"):  # base weights never keep it
+        s.begin(update(new_weights(4), 3)[0])
+
+
+def test_delta_needs_its_base_or_is_refused_by_rule() -> None:
+    weights = {"a.bias": new_weights(5)["a.bias"]}
+    s = session(DictApplier(WEIGHTS))
+    with pytest.raises(ConflictError, match="serves v3; send a full update"):
+        s.begin(update(weights, 4, mode="delta", base_version=2)[0])
+    s.begin(update(weights, 4, mode="delta", base_version=3)[0])
+    refusing = session(DictApplier(WEIGHTS), refuse_delta="no deltas here; send mode='full'")
+    with pytest.raises(ConflictError, match="no deltas here"):
+        refusing.begin(update(weights, 4, mode="delta", base_version=3)[0])
+
+
+def test_a_live_trainers_session_is_never_taken() -> None:
+    s = session(DictApplier(WEIGHTS))
+    a, b = session_owner(), session_owner()
+    manifest = update(new_weights(6), 5)[0]
+    s.begin(replace(manifest, owner=a, timeout_s=30.0))
+    with pytest.raises(ConflictError, match=f"held by trainer {a}") as busy:
+        s.begin(replace(manifest, version=6, owner=b, timeout_s=30.0))
+    assert busy.value.retry_after_s is not None and 0 < busy.value.retry_after_s <= 30.0
+    assert s.open is not None and s.open.owner == a, "a refused begin leaves the open update"
+    assert s.begin(replace(manifest, version=6, owner=a, timeout_s=30.0)) is None  # its own trainer again
+    assert s.open is not None and s.open.version == 6
+    s.open.touched -= 31.0  # a's silence, past its own timeout
+    assert "past its timeout" in (s.begin(replace(manifest, version=7, owner=b, timeout_s=30.0)) or "")
+    assert s.open is not None and s.open.owner == b
+
+
+def test_abort_is_owner_aware_and_idempotent() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier)
+    a, b = session_owner(), session_owner()
+    manifest, buffers = update(new_weights(7), 5, owner=a)
+    s.begin(manifest)
+    stage_all(s, manifest, buffers[:1])
+    assert s.abort(5, owner=b) is False, "an abort never drops another trainer's update"
+    assert s.abort(4) is False and s.open is not None
+    assert s.abort(5, owner=a) is True and s.open is None
+    assert s.abort(5) is False and s.abort() is False
+    assert unchanged(applier) and applier.version == 3 and len(applier.released) == 1
+
+
+def test_a_bad_index_is_refused() -> None:
+    s = session(DictApplier(WEIGHTS))
+    manifest, buffers = update(new_weights(8), 4)
+    s.begin(manifest)
+    for index in (-1, len(manifest.buckets)):
+        with pytest.raises(ValueError, match=f"bucket index {index} out of range"):
+            s.stage_bucket(version=4, index=index, buffer=buffers[0].clone())
+    with pytest.raises(ConflictError, match="is v4, not v5"):
+        s.stage_bucket(version=5, index=0, buffer=buffers[0].clone())
+    assert s.open is not None and not s.open.tensors
+
+
+def test_corrupted_bytes_are_refused_and_nothing_is_applied() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier)
+    manifest, buffers = update(new_weights(9), 4)
+    s.begin(manifest)
+    corrupt = buffers[0].clone()
+    corrupt[0] ^= 1
+    with pytest.raises(IntegrityError, match="bucket 0: digest"):
+        s.stage_bucket(version=4, index=0, buffer=corrupt)  # against the manifest's digest
+    assert s.abort(4) is True
+    s.begin(replace(manifest.without_digests(), version=5))
+    with pytest.raises(IntegrityError, match=r"bucket 0: digest .* != sent"):
+        s.stage_bucket(version=5, index=0, buffer=corrupt, digest_hex=manifest.buckets[0].digest)
+    with pytest.raises(IntegrityError, match="truncated"):
+        s.stage_bucket(version=5, index=0, buffer=buffers[0][:-1].clone())
+    assert s.open is not None and not s.open.tensors
+    with pytest.raises(IntegrityError, match="never arrived"):
+        s.commit(5)
+    assert unchanged(applier) and applier.version == 3
+
+
+def test_commit_names_what_never_arrived_and_keeps_the_update_open() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier)
+    manifest, buffers = update(new_weights(10), 4)
+    s.begin(manifest)
+    stage_all(s, manifest, buffers[:-1])
+    missing = manifest.buckets[-1].hf_names
+    with pytest.raises(IntegrityError, match=f"{len(missing)} tensor\\(s\\) never arrived: .*{missing[0]}"):
+        s.commit(4)
+    assert unchanged(applier) and s.open is not None
+    s.stage_bucket(version=4, index=manifest.buckets[-1].index, buffer=buffers[-1].clone())
+    assert s.commit(4).version == 4 and applier.version == 4
+
+
+def test_a_failed_apply_closes_the_update() -> None:
+    applier = DictApplier(WEIGHTS)
+    applier.fail_apply = True
+    s = session(applier)
+    manifest, buffers = update(new_weights(11), 4)
+    s.begin(manifest)
+    stage_all(s, manifest, buffers)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.commit(4)
+    assert s.open is None and applier.released and applier.version == 3
+    with pytest.raises(ConflictError, match="no update session is open"):
+        s.commit(4)
+
+
+def test_a_replaced_update_frees_what_it_held() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier)
+    owner = session_owner()
+    first, buffers = update(new_weights(12), 4, owner=owner)
+    s.begin(first)
+    stage_all(s, first, buffers[:1])
+    s.begin(update(new_weights(12), 5, owner=owner)[0])  # its trainer begins again
+    assert [u.version for u in applier.released] == [4]
+    assert s.drop_if_idle(60.0) is False
+    assert s.open is not None
+    s.open.touched -= 61.0
+    assert s.drop_if_idle(60.0) is True and s.open is None
