@@ -7,5 +7,6 @@ engine x bucket size), `fixed_cost` (seconds and HTTP round trips of a push
 that moves almost nothing), `baselines` (how RL frameworks sync today),
 `memory` (trainer peak memory of merged LoRA), `suite` (runs them all),
 `analysis` (fractions, speed-ups, targets) and `report` (table, chart, JSON).
-Fault suite: `faults`. Importing this package imports none of them.
+The fault suite is the sibling package `weightsync_tools.faults`. Importing this
+package imports none of them.
 """
