@@ -210,6 +210,10 @@ class WeightSync:
         self.ranks = TrainerRanks(process_group, send_rank=send_rank)
         self._transport: Transport | None = given
         """The sending rank's transport (given, or made by name); the other ranks have none."""
+        self._mode = make_mode(self.config.mode, ModeOptions(
+            adapter_name=self.config.adapter_name, lora_prefix=self.config.lora_prefix,
+            lora_keep=self.config.lora_keep))
+        """What pushes send, and what that mode remembers between pushes."""
         if self.ranks.is_sender:
             self._check_engines()
             self._make_transport()  # now: a missing transport option fails here, not at the first push
@@ -217,10 +221,6 @@ class WeightSync:
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines) + 1), thread_name_prefix="weightsync")
         self._caps: list[EngineCapabilities] | None = None
         """What each engine can do; asked once per transport session."""
-        self._mode = make_mode(self.config.mode, ModeOptions(
-            adapter_name=self.config.adapter_name, lora_prefix=self.config.lora_prefix,
-            lora_keep=self.config.lora_keep))
-        """What pushes send, and what that mode remembers between pushes."""
         self.owner = session_owner()
         """This trainer's identity on the engines: its sessions are never taken by another
         live trainer, and it takes over those of a dead one (see `weightsync.sessions`)."""
@@ -524,10 +524,10 @@ class WeightSync:
     def _ensure_session(self, max_bucket_bytes: int) -> list[Link]:
         transport = self._make_transport()
         links = transport.open([c.num_ranks for c in self._capabilities()], max_bucket_bytes=max_bucket_bytes)
-        if links is self._links:
-            return links  # formed earlier and reused
-        if self._links is not None and self.config.transport == "broadcast":
-            self._disconnect(self._links)
+        if self._links is not None and links == self._links:
+            return self._links  # the same session: engines stay connected
+        if self._links is not None:
+            self._disconnect(self._links)  # e.g. a new group or a bigger segment replaces the old
         self._links = None
         connects = [self._pool.submit(e.connect, link) for e, link in zip(self.engines, links, strict=True)]
         try:
@@ -660,9 +660,8 @@ class WeightSync:
     def _check_engines(self) -> None:
         if not self.engines:
             raise ValueError("WeightSync needs at least one engine")
-        attr = "lora_transports" if self.config.mode == "lora" else "transports"
         for e in self.engines:
-            allowed = getattr(e, attr)
+            allowed = e.lora_transports if self._mode.sends_adapter else e.transports
             if self.config.transport not in allowed:
                 raise ValueError(
                     f"{e.label} cannot take mode={self.config.mode!r} over transport={self.config.transport!r}; "
