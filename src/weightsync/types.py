@@ -565,3 +565,12 @@ class Delivery:
     """http: a 1-d uint8 tensor or bytes-like with the packed bucket."""
     slot: int | None = None
     """shm: the slot index."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form, without `data` (bytes travel in a request body of their own)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None and k != "data"}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Delivery:
+        known = set(cls.__dataclass_fields__) - {"data"}
+        return cls(**{k: v for k, v in d.items() if k in known})

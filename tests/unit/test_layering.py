@@ -108,3 +108,33 @@ def test_matplotlib_and_tqdm_are_the_tools_extra() -> None:
 
     assert not names(project["dependencies"]) & {"matplotlib", "tqdm"}, project["dependencies"]
     assert names(project["optional-dependencies"]["tools"]) >= {"matplotlib", "tqdm"}
+
+
+def test_transports_import_neither_engines_nor_server() -> None:
+    """Each transport module holds both its ends (trainer and engine side): engines and
+    the server import transports, never the other way round, not even inside a function."""
+    found = [f"{path.relative_to(SRC)}: {module}"
+             for path in sorted((PACKAGE / "transports").rglob("*.py"))
+             for module, _ in _imports(path)
+             if _is_under(module, ("weightsync.engines", "weightsync.server", "weightsync.sync"))]
+    assert not found, found
+
+
+
+def test_engines_and_server_compare_no_transport_names() -> None:
+    """The engine clients, the vLLM worker and the embedded server read the traits a
+    transport's receiver declares (`joins_session`, `collective`, ...), never its name:
+    a new transport is its module plus one registry line. Only string literals in code
+    count (docstrings may name transports)."""
+    found = []
+    for path in sorted([*(PACKAGE / "engines").rglob("*.py"), *(PACKAGE / "server").rglob("*.py")]):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and id(node) not in docstrings and repr(node.value) in (
+                    "'disk'", "'http'", "'broadcast'", "'shm'"):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: {node.value!r}")
+    assert not found, "\n".join(found)

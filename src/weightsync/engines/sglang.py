@@ -1,6 +1,11 @@
 """Client for SGLang's HTTP API, and for `weightsync serve`, which speaks it.
 
-Maps the weightsync protocol onto SGLang's routes (ENGINES.md):
+Maps the weightsync protocol onto SGLang's routes (ENGINES.md), by the traits
+each transport's receiver declares (`weightsync.transports.base.Receiver`),
+never by its name: a collective transport (broadcast) goes through SGLang's
+group routes, one read at commit (disk) through its disk routes; the others
+need weightsync's routes: bytes in the delivery (http) in a binary frame, bytes
+fetched from a joined session (shm) by naming the session and the slot.
 
 | protocol  | broadcast                                   | disk                        | http / shm (weightsync serve) |
 |-----------|---------------------------------------------|-----------------------------|-------------------------------|
@@ -28,6 +33,7 @@ from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Li
 from weightsync.engines.http import JsonClient, decode
 from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import byte_view
+from weightsync.transports import TRANSPORTS, receiver_class
 from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
 
@@ -38,16 +44,26 @@ CLEANUP_TIMEOUT_S = 10.0
 they run after a failure, often against a peer that already stopped answering."""
 
 
-STOCK_SGLANG = EngineCapabilities(unloads_adapters=True, supports_delta=False,
-                                  transports=frozenset({"broadcast", "disk"}), lora_transports=frozenset({"disk"}))
-"""A stock SGLang server (no weightsync routes): its own broadcast and disk routes."""
+def _stock_routes(name: str) -> bool:
+    """SGLang has routes of its own for transport `name`: group routes for a collective
+    one, disk routes for one read at commit."""
+    receiver = receiver_class(name)
+    return receiver.collective or receiver.reads_at_commit
+
+
+def stock_sglang() -> EngineCapabilities:
+    """What a stock SGLang server (no weightsync routes) can do: its own broadcast and
+    disk routes (LoRA: a PEFT directory on disk)."""
+    return EngineCapabilities(
+        unloads_adapters=True, supports_delta=False, transports=frozenset(filter(_stock_routes, TRANSPORTS)),
+        lora_transports=frozenset(n for n in TRANSPORTS if receiver_class(n).reads_at_commit))
 
 
 class SGLangEngine:
     """One SGLang server (or `weightsync serve`) at `url`."""
 
-    transports: ClassVar[frozenset[str]] = frozenset({"disk", "http", "broadcast", "shm"})
-    lora_transports: ClassVar[frozenset[str]] = frozenset({"disk", "http", "broadcast", "shm"})
+    transports: ClassVar[frozenset[str]] = frozenset(TRANSPORTS)
+    lora_transports: ClassVar[frozenset[str]] = frozenset(TRANSPORTS)
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  num_ranks: int = 1, label: str | None = None) -> None:
@@ -83,7 +99,7 @@ class SGLangEngine:
         if self._capabilities is None:
             response = self._http.request("GET", "/weightsync/info", allow=(404,), timeout_s=timeout_s)
             if response.status_code == 404:
-                self._capabilities = STOCK_SGLANG
+                self._capabilities = stock_sglang()
             else:
                 self._capabilities = EngineCapabilities.from_dict(decode(response).get("capabilities") or {})
                 self._native = True
@@ -105,8 +121,8 @@ class SGLangEngine:
     # -- protocol ----------------------------------------------------------
 
     def connect(self, link: Link) -> None:
-        if link.transport != "broadcast":
-            return
+        if not receiver_class(link.transport).collective:
+            return  # shm: `weightsync serve` maps the segment at its first bucket
         self._http.post("/init_weights_update_group", {
             "master_address": link.master_address, "master_port": link.master_port,
             "rank_offset": link.rank_offset, "world_size": link.world_size,
@@ -114,7 +130,7 @@ class SGLangEngine:
         }, timeout_s=link.timeout_s)
 
     def disconnect(self, link: Link) -> None:
-        if link.transport != "broadcast":
+        if not receiver_class(link.transport).collective:
             return
         try:
             self._http.post("/destroy_weights_update_group", {"group_name": link.group_name},
@@ -136,16 +152,17 @@ class SGLangEngine:
     def begin(self, manifest: Manifest, link: Link) -> str | None:
         timeout_s = link.timeout_s
         note = None
-        if link.transport in ("http", "shm"):
+        receiver = receiver_class(link.transport)
+        if not _stock_routes(link.transport):
             self._require_native(f"transport {link.transport!r}", timeout_s)
-        if manifest.mode == "lora" and link.transport != "disk":
+        if manifest.mode == "lora" and not receiver.reads_at_commit:
             self._require_native(f"a LoRA adapter over {link.transport!r}", timeout_s)
         if self._is_native(timeout_s):
             answer = self._http.post("/weightsync/begin", {"manifest": manifest.to_dict()}, timeout_s=timeout_s)
             note = answer.get("preempted")
         self._open = (manifest.version, link)
         self._owner = manifest.owner
-        if link.transport == "broadcast":
+        if receiver.collective:
             response = self._http.request("POST", "/begin_weight_update", json_body={"selector": "all"},
                                           allow=(404,), timeout_s=timeout_s)
             self._session_open = response.status_code != 404
@@ -155,27 +172,27 @@ class SGLangEngine:
         assert self._open is not None, "begin() first"
         version, link = self._open
         assert bucket.digest is not None, "buckets are hashed before they are sent"
-        if delivery.transport == "http":
+        receiver = receiver_class(delivery.transport)
+        if receiver.bytes_in_delivery:
             prefix = encode_prefix(FrameHeader(version=version, index=bucket.index,
                                                nbytes=bucket.nbytes, digest=bucket.digest))
             payload = byte_view(delivery.data).numpy().data
             self._http.request("POST", "/weightsync/bucket", content=_chunks(prefix, payload),
                                headers={"Content-Type": "application/octet-stream"}, timeout_s=link.timeout_s)
-        elif delivery.transport == "shm":
-            self._http.post("/weightsync/shm_bucket", {
-                "version": version, "index": bucket.index, "digest": bucket.digest,
-                "shm_name": link.shm_name, "slot_bytes": link.slot_bytes, "num_slots": link.num_slots,
-                "slot": delivery.slot,
-            }, timeout_s=link.timeout_s)
-        elif delivery.transport == "broadcast":
+        elif receiver.collective:
             self._http.post("/update_weights_from_distributed", self._broadcast_request(bucket, version, link),
                             timeout_s=link.timeout_s)
+        elif receiver.joins_session:  # the server fetches from the session the link names
+            self._http.post("/weightsync/shm_bucket", {
+                "version": version, "index": bucket.index, "digest": bucket.digest,
+                **_fields(link.to_dict()), **_fields(delivery.to_dict()),
+            }, timeout_s=link.timeout_s)
         else:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None
-        if link.transport == "disk":
+        if receiver_class(link.transport).reads_at_commit:
             return self._commit_disk(manifest, link)
         ack = None
         if self._is_native(link.timeout_s):
@@ -282,6 +299,11 @@ class SGLangEngine:
         """What a stock SGLang tells us: success, nothing checkable."""
         return Ack(engine=self.label, version=manifest.version, digests=(None,) * len(manifest.buckets),
                    loaded_names=frozenset(manifest.hf_names))
+
+
+def _fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A link's or delivery's JSON form without what the routes take elsewhere."""
+    return {k: v for k, v in record.items() if k not in ("transport", "timeout_s")}
 
 
 def _completion(answer: dict[str, Any]) -> Completion:

@@ -67,7 +67,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient
@@ -81,6 +81,7 @@ from weightsync.errors import (
     SyncTimeoutError,
     WeightSyncError,
 )
+from weightsync.transports import TRANSPORTS, receiver_class
 from weightsync.types import Ack, BucketMeta, Manifest, dtype_from_name
 
 log = logging.getLogger(__name__)
@@ -97,11 +98,20 @@ CLEANUP_TIMEOUT_S = 10.0
 they run after a failure, often against an engine that already stopped answering."""
 
 
+class _FetchedByWorkers:
+    """Every transport whose bytes the workers fetch themselves (`collective_rpc` carries
+    JSON, not bytes), read from the transports' receivers when first asked (the
+    transport modules load on first use)."""
+
+    def __get__(self, engine: object, owner: type | None = None) -> frozenset[str]:
+        return frozenset(n for n in TRANSPORTS if not receiver_class(n).bytes_in_delivery)
+
+
 class VLLMEngine:
     """One vLLM engine (all its TP x PP workers), in-process or behind a URL."""
 
-    transports: ClassVar[frozenset[str]] = frozenset({"broadcast", "shm", "disk"})
-    lora_transports: ClassVar[frozenset[str]] = frozenset({"broadcast", "shm", "disk"})
+    transports = _FetchedByWorkers()
+    lora_transports = _FetchedByWorkers()
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  label: str | None = None, num_ranks: int | None = None) -> None:
@@ -167,11 +177,11 @@ class VLLMEngine:
     # -- protocol ----------------------------------------------------------
 
     def connect(self, link: Link) -> None:
-        if link.transport in ("broadcast", "shm"):
+        if receiver_class(link.transport).joins_session:
             self._rpc("weightsync_connect", {"link": link.to_dict()}, timeout_s=link.timeout_s)
 
     def disconnect(self, link: Link) -> None:
-        if link.transport not in ("broadcast", "shm"):
+        if not receiver_class(link.transport).joins_session:
             return
         try:
             self._rpc("weightsync_disconnect", {"link": link.to_dict()},
@@ -203,10 +213,11 @@ class VLLMEngine:
         assert self._open is not None, "begin() first"
         version, link = self._open
         assert bucket.digest is not None, "buckets are hashed before they are sent"
-        if delivery.transport not in ("broadcast", "shm"):
+        receiver = receiver_class(delivery.transport)
+        if receiver.bytes_in_delivery or receiver.reads_at_commit:  # the workers fetch the bytes themselves
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
         self._rpc("weightsync_receive", {"version": version, "index": bucket.index, "digest": bucket.digest,
-                                         "slot": delivery.slot}, timeout_s=link.timeout_s)
+                                         "delivery": delivery.to_dict()}, timeout_s=link.timeout_s)
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None

@@ -46,13 +46,13 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from weightsync.checkpoint import read_checkpoint_metas, read_version
+from weightsync.checkpoint import read_checkpoint_metas
 from weightsync.errors import (
     ConflictError,
     EngineError,
@@ -61,10 +61,9 @@ from weightsync.errors import (
     WeightSyncError,
     format_names,
 )
-from weightsync.groups import UpdateGroup, join_group
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
-from weightsync.shmem import SharedSlots
-from weightsync.types import BucketMeta, Link, Manifest, TensorMeta, dtype_name
+from weightsync.transports import Receiver, make_receiver
+from weightsync.types import Delivery, Link, Manifest, TensorMeta, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +187,10 @@ class WorkerSync:
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
         self.dirty = False
-        self.groups: dict[str, UpdateGroup] = {}
-        """Joined weight-update groups by name: one per trainer session (two trainers may
-        be connected at once; one holds the update, the other waits)."""
-        self.segments: dict[str, SharedSlots] = {}
-        """Mapped shm segments by name, likewise."""
+        self.receivers: dict[str, Receiver] = {}
+        """This worker's end of each transport by name, holding the sessions it joined:
+        up to MAX_SESSIONS trainer sessions each (two trainers may be connected at
+        once; one holds the update, the other waits)."""
         self.session = UpdateSession(self, engine=self._who, rules=SessionRules(
             timeout_s=SESSION_TIMEOUT_S, refuse_delta=DELTA_REFUSED))
         self.link: Link | None = None
@@ -218,38 +216,21 @@ class WorkerSync:
 
     def connect(self, body: Mapping[str, Any]) -> dict[str, Any]:
         link = Link.from_dict(body["link"])
-        if link.transport == "broadcast":
-            _require(link, "master_address", "master_port", "world_size", "group_name", "rank_offset", "backend")
-            self._leave_group(str(link.group_name))
-            self._make_room(self.groups, lambda name: self._leave_group(name))
-            self.groups[str(link.group_name)] = join_group(
-                master_address=str(link.master_address), master_port=int(link.master_port or 0),
-                rank=int(link.rank_offset or 0) + self.rank, world_size=int(link.world_size or 0),
-                group_name=str(link.group_name), backend=str(link.backend), timeout_s=link.timeout_s,
-            )
-        elif link.transport == "shm":
-            _require(link, "shm_name", "slot_bytes", "num_slots")
-            self._close_segment(str(link.shm_name))
-            self._make_room(self.segments, lambda name: self._close_segment(name))
-            self.segments[str(link.shm_name)] = SharedSlots.open(str(link.shm_name), slot_bytes=int(link.slot_bytes or 0),
-                                            num_slots=int(link.num_slots or 0))
+        self._receiver(link.transport).join(link, rank=self.rank)
         return {}
 
     def disconnect(self, body: Mapping[str, Any]) -> dict[str, Any]:
         link = Link.from_dict(body["link"])
-        if link.transport == "broadcast":
-            self._leave_group(str(link.group_name))
-        elif link.transport == "shm":
-            self._close_segment(str(link.shm_name))
+        self._receiver(link.transport).leave(link)
         return {}
 
     def begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         manifest = Manifest.from_dict(body["manifest"])
         link = Link.from_dict(body["link"])
-        if link.transport == "broadcast" and link.group_name not in self.groups:
-            raise EngineError(self._who, "no broadcast group: connect() first")
-        if link.transport == "shm" and link.shm_name not in self.segments:
-            raise EngineError(self._who, f"shared memory segment {link.shm_name!r} is not mapped: connect() first")
+        try:
+            self._receiver(link.transport).check_joined(link)
+        except LookupError as e:
+            raise EngineError(self._who, str(e)) from None
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
         preempted = self.session.begin(manifest)
@@ -261,24 +242,25 @@ class WorkerSync:
         bucket = self.session.bucket(version, index)
         link = self.link
         assert link is not None
-        if link.transport == "broadcast":
-            buffer = self._receive_broadcast(bucket, link)
-        elif link.transport == "shm":
-            segment = self.segments.get(str(link.shm_name))
-            if segment is None:
-                raise EngineError(self._who, f"shared memory segment {link.shm_name!r} is not mapped")
-            buffer = segment.slot(int(body["slot"]), bucket.nbytes).clone()  # our copy, then check it
-        else:
+        receiver = self._receiver(link.transport)
+        if receiver.bytes_in_delivery or receiver.reads_at_commit:
             raise EngineError(self._who, f"no per-bucket receive over transport {link.transport!r}")
+        into = torch.empty(bucket.nbytes, dtype=torch.uint8)  # our copy, then check it
+        try:
+            buffer = receiver.fetch(link, bucket, Delivery.from_dict(body["delivery"]), into)
+        except LookupError as e:
+            raise EngineError(self._who, str(e)) from None
         return {"digest": self.session.stage_bucket(version=version, index=index, buffer=buffer,
                                                     digest_hex=str(body["digest"]))}
 
     def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         version = int(body["version"])
         update = self.session.open
-        if update is not None and update.version == version and self.link is not None \
-                and self.link.transport == "disk":
-            self._stage_from_disk(update.manifest, self.link)
+        link = self.link
+        if update is not None and update.version == version and link is not None \
+                and self._receiver(link.transport).reads_at_commit:
+            for index, buffer in self._receiver(link.transport).read(link, update.manifest):
+                self.session.stage_bucket(version=version, index=index, buffer=buffer)
         ack = self.session.commit(version)
         assert update is not None  # commit found it open
         if update.manifest.mode != "lora":
@@ -298,26 +280,13 @@ class WorkerSync:
 
     # -- receiving ---------------------------------------------------------
 
-    def _receive_broadcast(self, bucket: BucketMeta, link: Link) -> torch.Tensor:
-        group = self.groups.get(str(link.group_name))
-        if group is None:
-            raise EngineError(self._who, f"no broadcast group {link.group_name!r}: connect() first")
-        device = _device(self.worker) if group.backend == "nccl" else torch.device("cpu")
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        group.broadcast(buffer, src=0, timeout_s=link.timeout_s)
-        return buffer.cpu()  # staged in host memory; a no-op on CPU
-
-    def _stage_from_disk(self, manifest: Manifest, link: Link) -> None:
-        directory = Path(link.version_dir(manifest.version))
-        if manifest.mode == "lora":
-            self.session.stage_bucket(version=manifest.version, index=0,
-                                      buffer=_read_adapter_bucket(directory / ADAPTER_WEIGHTS, manifest.buckets[0]))
-            return
-        on_disk, buckets = read_version(directory)
-        if on_disk.without_digests() != manifest.without_digests():
-            raise IntegrityError(f"{directory}: its manifest.json is not the manifest begin() announced")
-        for bucket, buffer in buckets:  # read_bucket verified each digest against manifest.json
-            self.session.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer)
+    def _receiver(self, transport: str) -> Receiver:
+        """This worker's receiver of `transport`, made on first use."""
+        receiver = self.receivers.get(transport)
+        if receiver is None:
+            receiver = self.receivers[transport] = make_receiver(transport, max_sessions=MAX_SESSIONS,
+                                                                 device=_device(self.worker))
+        return receiver
 
     # -- the receiving.Applier of the update session --------------------------
 
@@ -442,23 +411,6 @@ class WorkerSync:
             atexit.register(shutil.rmtree, self._lora_root_dir, ignore_errors=True)
         return self._lora_root_dir
 
-    def _leave_group(self, name: str) -> None:
-        group = self.groups.pop(name, None)
-        if group is not None:
-            group.destroy()
-
-    def _close_segment(self, name: str) -> None:
-        segment = self.segments.pop(name, None)
-        if segment is not None:
-            segment.close()
-
-    @staticmethod
-    def _make_room(joined: Mapping[str, Any], leave: Callable[[str], None]) -> None:
-        """Keep at most MAX_SESSIONS - 1 before a new connect: trainers that died without
-        disconnecting leave theirs behind; the oldest go first."""
-        for name in list(joined)[: max(0, len(joined) - MAX_SESSIONS + 1)]:
-            leave(name)
-
     def _delete_retired(self) -> None:
         """Adapter directories unloaded before the previous commit (one push of grace,
         so a request still running on an evicted adapter can reload it)."""
@@ -479,15 +431,10 @@ def _engine_rank() -> tuple[int, int]:
     return tp.rank_in_group + tp.world_size * pp.rank_in_group, tp.world_size * pp.world_size
 
 
-def _require(link: Link, *fields: str) -> None:
-    missing = [f for f in fields if getattr(link, f) is None]
-    if missing:
-        raise ValueError(f"a {link.transport!r} link needs {missing}; got {link.to_dict()}")
-
-
-def _device(worker: Any) -> torch.device:
+def _device(worker: Any) -> torch.device | None:
+    """The worker's device, where NCCL receives land (None: the current CUDA device)."""
     device = getattr(worker, "device", None)
-    return device if isinstance(device, torch.device) else torch.device("cuda", torch.cuda.current_device())
+    return device if isinstance(device, torch.device) else None
 
 
 def _checkpoint_dir(model_config: Any, load_config: Any) -> Path | None:
@@ -529,23 +476,6 @@ def _lora_module(peft_name: str) -> str | None:
         if peft_name.endswith(suffix):
             return peft_name[len(PEFT_PREFIX) : -len(suffix)]
     return None
-
-
-def _read_adapter_bucket(path: Path, bucket: BucketMeta) -> torch.Tensor:
-    """The data section of the disk transport's adapter_model.safetensors, checked
-    against the manifest's entries (its digest is checked when it is staged)."""
-    import struct
-
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        for entry in bucket.entries:
-            got = header.get(entry.hf_name) or {}
-            if got.get("data_offsets") != [entry.offset, entry.offset + entry.nbytes] or \
-                    got.get("shape") != list(entry.shape):
-                raise IntegrityError(f"{path}: entry {entry.hf_name!r} does not match the manifest")
-        data = bytearray(f.read(bucket.nbytes + 1))  # one byte more: a longer file fails the size check
-    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 __all__ = ["EXTENSION", "WeightSyncWorkerExtension", "WorkerSync", "error_payload"]

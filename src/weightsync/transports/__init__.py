@@ -1,9 +1,13 @@
 """Transports: how packed buckets move from the trainer to the engines.
 
-`REGISTRY` names every transport, "module:Class", imported on first use; adding
-a transport is its module plus one line here. `make_transport(name, ...)` builds
-one from the options `WeightSync` holds, passing each class the ones its
-constructor takes (`root` is `disk_root`).
+Each transport module holds both ends: the trainer side (a `Transport`) and,
+as that class's `receiver`, the engine side (a `Receiver`, used inside
+`weightsync serve` and vLLM's workers, and read for its traits by the engine
+clients). `REGISTRY` names every transport, "module:Class", imported on first
+use; adding a transport is its module plus one line here.
+`make_transport(name, ...)` builds the trainer side from the options
+`WeightSync` holds, passing each class the ones its constructor takes (`root`
+is `disk_root`); `make_receiver(name, ...)` builds the engine side.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weightsync.transports.base import Transport
+import torch
+
+from weightsync.transports.base import Receiver, Transport
 
 if TYPE_CHECKING:
     from weightsync.transports.broadcast import BroadcastTransport
@@ -37,15 +43,34 @@ _NEEDS = {"root": "disk_root: a directory the engines can read"}
 """How to supply a constructor argument that has no default, by parameter name."""
 
 
-def transport_class(name: str) -> Callable[..., Transport]:
-    """The trainer-side class of transport `name`, imported now."""
+def _registered(name: str) -> Any:
+    """The class REGISTRY names for `name`, imported now."""
     try:
         target = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown transport {name!r}; valid names: {', '.join(TRANSPORTS)}") from None
     module_name, _, class_name = target.partition(":")
-    cls: Callable[..., Transport] = getattr(importlib.import_module(module_name), class_name)
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def transport_class(name: str) -> Callable[..., Transport]:
+    """The trainer-side class of transport `name`, imported now."""
+    cls: Callable[..., Transport] = _registered(name)
     return cls
+
+
+def receiver_class(name: str) -> type[Receiver]:
+    """The engine-side class of transport `name`, imported now; its traits
+    (`joins_session`, `bytes_in_delivery`, `reads_at_commit`) are class attributes."""
+    receiver: type[Receiver] = _registered(name).receiver
+    return receiver
+
+
+def make_receiver(name: str, *, max_sessions: int = 1, device: torch.device | None = None) -> Receiver:
+    """The engine side of transport `name`, keeping at most `max_sessions` sessions
+    joined at once (`device`: where device-side receives land, e.g. NCCL's)."""
+    make: Callable[..., Receiver] = receiver_class(name)
+    return make(max_sessions=max_sessions, device=device)
 
 
 def make_transport(
@@ -82,5 +107,5 @@ def __getattr__(attr: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-__all__ = ["REGISTRY", "TRANSPORTS", "BroadcastTransport", "DiskTransport", "HttpTransport", "ShmTransport",
-           "Transport", "make_transport", "transport_class"]
+__all__ = ["REGISTRY", "TRANSPORTS", "BroadcastTransport", "DiskTransport", "HttpTransport", "Receiver",
+           "ShmTransport", "Transport", "make_receiver", "make_transport", "receiver_class", "transport_class"]

@@ -1,8 +1,10 @@
-"""The Transport protocol: how the trainer side moves packed buckets.
+"""The two ends of a transport: `Transport` (trainer side) and `Receiver` (engine side).
 
 A transport owns the trainer's bucket buffers and the channel to the engines;
 it knows nothing about engine APIs. What an engine needs to take part travels
 in a `Link` (one per engine, made by `open`) and a `Delivery` (one per bucket).
+Each `transports/<name>.py` holds both ends; engine clients and engine
+processes read a receiver's declared traits, never the transport's name.
 
 The coordinator drives a transport like this for every push:
 
@@ -23,14 +25,15 @@ engine took bucket k, which bounds trainer memory to 2 x bucket_bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from weightsync.types import BucketMeta, Delivery, Link, Manifest
 
 NUM_SLOTS = 2
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -95,6 +98,124 @@ class Transport(Protocol):
     def close(self) -> None:
         """End the session; idempotent."""
         ...
+
+
+class Receiver(Protocol):
+    """Engine side of one transport, in the engine's process (a `weightsync serve`, a
+    vLLM worker): the sessions it joined, and how one bucket's bytes reach it.
+
+    Made by `weightsync.transports.make_receiver(name)`. The declared traits are
+    class attributes, read by the engine clients in the trainer process too:
+    they decide what an engine must be told, so that no client compares names.
+
+    The engine's update session (`weightsync.receiving`) verifies and stages
+    what a receiver hands over; a receiver only moves bytes.
+    """
+
+    joins_session: ClassVar[bool]
+    """The engine joins the trainer's session before its first update and leaves it
+    after (broadcast: the process group; shm: the mapped segment)."""
+    bytes_in_delivery: ClassVar[bool]
+    """The bytes travel in the `Delivery` itself (http), so the engine client sends
+    them in its request; otherwise the engine fetches them from the session."""
+    reads_at_commit: ClassVar[bool]
+    """Nothing arrives per bucket: the engine reads the whole version at commit (disk)."""
+    collective: ClassVar[bool]
+    """Each fetch is the engine's half of a collective that runs while the trainer
+    sends (broadcast), so the trainer sends only once every engine's fetch is under way."""
+
+    def join(self, link: Link, *, rank: int) -> None:
+        """Join the session of `link` as engine rank `rank` (0 for a one-rank engine);
+        a session of the same name joined before is left first."""
+        ...
+
+    def leave(self, link: Link) -> None:
+        """Leave the session of `link`; nothing happens if it was not joined."""
+        ...
+
+    def check_joined(self, link: Link) -> None:
+        """Raise LookupError naming the session when `link`'s session is not joined."""
+        ...
+
+    def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
+        """Bucket `bucket`'s bytes, copied into `into` (host uint8, `bucket.nbytes`
+        long) and returned. broadcast: runs while the trainer broadcasts it."""
+        ...
+
+    def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
+        """(bucket index, bytes) of every bucket of `manifest`'s version, at commit
+        (disk: read from its version directory, each bucket's digest checked)."""
+        ...
+
+    def close(self) -> None:
+        """Leave every session; idempotent."""
+        ...
+
+
+class ReceiverDefaults:
+    """No-op verbs for receivers that join nothing and read nothing at commit."""
+
+    joins_session: ClassVar[bool] = False
+    bytes_in_delivery: ClassVar[bool] = False
+    reads_at_commit: ClassVar[bool] = False
+    collective: ClassVar[bool] = False
+
+    def join(self, link: Link, *, rank: int) -> None:
+        return None
+
+    def leave(self, link: Link) -> None:
+        return None
+
+    def check_joined(self, link: Link) -> None:
+        return None
+
+    def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
+        raise ValueError(f"transport {link.transport!r} delivers every bucket; there is no version to read at commit")
+
+    def close(self) -> None:
+        return None
+
+
+class Joined(Generic[T]):
+    """Sessions an engine process joined, by name, at most `max_sessions` of them:
+    two trainers may be connected at once (one holds the update, the other waits),
+    and trainers that died without leaving leave theirs behind; the oldest go first."""
+
+    def __init__(self, max_sessions: int, leave: Callable[[T], None]) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
+        self.max_sessions = max_sessions
+        self._leave = leave
+        self._by_name: dict[str, T] = {}
+
+    def get(self, name: str) -> T | None:
+        return self._by_name.get(name)
+
+    def add(self, name: str, session: T) -> None:
+        """Keep `session` as `name`, leaving the oldest beyond `max_sessions`."""
+        self.drop(name)
+        for old in list(self._by_name)[: max(0, len(self._by_name) - self.max_sessions + 1)]:
+            self.drop(old)
+        self._by_name[name] = session
+
+    def drop(self, name: str) -> None:
+        session = self._by_name.pop(name, None)
+        if session is not None:
+            self._leave(session)
+
+    def clear(self) -> None:
+        for name in list(self._by_name):
+            self.drop(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+
+def require(link: Link, *fields: str) -> None:
+    """Raise ValueError naming the fields of `link` its transport needs but lacks."""
+    missing = [f for f in fields if getattr(link, f) is None]
+    if missing:
+        raise ValueError(f"a {link.transport!r} link needs {missing}; got {link.to_dict()}")
 
 
 class SlotBuffers:

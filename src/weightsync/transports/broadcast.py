@@ -1,9 +1,9 @@
-"""Broadcast transport, trainer side: one torch.distributed group over the
-trainer (rank 0) and every engine rank, formed as SGLang's
-`init_weights_update_group` forms it (see `weightsync.groups`).
+"""Broadcast transport: one torch.distributed group over the trainer (rank 0,
+`BroadcastTransport`) and every engine rank (`BroadcastReceiver`), formed as
+SGLang's `init_weights_update_group` forms it (see `weightsync.groups`).
 
 Each bucket is one `flattened_bucket` broadcast from rank 0, issued while the
-engines' `update_weights_from_distributed` requests are in flight. gloo on CPU,
+engines' receive calls (SGLang's `update_weights_from_distributed`) are in flight. gloo on CPU,
 NCCL when buckets live on a GPU. The group is created once, reused across
 pushes, and destroyed on close or after any failure (a collective that timed
 out leaves the group unusable).
@@ -17,15 +17,70 @@ from typing import ClassVar
 
 import torch
 
-from weightsync.groups import UpdateGroup, finish_hosting, host_group
-from weightsync.transports.base import SlotBuffers, TransportDefaults
+from weightsync.groups import UpdateGroup, finish_hosting, host_group, join_group
+from weightsync.transports.base import (
+    Joined,
+    Receiver,
+    ReceiverDefaults,
+    SlotBuffers,
+    TransportDefaults,
+    require,
+)
 from weightsync.types import BucketMeta, Delivery, Link
+
+
+class BroadcastReceiver(ReceiverDefaults):
+    """The groups an engine process joined, by name (at most `max_sessions`).
+
+    `device`: where NCCL receives land before they are copied to host memory
+    (default: the current CUDA device); gloo receives straight into host memory.
+    """
+
+    joins_session: ClassVar[bool] = True
+    collective: ClassVar[bool] = True
+
+    def __init__(self, *, max_sessions: int = 4, device: torch.device | None = None) -> None:
+        self.device = device
+        self._groups: Joined[UpdateGroup] = Joined(max_sessions, UpdateGroup.destroy)
+
+    def join(self, link: Link, *, rank: int) -> None:
+        require(link, "master_address", "master_port", "world_size", "group_name", "rank_offset", "backend")
+        name = str(link.group_name)
+        self._groups.drop(name)  # a group of the same name is a new session: leave the old one first
+        self._groups.add(name, join_group(
+            master_address=str(link.master_address), master_port=int(link.master_port or 0),
+            rank=int(link.rank_offset or 0) + rank, world_size=int(link.world_size or 0),
+            group_name=name, backend=str(link.backend), timeout_s=link.timeout_s,
+        ))
+
+    def leave(self, link: Link) -> None:
+        self._groups.drop(str(link.group_name))
+
+    def check_joined(self, link: Link) -> None:
+        if link.group_name not in self._groups:
+            raise LookupError(f"no broadcast group {link.group_name!r}: connect() first")
+
+    def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
+        self.check_joined(link)
+        group = self._groups.get(str(link.group_name))
+        assert group is not None
+        if group.backend != "nccl":
+            group.broadcast(into, src=0, timeout_s=link.timeout_s)
+            return into
+        device = self.device or torch.device("cuda", torch.cuda.current_device())
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        group.broadcast(buffer, src=0, timeout_s=link.timeout_s)
+        return into.copy_(buffer)
+
+    def close(self) -> None:
+        self._groups.clear()
 
 
 class BroadcastTransport(TransportDefaults):
     """Buckets broadcast from the trainer (rank 0) to every engine rank."""
 
     name: ClassVar[str] = "broadcast"
+    receiver: ClassVar[type[Receiver]] = BroadcastReceiver
     per_bucket_delivery: ClassVar[bool] = True
     adapter_in_one_bucket: ClassVar[bool] = False
     survives_failure: ClassVar[bool] = False

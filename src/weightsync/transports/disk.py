@@ -1,9 +1,10 @@
-"""Disk transport, trainer side: each bucket written as a safetensors file
-into a temporary directory, fsynced, then the directory renamed into place as
-`<root>/v%08d` with its manifest.json (see `weightsync.checkpoint`).
+"""Disk transport: each bucket written as a safetensors file into a temporary
+directory, fsynced, then the directory renamed into place as `<root>/v%08d`
+with its manifest.json (`DiskTransport`; the format is `weightsync.checkpoint`).
 
-Engines load the whole version at commit (`update_weights_from_disk`, a PEFT
-directory for LoRA). The last `keep_versions` versions stay on disk; older ones
+Engines load the whole version at commit (`DiskReceiver.read` where weightsync
+stages it, SGLang's (`update_weights_from_disk` elsewhere, a PEFT directory
+for LoRA). The last `keep_versions` versions stay on disk; older ones
 are deleted after each publish. Needs a filesystem the engines can read.
 
 The temporary directory is named after its writer (`weightsync.owners`), so
@@ -14,20 +15,22 @@ host opens the root.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import secrets
 import shutil
+import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from weightsync.checkpoint import publish, write_bucket, write_manifest
-from weightsync.errors import WeightSyncError
+from weightsync.checkpoint import publish, read_version, write_bucket, write_manifest
+from weightsync.errors import IntegrityError, WeightSyncError
 from weightsync.owners import TAG_PATTERN, orphans, owner_tag
-from weightsync.transports.base import SlotBuffers
+from weightsync.transports.base import Receiver, ReceiverDefaults, SlotBuffers
 from weightsync.types import BucketMeta, Delivery, Link, Manifest
 
 log = logging.getLogger(__name__)
@@ -54,10 +57,36 @@ def _writing(what: str, path: Path) -> Iterator[None]:
             "(is the disk full, or the directory not writable?)") from e
 
 
+class DiskReceiver(ReceiverDefaults):
+    """Reads a published version directory at commit; nothing per bucket."""
+
+    reads_at_commit: ClassVar[bool] = True
+
+    def __init__(self, *, max_sessions: int = 1, device: torch.device | None = None) -> None:
+        return None
+
+    def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the disk transport delivers nothing per bucket; the version is read at commit")
+
+    def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
+        """Every bucket of `manifest`'s version directory, checked against `manifest`
+        (a LoRA adapter: its adapter_model.safetensors, one bucket)."""
+        directory = Path(link.version_dir(manifest.version))
+        if manifest.mode == "lora":
+            yield 0, _read_adapter_bucket(directory / LORA_WEIGHTS_FILE, manifest.buckets[0])
+            return
+        on_disk, buckets = read_version(directory)
+        if on_disk.without_digests() != manifest.without_digests():
+            raise IntegrityError(f"{directory}: its manifest.json is not the manifest begin() announced")
+        for bucket, buffer in buckets:  # read_bucket verified each digest against manifest.json
+            yield bucket.index, buffer
+
+
 class DiskTransport:
     """Version directories under `root`, published atomically."""
 
     name: ClassVar[str] = "disk"
+    receiver: ClassVar[type[Receiver]] = DiskReceiver
     per_bucket_delivery: ClassVar[bool] = False
     adapter_in_one_bucket: ClassVar[bool] = True
     survives_failure: ClassVar[bool] = True
@@ -149,8 +178,22 @@ def _remove_orphans(root: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _read_adapter_bucket(path: Path, bucket: BucketMeta) -> torch.Tensor:
+    """The data section of an adapter_model.safetensors, checked against the
+    manifest's entries (its digest is checked when it is staged)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        for entry in bucket.entries:
+            got = header.get(entry.hf_name) or {}
+            if got.get("data_offsets") != [entry.offset, entry.offset + entry.nbytes] or \
+                    got.get("shape") != list(entry.shape):
+                raise IntegrityError(f"{path}: entry {entry.hf_name!r} does not match the manifest")
+        data = bytearray(f.read(bucket.nbytes + 1))  # one byte more: a longer file fails the size check
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    import json
     import os
 
     with open(path, "w") as f:

@@ -1,6 +1,6 @@
-"""Shared-memory transport, trainer side: a persistent double buffer in
-/dev/shm that buckets are packed straight into, and engines on the same host
-copy out of.
+"""Shared-memory transport: a persistent double buffer in /dev/shm that the
+trainer packs buckets straight into (`ShmTransport`), and engines on the same
+host map once and copy out of (`ShmReceiver`); the segment itself is `weightsync.shmem`.
 
 Zero copies on the trainer beyond packing itself. The segment lives for the
 session and is re-created only when a bucket outgrows its slots.
@@ -8,20 +8,71 @@ session and is re-created only when a bucket outgrows its slots.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
 from weightsync.shmem import SharedSlots
-from weightsync.transports.base import NUM_SLOTS, TransportDefaults
+from weightsync.transports.base import (
+    NUM_SLOTS,
+    Joined,
+    Receiver,
+    ReceiverDefaults,
+    TransportDefaults,
+    require,
+)
 from weightsync.types import BucketMeta, Delivery, Link
+
+
+class ShmReceiver(ReceiverDefaults):
+    """The segments an engine process mapped, by name (at most `max_sessions`).
+
+    A mapping is kept while its name and layout stay the same: a fresh mapping
+    page-faults every byte of the first copy out of it.
+    """
+
+    joins_session: ClassVar[bool] = True
+
+    def __init__(self, *, max_sessions: int = 1, device: torch.device | None = None) -> None:
+        self._segments: Joined[SharedSlots] = Joined(max_sessions, SharedSlots.close)
+        self._lock = threading.Lock()
+
+    def join(self, link: Link, *, rank: int) -> None:
+        require(link, "shm_name", "slot_bytes", "num_slots")
+        name, slot_bytes, num_slots = str(link.shm_name), int(link.slot_bytes or 0), int(link.num_slots or 0)
+        if slot_bytes <= 0 or num_slots <= 0:
+            raise ValueError("slot_bytes and num_slots must be positive")
+        with self._lock:
+            mapped = self._segments.get(name)
+            if mapped is None or (mapped.slot_bytes, mapped.num_slots) != (slot_bytes, num_slots):
+                self._segments.add(name, SharedSlots.open(name, slot_bytes=slot_bytes, num_slots=num_slots))
+
+    def leave(self, link: Link) -> None:
+        with self._lock:
+            self._segments.drop(str(link.shm_name))
+
+    def check_joined(self, link: Link) -> None:
+        if link.shm_name not in self._segments:
+            raise LookupError(f"shared memory segment {link.shm_name!r} is not mapped: connect() first")
+
+    def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
+        self.check_joined(link)
+        segment = self._segments.get(str(link.shm_name))
+        assert segment is not None and delivery.slot is not None, "an shm delivery names its slot"
+        return into.copy_(segment.slot(delivery.slot, bucket.nbytes))
+
+    def close(self) -> None:
+        with self._lock:
+            self._segments.clear()
 
 
 class ShmTransport(TransportDefaults):
     """Buckets packed into a shared-memory double buffer."""
 
     name: ClassVar[str] = "shm"
+    receiver: ClassVar[type[Receiver]] = ShmReceiver
     per_bucket_delivery: ClassVar[bool] = True
     adapter_in_one_bucket: ClassVar[bool] = False
     survives_failure: ClassVar[bool] = True
