@@ -41,7 +41,16 @@ from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
 from weightsync.transports import TRANSPORTS
-from weightsync.types import Manifest, TensorEntry, TensorMeta, dtype_from_name, dtype_name
+from weightsync.transports.shm import ShmTransport
+from weightsync.types import (
+    Delivery,
+    Link,
+    Manifest,
+    TensorEntry,
+    TensorMeta,
+    dtype_from_name,
+    dtype_name,
+)
 from weightsync.wire import MAX_HEADER_BYTES, decode_frame
 
 FRAME_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES
@@ -359,8 +368,10 @@ def _stage_from_shm(state: ServerState, body: dict[str, Any]) -> str:
     assert slot_bytes is not None and num_slots is not None
     if slot_bytes <= 0 or num_slots <= 0:
         raise ValueError("slot_bytes and num_slots must be positive")
-    nbytes = state.updater.receiver.bucket(version, index).nbytes
-    slots = state.shm_slots(shm_name, slot_bytes=slot_bytes, num_slots=num_slots)
-    buffer = state.updater.buffers.take(nbytes).copy_(slots.slot(slot, nbytes))
+    bucket = state.updater.receiver.bucket(version, index)
+    link = Link(transport=ShmTransport.name, shm_name=shm_name, slot_bytes=slot_bytes, num_slots=num_slots)
+    state.shm.join(link, rank=0)  # mapped at the first bucket, then kept
+    buffer = state.shm.fetch(link, bucket, Delivery(transport=link.transport, slot=slot),
+                             into=state.updater.buffers.take(bucket.nbytes))
     return state.updater.stage_bucket(version=version, index=index, buffer=buffer,
                                       digest_hex=field_str(body, "digest"))

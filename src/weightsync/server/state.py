@@ -1,5 +1,6 @@
 """Everything the routes share, built once at startup: model runner, scheduler,
-weight updater, LoRA store and the weight-update groups this engine joined.
+weight updater, LoRA store, the weight-update groups this engine joined and the
+shm transport's receiving end.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from weightsync.server.lora import LoraStore
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
-from weightsync.shmem import SharedSlots
+from weightsync.transports.shm import ShmReceiver
 
 log = logging.getLogger(__name__)
 
@@ -36,23 +37,12 @@ class ServerState:
     lora_store: LoraStore | None
     groups: dict[str, JoinedGroup] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
-    shm: SharedSlots | None = None
-    """The trainer's shm segment, mapped once and reused while its name stays the same
-    (a fresh mapping page-faults every byte of the first copy out of it)."""
-    shm_lock: threading.Lock = field(default_factory=threading.Lock)
+    shm: ShmReceiver = field(default_factory=ShmReceiver)
+    """The trainer's shm segment, mapped at its first bucket and kept while its name stays
+    the same (one at a time: a new name replaces the old)."""
     model_path: str | None = None
     """The `model_path` of the last `/update_weights_from_disk` that was applied
     (None: the model directory the server started with)."""
-
-    def shm_slots(self, name: str, *, slot_bytes: int, num_slots: int) -> SharedSlots:
-        """The mapping of segment `name`, opened on first use; a new name replaces the old."""
-        with self.shm_lock:
-            seg = self.shm
-            if seg is None or (seg.name, seg.slot_bytes, seg.num_slots) != (name, slot_bytes, num_slots):
-                if seg is not None:
-                    seg.close()
-                self.shm = seg = SharedSlots.open(name, slot_bytes=slot_bytes, num_slots=num_slots)
-            return seg
 
     @classmethod
     def build(cls, config: ServerConfig) -> ServerState:
@@ -81,8 +71,7 @@ class ServerState:
 
     def close(self) -> None:
         self.scheduler.stop()
-        if self.shm is not None:
-            self.shm.close()
+        self.shm.close()
         with self.groups_lock:
             for joined in self.groups.values():
                 joined.group.destroy()
