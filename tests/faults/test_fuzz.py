@@ -54,6 +54,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "/weightsync/begin": ("manifest",),
     "/weightsync/bucket": (),
     "/weightsync/shm_bucket": ("version", "index", "digest", "shm_name", "slot_bytes", "num_slots", "slot"),
+    "/weightsync/receive": ("version", "index", "digest", "link", "delivery"),
     "/weightsync/commit": ("version",),
     "/weightsync/abort": ("version",),
     "/load_lora_adapter": ("lora_name", "lora_path", "pinned"),
@@ -129,6 +130,12 @@ def field_values(name: str, ctx: dict[str, Any]) -> st.SearchStrategy[Any]:
         "manifest": near_valid_manifests(ctx["manifest"]),
         "digest": st.one_of(st.text("0123456789abcdef", min_size=16, max_size=16), st.text(max_size=20)),
         "shm_name": st.sampled_from(["weightsync-0000", "weightsync-" + "a" * 70, "../../etc/passwd", "", "x"]),
+        "link": st.one_of(st.fixed_dictionaries({
+            "transport": st.sampled_from(["shm", "http", "disk", "broadcast", "nccl", ""]),
+            "shm_name": st.sampled_from(["weightsync-0000", "../../etc/passwd", "", "x"]),
+            "slot_bytes": ints, "num_slots": ints}), st.dictionaries(st.text(max_size=8), json_values, max_size=3)),
+        "delivery": st.one_of(st.fixed_dictionaries({"transport": st.sampled_from(["shm", "http", ""]),
+                                                     "slot": st.one_of(ints, json_values)}), json_values),
         "lora_name": names,
         "expected_checksums": st.dictionaries(names, st.text(max_size=64), max_size=3),
         "config_dict": st.one_of(json_values, st.fixed_dictionaries({

@@ -27,8 +27,8 @@ MUTATING = [
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
     "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
     "/begin_weight_update", "/end_weight_update", "/pause_generation", "/continue_generation",
-    "/weightsync/begin", "/weightsync/bucket", "/weightsync/shm_bucket", "/weightsync/commit",
-    "/weightsync/abort", "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+    "/weightsync/begin", "/weightsync/bucket", "/weightsync/shm_bucket", "/weightsync/receive",
+    "/weightsync/commit", "/weightsync/abort", "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
 ]
 
 
@@ -233,3 +233,16 @@ def test_bad_generate_requests(client: Any) -> None:
     refused(client.http.post("/generate", content=b"{not json"), 400, "JSON")
     refused(client.http.post("/generate", content=b"[1, 2]"), 400, "JSON object")
     assert client.http.get("/health_generate").status_code == 200
+
+
+@pytest.mark.parametrize("transport", ["http", "disk", "broadcast"])
+def test_receive_refuses_a_transport_whose_bytes_come_another_way(client: Any, transport: str) -> None:
+    body = {"version": 1, "index": 0, "link": {"transport": transport}, "delivery": {"transport": transport}}
+    refused(client.post("/weightsync/receive", body), 400, repr(transport), "does not deliver through")
+
+
+def test_receive_names_the_valid_transports_and_needs_link_objects(client: Any) -> None:
+    body = {"version": 1, "index": 0, "link": {"transport": "nccl"}, "delivery": {"transport": "nccl"}}
+    refused(client.post("/weightsync/receive", body), 400, "'nccl'", "valid names: disk, http, broadcast, shm")
+    refused(client.post("/weightsync/receive", {"version": 1, "index": 0, "link": ["shm"], "delivery": {}}),
+            400, "'link' must be a JSON object")

@@ -7,6 +7,7 @@ Broadcast needs a second process: its receiver runs in tests/integration
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,11 @@ def test_shm_receiver_refuses_a_segment_it_did_not_map() -> None:
         receiver = make_receiver("shm")
         with pytest.raises(LookupError, match="is not mapped: connect"):
             receiver.check_joined(link)
+        receiver.join(link, rank=0)
+        receiver.check_joined(link)
+        with pytest.raises(LookupError, match="mapped as 2 slots of .* the link says 2 of 1"):
+            receiver.check_joined(dataclasses.replace(link, slot_bytes=1))  # a link with another layout
+        receiver.close()
         with pytest.raises(LookupError, match="is not mapped"):
             receiver.fetch(link, manifest.buckets[0], delivery, torch.empty(manifest.buckets[0].nbytes,
                                                                              dtype=torch.uint8))

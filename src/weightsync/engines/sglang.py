@@ -4,14 +4,16 @@ Maps the weightsync protocol onto SGLang's routes (ENGINES.md), by the traits
 each transport's receiver declares (`weightsync.transports.base.Receiver`),
 never by its name: a collective transport (broadcast) goes through SGLang's
 group routes, one read at commit (disk) through its disk routes; the others
-need weightsync's routes: bytes in the delivery (http) in a binary frame, bytes
-fetched from a joined session (shm) by naming the session and the slot.
+need weightsync's routes: bytes in the delivery (http) in a binary frame, any
+other transport (shm) as its link and delivery, which the server's end of that
+transport fetches the bytes by (`weightsync serve` takes a new transport
+without a change here).
 
 | protocol  | broadcast                                   | disk                        | http / shm (weightsync serve) |
 |-----------|---------------------------------------------|-----------------------------|-------------------------------|
 | connect   | /init_weights_update_group (blocks)         | -                           | -                             |
 | begin     | /weightsync/begin*, /begin_weight_update    | /weightsync/begin*          | /weightsync/begin             |
-| receive   | /update_weights_from_distributed, flattened | -                           | /weightsync/bucket, /weightsync/shm_bucket |
+| receive   | /update_weights_from_distributed, flattened | -                           | /weightsync/bucket, /weightsync/receive |
 | commit    | /weightsync/commit*, /end_weight_update     | /update_weights_from_disk or /load_lora_adapter | /weightsync/commit |
 | abort     | /weightsync/abort*, /end_weight_update      | /weightsync/abort*          | /weightsync/abort             |
 
@@ -182,10 +184,10 @@ class SGLangEngine:
         elif receiver.collective:
             self._http.post("/update_weights_from_distributed", self._broadcast_request(bucket, version, link),
                             timeout_s=link.timeout_s)
-        elif receiver.joins_session:  # the server fetches from the session the link names
-            self._http.post("/weightsync/shm_bucket", {
+        elif not receiver.reads_at_commit:  # the server fetches the bytes (shm: from the segment)
+            self._http.post("/weightsync/receive", {
                 "version": version, "index": bucket.index, "digest": bucket.digest,
-                **_fields(link.to_dict()), **_fields(delivery.to_dict()),
+                "link": link.to_dict(), "delivery": delivery.to_dict(),
             }, timeout_s=link.timeout_s)
         else:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
@@ -299,11 +301,6 @@ class SGLangEngine:
         """What a stock SGLang tells us: success, nothing checkable."""
         return Ack(engine=self.label, version=manifest.version, digests=(None,) * len(manifest.buckets),
                    loaded_names=frozenset(manifest.hf_names))
-
-
-def _fields(record: dict[str, Any]) -> dict[str, Any]:
-    """A link's or delivery's JSON form without what the routes take elsewhere."""
-    return {k: v for k, v in record.items() if k not in ("transport", "timeout_s")}
 
 
 def _completion(answer: dict[str, Any]) -> Completion:

@@ -1,6 +1,7 @@
 """Everything the routes share, built once at startup: model runner, scheduler,
-weight updater, LoRA store, the weight-update groups this engine joined and the
-shm transport's receiving end.
+weight updater, LoRA store, the weight-update groups this engine joined (SGLang's
+group routes) and the engine ends of the transports that weightsync's routes fetch
+buckets through.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from weightsync.server.lora import LoraStore
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
-from weightsync.transports.shm import ShmReceiver
+from weightsync.transports import Receiver, make_receiver
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,22 @@ class ServerState:
     lora_store: LoraStore | None
     groups: dict[str, JoinedGroup] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
-    shm: ShmReceiver = field(default_factory=ShmReceiver)
-    """The trainer's shm segment, mapped at its first bucket and kept while its name stays
-    the same (one at a time: a new name replaces the old)."""
+    receivers: dict[str, Receiver] = field(default_factory=dict)
+    """This engine's end of each transport by name, made on first use; each keeps one
+    session (the shm segment, mapped at its first bucket and kept while its name stays
+    the same: a fresh mapping page-faults every byte of the first copy out of it)."""
+    receivers_lock: threading.Lock = field(default_factory=threading.Lock)
     model_path: str | None = None
     """The `model_path` of the last `/update_weights_from_disk` that was applied
     (None: the model directory the server started with)."""
+
+    def receiver(self, transport: str) -> Receiver:
+        """The engine end of `transport` (ValueError naming the valid ones if unknown)."""
+        with self.receivers_lock:
+            receiver = self.receivers.get(transport)
+            if receiver is None:
+                receiver = self.receivers[transport] = make_receiver(transport)
+            return receiver
 
     @classmethod
     def build(cls, config: ServerConfig) -> ServerState:
@@ -71,7 +82,10 @@ class ServerState:
 
     def close(self) -> None:
         self.scheduler.stop()
-        self.shm.close()
+        with self.receivers_lock:
+            for receiver in self.receivers.values():
+                receiver.close()
+            self.receivers.clear()
         with self.groups_lock:
             for joined in self.groups.values():
                 joined.group.destroy()

@@ -54,13 +54,21 @@ class ShmReceiver(ReceiverDefaults):
             self._segments.drop(str(link.shm_name))
 
     def check_joined(self, link: Link) -> None:
-        if link.shm_name not in self._segments:
+        """Mapped under the link's name AND with the link's layout (slot size and count)."""
+        mapped = self._segments.get(str(link.shm_name))
+        if mapped is None:
             raise LookupError(f"shared memory segment {link.shm_name!r} is not mapped: connect() first")
+        if (mapped.slot_bytes, mapped.num_slots) != (link.slot_bytes, link.num_slots):
+            raise LookupError(f"shared memory segment {link.shm_name!r} is mapped as {mapped.num_slots} slots of "
+                              f"{mapped.slot_bytes} bytes, the link says {link.num_slots} of {link.slot_bytes}: "
+                              "connect() first")
 
     def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
         self.check_joined(link)
         segment = self._segments.get(str(link.shm_name))
-        assert segment is not None and delivery.slot is not None, "an shm delivery names its slot"
+        assert segment is not None
+        if not isinstance(delivery.slot, int):
+            raise ValueError(f"an shm delivery names its slot as an integer; got {delivery.slot!r}")
         return into.copy_(segment.slot(delivery.slot, bucket.nbytes))
 
     def close(self) -> None:
