@@ -14,10 +14,10 @@ One `VLLMEngine`, two forms:
 
 | protocol | broadcast / shm / disk (worker extension)   | engine level                                   |
 |----------|---------------------------------------------|------------------------------------------------|
-| connect  | weightsync_connect (joins the gloo/NCCL group, maps shm) | -                                 |
+| connect  | weightsync_connect (the transport's receiver joins: group, shm) | -                         |
 | pause    | -                                           | server: /pause?mode=abort/wait/keep (PausePolicy.vllm_mode) |
 | begin    | weightsync_begin (dry run, opens staging)   | -                                              |
-| receive  | weightsync_receive (verify digest, stage)   | -                                              |
+| receive  | weightsync_receive (receiver fetches, verify digest, stage) | -                              |
 | commit   | weightsync_commit (reload_weights, ack)     | reset the prefix cache (see below), set vLLM's weight version; LoRA: add_lora / /v1/load_lora_adapter |
 | abort    | weightsync_abort (drop staging)             | -                                              |
 | resume   | -                                           | server: /resume                                |

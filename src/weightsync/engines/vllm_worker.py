@@ -13,6 +13,9 @@ Boundaries:
   The server route passes only strings through, and `collective_rpc` would
   flatten an exception into a bare message; errors are rebuilt as weightsync
   errors by the client.
+- Bytes arrive through each transport's engine end (`weightsync.transports`
+  `make_receiver`: it joins sessions, fetches a bucket, reads a version at
+  commit); this module asks a receiver's traits, never a transport's name.
 - Updates are staged by `weightsync.receiving.UpdateSession` (versions,
   takeover, dry run, digests, ack), which `WorkerSync` plugs into as its
   applier: received buckets are verified (xxh3 digest computed here) and
@@ -77,7 +80,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 LORA_ROOT_PREFIX = "weightsync-vllm-lora-"
 """Adapter directories live in `<tmp>/weightsync-vllm-lora-<pid>-<random>/<lora_name>/`."""
 MAX_SESSIONS = 4
-"""Broadcast groups (and shm segments) a worker stays joined to at once, one per trainer."""
+"""Sessions a worker stays joined to at once per transport (broadcast groups, shm
+segments), one per trainer: `transports.make_receiver(..., max_sessions=MAX_SESSIONS)`."""
 SESSION_TIMEOUT_S = 60.0
 """How long an update from a client that sent no timeout_s may stay silent before
 another trainer's begin may take it."""
@@ -101,7 +105,8 @@ class WeightSyncWorkerExtension:
         return _call(self, "info", request)
 
     def weightsync_connect(self, request: str) -> dict[str, Any]:
-        """`{"link"}`: join the broadcast group or map the shm segment."""
+        """`{"link"}`: join the link's session through its transport's receiver
+        (broadcast: the group; shm: map the segment)."""
         return _call(self, "connect", request)
 
     def weightsync_disconnect(self, request: str) -> dict[str, Any]:
@@ -113,7 +118,8 @@ class WeightSyncWorkerExtension:
         return _call(self, "begin", request)
 
     def weightsync_receive(self, request: str) -> dict[str, Any]:
-        """`{"version", "index", "digest", "slot"}`: take and verify one bucket."""
+        """`{"version", "index", "digest", "delivery"}`: fetch one bucket through the
+        open link's transport receiver, verify and stage it."""
         return _call(self, "receive", request)
 
     def weightsync_commit(self, request: str) -> dict[str, Any]:
@@ -257,9 +263,10 @@ class WorkerSync:
         version = int(body["version"])
         update = self.session.open
         link = self.link
-        if update is not None and update.version == version and link is not None \
-                and self._receiver(link.transport).reads_at_commit:
-            for index, buffer in self._receiver(link.transport).read(link, update.manifest):
+        receiver = self._receiver(link.transport) if link is not None else None
+        if update is not None and update.version == version and link is not None and receiver is not None \
+                and receiver.reads_at_commit:  # disk: the version directory, read now
+            for index, buffer in receiver.read(link, update.manifest):
                 self.session.stage_bucket(version=version, index=index, buffer=buffer)
         ack = self.session.commit(version)
         assert update is not None  # commit found it open
