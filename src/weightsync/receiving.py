@@ -229,13 +229,15 @@ class UpdateSession:
             self._close(update)
             return True
 
-    def drop_if_idle(self, idle_s: float) -> bool:
-        """Drop the open update if its trainer has been silent for more than `idle_s`."""
+    def drop_if_idle(self) -> bool:
+        """Drop the open update if its trainer has been silent past its timeout (for calls
+        that open no update of their own; a begin goes through the takeover rule)."""
         with self._lock:
             update = self._open
-            if update is None or time.monotonic() - update.touched <= idle_s:
+            if update is None or time.monotonic() - update.touched <= update.timeout_s:
                 return False
-            log.warning("%s: discarding update v%s idle for more than %.0fs", self.engine, update.version, idle_s)
+            log.warning("%s: discarding update v%s silent for more than %.0fs", self.engine, update.version,
+                        update.timeout_s)
             self._close(update)
             return True
 

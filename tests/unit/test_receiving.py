@@ -251,7 +251,7 @@ def test_a_replaced_update_frees_what_it_held() -> None:
     stage_all(s, first, buffers[:1])
     s.begin(update(new_weights(12), 5, owner=owner)[0])  # its trainer begins again
     assert [u.version for u in applier.released] == [4]
-    assert s.drop_if_idle(60.0) is False
+    assert s.drop_if_idle() is False
     assert s.open is not None
-    s.open.touched -= 61.0
-    assert s.drop_if_idle(60.0) is True and s.open is None
+    s.open.touched -= s.open.timeout_s + 1.0
+    assert s.drop_if_idle() is True and s.open is None

@@ -36,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--weight-version", default="0",
                    help="initial weight_version label; an integer also starts weightsync's version there (default 0)")
     p.add_argument("--session-timeout", type=float, default=60.0,
-                   help="seconds an idle update session survives a competing begin (default 60)")
+                   help="seconds an idle update session survives a competing begin, for trainers "
+                        "that send no timeout of their own (default 60)")
     p.add_argument("--max-running", type=int, default=16, help="requests stepped together (default 16)")
     p.add_argument("--group-timeout", type=float, default=120.0,
                    help="seconds to join a weight-update group or finish a broadcast (default 120)")
