@@ -27,12 +27,9 @@ which run on every engine at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
@@ -43,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightsync.bucketing import castable, pack_stream, plan_buckets, stream_order
+from weightsync.bucketing import castable, plan_buckets, stream_order
 from weightsync.engines.base import (
     AdapterUnloader,
     DigestReader,
@@ -63,6 +60,7 @@ from weightsync.integrity import ack_problems, digest
 from weightsync.modes import ModeOptions, PushMode, Selection, make_mode, make_source
 from weightsync.naming import rename
 from weightsync.owners import session_owner
+from weightsync.pipeline import Stages, stream_buckets
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import TRANSPORTS, make_transport
@@ -72,7 +70,6 @@ from weightsync.types import (
     Ack,
     BucketMeta,
     Manifest,
-    StageSeconds,
     SyncReport,
     TensorMeta,
     dtype_from_name,
@@ -154,18 +151,6 @@ class SyncConfig:
     def cleanup_timeout_s(self) -> float:
         """Bound of each cleanup call after a failure (abort, resume, leaving a group)."""
         return min(CLEANUP_TIMEOUT_S, self.timeout_s)
-
-
-@dataclass
-class _Stages:
-    gather: float = 0.0
-    pack: float = 0.0
-    hash: float = 0.0
-    wire: float = 0.0
-    load: float = 0.0
-
-    def frozen(self) -> StageSeconds:
-        return StageSeconds(gather=self.gather, pack=self.pack, hash=self.hash, wire=self.wire, load=self.load)
 
 
 class WeightSync:
@@ -255,7 +240,7 @@ class WeightSync:
         if self._closed:
             return
         self._closed = True
-        self._mode.close(_Planner(self, _Stages()))
+        self._mode.close(_Planner(self, Stages()))
         self._end_session()
         self._pool.shutdown(wait=False)
 
@@ -270,7 +255,7 @@ class WeightSync:
     def _push(self, mode: PushMode, model: Any, version: int) -> SyncReport:
         """plan -> begin -> stream -> commit -> verify, asking `mode` what to send."""
         started = time.perf_counter()
-        stages = _Stages()
+        stages = Stages()
         planner = _Planner(self, stages)
         source = mode.source(model)
         mode.prepare(model, version, planner)
@@ -317,12 +302,12 @@ class WeightSync:
                          order=[to_hf[n] for n in stream_order(buckets)])
 
     def _transfer(self, mode: PushMode, plan: _PushPlan, source: WeightSource,
-                  stages: _Stages) -> tuple[Manifest, list[Ack], list[str]]:
+                  stages: Stages) -> tuple[Manifest, list[Ack], list[str]]:
         """begin, stream, commit on every engine: (the manifest with its digests, acks, notes
         of begin). On any failure every engine is left on its last version; raises
         `_Refused` (nothing moved) when an engine refused at begin and the mode plans again."""
         manifest, version = plan.manifest, plan.manifest.version
-        links = self._ensure_session(max((b.nbytes for b in manifest.buckets), default=1))
+        self._ensure_session(max((b.nbytes for b in manifest.buckets), default=1))
         paused = False
         stage_all = all(c.stages_updates for c in self._capabilities())
         begun = False
@@ -344,7 +329,10 @@ class WeightSync:
             assert self._transport is not None
             self._transport.begin(manifest)
             self._share_with_followers(mode=source.mode, order=plan.order)
-            digests = self._stream(source, manifest.buckets, plan.order, links, stages, plan.to_engine)
+            digests = stream_buckets(
+                source, manifest.buckets, plan.order, plan.to_engine, slot=self._transport.slot,
+                deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
+                drain=self.ranks.is_distributed)  # the other ranks must finish their gathers
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:
@@ -365,82 +353,8 @@ class WeightSync:
                 self._resume(self.config.cleanup_timeout_s if failed else self.config.timeout_s)
         return manifest, acks, begin_notes
 
-    def _stream(self, source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],
-                links: Sequence[Link], stages: _Stages, to_engine: Mapping[str, str]) -> list[str]:
-        """Gather/pack/hash on a producer thread while this thread delivers.
-
-        `order` holds the source's (hf) names; the plan holds engine names.
-        """
-        transport = self._transport
-        assert transport is not None
-        ready: queue.Queue[Any] = queue.Queue(maxsize=1)
-        free_slots = threading.Semaphore(NUM_SLOTS)
-        failed = threading.Event()
-        drain = self.ranks.is_distributed  # the other ranks must finish their gathers
-
-        waited = 0.0
-
-        def alloc(bucket: BucketMeta) -> torch.Tensor | None:
-            nonlocal waited
-            t0 = time.perf_counter()
-            try:
-                while not failed.is_set():
-                    if free_slots.acquire(timeout=0.1):
-                        return transport.slot(bucket.index % NUM_SLOTS, bucket.nbytes)
-                return None
-            finally:
-                waited += time.perf_counter() - t0
-
-        def produce() -> None:
-            try:
-                tensors = ((to_engine[n], t) for n, t in _timed(source.tensors(order), stages, "gather"))
-                t_prev = time.perf_counter()
-                for bucket, buffer in pack_stream(plan, tensors, alloc=alloc,
-                                                  allow_overflow=self.config.allow_overflow):
-                    if buffer is None:
-                        if not drain:
-                            break
-                        continue
-                    t_hash = time.perf_counter()
-                    bucket = bucket.with_digest(digest(buffer))
-                    now = time.perf_counter()
-                    stages.hash += now - t_hash
-                    stages.pack += t_hash - t_prev
-                    ready.put((bucket, buffer))
-                    t_prev = time.perf_counter()
-                ready.put(None)
-            except BaseException as e:
-                ready.put(e)
-
-        producer = threading.Thread(target=produce, name="weightsync-pack", daemon=True)
-        producer.start()
-        digests: list[str] = []
-        try:
-            while True:
-                item = ready.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                bucket, buffer = item
-                t0 = time.perf_counter()
-                self._deliver(bucket, buffer, links)
-                stages.wire += time.perf_counter() - t0
-                free_slots.release()
-                assert bucket.digest is not None
-                digests.append(bucket.digest)
-        except BaseException:
-            failed.set()
-            while producer.is_alive():  # unblock a producer waiting to hand over a bucket
-                with contextlib.suppress(queue.Empty):
-                    ready.get(timeout=0.1)
-            raise
-        finally:
-            producer.join()
-        stages.pack = max(0.0, stages.pack - stages.gather - waited)
-        return digests
-
-    def _deliver(self, bucket: BucketMeta, buffer: torch.Tensor, links: Sequence[Link]) -> None:
+    def _deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        """Hand one packed bucket to the transport and every engine (per-bucket transports)."""
         transport = self._transport
         assert transport is not None
         delivery = transport.deliver(bucket, buffer, bucket.index % NUM_SLOTS)
@@ -693,7 +607,7 @@ class _PushPlan:
 class _Planner:
     """What a mode may ask of one `WeightSync` (`modes.base.Planner`), for one push."""
 
-    def __init__(self, sync: WeightSync, stages: _Stages) -> None:
+    def __init__(self, sync: WeightSync, stages: Stages) -> None:
         self._sync = sync
         self._stages = stages
         self.pool: Executor = sync._pool
@@ -722,15 +636,3 @@ class _Planner:
 def _sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     """What a tensor of `dtype` travels as: `cast_to` if both are floating (bucketing.castable)."""
     return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
-
-
-def _timed(it: Iterator[tuple[str, torch.Tensor]], stages: _Stages, field: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Count the time spent inside `next(it)` towards `stages.<field>`."""
-    while True:
-        t0 = time.perf_counter()
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        setattr(stages, field, getattr(stages, field) + time.perf_counter() - t0)
-        yield item
