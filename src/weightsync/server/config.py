@@ -42,6 +42,9 @@ class ServerConfig:
     """How long `/unload_lora_adapter` waits for requests still using the adapter."""
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
+    weightsync_routes: bool = True
+    """False: serve only SGLang's own API, as a stock SGLang server does (every
+    `/weightsync/*` route answers 404), to test clients against SGLang's surface."""
 
     @property
     def resolved_disk_root(self) -> Path:
