@@ -23,9 +23,10 @@ def disk_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine_pool(tiny_model_dir: Path, disk_root: Path) -> Iterator[EnginePool]:
+def engine_pool(tiny_model_dir: Path, disk_root: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
     """Engines of a kind: `engine_pool.clients("vllm")`; stopped when the session ends."""
-    pool = EnginePool(tiny_model_dir, disk_root)
+    pool = EnginePool(tiny_model_dir, tmp_path_factory.mktemp("dtypes"), disk_root)
     try:
         yield pool
     finally:
@@ -34,5 +35,5 @@ def engine_pool(tiny_model_dir: Path, disk_root: Path) -> Iterator[EnginePool]:
 
 @pytest.fixture(scope="session")
 def engines(engine_pool: EnginePool) -> list[ServerProcess]:
-    """The two embedded engines' processes."""
+    """The two embedded float32 engines' processes."""
     return engine_pool.embedded_servers()

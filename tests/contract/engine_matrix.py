@@ -3,8 +3,8 @@
 
 A kind's transports are read from the library (`weightsync.transports.TRANSPORTS`,
 filtered by the client class's declared `transports`), never listed here. Each kind
-is started at most once per session, when its first test asks (`EnginePool`), and
-stopped when the session ends; tests push strictly newer versions
+(and served dtype) is started at most once per session, when its first test asks
+(`EnginePool`), and stopped when the session ends; tests push strictly newer versions
 (`contract_helpers.next_version`), so they share engines in any order.
 """
 
@@ -21,14 +21,15 @@ from _pytest.mark.structures import ParameterSet
 import vllm_support
 import weightsync as ws
 from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.tiny import TinyModelConfig, make_tiny_model
 from weightsync.transports import TRANSPORTS
 
 Client = ws.SGLangEngine | ws.VLLMEngine
 """A client of any kind's engine (each is an `Engine`, a `probe.Generator` and reports
 `weight_version()`)."""
-VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "1024")
-"""`vllm serve` flags of the session's vLLM: float32 like the embedded engines (no LoRA:
-the contract's LoRA tests run on the embedded engine; tests/integration covers vLLM's)."""
+VLLM_ARGS = ("--max-model-len", "1024")
+"""`vllm serve` flags of the session's vLLMs besides `--dtype` (no LoRA: the contract's
+LoRA tests run on the embedded engine; tests/integration covers vLLM's)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class EngineKind:
     """Marks every case of this kind carries."""
 
 
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """The transports the kind's client declares, in the library's order."""
+        return tuple(t for t in TRANSPORTS if t in self.client.transports)
+
+
 EMBEDDED = EngineKind("embedded", ws.SGLangEngine, num_replicas=2, logprob_tolerance=1e-4)
 """`weightsync serve` processes, driven through the SGLang-compatible client."""
 VLLM = EngineKind("vllm", ws.VLLMEngine, num_replicas=1, logprob_tolerance=vllm_support.LOGPROB_TOLERANCE,
@@ -64,9 +71,7 @@ def engine_params(*, kinds: Sequence[EngineKind] = ENGINE_KINDS,
     every transport its client declares, ids like "vllm-shm" or "embedded-http-2"."""
     params = []
     for kind in kinds:
-        for transport in TRANSPORTS:
-            if transport not in kind.client.transports:
-                continue
+        for transport in kind.transports:
             if replicas is None:
                 params.append(pytest.param(kind.name, transport, marks=kind.marks, id=f"{kind.name}-{transport}"))
                 continue
@@ -75,50 +80,67 @@ def engine_params(*, kinds: Sequence[EngineKind] = ENGINE_KINDS,
     return params
 
 
-class EnginePool:
-    """The session's engines, by kind: each kind is started when first asked for and
-    stopped by `close` (at the end of the session)."""
+def kind_params(*, kinds: Sequence[EngineKind] = ENGINE_KINDS) -> list[ParameterSet]:
+    """Parameters ("engine_kind",) for tests whose contract does not depend on the transport."""
+    return [pytest.param(kind.name, marks=kind.marks, id=kind.name) for kind in kinds]
 
-    def __init__(self, model_dir: Path, disk_root: Path) -> None:
-        self.model_dir = model_dir
+
+class EnginePool:
+    """The session's engines, by kind and served dtype: each is started when a test
+    first asks for it and stopped by `close` (at the end of the session)."""
+
+    def __init__(self, model_dir: Path, model_root: Path, disk_root: Path) -> None:
+        self._model_dirs = {"float32": model_dir}
+        self.model_root = model_root
+        """Where the tiny model is saved in other dtypes (as the embedded engine serves
+        the dtype its checkpoint has)."""
         self.disk_root = disk_root
-        self._urls: dict[str, list[str]] = {}
-        self._embedded: list[ServerProcess] = []
+        self._started: dict[tuple[str, str], list[str]] = {}
+        self._embedded: dict[str, list[ServerProcess]] = {}
         self._clients: list[Client] = []
         self._stack = contextlib.ExitStack()
 
-    def embedded_servers(self) -> list[ServerProcess]:
-        """The embedded engines' processes (for tests that read their routes or kill one)."""
-        self.urls(EMBEDDED.name)
-        return self._embedded
+    def model_dir(self, dtype: str = "float32") -> Path:
+        """The tiny model (one seed) saved in `dtype`."""
+        if dtype not in self._model_dirs:
+            self._model_dirs[dtype] = make_tiny_model(self.model_root / dtype, TinyModelConfig(dtype=dtype))
+        return self._model_dirs[dtype]
 
-    def urls(self, kind_name: str) -> list[str]:
-        """Base URLs of the session's engines of this kind (starting them if not yet)."""
-        if kind_name not in self._urls:
-            self._urls[kind_name] = self._start(KINDS_BY_NAME[kind_name])
-        return self._urls[kind_name]
+    def embedded_servers(self, num_replicas: int = EMBEDDED.num_replicas) -> list[ServerProcess]:
+        """The embedded float32 engines' processes (for tests that read their routes)."""
+        self.urls(EMBEDDED.name, num_replicas)
+        return self._embedded["float32"][:num_replicas]
 
-    def clients(self, kind_name: str, num_replicas: int = 1) -> list[Client]:
-        """Fresh clients of the first `num_replicas` engines of this kind."""
-        urls = self.urls(kind_name)
-        assert num_replicas <= len(urls), f"the session starts {len(urls)} {kind_name} engine(s)"
-        clients = [KINDS_BY_NAME[kind_name].client(url) for url in urls[:num_replicas]]
+    def urls(self, kind_name: str, num_replicas: int = 1, *, dtype: str = "float32") -> list[str]:
+        """Base URLs of the first `num_replicas` engines of this kind serving `dtype`,
+        started where not yet."""
+        kind = KINDS_BY_NAME[kind_name]
+        assert num_replicas <= kind.num_replicas, f"the session starts {kind.num_replicas} {kind_name} engine(s)"
+        urls = self._started.setdefault((kind_name, dtype), [])
+        while len(urls) < num_replicas:
+            urls.append(self._start(kind, dtype))
+        return urls[:num_replicas]
+
+    def clients(self, kind_name: str, num_replicas: int = 1, *, dtype: str = "float32") -> list[Client]:
+        """Fresh clients of the first `num_replicas` engines of this kind serving `dtype`."""
+        client = KINDS_BY_NAME[kind_name].client
+        clients = [client(url) for url in self.urls(kind_name, num_replicas, dtype=dtype)]
         self._clients += clients
         return clients
 
-    def _start(self, kind: EngineKind) -> list[str]:
+    def _start(self, kind: EngineKind, dtype: str) -> str:
         if kind is EMBEDDED:
-            for _ in range(kind.num_replicas):
-                server = launch_server(self.model_dir, args=["--disk-root", str(self.disk_root)])
-                self._stack.callback(server.close)
-                self._embedded.append(server)
-            return [s.url for s in self._embedded]
+            server = launch_server(self.model_dir(dtype), args=["--disk-root", str(self.disk_root)])
+            self._stack.callback(server.close)
+            self._embedded.setdefault(dtype, []).append(server)
+            return server.url
         vllm_support.require_vllm()
         from weightsync.engines.vllm_launch import launch_vllm_server
 
-        server = self._stack.enter_context(launch_vllm_server(self.model_dir, args=VLLM_ARGS))
-        print(f"\nvLLM start for the contract suite: {server.start_seconds:.1f}s")
-        return [server.url]
+        args = ["--dtype", dtype, *VLLM_ARGS]
+        server = self._stack.enter_context(launch_vllm_server(self.model_dir(), args=args))
+        print(f"\nvLLM ({dtype}) start for the contract suite: {server.start_seconds:.1f}s")
+        return server.url
 
     def close(self) -> None:
         for client in self._clients:

@@ -15,26 +15,24 @@ from typing import Any
 
 import pytest
 import torch
-from contract_helpers import load_trainer, next_version, perturb
+from contract_helpers import (
+    PROBE_PROMPTS,
+    load_trainer,
+    next_version,
+    perturb,
+    served_digests,
+    served_state,
+)
 from engine_matrix import EMBEDDED, KINDS_BY_NAME, Client, EnginePool, engine_params
 
 import weightsync as ws
-from weightsync.engines.base import DigestReader
 from weightsync.integrity import digest
 from weightsync.naming import map_names
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.sources import ModuleSource
 
-PROMPTS = [[5, 17, 42, 7], [300, 2, 99], [11, 12, 13, 14, 15, 16]]
 BUCKET_BYTES = 200 << 10  # several buckets for the ~1.7 MB tiny model
 TIMEOUT_S = 30.0
-
-
-def served_digests(engine: Client) -> dict[str, str] | None:
-    """What the engine serves, as digests, where it declares it can tell (else None)."""
-    if engine.capabilities(TIMEOUT_S).reads_digests and isinstance(engine, DigestReader):
-        return engine.digests()
-    return None
 
 
 def trainer_digests(model: torch.nn.Module) -> dict[str, str]:
@@ -47,7 +45,7 @@ def make_sync(engines: list[Client], transport: str, disk_root: Path, **kw: Any)
 
 
 def assert_engine_matches(model: torch.nn.Module, engine: Client, version: int, engine_kind: str) -> None:
-    result = ws.probe_logprobs(model, engine, PROMPTS, max_new_tokens=6)
+    result = ws.probe_logprobs(model, engine, PROBE_PROMPTS, max_new_tokens=6)
     assert result.token_agreement == 1.0, result
     assert result.max_gap < KINDS_BY_NAME[engine_kind].logprob_tolerance, result
     assert set(result.weight_versions) == {str(version)}
@@ -70,13 +68,13 @@ def test_push_then_engines_compute_what_the_trainer_computes(
         assert report.num_bytes == sum(p.numel() * 4 for p in model.parameters())
         for client in clients:
             assert_engine_matches(model, client, version, engine_kind)
-        before = [ws.probe_logprobs(model, c, PROMPTS) for c in clients]
+        before = [ws.probe_logprobs(model, c, PROBE_PROMPTS) for c in clients]
 
         again = next_version()
         second = sync.push(model, version=again)  # unchanged weights
         assert second.verified and [a.digests for a in second.acks] == [a.digests for a in report.acks]
         for client, old in zip(clients, before, strict=True):
-            now = ws.probe_logprobs(model, client, PROMPTS)
+            now = ws.probe_logprobs(model, client, PROBE_PROMPTS)
             assert now.max_gap == pytest.approx(old.max_gap, abs=1e-7)
             assert set(now.weight_versions) == {str(again)}
 
@@ -104,13 +102,6 @@ def test_delta_sends_only_changed_tensors(
             assert delta.num_tensors == len(trainer_digests(model)) and delta.num_bytes == first.num_bytes
         for client in clients:
             assert_engine_matches(model, client, version, engine_kind)
-
-
-def served_state(engine: Client) -> tuple[str, dict[str, str] | None, list[tuple[list[int], list[float]]]]:
-    """What a refused push must leave alone: the version, digests (where the engine reads
-    them) and the greedy answers with their logprobs."""
-    answers = engine.generate(PROMPTS, max_new_tokens=4)
-    return engine.weight_version(), served_digests(engine), [(a.output_ids, a.logprobs) for a in answers]
 
 
 @pytest.mark.parametrize(("engine_kind", "transport"), engine_params())
