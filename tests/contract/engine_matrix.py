@@ -48,7 +48,6 @@ class EngineKind:
     marks: tuple[pytest.MarkDecorator, ...] = field(default=())
     """Marks every case of this kind carries."""
 
-
     @property
     def transports(self) -> tuple[str, ...]:
         """The transports the kind's client declares, in the library's order."""
