@@ -207,7 +207,7 @@ class UpdateSession:
             digests = tuple(update.digests.get(b.index) or _digest_staged(b.hf_names, update.tensors)
                             for b in manifest.buckets)
             try:
-                if manifest.mode == "lora":
+                if manifest.is_adapter:
                     self.applier.install_adapter(update)
                     loaded: Sequence[str] = manifest.hf_names
                 else:
@@ -246,13 +246,13 @@ class UpdateSession:
     def _check_newer(self, manifest: Manifest) -> None:
         """Versions never go backwards, and base weights need a strictly newer one."""
         served = self.applier.version
-        same_ok = manifest.mode == "lora" and self.rules.adapter_keeps_version
+        same_ok = manifest.is_adapter and self.rules.adapter_keeps_version
         if manifest.version < served or (manifest.version == served and not same_ok):
             raise ConflictError(f"version {manifest.version} is not newer than the served v{served}; "
                                 "versions must increase")
 
     def _dry_run(self, manifest: Manifest) -> None:
-        if manifest.mode == "lora":
+        if manifest.is_adapter:
             self.applier.check_adapter(manifest)
             return
         if manifest.mode == "delta":

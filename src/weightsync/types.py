@@ -237,6 +237,11 @@ class Manifest:
         return sum(b.nbytes for b in self.buckets)
 
     @property
+    def is_adapter(self) -> bool:
+        """The update is a LoRA adapter, loaded by name next to the base weights (not into them)."""
+        return self.mode == "lora"
+
+    @property
     def hf_names(self) -> tuple[str, ...]:
         return tuple(n for b in self.buckets for n in b.hf_names)
 
