@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from weightsync.bucketing import pack_stream
-from weightsync.integrity import digest
+from weightsync.digests import XXH3_64, digest
 from weightsync.sources import WeightSource
 from weightsync.transports.base import NUM_SLOTS
 from weightsync.types import BucketMeta, StageSeconds
@@ -46,9 +46,11 @@ class Stages:
 def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],
                    to_engine: Mapping[str, str], *, slot: Callable[[int, int], torch.Tensor],
                    deliver: Callable[[BucketMeta, torch.Tensor], None], stages: Stages,
-                   allow_overflow: bool = False, drain: bool = False) -> list[str]:
+                   allow_overflow: bool = False, drain: bool = False,
+                   digest_algorithm: str = XXH3_64) -> list[str]:
     """Gather/pack/hash on a producer thread while this thread calls `deliver(bucket,
-    buffer)` for each bucket in plan order; returns the buckets' digests.
+    buffer)` for each bucket in plan order; returns the buckets' digests (computed with
+    `digest_algorithm` on the device of the slot: wsmix64 hashes a CUDA slot in place).
 
     `order` holds the source's (hf) names in stream order; the plan holds engine
     names (`to_engine` maps them). `slot(index, nbytes)` is the buffer of slot `index`.
@@ -79,7 +81,7 @@ def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequ
                         break
                     continue
                 t_hash = time.perf_counter()
-                bucket = bucket.with_digest(digest(buffer))
+                bucket = bucket.with_digest(digest(buffer, digest_algorithm))
                 now = time.perf_counter()
                 stages.hash += now - t_hash
                 stages.pack += t_hash - t_prev

@@ -16,7 +16,8 @@ for a state clash: no such update open, a version that is not newer, a live
 trainer holding the session, a delta on the wrong base. `ManifestMismatchError`
 for a manifest that does not fit; `IntegrityError` for bytes that are not what
 was announced or an update that is incomplete at commit; `ValueError` for a
-malformed request. A refused or aborted update leaves the served weights as
+malformed request (`ManifestError` for a digest algorithm this side does not
+compute). A refused or aborted update leaves the served weights as
 they were.
 
 Thread-safe: buckets may be staged from several threads (their digests are
@@ -35,7 +36,8 @@ from typing import Protocol
 import torch
 
 from weightsync.bucketing import entry_view
-from weightsync.errors import ConflictError, IntegrityError, format_names
+from weightsync.digests import ALGORITHMS
+from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
 from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
 from weightsync.sessions import Holder, SessionBusyError, take_over
 from weightsync.types import Ack, BucketMeta, Manifest, TensorMeta
@@ -152,6 +154,7 @@ class UpdateSession:
                 log.warning("%s: update v%s replaces v%s: %s", self.engine, manifest.version, current.version,
                             preempted or "its own trainer begins again")
             self._check_newer(manifest)
+            self._check_digest_algorithm(manifest)
             self._dry_run(manifest)
             if current is not None:
                 self._close(current)
@@ -169,7 +172,7 @@ class UpdateSession:
         the digest sent with it) and stage its tensors as views of `buffer`, which the
         session now owns (a copy the caller made). Returns the digest computed here."""
         update, bucket = self._bucket(version, index)
-        got = check_bucket(bucket, buffer)
+        got = check_bucket(bucket, buffer, update.manifest.digest_algorithm)
         if digest_hex is not None and got != digest_hex:
             raise IntegrityError(f"bucket {index}: digest {got} != sent {digest_hex} "
                                  f"(first tensor {bucket.hf_names[0] if bucket.entries else '-'!r}); "
@@ -204,7 +207,8 @@ class UpdateSession:
                 raise IntegrityError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
                                      f"{format_names(missing)}")
             self._check_newer(manifest)
-            digests = tuple(update.digests.get(b.index) or _digest_staged(b.hf_names, update.tensors)
+            digests = tuple(update.digests.get(b.index) or _digest_staged(b.hf_names, update.tensors,
+                                                                           manifest.digest_algorithm)
                             for b in manifest.buckets)
             try:
                 if manifest.is_adapter:
@@ -250,6 +254,13 @@ class UpdateSession:
         if manifest.version < served or (manifest.version == served and not same_ok):
             raise ConflictError(f"version {manifest.version} is not newer than the served v{served}; "
                                 "versions must increase")
+
+    def _check_digest_algorithm(self, manifest: Manifest) -> None:
+        if manifest.digest_algorithm not in ALGORITHMS:
+            raise ManifestError(
+                f"update v{manifest.version} refused: {self.engine} does not compute the digest algorithm "
+                f"{manifest.digest_algorithm!r} the manifest names; it computes {', '.join(ALGORITHMS)} "
+                "(set the trainer's digest_algorithm to one of them)")
 
     def _dry_run(self, manifest: Manifest) -> None:
         if manifest.is_adapter:
@@ -313,9 +324,9 @@ def copies(named: NamedTensors) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous().clone() for name, tensor in named}
 
 
-def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> str:
+def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor], algorithm: str) -> str:
     """A bucket's digest from its staged tensors, in bucket order (== digest of the packed bytes)."""
-    hasher = BucketHasher()
+    hasher = BucketHasher(algorithm)
     for name in hf_names:
         hasher.update(tensors[name])
     return hasher.hexdigest()

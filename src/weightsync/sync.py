@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync.bucketing import castable, plan_buckets, stream_order
+from weightsync.digests import ALGORITHMS, for_device
 from weightsync.engines.base import (
     AdapterUnloader,
     DigestReader,
@@ -130,6 +131,10 @@ class SyncConfig:
     allow_overflow: bool = False
     """Accept casts that turn finite values into infinities (e.g. to float16); by default
     such a push fails naming the tensor, and the engines keep their last version."""
+    digest_algorithm: str | None = None
+    """How bucket digests are computed, one of `weightsync.digests.ALGORITHMS`. None: by
+    where the transport's buffers live: "wsmix64" on a device (CUDA buckets are hashed
+    in place), "xxh3_64" on the CPU (faster there)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -146,6 +151,8 @@ class SyncConfig:
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype (only floating tensors are cast), got {dtype}")
         object.__setattr__(self, "dtype", dtype)
+        if self.digest_algorithm is not None and self.digest_algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown digest_algorithm {self.digest_algorithm!r}; one of {', '.join(ALGORITHMS)}")
 
     @property
     def cleanup_timeout_s(self) -> float:
@@ -296,6 +303,7 @@ class WeightSync:
             version=version, mode=selection.mode, buckets=buckets,
             lora_config=selection.lora_config, lora_name=selection.lora_name,
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
+            digest_algorithm=self.config.digest_algorithm or for_device(_buffer_device(self._make_transport())),
         )
         to_hf = {v: k for k, v in to_engine.items()}
         return _PushPlan(selection=selection, manifest=manifest, cast_to=cast_to, to_engine=to_engine,
@@ -332,7 +340,8 @@ class WeightSync:
             digests = stream_buckets(
                 source, manifest.buckets, plan.order, plan.to_engine, slot=self._transport.slot,
                 deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
-                drain=self.ranks.is_distributed)  # the other ranks must finish their gathers
+                drain=self.ranks.is_distributed,  # the other ranks must finish their gathers
+                digest_algorithm=manifest.digest_algorithm)
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:
@@ -636,3 +645,8 @@ class _Planner:
 def _sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     """What a tensor of `dtype` travels as: `cast_to` if both are floating (bucketing.castable)."""
     return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
+
+
+def _buffer_device(transport: Transport) -> torch.device:
+    """Where `transport` packs buckets: its `device` (broadcast's slots), else the CPU."""
+    return torch.device(getattr(transport, "device", "cpu"))

@@ -26,10 +26,13 @@ from contract_helpers import (
 from engine_matrix import EMBEDDED, KINDS_BY_NAME, Client, EnginePool, engine_params
 
 import weightsync as ws
+from weightsync.bucketing import plan_buckets
+from weightsync.errors import EngineError
 from weightsync.integrity import digest
 from weightsync.naming import map_names
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.sources import ModuleSource
+from weightsync.types import Manifest
 
 BUCKET_BYTES = 200 << 10  # several buckets for the ~1.7 MB tiny model
 TIMEOUT_S = 30.0
@@ -77,6 +80,35 @@ def test_push_then_engines_compute_what_the_trainer_computes(
             now = ws.probe_logprobs(model, client, PROBE_PROMPTS)
             assert now.max_gap == pytest.approx(old.max_gap, abs=1e-7)
             assert set(now.weight_versions) == {str(again)}
+
+
+@pytest.mark.parametrize(("engine_kind", "transport"), engine_params())
+def test_a_push_hashed_with_the_device_digest_lands_verified(
+    engine_kind: str, transport: str, engine_pool: EnginePool, tiny_model_dir: Path, disk_root: Path
+) -> None:
+    """wsmix64 (the digest CUDA buckets are hashed with in place) forced on CPU buffers:
+    the engine computes it on receipt and acks the trainer's digests."""
+    model = load_trainer(tiny_model_dir)
+    clients = engine_pool.clients(engine_kind, 1)
+    with make_sync(clients, transport, disk_root, digest_algorithm="wsmix64") as sync:
+        version = next_version()
+        perturb(model, seed=version)
+        report = sync.push(model, version=version)
+        assert report.verified and report.num_buckets > 1
+        for client in clients:
+            assert_engine_matches(model, client, version, engine_kind)
+
+
+def test_an_unknown_digest_algorithm_is_refused_at_begin(engines: list[ServerProcess], tiny_model_dir: Path) -> None:
+    model = load_trainer(tiny_model_dir)
+    metas = ModuleSource(model).metas()
+    manifest = Manifest(version=next_version(), buckets=plan_buckets(list(metas), BUCKET_BYTES),
+                        digest_algorithm="blake3")
+    client = ws.SGLangEngine(engines[0].url)
+    with pytest.raises(EngineError, match="does not compute the digest algorithm 'blake3' the manifest names; "
+                                          "it computes xxh3_64, wsmix64") as info:
+        client._http.post("/weightsync/begin", {"manifest": manifest.to_dict()}, timeout_s=30)
+    assert info.value.status == 400
 
 
 @pytest.mark.parametrize(("engine_kind", "transport"), engine_params())
