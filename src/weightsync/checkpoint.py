@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from weightsync.digests import XXH3_64
 from weightsync.errors import IntegrityError, ManifestError
 from weightsync.integrity import check_bucket, digest
 from weightsync.types import BucketMeta, Manifest, TensorMeta
@@ -106,11 +107,11 @@ def read_manifest(directory: Path) -> Manifest:
     return Manifest.from_json(path.read_bytes())
 
 
-def read_bucket(directory: Path, bucket: BucketMeta) -> torch.Tensor:
+def read_bucket(directory: Path, bucket: BucketMeta, algorithm: str = XXH3_64) -> torch.Tensor:
     """Read one bucket's data section and verify it; returns a uint8 tensor.
 
     The file's header must describe exactly the manifest's entries, and the
-    bytes must match the manifest's digest.
+    bytes must match the manifest's digest (computed with `algorithm`, the manifest's).
     """
     path = directory / bucket_file_name(bucket.index)
     with open(path, "rb") as f:
@@ -133,7 +134,7 @@ def read_bucket(directory: Path, bucket: BucketMeta) -> torch.Tensor:
             raise IntegrityError(f"{path}: holds tensors the manifest does not list")
         data = bytearray(f.read(bucket.nbytes + 1))
     buffer = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    check_bucket(bucket, buffer)
+    check_bucket(bucket, buffer, algorithm)
     return buffer
 
 
@@ -145,7 +146,7 @@ def read_version(directory: Path) -> tuple[Manifest, Iterator[tuple[BucketMeta, 
 
     def buckets() -> Iterator[tuple[BucketMeta, torch.Tensor]]:
         for b in manifest.buckets:
-            yield b, read_bucket(directory, b)
+            yield b, read_bucket(directory, b, manifest.digest_algorithm)
 
     return manifest, buckets()
 

@@ -1,13 +1,11 @@
 """Digests and the checks built on them.
 
-A bucket's digest is xxh3_64 over its packed bytes. Because the packed bytes are
-the tensors' bytes back to back, the same digest can be computed tensor by
-tensor (`BucketHasher`) without ever packing, which is how an engine that
-receives tensors one by one (a safetensors file, a vLLM loader) checks a bucket.
-
-Hashing never copies CPU data: tensors are viewed as uint8 and handed to xxhash
-through the buffer protocol (xxhash releases the GIL). CUDA tensors are copied
-to host first.
+A bucket's digest is computed over its packed bytes with the algorithm its
+manifest names (`weightsync.digests`: xxh3_64 on the host, wsmix64 on the device
+that holds the bytes). Because the packed bytes are the tensors' bytes back to
+back, the same digest can be computed tensor by tensor (`BucketHasher`) without
+ever packing, which is how an engine that receives tensors one by one (a
+safetensors file, a vLLM loader) checks a bucket.
 """
 
 from __future__ import annotations
@@ -15,58 +13,34 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
-import xxhash
 
+from weightsync.digests import XXH3_64, Hasher, hasher
+from weightsync.digests import byte_view as byte_view  # re-exported: callers import them from here
+from weightsync.digests import digest as digest
 from weightsync.errors import IntegrityError, ManifestMismatchError, format_names
 from weightsync.types import Ack, BucketMeta, Manifest, TensorMeta
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's bytes (no copy).
-
-    Raises ValueError for a non-contiguous tensor: call `.contiguous()` first.
-    """
-    if not tensor.is_contiguous():
-        raise ValueError("byte_view needs a contiguous tensor: call .contiguous() first")
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _host_buffer(tensor: torch.Tensor) -> memoryview:
-    flat = byte_view(tensor)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.numpy().data
-
-
-def digest(data: torch.Tensor | bytes | bytearray | memoryview) -> str:
-    """xxh3_64 hex digest of a tensor's bytes (any dtype) or of a bytes-like object."""
-    if isinstance(data, torch.Tensor):
-        data = _host_buffer(data.contiguous() if not data.is_contiguous() else data)
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 class BucketHasher:
     """Incremental digest of a bucket fed tensor by tensor, in bucket order.
 
-    `BucketHasher().update(a).update(b).hexdigest() == digest(pack([a, b]))`.
+    `BucketHasher(a).update(x).update(y).hexdigest() == digest(pack([x, y]), a)`.
     """
 
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_64()
+    def __init__(self, algorithm: str = XXH3_64) -> None:
+        self._h: Hasher = hasher(algorithm)
 
     def update(self, tensor: torch.Tensor) -> BucketHasher:
-        if tensor.numel():
-            self._h.update(_host_buffer(tensor.contiguous()))
+        self._h.update(tensor)
         return self
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
 
 
-def check_bucket(bucket: BucketMeta, data: torch.Tensor | bytes | memoryview) -> str:
-    """Verify received bytes against a bucket's size and digest; return the digest.
+def check_bucket(bucket: BucketMeta, data: torch.Tensor | bytes | memoryview, algorithm: str = XXH3_64) -> str:
+    """Verify received bytes against a bucket's size and digest (computed with `algorithm`,
+    the manifest's, on the device that holds `data`); return the digest.
 
     Raises IntegrityError naming the bucket when the length or the digest is off.
     """
@@ -75,7 +49,7 @@ def check_bucket(bucket: BucketMeta, data: torch.Tensor | bytes | memoryview) ->
         raise IntegrityError(
             f"bucket {bucket.index}: received {size} bytes, manifest says {bucket.nbytes} (truncated or padded)"
         )
-    got = digest(data)
+    got = digest(data, algorithm)
     if bucket.digest is not None and got != bucket.digest:
         raise IntegrityError(
             f"bucket {bucket.index}: digest {got} != expected {bucket.digest} "

@@ -42,7 +42,9 @@ class ProbeResult:
     """The weight_version the engine reported for each prompt."""
 
 
-def trainer_logprobs(model: nn.Module, prompt: Sequence[int], output: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def trainer_logprobs(
+    model: nn.Module, prompt: Sequence[int], output: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced logprobs of `output` after `prompt`, and the argmax at each step."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt) + list(output)], device=device)

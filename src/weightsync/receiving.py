@@ -16,7 +16,8 @@ for a state clash: no such update open, a version that is not newer, a live
 trainer holding the session, a delta on the wrong base. `ManifestMismatchError`
 for a manifest that does not fit; `IntegrityError` for bytes that are not what
 was announced or an update that is incomplete at commit; `ValueError` for a
-malformed request. A refused or aborted update leaves the served weights as
+malformed request (`ManifestError` for a digest algorithm this side does not
+compute). A refused or aborted update leaves the served weights as
 they were.
 
 Thread-safe: buckets may be staged from several threads (their digests are
@@ -35,7 +36,8 @@ from typing import Protocol
 import torch
 
 from weightsync.bucketing import entry_view
-from weightsync.errors import ConflictError, IntegrityError, format_names
+from weightsync.digests import ALGORITHMS
+from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
 from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
 from weightsync.sessions import Holder, SessionBusyError, take_over
 from weightsync.types import Ack, BucketMeta, Manifest, TensorMeta
@@ -152,6 +154,7 @@ class UpdateSession:
                 log.warning("%s: update v%s replaces v%s: %s", self.engine, manifest.version, current.version,
                             preempted or "its own trainer begins again")
             self._check_newer(manifest)
+            self._check_digest_algorithm(manifest)
             self._dry_run(manifest)
             if current is not None:
                 self._close(current)
@@ -169,7 +172,7 @@ class UpdateSession:
         the digest sent with it) and stage its tensors as views of `buffer`, which the
         session now owns (a copy the caller made). Returns the digest computed here."""
         update, bucket = self._bucket(version, index)
-        got = check_bucket(bucket, buffer)
+        got = check_bucket(bucket, buffer, update.manifest.digest_algorithm)
         if digest_hex is not None and got != digest_hex:
             raise IntegrityError(f"bucket {index}: digest {got} != sent {digest_hex} "
                                  f"(first tensor {bucket.hf_names[0] if bucket.entries else '-'!r}); "
@@ -204,10 +207,11 @@ class UpdateSession:
                 raise IntegrityError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
                                      f"{format_names(missing)}")
             self._check_newer(manifest)
-            digests = tuple(update.digests.get(b.index) or _digest_staged(b.hf_names, update.tensors)
+            digests = tuple(update.digests.get(b.index) or _digest_staged(b.hf_names, update.tensors,
+                                                                           manifest.digest_algorithm)
                             for b in manifest.buckets)
             try:
-                if manifest.mode == "lora":
+                if manifest.is_adapter:
                     self.applier.install_adapter(update)
                     loaded: Sequence[str] = manifest.hf_names
                 else:
@@ -229,13 +233,15 @@ class UpdateSession:
             self._close(update)
             return True
 
-    def drop_if_idle(self, idle_s: float) -> bool:
-        """Drop the open update if its trainer has been silent for more than `idle_s`."""
+    def drop_if_idle(self) -> bool:
+        """Drop the open update if its trainer has been silent past its timeout (for calls
+        that open no update of their own; a begin goes through the takeover rule)."""
         with self._lock:
             update = self._open
-            if update is None or time.monotonic() - update.touched <= idle_s:
+            if update is None or time.monotonic() - update.touched <= update.timeout_s:
                 return False
-            log.warning("%s: discarding update v%s idle for more than %.0fs", self.engine, update.version, idle_s)
+            log.warning("%s: discarding update v%s silent for more than %.0fs", self.engine, update.version,
+                        update.timeout_s)
             self._close(update)
             return True
 
@@ -244,13 +250,20 @@ class UpdateSession:
     def _check_newer(self, manifest: Manifest) -> None:
         """Versions never go backwards, and base weights need a strictly newer one."""
         served = self.applier.version
-        same_ok = manifest.mode == "lora" and self.rules.adapter_keeps_version
+        same_ok = manifest.is_adapter and self.rules.adapter_keeps_version
         if manifest.version < served or (manifest.version == served and not same_ok):
             raise ConflictError(f"version {manifest.version} is not newer than the served v{served}; "
                                 "versions must increase")
 
+    def _check_digest_algorithm(self, manifest: Manifest) -> None:
+        if manifest.digest_algorithm not in ALGORITHMS:
+            raise ManifestError(
+                f"update v{manifest.version} refused: {self.engine} does not compute the digest algorithm "
+                f"{manifest.digest_algorithm!r} the manifest names; it computes {', '.join(ALGORITHMS)} "
+                "(set the trainer's digest_algorithm to one of them)")
+
     def _dry_run(self, manifest: Manifest) -> None:
-        if manifest.mode == "lora":
+        if manifest.is_adapter:
             self.applier.check_adapter(manifest)
             return
         if manifest.mode == "delta":
@@ -311,9 +324,9 @@ def copies(named: NamedTensors) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous().clone() for name, tensor in named}
 
 
-def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> str:
+def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor], algorithm: str) -> str:
     """A bucket's digest from its staged tensors, in bucket order (== digest of the packed bytes)."""
-    hasher = BucketHasher()
+    hasher = BucketHasher(algorithm)
     for name in hf_names:
         hasher.update(tensors[name])
     return hasher.hexdigest()

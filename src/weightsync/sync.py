@@ -27,12 +27,9 @@ which run on every engine at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
@@ -43,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightsync.bucketing import castable, pack_stream, plan_buckets, stream_order
+from weightsync.bucketing import castable, plan_buckets, stream_order
+from weightsync.digests import ALGORITHMS, for_device
 from weightsync.engines.base import (
     AdapterUnloader,
     DigestReader,
@@ -63,6 +61,7 @@ from weightsync.integrity import ack_problems, digest
 from weightsync.modes import ModeOptions, PushMode, Selection, make_mode, make_source
 from weightsync.naming import rename
 from weightsync.owners import session_owner
+from weightsync.pipeline import Stages, stream_buckets
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import TRANSPORTS, make_transport
@@ -72,7 +71,6 @@ from weightsync.types import (
     Ack,
     BucketMeta,
     Manifest,
-    StageSeconds,
     SyncReport,
     TensorMeta,
     dtype_from_name,
@@ -133,6 +131,10 @@ class SyncConfig:
     allow_overflow: bool = False
     """Accept casts that turn finite values into infinities (e.g. to float16); by default
     such a push fails naming the tensor, and the engines keep their last version."""
+    digest_algorithm: str | None = None
+    """How bucket digests are computed, one of `weightsync.digests.ALGORITHMS`. None: by
+    where the transport's buffers live: "wsmix64" on a device (CUDA buckets are hashed
+    in place), "xxh3_64" on the CPU (faster there)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -149,23 +151,13 @@ class SyncConfig:
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype (only floating tensors are cast), got {dtype}")
         object.__setattr__(self, "dtype", dtype)
+        if self.digest_algorithm is not None and self.digest_algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown digest_algorithm {self.digest_algorithm!r}; one of {', '.join(ALGORITHMS)}")
 
     @property
     def cleanup_timeout_s(self) -> float:
         """Bound of each cleanup call after a failure (abort, resume, leaving a group)."""
         return min(CLEANUP_TIMEOUT_S, self.timeout_s)
-
-
-@dataclass
-class _Stages:
-    gather: float = 0.0
-    pack: float = 0.0
-    hash: float = 0.0
-    wire: float = 0.0
-    load: float = 0.0
-
-    def frozen(self) -> StageSeconds:
-        return StageSeconds(gather=self.gather, pack=self.pack, hash=self.hash, wire=self.wire, load=self.load)
 
 
 class WeightSync:
@@ -255,7 +247,7 @@ class WeightSync:
         if self._closed:
             return
         self._closed = True
-        self._mode.close(_Planner(self, _Stages()))
+        self._mode.close(_Planner(self, Stages()))
         self._end_session()
         self._pool.shutdown(wait=False)
 
@@ -270,7 +262,7 @@ class WeightSync:
     def _push(self, mode: PushMode, model: Any, version: int) -> SyncReport:
         """plan -> begin -> stream -> commit -> verify, asking `mode` what to send."""
         started = time.perf_counter()
-        stages = _Stages()
+        stages = Stages()
         planner = _Planner(self, stages)
         source = mode.source(model)
         mode.prepare(model, version, planner)
@@ -311,18 +303,19 @@ class WeightSync:
             version=version, mode=selection.mode, buckets=buckets,
             lora_config=selection.lora_config, lora_name=selection.lora_name,
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
+            digest_algorithm=self.config.digest_algorithm or for_device(_buffer_device(self._make_transport())),
         )
         to_hf = {v: k for k, v in to_engine.items()}
         return _PushPlan(selection=selection, manifest=manifest, cast_to=cast_to, to_engine=to_engine,
                          order=[to_hf[n] for n in stream_order(buckets)])
 
     def _transfer(self, mode: PushMode, plan: _PushPlan, source: WeightSource,
-                  stages: _Stages) -> tuple[Manifest, list[Ack], list[str]]:
+                  stages: Stages) -> tuple[Manifest, list[Ack], list[str]]:
         """begin, stream, commit on every engine: (the manifest with its digests, acks, notes
         of begin). On any failure every engine is left on its last version; raises
         `_Refused` (nothing moved) when an engine refused at begin and the mode plans again."""
         manifest, version = plan.manifest, plan.manifest.version
-        links = self._ensure_session(max((b.nbytes for b in manifest.buckets), default=1))
+        self._ensure_session(max((b.nbytes for b in manifest.buckets), default=1))
         paused = False
         stage_all = all(c.stages_updates for c in self._capabilities())
         begun = False
@@ -344,7 +337,11 @@ class WeightSync:
             assert self._transport is not None
             self._transport.begin(manifest)
             self._share_with_followers(mode=source.mode, order=plan.order)
-            digests = self._stream(source, manifest.buckets, plan.order, links, stages, plan.to_engine)
+            digests = stream_buckets(
+                source, manifest.buckets, plan.order, plan.to_engine, slot=self._transport.slot,
+                deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
+                drain=self.ranks.is_distributed,  # the other ranks must finish their gathers
+                digest_algorithm=manifest.digest_algorithm)
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:
@@ -365,82 +362,8 @@ class WeightSync:
                 self._resume(self.config.cleanup_timeout_s if failed else self.config.timeout_s)
         return manifest, acks, begin_notes
 
-    def _stream(self, source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],
-                links: Sequence[Link], stages: _Stages, to_engine: Mapping[str, str]) -> list[str]:
-        """Gather/pack/hash on a producer thread while this thread delivers.
-
-        `order` holds the source's (hf) names; the plan holds engine names.
-        """
-        transport = self._transport
-        assert transport is not None
-        ready: queue.Queue[Any] = queue.Queue(maxsize=1)
-        free_slots = threading.Semaphore(NUM_SLOTS)
-        failed = threading.Event()
-        drain = self.ranks.is_distributed  # the other ranks must finish their gathers
-
-        waited = 0.0
-
-        def alloc(bucket: BucketMeta) -> torch.Tensor | None:
-            nonlocal waited
-            t0 = time.perf_counter()
-            try:
-                while not failed.is_set():
-                    if free_slots.acquire(timeout=0.1):
-                        return transport.slot(bucket.index % NUM_SLOTS, bucket.nbytes)
-                return None
-            finally:
-                waited += time.perf_counter() - t0
-
-        def produce() -> None:
-            try:
-                tensors = ((to_engine[n], t) for n, t in _timed(source.tensors(order), stages, "gather"))
-                t_prev = time.perf_counter()
-                for bucket, buffer in pack_stream(plan, tensors, alloc=alloc,
-                                                  allow_overflow=self.config.allow_overflow):
-                    if buffer is None:
-                        if not drain:
-                            break
-                        continue
-                    t_hash = time.perf_counter()
-                    bucket = bucket.with_digest(digest(buffer))
-                    now = time.perf_counter()
-                    stages.hash += now - t_hash
-                    stages.pack += t_hash - t_prev
-                    ready.put((bucket, buffer))
-                    t_prev = time.perf_counter()
-                ready.put(None)
-            except BaseException as e:
-                ready.put(e)
-
-        producer = threading.Thread(target=produce, name="weightsync-pack", daemon=True)
-        producer.start()
-        digests: list[str] = []
-        try:
-            while True:
-                item = ready.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                bucket, buffer = item
-                t0 = time.perf_counter()
-                self._deliver(bucket, buffer, links)
-                stages.wire += time.perf_counter() - t0
-                free_slots.release()
-                assert bucket.digest is not None
-                digests.append(bucket.digest)
-        except BaseException:
-            failed.set()
-            while producer.is_alive():  # unblock a producer waiting to hand over a bucket
-                with contextlib.suppress(queue.Empty):
-                    ready.get(timeout=0.1)
-            raise
-        finally:
-            producer.join()
-        stages.pack = max(0.0, stages.pack - stages.gather - waited)
-        return digests
-
-    def _deliver(self, bucket: BucketMeta, buffer: torch.Tensor, links: Sequence[Link]) -> None:
+    def _deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        """Hand one packed bucket to the transport and every engine (per-bucket transports)."""
         transport = self._transport
         assert transport is not None
         delivery = transport.deliver(bucket, buffer, bucket.index % NUM_SLOTS)
@@ -693,7 +616,7 @@ class _PushPlan:
 class _Planner:
     """What a mode may ask of one `WeightSync` (`modes.base.Planner`), for one push."""
 
-    def __init__(self, sync: WeightSync, stages: _Stages) -> None:
+    def __init__(self, sync: WeightSync, stages: Stages) -> None:
         self._sync = sync
         self._stages = stages
         self.pool: Executor = sync._pool
@@ -724,13 +647,6 @@ def _sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
 
 
-def _timed(it: Iterator[tuple[str, torch.Tensor]], stages: _Stages, field: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Count the time spent inside `next(it)` towards `stages.<field>`."""
-    while True:
-        t0 = time.perf_counter()
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        setattr(stages, field, getattr(stages, field) + time.perf_counter() - t0)
-        yield item
+def _buffer_device(transport: Transport) -> torch.device:
+    """Where `transport` packs buckets: its `device` (broadcast's slots), else the CPU."""
+    return torch.device(getattr(transport, "device", "cpu"))

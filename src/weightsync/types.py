@@ -24,6 +24,7 @@ MODES: tuple[str, ...] = ("full", "lora", "lora-merged", "delta")
 MANIFEST_FORMAT = "weightsync.manifest"
 MANIFEST_FORMAT_VERSION = 1
 DIGEST_ALGORITHM = "xxh3_64"
+"""The default digest algorithm; `weightsync.digests.ALGORITHMS` holds every known one."""
 
 # Every dtype the wire formats accept. Quantized dtypes are not weights we sync.
 _DTYPES: dict[str, torch.dtype] = {
@@ -231,10 +232,18 @@ class Manifest:
     timeout_s: float | None = None
     """The owner's push timeout: an engine may discard the session, and let another
     trainer begin, once the owner has been silent this long."""
+    digest_algorithm: str = DIGEST_ALGORITHM
+    """How every bucket digest is computed (`weightsync.digests.ALGORITHMS`): "xxh3_64"
+    or "wsmix64". An engine refuses, at begin, one it does not compute."""
 
     @property
     def num_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def is_adapter(self) -> bool:
+        """The update is a LoRA adapter, loaded by name next to the base weights (not into them)."""
+        return self.mode == "lora"
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -260,7 +269,7 @@ class Manifest:
         return {
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_FORMAT_VERSION,
-            "digest_algorithm": DIGEST_ALGORITHM,
+            "digest_algorithm": self.digest_algorithm,
             "version": self.version,
             "mode": self.mode,
             "lora_config": dict(self.lora_config) if self.lora_config is not None else None,
@@ -283,8 +292,12 @@ class Manifest:
                 f"not a {MANIFEST_FORMAT} v{MANIFEST_FORMAT_VERSION} manifest "
                 f"(format={d.get('format')!r}, format_version={d.get('format_version')!r})"
             )
-        if d.get("digest_algorithm", DIGEST_ALGORITHM) != DIGEST_ALGORITHM:
-            raise ManifestError(f"digest_algorithm must be {DIGEST_ALGORITHM!r}")
+        # Any well-formed name parses: the receiving side refuses one it does not compute
+        # at begin, naming the ones it does (a newer trainer may name a newer algorithm).
+        digest_algorithm = d.get("digest_algorithm", DIGEST_ALGORITHM)
+        if not isinstance(digest_algorithm, str) or not 0 < len(digest_algorithm) <= 64:
+            raise ManifestError(f"digest_algorithm must be a name such as {DIGEST_ALGORITHM!r}, "
+                                f"got {digest_algorithm!r}")
         mode = d.get("mode", "full")
         if mode not in MODES:
             raise ManifestError(f"unknown mode {mode!r}; one of {MODES}")
@@ -325,7 +338,8 @@ class Manifest:
             raise ManifestError("timeout_s must be a positive number of seconds or null")
         return cls(version=version, mode=mode, buckets=buckets, lora_config=lora_config,
                    lora_name=lora_name, base_version=base_version, owner=owner,
-                   timeout_s=float(timeout_s) if timeout_s is not None else None)
+                   timeout_s=float(timeout_s) if timeout_s is not None else None,
+                   digest_algorithm=digest_algorithm)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:

@@ -35,7 +35,7 @@ class FrameHeader:
     nbytes: int
     """Payload length in bytes."""
     digest: str
-    """xxh3_64 hex digest of the payload."""
+    """The payload's hex digest, in the manifest's digest algorithm."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "index": self.index, "nbytes": self.nbytes, "digest": self.digest}

@@ -1,7 +1,9 @@
-"""Fixtures for the contract suite: real `weightsync serve` engines and a trainer.
+"""Fixtures for the contract suite: the session's real engines of every kind
+(`engine_matrix.EnginePool`) and a directory the disk transport writes to.
 
-Two engine replicas are started once per session; every test pushes strictly
-newer versions (`contract_helpers.next_version`), so tests share them in any order.
+Each kind is started once per session, when its first test asks; every test pushes
+strictly newer versions (`contract_helpers.next_version`), so tests share engines in
+any order.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_matrix import EnginePool
 
-from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.server.launch import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -20,10 +23,17 @@ def disk_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_model_dir: Path, disk_root: Path) -> Iterator[list[ServerProcess]]:
-    servers = [launch_server(tiny_model_dir, args=["--disk-root", str(disk_root)]) for _ in range(2)]
+def engine_pool(tiny_model_dir: Path, disk_root: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
+    """Engines of a kind: `engine_pool.clients("vllm")`; stopped when the session ends."""
+    pool = EnginePool(tiny_model_dir, tmp_path_factory.mktemp("dtypes"), disk_root)
     try:
-        yield servers
+        yield pool
     finally:
-        for s in servers:
-            s.close()
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def engines(engine_pool: EnginePool) -> list[ServerProcess]:
+    """The two embedded float32 engines' processes."""
+    return engine_pool.embedded_servers()

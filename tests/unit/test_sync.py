@@ -185,6 +185,29 @@ def test_push_reaches_every_engine_verified(transport: str, tmp_path: Path) -> N
         assert e.calls[-2:] == ["commit", "resume"] or e.calls[-1] == "disconnect"
 
 
+@pytest.mark.parametrize("transport", ["http", "shm", "disk"])
+def test_a_push_hashed_with_the_device_digest_is_verified_on_cpu(transport: str, tmp_path: Path) -> None:
+    """wsmix64 forced on CPU buffers: the sender hashes with it, the manifest names it,
+    the engine computes it on receipt and acks the same digests."""
+    model = tiny()
+    engine = engine_for(model)
+    begun: list[Manifest] = []
+    session_begin = engine.session.begin
+    engine.session.begin = lambda m: (begun.append(m), session_begin(m))[1]  # type: ignore[method-assign]
+    with ws.WeightSync([engine], transport=transport, bucket_bytes=600, disk_root=str(tmp_path),
+                       digest_algorithm="wsmix64") as sync:
+        report = sync.push(model, version=1)
+    assert report.verified and same(model, engine)
+    assert [m.digest_algorithm for m in begun] == ["wsmix64"]
+    (ack,) = report.acks
+    assert len(ack.digests) == report.num_buckets > 2
+    with ws.WeightSync([engine_for(model)], transport=transport, bucket_bytes=600,
+                       disk_root=str(tmp_path / "xxh3")) as sync:
+        assert sync.push(model, version=1).acks[0].digests != ack.digests, "CPU buffers default to xxh3_64"
+    with pytest.raises(ValueError, match="unknown digest_algorithm 'md5'; one of xxh3_64, wsmix64"):
+        ws.WeightSync([engine], transport="http", digest_algorithm="md5")
+
+
 def test_pipeline_overlaps_and_keeps_two_slots() -> None:
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
     engine = engine_for(model)

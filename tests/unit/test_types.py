@@ -61,6 +61,11 @@ def test_lora_and_delta_fields_round_trip() -> None:
     owned = Manifest(version=5, buckets=base.buckets, owner="0123abcd-42/9f", timeout_s=3.0)
     assert Manifest.from_json(owned.to_json()) == owned
     assert Manifest.from_json(delta.to_json()) == delta
+    device_hashed = Manifest(version=6, buckets=base.buckets, digest_algorithm="wsmix64")
+    assert '"digest_algorithm":"wsmix64"' in device_hashed.to_json()
+    assert Manifest.from_json(device_hashed.to_json()) == device_hashed
+    # a name this side does not compute still parses: the engine refuses it at begin, naming its own
+    assert Manifest.from_json(_mutated(digest_algorithm="blake3")).digest_algorithm == "blake3"
 
 
 def _mutated(**changes: object) -> str:
@@ -88,6 +93,8 @@ def _mutated(**changes: object) -> str:
         ({"mode": "lora"}, "needs a lora_name"),
         ({"mode": "delta"}, "needs the base_version"),
         ({"buckets__0__tensors__1__hf_name": "model.norm.weight"}, "appears twice"),
+        ({"digest_algorithm": 64}, "digest_algorithm must be a name such as 'xxh3_64', got 64"),
+        ({"digest_algorithm": ""}, "digest_algorithm must be a name"),
     ],
 )
 def test_malformed_manifest_names_the_offender(changes: dict[str, object], message: str) -> None:

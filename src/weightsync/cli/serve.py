@@ -36,10 +36,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--weight-version", default="0",
                    help="initial weight_version label; an integer also starts weightsync's version there (default 0)")
     p.add_argument("--session-timeout", type=float, default=60.0,
-                   help="seconds an idle update session survives a competing begin (default 60)")
+                   help="seconds an idle update session survives a competing begin, for trainers "
+                        "that send no timeout of their own (default 60)")
     p.add_argument("--max-running", type=int, default=16, help="requests stepped together (default 16)")
     p.add_argument("--group-timeout", type=float, default=120.0,
                    help="seconds to join a weight-update group or finish a broadcast (default 120)")
+    p.add_argument("--sglang-only", action="store_true",
+                   help="serve only SGLang's own API, as a stock SGLang does: no /weightsync/* routes "
+                        "(for testing clients against SGLang's surface)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 is fastest for tiny models)")
     return p
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         group_timeout_s=args.group_timeout,
         num_threads=args.num_threads,
+        weightsync_routes=not args.sglang_only,
     )
 
     def announce(url: str) -> None:

@@ -156,7 +156,8 @@ class VLLMEngine:
             self._num_ranks = int(info["num_ranks"])
         return EngineCapabilities(num_ranks=self._num_ranks, dtype=dtype_from_name(str(info["dtype"])),
                                   stages_updates=True, supports_delta=False, reads_digests=False,
-                                  unloads_adapters=True)
+                                  unloads_adapters=True, transports=self.transports,
+                                  lora_transports=self.lora_transports if info.get("lora_enabled") else frozenset())
 
     @property
     def num_ranks(self) -> int:

@@ -18,7 +18,7 @@ Boundaries:
   commit); this module asks a receiver's traits, never a transport's name.
 - Updates are staged by `weightsync.receiving.UpdateSession` (versions,
   takeover, dry run, digests, ack), which `WorkerSync` plugs into as its
-  applier: received buckets are verified (xxh3 digest computed here) and
+  applier: received buckets are verified (the manifest's digest computed here) and
   copied; weights change only at commit, through vLLM's own
   `reload_weights(..., is_checkpoint_format=True)` (calling the model's
   `load_weights` directly breaks on CPU, where linear weights are repacked

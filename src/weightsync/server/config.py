@@ -29,7 +29,9 @@ class ServerConfig:
     """The label the engine starts with (SGLang's `--weight-version`); a decimal
     integer also sets weightsync's starting version, any other label starts at 0."""
     session_timeout_s: float = 60.0
-    """An update session idle this long is discarded when another begins."""
+    """How long an update session of a trainer that sent no timeout_s (an SGLang-shaped
+    session, or a manifest without one) may stay idle before another begin takes it;
+    weightsync trainers send their push timeout, which rules their own sessions."""
     max_running: int = 16
     """Requests stepped together; more wait in the queue."""
     max_json_bytes: int = 64 << 20
@@ -40,6 +42,9 @@ class ServerConfig:
     """How long `/unload_lora_adapter` waits for requests still using the adapter."""
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
+    weightsync_routes: bool = True
+    """False: serve only SGLang's own API, as a stock SGLang server does (every
+    `/weightsync/*` route answers 404), to test clients against SGLang's surface."""
 
     @property
     def resolved_disk_root(self) -> Path:

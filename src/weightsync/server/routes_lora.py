@@ -98,7 +98,7 @@ def _open_lora_session(state: ServerState, name: str) -> Manifest | None:
     """The manifest of the open lora-mode weightsync session that loads `name`, if any."""
     session = state.updater.session
     manifest = session.manifest if session is not None else None
-    if manifest is not None and manifest.mode == "lora" and manifest.lora_name == name:
+    if manifest is not None and manifest.is_adapter and manifest.lora_name == name:
         return manifest
     return None
 

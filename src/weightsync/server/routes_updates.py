@@ -60,7 +60,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     _add_generation_control(app, state)
     _add_sglang_updates(app, state)
     _add_group_routes(app, state)
-    _add_weightsync_routes(app, state)
+    if state.config.weightsync_routes:
+        _add_weightsync_routes(app, state)
 
 
 async def _admin_json(request: Request, state: ServerState) -> dict[str, Any]:
@@ -68,8 +69,9 @@ async def _admin_json(request: Request, state: ServerState) -> dict[str, Any]:
     return await read_json(request, state.config.max_json_bytes)
 
 
-def _staged_answer(result: StageResult, **extra: Any) -> JSONResponse:
-    if result.ack is not None:
+def _staged_answer(state: ServerState, result: StageResult, **extra: Any) -> JSONResponse:
+    """SGLang's answer; with weightsync's routes on, it also carries the ack of an applied update."""
+    if result.ack is not None and state.config.weightsync_routes:
         extra["ack"] = result.ack.to_wire()
     return answer(result.message, num_paused_requests=0, **extra)
 
@@ -123,7 +125,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request) -> JSONResponse:
         await _admin_json(request, state)
-        return _staged_answer(await run_in_threadpool(updater.end_sglang))
+        return _staged_answer(state, await run_in_threadpool(updater.end_sglang))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
@@ -142,7 +144,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
         result = await run_in_threadpool(work)
         if result.ack is not None:  # served now: /model_info names it, as SGLang does
             state.model_path = model_path
-        return _staged_answer(result)
+        return _staged_answer(state, result)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
@@ -155,7 +157,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
             _maybe_abort_all(state, body)
             return updater.stage_named(named, label=label)
 
-        return _staged_answer(await run_in_threadpool(work))
+        return _staged_answer(state, await run_in_threadpool(work))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
@@ -227,7 +229,7 @@ def _add_group_routes(app: FastAPI, state: ServerState) -> None:
             raise HTTPError(400, f"unknown load_format {load_format!r}; use null or 'flattened_bucket'")
         entries = ingest.parse_broadcast_spec(body.get("names"), body.get("dtypes"), body.get("shapes"))
         result = await run_in_threadpool(_receive_distributed, state, joined, entries, body, load_format)
-        return _staged_answer(result)
+        return _staged_answer(state, result)
 
 
 def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[TensorEntry],

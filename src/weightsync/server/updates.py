@@ -186,7 +186,7 @@ class WeightUpdater:
         (see `receiving.UpdateSession.begin`); returns what was discarded. An empty
         SGLang session gives way; one holding tensors is taken like an idle trainer's."""
         with self._lock:
-            self._expire_idle()
+            self._expire_sglang()  # an open weightsync update is left to the takeover rule
             preempted = None
             sglang = self._sglang
             if sglang is not None and sglang.tensors:
@@ -397,8 +397,12 @@ class WeightUpdater:
         return list(replaced.values())
 
     def _expire_idle(self) -> None:
-        """Discard a session of either kind idle for longer than the server's session timeout."""
-        self.receiver.drop_if_idle(self.session_timeout_s)
+        """Discard an update silent past its trainer's timeout, and an SGLang session idle
+        for longer than the server's session timeout."""
+        self.receiver.drop_if_idle()
+        self._expire_sglang()
+
+    def _expire_sglang(self) -> None:
         session = self._sglang
         if session is not None and time.monotonic() - session.touched > self.session_timeout_s:
             log.warning("discarding the SGLang update session idle for more than %.0fs", self.session_timeout_s)

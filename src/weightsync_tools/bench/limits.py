@@ -9,6 +9,10 @@ in the same chunk size, with no weightsync code on the path:
   chunk into a preallocated buffer, ended by a one-byte answer from the
   receiver (end to end, what the broadcast transport can at best do).
 - "xxh3": xxh3_64 over the bytes, chunk by chunk (the cost of one digest).
+- "wsmix64": weightsync's device digest (`weightsync.digests`) over the same
+  chunks, in torch ops on the device that holds them (the CPU here, a GPU's
+  buckets on a GPU); the one row that runs weightsync code, since the digest
+  is what it measures.
 - "tcp": a raw loopback socket to a second process, `recv_into` a
   preallocated buffer (what the HTTP transport can at best do).
 - "disk": write and fsync a file under the bench directory (the disk
@@ -38,7 +42,7 @@ from typing import Any
 
 import torch
 
-LIMIT_NAMES = ("copy", "gloo", "xxh3", "tcp", "disk")
+LIMIT_NAMES = ("copy", "gloo", "xxh3", "wsmix64", "tcp", "disk")
 CHILD_TIMEOUT_S = 300.0
 IN_PROCESS_REPEATS = 5
 
@@ -116,6 +120,22 @@ def measure_xxh3(num_bytes: int, chunk_bytes: int, *, repeats: int = 3) -> Limit
         return time.perf_counter() - t0
 
     return Limit(name="xxh3", num_bytes=num_bytes, chunk_bytes=chunk_bytes, runs=_best_of(repeats, run))
+
+
+def measure_wsmix64(num_bytes: int, chunk_bytes: int, *, repeats: int = 3, device: str = "cpu") -> Limit:
+    """wsmix64 of `num_bytes` on `device`, one digest per chunk (as one per bucket)."""
+    from weightsync.digests import WSMIX64, digest
+
+    data = _touched(num_bytes, 3).to(device)
+    spans = _chunks(num_bytes, chunk_bytes)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for a, b in spans:
+            digest(data[a:b], WSMIX64)  # reads the sum back: waits for the device
+        return time.perf_counter() - t0
+
+    return Limit(name="wsmix64", num_bytes=num_bytes, chunk_bytes=chunk_bytes, runs=_best_of(repeats, run))
 
 
 def measure_disk(num_bytes: int, chunk_bytes: int, directory: Path, *, repeats: int = 1) -> Limit:
@@ -263,6 +283,8 @@ def measure_limits(num_bytes: int, chunk_bytes: int, *, directory: Path, repeats
             out[name] = measure_copy(num_bytes, chunk_bytes, repeats=max(repeats, IN_PROCESS_REPEATS))
         elif name == "xxh3":
             out[name] = measure_xxh3(num_bytes, chunk_bytes, repeats=max(repeats, IN_PROCESS_REPEATS))
+        elif name == "wsmix64":
+            out[name] = measure_wsmix64(num_bytes, chunk_bytes, repeats=max(repeats, IN_PROCESS_REPEATS))
         elif name == "gloo":
             out[name] = measure_gloo(num_bytes, chunk_bytes, repeats=repeats)
         elif name == "tcp":

@@ -2,7 +2,7 @@
 the baselines, and (once) the trainer's peak memory, all in one run.
 
     for each scenario (dense, many-small):
-        limits      copy / gloo / xxh3 / tcp / disk for its bytes, per bucket size
+        limits      copy / gloo / xxh3 / wsmix64 / tcp / disk for its bytes, per bucket size
         engines     embedded (and vLLM on "dense" when installed)
             matrix  mode x transport x bucket size, WeightSync.push
         baselines   per-tensor broadcast, per-tensor HTTP, checkpoint + reload

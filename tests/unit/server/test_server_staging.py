@@ -122,6 +122,30 @@ def test_a_session_is_its_owners_until_the_owner_is_gone_or_silent(updater: Weig
     assert updater.session.owner == b
 
 
+def test_a_dead_trainers_session_is_reported_gone_however_long_it_was_silent(updater: WeightUpdater,
+                                                                            model: Tiny) -> None:
+    """The takeover rule decides, not an idle sweep before it: a trainer that died and then
+    stayed silent past its timeout is reported as gone (the fault suite's killed-trainer
+    test saw "silent" or nothing at all, depending on how slow the machine was)."""
+    import os
+    import subprocess
+    import sys
+    from dataclasses import replace
+
+    from weightsync.owners import owner_tag, session_owner
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = owner_tag().rsplit("-", 1)[0] + f"-{child.pid}/dead"
+    assert child.pid != os.getpid()
+    manifest = update(new_weights(model, 3), 5)[0]
+    updater.begin(replace(manifest, owner=dead, timeout_s=3.0))
+    assert updater.session is not None
+    updater.session.touched -= 10 * updater.session_timeout_s  # silent far past both timeouts
+    note = updater.begin(replace(manifest, version=6, owner=session_owner(), timeout_s=3.0))
+    assert note is not None and "its process is gone" in note, note
+
+
 def test_idle_session_gives_way_after_the_timeout(updater: WeightUpdater, model: Tiny) -> None:
     weights = new_weights(model, 4)
     updater.begin(update(weights, 5)[0])

@@ -1,0 +1,263 @@
+"""The digest algorithms a manifest may name, and how each is computed.
+
+Two algorithms, both 64-bit, both written as 16 hex characters:
+
+- "xxh3_64": xxhash's xxh3 over the bytes on the host. The fastest choice for CPU
+  buffers (one core, memory speed); a CUDA tensor is copied to host first.
+- "wsmix64": computed with torch integer ops on the device that holds the bytes,
+  so a CUDA bucket is never copied to host to be hashed. Bit-identical on CPU and
+  CUDA for the same bytes (see `Wsmix64`), so the CPU tests check the GPU algorithm.
+
+Both digest a byte string: the same bytes give the same digest whatever dtype the
+tensor holding them has. Both can be fed tensor by tensor (`Hasher.update`), which
+gives the digest of the tensors' bytes back to back, i.e. of the packed bucket.
+
+Neither is a MAC: they catch corruption, not an attacker (see `Wsmix64`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import xxhash
+
+XXH3_64 = "xxh3_64"
+WSMIX64 = "wsmix64"
+
+MASK64 = (1 << 64) - 1
+"""Python ints are unbounded: every 64-bit step of the reference is taken mod 2**64."""
+WORD_KEY = 0x9E3779B97F4A7C15
+"""Word i is xored with (i + 1) * WORD_KEY (the golden-ratio constant of splitmix64)."""
+FMIX_C1 = 0xFF51AFD7ED558CCD
+FMIX_C2 = 0xC4CEB9FE1A85EC53
+LENGTH_SEED = 0x5753_4D49_5836_3400
+"""Mixed with the byte length in the finalisation ("WSMIX64\\0")."""
+CHUNK_WORDS = {"cpu": 1 << 17, "other": 1 << 20}
+"""Words (8 bytes each) mixed per step: 1 MiB on CPU (cache-sized, best measured there),
+8 MiB elsewhere (fewer kernel launches). Each step holds two int64 temporaries of this
+size, so device memory stays bounded whatever the bucket's size."""
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (no copy).
+
+    Raises ValueError for a non-contiguous tensor: call `.contiguous()` first.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError("byte_view needs a contiguous tensor: call .contiguous() first")
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Hasher(Protocol):
+    """An incremental digest: tensors (any dtype, contiguous or not) fed in order."""
+
+    def update(self, tensor: torch.Tensor) -> Hasher:
+        ...
+
+    def hexdigest(self) -> str:
+        ...
+
+
+class Xxh3:
+    """xxh3_64 of the bytes fed, on the host (CUDA tensors are copied to host)."""
+
+    name = XXH3_64
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, tensor: torch.Tensor) -> Xxh3:
+        if tensor.numel():
+            flat = byte_view(tensor.contiguous())
+            if flat.device.type != "cpu":
+                flat = flat.cpu()
+            self._h.update(flat.numpy().data)  # buffer protocol: no copy, GIL released
+        return self
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+class Wsmix64:
+    """wsmix64: a position-keyed sum of mixed 64-bit words, computed where the bytes are.
+
+    The bytes are read as little-endian 64-bit words w_0 .. w_{m-1} (the last one
+    zero-padded). With n the byte length and fmix64 MurmurHash3's 64-bit finaliser
+    (a bijection of 64-bit integers), all arithmetic mod 2**64:
+
+        S      = sum over i of fmix64(w_i ^ ((i + 1) * WORD_KEY))
+        digest = fmix64(S ^ fmix64(n ^ LENGTH_SEED))
+
+    Computed in int64 torch ops with wrap-around arithmetic (multiply, xor, masked
+    right shifts, sum), which CPU and CUDA give bit for bit; the sum is exact, so
+    the result does not depend on reduction order or on the chunking. No float op.
+    `reference_wsmix64` is the same definition in pure Python.
+
+    What it detects: any change confined to one 64-bit word, so every single flipped
+    bit, always (fmix64 and the xor are bijections, so the one term that changes
+    cannot keep its value); truncation and padding, always (n is mixed in; zero
+    padding also adds a term). Swapped or shifted words, tensors out of place and
+    multi-word damage change terms at several positions: missed only when the
+    changes cancel in the sum, about 2**-64 for damage that is not built to do so.
+
+    What it does not protect against: anyone who means to forge. It is not a MAC
+    and not a cryptographic hash: there is no key, and the sum is linear, so a
+    chosen pair of word changes with equal and opposite effect on S is easy to
+    build. Whoever can write the bytes in transit can also rewrite the digest;
+    integrity against an adversary needs an authenticated channel (TLS, a trusted
+    network). Words are read little-endian (every CPU and GPU torch runs on).
+    """
+
+    name = WSMIX64
+
+    def __init__(self) -> None:
+        self._sum: torch.Tensor | None = None
+        """Running S, a 0-d int64 tensor on the bytes' device (read back once, at the end)."""
+        self._nbytes = 0
+        self._tail: torch.Tensor | None = None
+        """The last 1..7 bytes fed when the byte count is not a multiple of 8."""
+
+    def update(self, tensor: torch.Tensor) -> Wsmix64:
+        if not tensor.numel():
+            return self
+        data = byte_view(tensor.contiguous())
+        if self._sum is None:
+            self._sum = torch.zeros((), dtype=torch.int64, device=data.device)
+        elif data.device != self._sum.device:
+            raise ValueError(f"wsmix64: bytes on {data.device} fed to a digest begun on {self._sum.device}; "
+                             "feed one device's tensors, or copy them to one device first")
+        word_index = self._nbytes // 8
+        self._nbytes += data.numel()
+        if self._tail is not None:  # complete the pending word first
+            need = 8 - self._tail.numel()
+            head, data = data[:need], data[need:]
+            self._tail = torch.cat([self._tail, head])
+            if self._tail.numel() < 8:
+                return self
+            self._mix(self._tail, word_index)
+            self._tail, word_index = None, word_index + 1
+        whole = data.numel() // 8 * 8
+        if whole:
+            self._mix(data[:whole], word_index)
+        if whole < data.numel():
+            self._tail = data[whole:].clone()
+        return self
+
+    def hexdigest(self) -> str:
+        total = 0
+        if self._sum is not None:
+            if self._tail is not None:  # zero-padded last word
+                padded = torch.zeros(8, dtype=torch.uint8, device=self._tail.device)
+                padded[: self._tail.numel()] = self._tail
+                self._mix(padded, self._nbytes // 8)
+            total = int(self._sum.item()) & MASK64
+        return f"{finalize(total, self._nbytes):016x}"
+
+    def _mix(self, data: torch.Tensor, first_word: int) -> None:
+        """Add the terms of `data` (uint8, a multiple of 8 bytes) starting at word `first_word`."""
+        assert self._sum is not None and data.numel() % 8 == 0
+        step = CHUNK_WORDS["cpu" if data.device.type == "cpu" else "other"] * 8
+        for start in range(0, data.numel(), step):
+            chunk = data[start:start + step]
+            if chunk.storage_offset() % 8:  # an int64 view needs 8-aligned bytes: copy this chunk
+                chunk = chunk.clone()
+            words = chunk.view(torch.int64)
+            index = first_word + start // 8
+            x = torch.arange(index + 1, index + 1 + words.numel(), dtype=torch.int64, device=words.device)
+            x.mul_(_signed(WORD_KEY)).bitwise_xor_(words)
+            _fmix64_(x, torch.empty_like(x))
+            self._sum += x.sum()
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 torch takes (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_LOW31 = (1 << 31) - 1
+
+
+def _fmix64_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    """MurmurHash3's fmix64 of every int64 in `x`, in place. A logical shift right by 33
+    is an arithmetic one masked to its low 31 bits (torch shifts int64 arithmetically)."""
+    for multiplier in (FMIX_C1, FMIX_C2, None):
+        torch.bitwise_right_shift(x, 33, out=tmp)
+        tmp.bitwise_and_(_LOW31)
+        x.bitwise_xor_(tmp)
+        if multiplier is not None:
+            x.mul_(_signed(multiplier))
+
+
+def fmix64(x: int) -> int:
+    """MurmurHash3's 64-bit finaliser on a Python int (mod 2**64)."""
+    x &= MASK64
+    x ^= x >> 33
+    x = (x * FMIX_C1) & MASK64
+    x ^= x >> 33
+    x = (x * FMIX_C2) & MASK64
+    return x ^ (x >> 33)
+
+
+def finalize(total: int, nbytes: int) -> int:
+    """wsmix64's last step: the word sum with the byte length mixed in."""
+    return fmix64(total ^ fmix64(nbytes ^ LENGTH_SEED))
+
+
+def reference_wsmix64(data: bytes) -> str:
+    """wsmix64 in pure Python, word by word: the definition the torch code must match."""
+    padded = data + b"\0" * (-len(data) % 8)
+    total = 0
+    for i in range(len(padded) // 8):
+        word = int.from_bytes(padded[8 * i:8 * i + 8], "little")
+        total = (total + fmix64(word ^ (((i + 1) * WORD_KEY) & MASK64))) & MASK64
+    return f"{finalize(total, len(data)):016x}"
+
+
+ALGORITHMS: dict[str, Callable[[], Hasher]] = {XXH3_64: Xxh3, WSMIX64: Wsmix64}
+"""Every digest algorithm a manifest may name -> a new incremental hasher."""
+
+
+def hasher(algorithm: str) -> Hasher:
+    """A new incremental hasher for `algorithm`; ValueError naming the known ones otherwise."""
+    return ALGORITHMS[require_known(algorithm)]()
+
+
+def require_known(algorithm: str) -> str:
+    """`algorithm` if this side can compute it; ValueError naming the known ones otherwise."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown digest algorithm {algorithm!r}; this side computes {', '.join(ALGORITHMS)}")
+    return algorithm
+
+
+def for_device(device: torch.device | str) -> str:
+    """The faster algorithm for buffers on `device`: xxh3_64 on CPU, wsmix64 on an
+    accelerator (its bytes never go to host to be hashed)."""
+    return XXH3_64 if torch.device(device).type == "cpu" else WSMIX64
+
+
+def bytes_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A uint8 tensor over a bytes-like object's bytes (no copy; never written to)."""
+    view = memoryview(data).cast("B")
+    if not len(view):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only buffers warn that writes would fail; none happen
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def digest(data: torch.Tensor | bytes | bytearray | memoryview, algorithm: str = XXH3_64) -> str:
+    """Hex digest of a tensor's bytes (any dtype) or of a bytes-like object."""
+    if not isinstance(data, torch.Tensor):
+        if algorithm == XXH3_64:
+            return xxhash.xxh3_64_hexdigest(data)
+        data = bytes_tensor(data)
+    return hasher(algorithm).update(data).hexdigest()
+
+
+__all__ = ["ALGORITHMS", "WSMIX64", "XXH3_64", "Hasher", "Wsmix64", "Xxh3", "byte_view", "digest", "for_device",
+           "hasher", "reference_wsmix64", "require_known"]

@@ -1,0 +1,132 @@
+"""The streaming pipeline of one push: a producer thread gathers, casts, packs and
+hashes bucket k+1 while the caller delivers bucket k.
+
+Buckets are packed into the transport's slots, slot k % NUM_SLOTS for bucket k;
+a slot is packed again only after the caller has delivered the bucket in it, so
+at most NUM_SLOTS buckets are alive and trainer memory stays within
+NUM_SLOTS x bucket_bytes beyond the model. Time spent per stage goes into
+`Stages`. On a failure the producer stops at the next slot it waits for; with
+`drain` (other trainer ranks gather along) it keeps gathering without packing,
+so every rank finishes the same collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.bucketing import pack_stream
+from weightsync.digests import XXH3_64, digest
+from weightsync.sources import WeightSource
+from weightsync.transports.base import NUM_SLOTS
+from weightsync.types import BucketMeta, StageSeconds
+
+
+@dataclass
+class Stages:
+    """Seconds spent per stage of one push (see `types.StageSeconds`)."""
+
+    gather: float = 0.0
+    pack: float = 0.0
+    hash: float = 0.0
+    wire: float = 0.0
+    load: float = 0.0
+
+    def frozen(self) -> StageSeconds:
+        return StageSeconds(gather=self.gather, pack=self.pack, hash=self.hash, wire=self.wire, load=self.load)
+
+
+def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],
+                   to_engine: Mapping[str, str], *, slot: Callable[[int, int], torch.Tensor],
+                   deliver: Callable[[BucketMeta, torch.Tensor], None], stages: Stages,
+                   allow_overflow: bool = False, drain: bool = False,
+                   digest_algorithm: str = XXH3_64) -> list[str]:
+    """Gather/pack/hash on a producer thread while this thread calls `deliver(bucket,
+    buffer)` for each bucket in plan order; returns the buckets' digests (computed with
+    `digest_algorithm` on the device of the slot: wsmix64 hashes a CUDA slot in place).
+
+    `order` holds the source's (hf) names in stream order; the plan holds engine
+    names (`to_engine` maps them). `slot(index, nbytes)` is the buffer of slot `index`.
+    """
+    ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+    free_slots = threading.Semaphore(NUM_SLOTS)
+    failed = threading.Event()
+    waited = 0.0
+
+    def alloc(bucket: BucketMeta) -> torch.Tensor | None:
+        nonlocal waited
+        t0 = time.perf_counter()
+        try:
+            while not failed.is_set():
+                if free_slots.acquire(timeout=0.1):
+                    return slot(bucket.index % NUM_SLOTS, bucket.nbytes)
+            return None
+        finally:
+            waited += time.perf_counter() - t0
+
+    def produce() -> None:
+        try:
+            tensors = ((to_engine[n], t) for n, t in _timed(source.tensors(order), stages, "gather"))
+            t_prev = time.perf_counter()
+            for bucket, buffer in pack_stream(plan, tensors, alloc=alloc, allow_overflow=allow_overflow):
+                if buffer is None:
+                    if not drain:
+                        break
+                    continue
+                t_hash = time.perf_counter()
+                bucket = bucket.with_digest(digest(buffer, digest_algorithm))
+                now = time.perf_counter()
+                stages.hash += now - t_hash
+                stages.pack += t_hash - t_prev
+                ready.put((bucket, buffer))
+                t_prev = time.perf_counter()
+            ready.put(None)
+        except BaseException as e:
+            ready.put(e)
+
+    producer = threading.Thread(target=produce, name="weightsync-pack", daemon=True)
+    producer.start()
+    digests: list[str] = []
+    try:
+        while True:
+            item = ready.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            bucket, buffer = item
+            t0 = time.perf_counter()
+            deliver(bucket, buffer)
+            stages.wire += time.perf_counter() - t0
+            free_slots.release()
+            assert bucket.digest is not None
+            digests.append(bucket.digest)
+    except BaseException:
+        failed.set()
+        while producer.is_alive():  # unblock a producer waiting to hand over a bucket
+            with contextlib.suppress(queue.Empty):
+                ready.get(timeout=0.1)
+        raise
+    finally:
+        producer.join()
+    stages.pack = max(0.0, stages.pack - stages.gather - waited)
+    return digests
+
+
+def _timed(it: Iterator[tuple[str, torch.Tensor]], stages: Stages, field: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Count the time spent inside `next(it)` towards `stages.<field>`."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        setattr(stages, field, getattr(stages, field) + time.perf_counter() - t0)
+        yield item

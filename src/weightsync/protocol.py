@@ -1,0 +1,143 @@
+"""The requests and answers of weightsync's own HTTP routes (`/weightsync/*`), typed.
+
+One record per request, used by both sides: the client (`engines.sglang`) builds
+it and sends `to_json()` to its `ROUTE`; the server (`server.routes_updates`)
+parses the body with `from_json`, which raises `ValueError` naming the field
+(an HTTP 400). Answers carry SGLang's `success`/`message` plus the fields below.
+SGLang's own routes are SGLang's contract (ENGINES.md) and are not typed here.
+The bucket bytes of `/weightsync/bucket` travel in the binary frame of `wire`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from weightsync.types import Manifest
+
+
+def _int(body: Mapping[str, Any], key: str, *, required: bool = True) -> int | None:
+    value = body.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _str(body: Mapping[str, Any], key: str, *, required: bool = True) -> str | None:
+    value = body.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"field {key!r} must be a string, got {value!r:.80}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class BeginRequest:
+    """Check a manifest against the served weights and open an update (the dry run)."""
+
+    ROUTE: ClassVar[str] = "/weightsync/begin"
+    manifest: Manifest
+    """What the update will send, without digests."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"manifest": self.manifest.to_dict()}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> BeginRequest:
+        manifest = body.get("manifest")
+        if not isinstance(manifest, Mapping):
+            raise ValueError("field 'manifest' must be a JSON object (a weightsync manifest)")
+        return cls(manifest=Manifest.from_dict(manifest))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShmBucketRequest:
+    """Take bucket `index` of update `version` from slot `slot` of a shared-memory segment."""
+
+    ROUTE: ClassVar[str] = "/weightsync/shm_bucket"
+    version: int
+    index: int
+    digest: str | None
+    """The sender's digest of the bucket (checked against the one computed on receipt)."""
+    shm_name: str
+    slot_bytes: int
+    num_slots: int
+    slot: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "index": self.index, "digest": self.digest, "shm_name": self.shm_name,
+                "slot_bytes": self.slot_bytes, "num_slots": self.num_slots, "slot": self.slot}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> ShmBucketRequest:
+        request = cls(version=_int(body, "version") or 0, index=_int(body, "index") or 0,
+                      digest=_str(body, "digest", required=False), shm_name=_str(body, "shm_name") or "",
+                      slot_bytes=_int(body, "slot_bytes") or 0, num_slots=_int(body, "num_slots") or 0,
+                      slot=_int(body, "slot") or 0)
+        if request.slot_bytes <= 0 or request.num_slots <= 0:
+            raise ValueError("slot_bytes and num_slots must be positive")
+        if not 0 <= request.slot < request.num_slots:
+            raise ValueError(f"slot {request.slot} is not one of the segment's {request.num_slots} slots")
+        return request
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRequest:
+    """Apply the open update `version`; the answer carries the ack (`Ack.to_wire()`)."""
+
+    ROUTE: ClassVar[str] = "/weightsync/commit"
+    version: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> CommitRequest:
+        return cls(version=_int(body, "version") or 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AbortRequest:
+    """Drop the open update (of `version`, if given), unless another trainer owns it."""
+
+    ROUTE: ClassVar[str] = "/weightsync/abort"
+    version: int | None = None
+    owner: str | None = None
+    """The aborting trainer (`owners.session_owner()`); another owner's update is kept."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "owner": self.owner}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> AbortRequest:
+        return cls(version=_int(body, "version", required=False), owner=_str(body, "owner", required=False))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DigestsRequest:
+    """Digests of the served weights (all of them, or the named ones)."""
+
+    ROUTE: ClassVar[str] = "/weightsync/digests"
+    names: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"names": None if self.names is None else list(self.names)}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> DigestsRequest:
+        names = body.get("names")
+        if names is None:
+            return cls()
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("'names' must be a list of weight names or null")
+        return cls(names=tuple(names))
+
+
+INFO_ROUTE = "/weightsync/info"
+"""GET: the engine's state; "capabilities" holds `EngineCapabilities.to_dict()`."""
+BUCKET_ROUTE = "/weightsync/bucket"
+"""POST: one bucket in the binary frame of `wire` (header: version, index, nbytes, digest)."""
