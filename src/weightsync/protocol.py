@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from weightsync.types import Manifest
+from weightsync.types import Delivery, Link, Manifest
 
 
 def _int(body: Mapping[str, Any], key: str, *, required: bool = True) -> int | None:
@@ -83,6 +83,40 @@ class ShmBucketRequest:
         if not 0 <= request.slot < request.num_slots:
             raise ValueError(f"slot {request.slot} is not one of the segment's {request.num_slots} slots")
         return request
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiveRequest:
+    """Take bucket `index` of update `version` through the engine end of the link's
+    transport (`transports.make_receiver`), which joins the link's session at the
+    first bucket and fetches the bytes the delivery points at (shm: a slot)."""
+
+    ROUTE: ClassVar[str] = "/weightsync/receive"
+    version: int
+    index: int
+    digest: str | None
+    """The sender's digest of the bucket (checked against the one computed on receipt)."""
+    link: Link
+    delivery: Delivery
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "index": self.index, "digest": self.digest,
+                "link": self.link.to_dict(), "delivery": self.delivery.to_dict()}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> ReceiveRequest:
+        return cls(version=_int(body, "version") or 0, index=_int(body, "index") or 0,
+                   digest=_str(body, "digest", required=False),
+                   link=Link.from_dict(_record(body, "link")), delivery=Delivery.from_dict(_record(body, "delivery")))
+
+
+def _record(body: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """Field `key`: a JSON object naming a transport, its other values scalars."""
+    value = body.get(key)
+    if not (isinstance(value, Mapping) and isinstance(value.get("transport"), str)
+            and all(v is None or isinstance(v, str | int | float) for v in value.values())):
+        raise ValueError(f"{key!r} must be a JSON object with a 'transport' name and scalar fields")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Li
 from weightsync.engines.http import JsonClient, decode
 from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import byte_view
+from weightsync.protocol import ReceiveRequest
 from weightsync.transports import TRANSPORTS, receiver_class
 from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
@@ -185,10 +186,9 @@ class SGLangEngine:
             self._http.post("/update_weights_from_distributed", self._broadcast_request(bucket, version, link),
                             timeout_s=link.timeout_s)
         elif not receiver.reads_at_commit:  # the server fetches the bytes (shm: from the segment)
-            self._http.post("/weightsync/receive", {
-                "version": version, "index": bucket.index, "digest": bucket.digest,
-                "link": link.to_dict(), "delivery": delivery.to_dict(),
-            }, timeout_s=link.timeout_s)
+            request = ReceiveRequest(version=version, index=bucket.index, digest=bucket.digest,
+                                     link=link, delivery=delivery)
+            self._http.post(request.ROUTE, request.to_json(), timeout_s=link.timeout_s)
         else:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
 

@@ -24,6 +24,7 @@ from weightsync.checkpoint import MANIFEST_FILE, confine
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
+from weightsync.protocol import ReceiveRequest
 from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
 from weightsync.server.http import (
@@ -343,7 +344,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         digest_hex = await run_in_threadpool(_stage_from_shm, state, body)
         return answer("bucket staged", digest=digest_hex)
 
-    @app.post("/weightsync/receive")
+    @app.post(ReceiveRequest.ROUTE)
     async def receive(request: Request) -> JSONResponse:
         body = await _admin_json(request, state)
         digest_hex = await run_in_threadpool(_stage_fetched, state, body)
@@ -389,29 +390,17 @@ def _stage_from_shm(state: ServerState, body: dict[str, Any]) -> str:
 def _stage_fetched(state: ServerState, body: dict[str, Any]) -> str:
     """`/weightsync/receive`: the bucket fetched by the engine end of the link's transport,
     which joins the link's session at its first bucket."""
-    version = field_int(body, "version", required=True)
-    index = field_int(body, "index", required=True)
-    assert version is not None and index is not None
-    link = Link.from_dict(_json_record(body, "link"))
-    delivery = Delivery.from_dict(_json_record(body, "delivery"))
+    request = ReceiveRequest.from_json(body)
+    link = request.link
     receiver = state.receiver(link.transport)
     if receiver.bytes_in_delivery or receiver.reads_at_commit or receiver.collective:
-        raise HTTPError(400, f"transport {link.transport!r} does not deliver through /weightsync/receive: "
+        raise HTTPError(400, f"transport {link.transport!r} does not deliver through {ReceiveRequest.ROUTE}: "
                         "its bytes come in /weightsync/bucket frames, SGLang's group routes or a version directory")
-    bucket = state.updater.receiver.bucket(version, index)
+    bucket = state.updater.receiver.bucket(request.version, request.index)
     try:
         receiver.check_joined(link)
     except LookupError:
         receiver.join(link, rank=0)
-    buffer = receiver.fetch(link, bucket, delivery, into=state.updater.buffers.take(bucket.nbytes))
-    return state.updater.stage_bucket(version=version, index=index, buffer=buffer,
-                                      digest_hex=field_str(body, "digest"))
-
-
-def _json_record(body: dict[str, Any], key: str) -> dict[str, Any]:
-    """Field `key`: a JSON object naming a transport, its other values scalars."""
-    value = body.get(key)
-    if not (isinstance(value, dict) and isinstance(value.get("transport"), str)
-            and all(v is None or isinstance(v, str | int | float) for v in value.values())):
-        raise HTTPError(400, f"{key!r} must be a JSON object with a 'transport' name and scalar fields")
-    return value
+    buffer = receiver.fetch(link, bucket, request.delivery, into=state.updater.buffers.take(bucket.nbytes))
+    return state.updater.stage_bucket(version=request.version, index=request.index, buffer=buffer,
+                                      digest_hex=request.digest)
