@@ -303,7 +303,7 @@ class WeightSync:
             version=version, mode=selection.mode, buckets=buckets,
             lora_config=selection.lora_config, lora_name=selection.lora_name,
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
-            digest_algorithm=self.config.digest_algorithm or for_device(_buffer_device(self._make_transport())),
+            digest_algorithm=self.config.digest_algorithm or for_device(self._make_transport().buffer_device),
         )
         to_hf = {v: k for k, v in to_engine.items()}
         return _PushPlan(selection=selection, manifest=manifest, cast_to=cast_to, to_engine=to_engine,
@@ -645,8 +645,3 @@ class _Planner:
 def _sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     """What a tensor of `dtype` travels as: `cast_to` if both are floating (bucketing.castable)."""
     return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
-
-
-def _buffer_device(transport: Transport) -> torch.device:
-    """Where `transport` packs buckets: its `device` (broadcast's slots), else the CPU."""
-    return torch.device(getattr(transport, "device", "cpu"))

@@ -158,7 +158,7 @@ class SGLangEngine:
         receiver = receiver_class(link.transport)
         if not _stock_routes(link.transport):
             self._require_native(f"transport {link.transport!r}", timeout_s)
-        if manifest.mode == "lora" and not receiver.reads_at_commit:
+        if manifest.is_adapter and not receiver.reads_at_commit:
             self._require_native(f"a LoRA adapter over {link.transport!r}", timeout_s)
         if self._is_native(timeout_s):
             answer = self._http.post("/weightsync/begin", {"manifest": manifest.to_dict()}, timeout_s=timeout_s)
@@ -281,7 +281,7 @@ class SGLangEngine:
 
     def _commit_disk(self, manifest: Manifest, link: Link) -> Ack:
         path = link.version_dir(manifest.version)
-        if manifest.mode == "lora":
+        if manifest.is_adapter:
             assert manifest.lora_name is not None
             self._http.post("/load_lora_adapter", {"lora_name": manifest.lora_name, "lora_path": path},
                             timeout_s=link.timeout_s)

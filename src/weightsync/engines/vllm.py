@@ -199,7 +199,7 @@ class VLLMEngine:
         self._backend.resume(timeout_s=self._timeout(timeout_s))
 
     def begin(self, manifest: Manifest, link: Link) -> str | None:
-        allowed = self.lora_transports if manifest.mode == "lora" else self.transports
+        allowed = self.lora_transports if manifest.is_adapter else self.transports
         if link.transport not in allowed:
             raise EngineError(self.label, f"transport {link.transport!r} is not supported for mode "
                               f"{manifest.mode!r}; use one of {sorted(allowed)}")
@@ -225,7 +225,7 @@ class VLLMEngine:
         policy, self._policy = self._policy, PausePolicy.NONE  # a push under "none" calls no pause()
         results = self._rpc("weightsync_commit", {"version": manifest.version}, timeout_s=link.timeout_s)
         ack = self._combine_acks(results)
-        if manifest.mode == "lora":
+        if manifest.is_adapter:
             assert manifest.lora_name is not None
             path = results[0].get("lora_path")
             if not path:

@@ -270,7 +270,7 @@ class WorkerSync:
                 self.session.stage_bucket(version=version, index=index, buffer=buffer)
         ack = self.session.commit(version)
         assert update is not None  # commit found it open
-        if update.manifest.mode != "lora":
+        if not update.manifest.is_adapter:
             return {"ack": ack.to_wire()}
         return {"ack": ack.to_wire(), "lora_path": str(self._lora_path) if self._lora_path is not None else None}
 

@@ -63,6 +63,12 @@ class Transport(Protocol):
         collective leaves the group broken, so the next push forms a new one)."""
         ...
 
+    @property
+    def buffer_device(self) -> torch.device:
+        """Where buckets are packed and hashed: the CPU, or the GPU for NCCL broadcast
+        (whose buckets are then hashed there, with a device digest)."""
+        ...
+
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
         """Prepare a session for engines with these rank counts; one Link each."""
         ...
@@ -244,6 +250,10 @@ class SlotBuffers:
 
 class TransportDefaults:
     """No-op verbs for transports whose bytes travel inside the engines' receive calls."""
+
+    @property
+    def buffer_device(self) -> torch.device:
+        return torch.device("cpu")
 
     def establish(self) -> None:
         return None

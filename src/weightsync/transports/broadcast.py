@@ -85,6 +85,10 @@ class BroadcastTransport(TransportDefaults):
     adapter_in_one_bucket: ClassVar[bool] = False
     survives_failure: ClassVar[bool] = False
 
+    @property
+    def buffer_device(self) -> torch.device:
+        return self.device
+
     def __init__(
         self,
         *,

@@ -72,7 +72,7 @@ class DiskReceiver(ReceiverDefaults):
         """Every bucket of `manifest`'s version directory, checked against `manifest`
         (a LoRA adapter: its adapter_model.safetensors, one bucket)."""
         directory = Path(link.version_dir(manifest.version))
-        if manifest.mode == "lora":
+        if manifest.is_adapter:
             yield 0, _read_adapter_bucket(directory / LORA_WEIGHTS_FILE, manifest.buckets[0])
             return
         on_disk, buckets = read_version(directory)
@@ -90,6 +90,10 @@ class DiskTransport:
     per_bucket_delivery: ClassVar[bool] = False
     adapter_in_one_bucket: ClassVar[bool] = True
     survives_failure: ClassVar[bool] = True
+
+    @property
+    def buffer_device(self) -> torch.device:
+        return torch.device("cpu")
 
     def __init__(self, root: str | Path, *, keep_versions: int = 2, timeout_s: float = 60.0) -> None:
         if keep_versions < 1:
@@ -116,7 +120,7 @@ class DiskTransport:
         self._tmp = self.root / f".tmp-v{manifest.version:08d}-{owner_tag()}-{secrets.token_hex(4)}"
         with _writing("creating", self._tmp):
             self._tmp.mkdir()
-        self._lora = manifest.mode == "lora"
+        self._lora = manifest.is_adapter
         if self._lora and len(manifest.buckets) != 1:
             raise ValueError("a LoRA adapter goes to disk as one bucket; raise bucket_bytes")
 
@@ -138,7 +142,7 @@ class DiskTransport:
         assert self._tmp is not None, "begin() first"
         final = self.root / f"v{manifest.version:08d}"
         with _writing("publishing", final):
-            if manifest.mode == "lora":
+            if manifest.is_adapter:
                 _write_json(self._tmp / LORA_CONFIG_FILE, dict(manifest.lora_config or {}))
             write_manifest(self._tmp, manifest)
             if final.exists():  # a re-push of the same version replaces it

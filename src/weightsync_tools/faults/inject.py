@@ -60,6 +60,7 @@ class FaultyTransport:
         self.per_bucket_delivery = inner.per_bucket_delivery
         self.adapter_in_one_bucket = inner.adapter_in_one_bucket
         self.survives_failure = inner.survives_failure
+        self.buffer_device = inner.buffer_device
         self.fault = fault
         self.at_bucket = at_bucket
         self.at_push = at_push
