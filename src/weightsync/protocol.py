@@ -19,7 +19,9 @@ from weightsync.types import Delivery, Link, Manifest
 
 def _int(body: Mapping[str, Any], key: str, *, required: bool = True) -> int | None:
     value = body.get(key)
-    if value is None and not required:
+    if value is None:
+        if required:
+            raise ValueError(f"missing required field {key!r}")
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"field {key!r} must be an integer, got {value!r}")
@@ -28,7 +30,9 @@ def _int(body: Mapping[str, Any], key: str, *, required: bool = True) -> int | N
 
 def _str(body: Mapping[str, Any], key: str, *, required: bool = True) -> str | None:
     value = body.get(key)
-    if value is None and not required:
+    if value is None:
+        if required:
+            raise ValueError(f"missing required field {key!r}")
         return None
     if not isinstance(value, str):
         raise ValueError(f"field {key!r} must be a string, got {value!r:.80}")
@@ -170,6 +174,9 @@ class DigestsRequest:
             raise ValueError("'names' must be a list of weight names or null")
         return cls(names=tuple(names))
 
+
+WeightsyncRequest = BeginRequest | ReceiveRequest | ShmBucketRequest | CommitRequest | AbortRequest | DigestsRequest
+"""Any request of weightsync's own POST routes: `ROUTE` and `to_json()`."""
 
 INFO_ROUTE = "/weightsync/info"
 """GET: the engine's state; "capabilities" holds `EngineCapabilities.to_dict()`."""

@@ -35,7 +35,16 @@ from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Li
 from weightsync.engines.http import JsonClient, decode
 from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import byte_view
-from weightsync.protocol import ReceiveRequest
+from weightsync.protocol import (
+    BUCKET_ROUTE,
+    INFO_ROUTE,
+    AbortRequest,
+    BeginRequest,
+    CommitRequest,
+    DigestsRequest,
+    ReceiveRequest,
+    WeightsyncRequest,
+)
 from weightsync.transports import TRANSPORTS, receiver_class
 from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
@@ -100,7 +109,7 @@ class SGLangEngine:
     def _is_native(self, timeout_s: float | None = None) -> bool:
         """True when the server has weightsync's routes; asked once (within `timeout_s`)."""
         if self._capabilities is None:
-            response = self._http.request("GET", "/weightsync/info", allow=(404,), timeout_s=timeout_s)
+            response = self._http.request("GET", INFO_ROUTE, allow=(404,), timeout_s=timeout_s)
             if response.status_code == 404:
                 self._capabilities = stock_sglang()
             else:
@@ -161,7 +170,7 @@ class SGLangEngine:
         if manifest.is_adapter and not receiver.reads_at_commit:
             self._require_native(f"a LoRA adapter over {link.transport!r}", timeout_s)
         if self._is_native(timeout_s):
-            answer = self._http.post("/weightsync/begin", {"manifest": manifest.to_dict()}, timeout_s=timeout_s)
+            answer = self._send(BeginRequest(manifest=manifest), timeout_s)
             note = answer.get("preempted")
         self._open = (manifest.version, link)
         self._owner = manifest.owner
@@ -180,7 +189,7 @@ class SGLangEngine:
             prefix = encode_prefix(FrameHeader(version=version, index=bucket.index,
                                                nbytes=bucket.nbytes, digest=bucket.digest))
             payload = byte_view(delivery.data).numpy().data
-            self._http.request("POST", "/weightsync/bucket", content=_chunks(prefix, payload),
+            self._http.request("POST", BUCKET_ROUTE, content=_chunks(prefix, payload),
                                headers={"Content-Type": "application/octet-stream"}, timeout_s=link.timeout_s)
         elif receiver.collective:
             self._http.post("/update_weights_from_distributed", self._broadcast_request(bucket, version, link),
@@ -188,7 +197,7 @@ class SGLangEngine:
         elif not receiver.reads_at_commit:  # the server fetches the bytes (shm: from the segment)
             request = ReceiveRequest(version=version, index=bucket.index, digest=bucket.digest,
                                      link=link, delivery=delivery)
-            self._http.post(request.ROUTE, request.to_json(), timeout_s=link.timeout_s)
+            self._send(request, link.timeout_s)
         else:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
 
@@ -198,7 +207,7 @@ class SGLangEngine:
             return self._commit_disk(manifest, link)
         ack = None
         if self._is_native(link.timeout_s):
-            body = self._http.post("/weightsync/commit", {"version": manifest.version}, timeout_s=link.timeout_s)
+            body = self._send(CommitRequest(version=manifest.version), link.timeout_s)
             ack = Ack.from_dict(body["ack"], engine=self.label)
         if self._session_open:
             self._session_open = False
@@ -211,7 +220,7 @@ class SGLangEngine:
         errors = []
         if self._is_native(cleanup_s):
             try:
-                self._http.post("/weightsync/abort", {"version": version, "owner": self._owner}, timeout_s=cleanup_s)
+                self._send(AbortRequest(version=version, owner=self._owner), cleanup_s)
             except EngineError as e:
                 errors.append(e)
         if self._session_open:
@@ -256,13 +265,17 @@ class SGLangEngine:
     def digests(self, hf_names: Sequence[str] | None = None, *, timeout_s: float | None = None) -> dict[str, str]:
         """Digests of the served weights (weightsync serve only)."""
         self._require_native("reading weight digests", self.timeout_s if timeout_s is None else timeout_s)
-        body = {"names": list(hf_names) if hf_names else None}
-        return dict(self._http.post("/weightsync/digests", body, timeout_s=timeout_s)["digests"])
+        request = DigestsRequest(names=tuple(hf_names) if hf_names else None)
+        return dict(self._send(request, timeout_s)["digests"])
 
     def close(self) -> None:
         self._http.close()
 
     # -- internals ---------------------------------------------------------
+
+    def _send(self, request: WeightsyncRequest, timeout_s: float | None) -> dict[str, Any]:
+        """POST one of weightsync's own requests (`weightsync.protocol`) to its route."""
+        return self._http.post(request.ROUTE, request.to_json(), timeout_s=timeout_s)
 
     def _broadcast_request(self, bucket: BucketMeta, version: int, link: Link) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -286,7 +299,7 @@ class SGLangEngine:
             self._http.post("/load_lora_adapter", {"lora_name": manifest.lora_name, "lora_path": path},
                             timeout_s=link.timeout_s)
             if self._is_native(link.timeout_s):
-                body = self._http.post("/weightsync/commit", {"version": manifest.version}, timeout_s=link.timeout_s)
+                body = self._send(CommitRequest(version=manifest.version), link.timeout_s)
                 return Ack.from_dict(body["ack"], engine=self.label)
             return self._unverified_ack(manifest)
         body = self._http.post("/update_weights_from_disk", {

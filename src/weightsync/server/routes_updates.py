@@ -24,7 +24,16 @@ from weightsync.checkpoint import MANIFEST_FILE, confine
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
-from weightsync.protocol import ReceiveRequest
+from weightsync.protocol import (
+    BUCKET_ROUTE,
+    INFO_ROUTE,
+    AbortRequest,
+    BeginRequest,
+    CommitRequest,
+    DigestsRequest,
+    ReceiveRequest,
+    ShmBucketRequest,
+)
 from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
 from weightsync.server.http import (
@@ -46,7 +55,6 @@ from weightsync.transports.shm import ShmTransport
 from weightsync.types import (
     Delivery,
     Link,
-    Manifest,
     TensorEntry,
     TensorMeta,
     dtype_from_name,
@@ -270,7 +278,7 @@ def _pack_listed(state: ServerState, version: int, index: int, named: list[tuple
 def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     updater = state.updater
 
-    @app.get("/weightsync/info")
+    @app.get(INFO_ROUTE)
     async def info() -> dict[str, Any]:
         lora_enabled = state.lora_store is not None
         dtype = _serving_dtype(updater.metas.values())
@@ -298,23 +306,19 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "dtype": dtype,
         }
 
-    @app.post("/weightsync/digests")
+    @app.post(DigestsRequest.ROUTE)
     async def digests(request: Request) -> JSONResponse:
-        body = await read_json(request, state.config.max_json_bytes)
-        names = body.get("names")
-        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-            raise HTTPError(400, "'names' must be a list of weight names or null")
+        names = DigestsRequest.from_json(await read_json(request, state.config.max_json_bytes)).names
         version, result = await run_in_threadpool(updater.digests, names)
         return answer("", weight_version=version, digests=result)
 
-    @app.post("/weightsync/begin")
+    @app.post(BeginRequest.ROUTE)
     async def begin(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
-        manifest = Manifest.from_dict(body.get("manifest"))  # type: ignore[arg-type]
+        manifest = BeginRequest.from_json(await _admin_json(request, state)).manifest
         preempted = await run_in_threadpool(updater.begin, manifest)
         return answer(f"update v{manifest.version} begun ({len(manifest.buckets)} bucket(s))", preempted=preempted)
 
-    @app.post("/weightsync/bucket")
+    @app.post(BUCKET_ROUTE)
     async def bucket(request: Request) -> JSONResponse:
         require_admin(request, state.config.admin_api_key)
         session = updater.session
@@ -338,9 +342,9 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         digest_hex = await run_in_threadpool(work)
         return answer("bucket staged", digest=digest_hex)
 
-    @app.post("/weightsync/shm_bucket")
+    @app.post(ShmBucketRequest.ROUTE)
     async def shm_bucket(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
+        body = ShmBucketRequest.from_json(await _admin_json(request, state))
         digest_hex = await run_in_threadpool(_stage_from_shm, state, body)
         return answer("bucket staged", digest=digest_hex)
 
@@ -350,41 +354,29 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         digest_hex = await run_in_threadpool(_stage_fetched, state, body)
         return answer("bucket staged", digest=digest_hex)
 
-    @app.post("/weightsync/commit")
+    @app.post(CommitRequest.ROUTE)
     async def commit(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
-        version = field_int(body, "version", required=True)
-        assert version is not None
+        version = CommitRequest.from_json(await _admin_json(request, state)).version
         ack = await run_in_threadpool(updater.commit, version)
         return answer(f"v{version} committed", ack=ack.to_wire())
 
-    @app.post("/weightsync/abort")
+    @app.post(AbortRequest.ROUTE)
     async def abort(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
-        version = field_int(body, "version")
-        dropped = updater.abort(version, owner=field_str(body, "owner"))
-        return answer(f"update v{version} aborted" if dropped else "nothing to abort", aborted=dropped)
+        body = AbortRequest.from_json(await _admin_json(request, state))
+        dropped = updater.abort(body.version, owner=body.owner)
+        return answer(f"update v{body.version} aborted" if dropped else "nothing to abort", aborted=dropped)
 
 
-def _stage_from_shm(state: ServerState, body: dict[str, Any]) -> str:
-    version = field_int(body, "version", required=True)
-    index = field_int(body, "index", required=True)
-    slot = field_int(body, "slot", required=True)
-    slot_bytes = field_int(body, "slot_bytes", required=True)
-    num_slots = field_int(body, "num_slots", required=True)
-    shm_name = field_str(body, "shm_name", required=True)
-    assert version is not None and index is not None and slot is not None and shm_name is not None
-    assert slot_bytes is not None and num_slots is not None
-    if slot_bytes <= 0 or num_slots <= 0:
-        raise ValueError("slot_bytes and num_slots must be positive")
-    bucket = state.updater.receiver.bucket(version, index)
-    link = Link(transport=ShmTransport.name, shm_name=shm_name, slot_bytes=slot_bytes, num_slots=num_slots)
+def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:
+    bucket = state.updater.receiver.bucket(request.version, request.index)
+    link = Link(transport=ShmTransport.name, shm_name=request.shm_name, slot_bytes=request.slot_bytes,
+                num_slots=request.num_slots)
     receiver = state.receiver(link.transport)
     receiver.join(link, rank=0)  # mapped at the first bucket, then kept
-    buffer = receiver.fetch(link, bucket, Delivery(transport=link.transport, slot=slot),
+    buffer = receiver.fetch(link, bucket, Delivery(transport=link.transport, slot=request.slot),
                             into=state.updater.buffers.take(bucket.nbytes))
-    return state.updater.stage_bucket(version=version, index=index, buffer=buffer,
-                                      digest_hex=field_str(body, "digest"))
+    return state.updater.stage_bucket(version=request.version, index=request.index, buffer=buffer,
+                                      digest_hex=request.digest)
 
 
 def _stage_fetched(state: ServerState, body: dict[str, Any]) -> str:
