@@ -138,3 +138,46 @@ def test_engines_and_server_compare_no_transport_names() -> None:
                     "'disk'", "'http'", "'broadcast'", "'shm'"):
                 found.append(f"{path.relative_to(SRC)}:{node.lineno}: {node.value!r}")
     assert not found, "\n".join(found)
+
+
+def _imported_modules(module: str, path: Path, known: set[str]) -> set[str]:
+    """weightsync modules `path` imports anywhere in its body (lazy imports included), with
+    the packages whose `__init__` that runs (other than the root and `module`'s own)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in known)
+    own = {module.rsplit(".", k)[0] for k in range(module.count(".") + 1)}
+    for name in list(found):
+        parts = name.split(".")
+        found.update(p for i in range(2, len(parts)) if (p := ".".join(parts[:i])) in known and p not in own)
+    return found
+
+
+def test_no_import_cycle_not_even_a_lazy_one() -> None:
+    """Between any two weightsync modules, imports go one way (a package's `__init__`
+    counts as the package)."""
+    paths = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in PACKAGE.rglob("*.py")}
+    graph = {m: _imported_modules(m, p, set(paths)) - {m} for m, p in paths.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*path[path.index(target):], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
