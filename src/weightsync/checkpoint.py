@@ -156,7 +156,9 @@ def confine(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
     real_root = Path(os.path.realpath(root))
     real = Path(os.path.realpath(path))
     if real != real_root and real_root not in real.parents:
-        raise PermissionError(f"path {str(path)!r} resolves to {str(real)!r}, outside the allowed root {str(real_root)!r}")
+        raise PermissionError(
+            f"path {str(path)!r} resolves to {str(real)!r}, outside the allowed root {str(real_root)!r}"
+        )
     return real
 
 
@@ -174,7 +176,9 @@ def read_checkpoint_metas(directory: Path) -> list[TensorMeta]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 sl = f.get_slice(name)
-                metas.append(TensorMeta(hf_name=name, dtype=_dtype_from_st(sl.get_dtype()), shape=tuple(sl.get_shape())))
+                metas.append(
+                    TensorMeta(hf_name=name, dtype=_dtype_from_st(sl.get_dtype()), shape=tuple(sl.get_shape()))
+                )
     return metas
 
 

@@ -64,4 +64,6 @@ class TrainerRanks:
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            raise SyncTimeoutError(f"trainer rank {self.rank}: no word from the sending rank within {timeout_s:.0f}s: {e}") from e
+            raise SyncTimeoutError(
+                f"trainer rank {self.rank}: no word from the sending rank within {timeout_s:.0f}s: {e}"
+            ) from e

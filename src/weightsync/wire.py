@@ -75,6 +75,7 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, me
     payload = view[end:]
     if len(payload) != header.nbytes:
         raise IntegrityError(
-            f"bucket {header.index}: frame carries {len(payload)} payload bytes, header says {header.nbytes} (truncated?)"
+            f"bucket {header.index}: frame carries {len(payload)} payload bytes, "
+            f"header says {header.nbytes} (truncated?)"
         )
     return header, payload

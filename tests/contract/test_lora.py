@@ -164,7 +164,9 @@ def test_exported_adapter_loads_in_the_engine_like_in_peft(
     try:
         with torch.no_grad():
             ids = torch.tensor([PROMPTS[2]])
-            want = model.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+            want = model.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+                0, ids.shape[1] :
+            ].tolist()
         got = http.post("/generate", json={"input_ids": PROMPTS[2], "lora_path": "exported",
                                            "sampling_params": {"max_new_tokens": 8, "temperature": 0,
                                                                "ignore_eos": True}}).json()

@@ -51,7 +51,9 @@ def _model(model_dir: Path, weights: Weights) -> Any:
 
 
 @torch.no_grad()
-def _greedy(models: list[Any], prompt: tuple[int, ...], *, retract: bool = False) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def _greedy(
+    models: list[Any], prompt: tuple[int, ...], *, retract: bool = False
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Greedy decoding where step i runs `models[i]` on a KV cache kept across steps
     (dropped and recomputed whenever the model changes, with `retract`)."""
     ids, logprobs = list(prompt), []

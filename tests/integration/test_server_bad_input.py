@@ -24,11 +24,25 @@ pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws
 
 KEY = "s3cret-admin-key"
 MUTATING = [
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
-    "/begin_weight_update", "/end_weight_update", "/pause_generation", "/continue_generation",
-    "/weightsync/begin", "/weightsync/bucket", "/weightsync/shm_bucket", "/weightsync/receive",
-    "/weightsync/commit", "/weightsync/abort", "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/update_weight_version",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/pause_generation",
+    "/continue_generation",
+    "/weightsync/begin",
+    "/weightsync/bucket",
+    "/weightsync/shm_bucket",
+    "/weightsync/receive",
+    "/weightsync/commit",
+    "/weightsync/abort",
+    "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors",
+    "/unload_lora_adapter",
 ]
 
 

@@ -92,7 +92,9 @@ def test_stop_token_ids_and_stop_strings(client: Any, hf_model: Any, ws: SimpleN
     prompt = [5, 17, 42, 99, 3]
     want_tokens, _ = ws.reference_greedy(hf_model, prompt, 10)
     stop_at = want_tokens[3]
-    got = client.generate(prompt, sampling_params={"max_new_tokens": 10, "stop_token_ids": [stop_at], "ignore_eos": True})
+    got = client.generate(
+        prompt, sampling_params={"max_new_tokens": 10, "stop_token_ids": [stop_at], "ignore_eos": True}
+    )
     first = want_tokens.index(stop_at)
     assert got["output_ids"] == want_tokens[: first + 1]
     assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}

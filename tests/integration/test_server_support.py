@@ -82,7 +82,9 @@ def reference_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> 
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=1, eos_token_id=None)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [float(torch.log_softmax(step[0].float(), -1)[tok]) for step, tok in zip(out.logits, tokens, strict=True)]
+    logprobs = [
+        float(torch.log_softmax(step[0].float(), -1)[tok]) for step, tok in zip(out.logits, tokens, strict=True)
+    ]
     return tokens, logprobs
 
 

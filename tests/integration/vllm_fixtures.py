@@ -81,7 +81,9 @@ def reference_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> 
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=1, eos_token_id=None)
     tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [float(torch.log_softmax(step[0].float(), -1)[tok]) for step, tok in zip(out.logits, tokens, strict=True)]
+    logprobs = [
+        float(torch.log_softmax(step[0].float(), -1)[tok]) for step, tok in zip(out.logits, tokens, strict=True)
+    ]
     return tokens, logprobs
 
 

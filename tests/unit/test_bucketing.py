@@ -33,7 +33,9 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(byte_view(a.contiguous()), byte_view(b.contiguous()))
+    return (
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(byte_view(a.contiguous()), byte_view(b.contiguous()))
+    )
 
 
 def roundtrip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> None:

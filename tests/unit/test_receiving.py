@@ -160,7 +160,10 @@ def test_versions_must_increase(version: int) -> None:
 
 
 def test_an_adapter_may_keep_the_served_version_where_the_rules_say_so() -> None:
-    adapter = {"base_model.model.a.lora_A.weight": torch.ones(1, 4), "base_model.model.a.lora_B.weight": torch.ones(3, 1)}
+    adapter = {
+        "base_model.model.a.lora_A.weight": torch.ones(1, 4),
+        "base_model.model.a.lora_B.weight": torch.ones(3, 1),
+    }
     manifest, buffers = update(adapter, 3, mode="lora", lora_name="ad")
     with pytest.raises(ConflictError, match="not newer"):
         session(DictApplier(WEIGHTS)).begin(manifest)  # the vLLM worker's rule

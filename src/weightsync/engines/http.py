@@ -91,7 +91,9 @@ def decode(response: httpx.Response) -> dict[str, Any]:
 def remote_error(engine: str, path: str, response: httpx.Response) -> Exception:
     """The weightsync error for a failed answer, carrying the remote message."""
     body = decode(response)
-    message = str(body.get("message") or body.get("detail") or body.get("error") or body.get("text") or response.reason_phrase)
+    message = str(
+        body.get("message") or body.get("detail") or body.get("error") or body.get("text") or response.reason_phrase
+    )
     if any(k in body for k in ("missing", "unexpected", "mismatched")):
         return ManifestMismatchError(
             f"{engine}{path}: {message}",

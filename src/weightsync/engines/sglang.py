@@ -9,13 +9,14 @@ other transport (shm) as its link and delivery, which the server's end of that
 transport fetches the bytes by (`weightsync serve` takes a new transport
 without a change here).
 
-| protocol  | broadcast                                   | disk                        | http / shm (weightsync serve) |
-|-----------|---------------------------------------------|-----------------------------|-------------------------------|
-| connect   | /init_weights_update_group (blocks)         | -                           | -                             |
-| begin     | /weightsync/begin*, /begin_weight_update    | /weightsync/begin*          | /weightsync/begin             |
-| receive   | /update_weights_from_distributed, flattened | -                           | /weightsync/bucket, /weightsync/receive |
-| commit    | /weightsync/commit*, /end_weight_update     | /update_weights_from_disk or /load_lora_adapter | /weightsync/commit |
-| abort     | /weightsync/abort*, /end_weight_update      | /weightsync/abort*          | /weightsync/abort             |
+| protocol | broadcast                                   | disk                   | http / shm (weightsync serve) |
+|----------|---------------------------------------------|------------------------|-------------------------------|
+| connect  | /init_weights_update_group (blocks)         | -                      | -                             |
+| begin    | /weightsync/begin*, /begin_weight_update    | /weightsync/begin*     | /weightsync/begin             |
+| receive  | /update_weights_from_distributed, flattened | -                      | /weightsync/bucket or receive |
+| commit   | /weightsync/commit*, /end_weight_update     | /update_weights_from_disk | /weightsync/commit         |
+|          |                                             | (LoRA: /load_lora_adapter) |                              |
+| abort    | /weightsync/abort*, /end_weight_update      | /weightsync/abort*     | /weightsync/abort             |
 
 (* only where the server has the weightsync routes; a stock SGLang answers 404
 on them, and then updates land in place, are not digest-checked by the

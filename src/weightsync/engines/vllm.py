@@ -18,7 +18,8 @@ One `VLLMEngine`, two forms:
 | pause    | -                                           | server: /pause?mode=abort/wait/keep (PausePolicy.vllm_mode) |
 | begin    | weightsync_begin (dry run, opens staging)   | -                                              |
 | receive  | weightsync_receive (receiver fetches, verify digest, stage) | -                              |
-| commit   | weightsync_commit (reload_weights, ack)     | reset the prefix cache (see below), set vLLM's weight version; LoRA: add_lora / /v1/load_lora_adapter |
+| commit   | weightsync_commit (reload_weights, ack)     | reset the prefix cache (see below), set vLLM's |
+|          |                                             | weight version; LoRA: add_lora / load_lora_adapter |
 | abort    | weightsync_abort (drop staging)             | -                                              |
 | resume   | -                                           | server: /resume                                |
 

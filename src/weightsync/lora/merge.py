@@ -78,7 +78,11 @@ def embedding_delta(
     (embedding_dim, r); the result is (num_embeddings, embedding_dim) in A's
     dtype, as in PEFT.
     """
-    if lora_embedding_A.ndim != 2 or lora_embedding_B.ndim != 2 or lora_embedding_B.shape[1] != lora_embedding_A.shape[0]:
+    if (
+        lora_embedding_A.ndim != 2
+        or lora_embedding_B.ndim != 2
+        or lora_embedding_B.shape[1] != lora_embedding_A.shape[0]
+    ):
         raise ValueError(
             f"LoRA embedding shapes do not chain: lora_embedding_B {tuple(lora_embedding_B.shape)} "
             f"@ lora_embedding_A {tuple(lora_embedding_A.shape)}; expected (dim, r) @ (r, num_embeddings)"

@@ -56,4 +56,14 @@ def named_weights(model: nn.Module, *, mode: str = "full",
     return make_source(model, mode, adapter_name=adapter_name).tensors()
 
 
-__all__ = ["MODES", "ModeDefaults", "ModeOptions", "Planner", "PushMode", "Selection", "make_mode", "make_source", "named_weights"]
+__all__ = [
+    "MODES",
+    "ModeDefaults",
+    "ModeOptions",
+    "Planner",
+    "PushMode",
+    "Selection",
+    "make_mode",
+    "make_source",
+    "named_weights",
+]

@@ -115,7 +115,9 @@ def unflatten(obj: Any) -> NamedTensors:
                 raise ValueError(f"{name!r}: dtype {dtype} differs from the flattened tensor's {flat.dtype}")
             want = numel
         if end - start != want or not 0 <= start <= end <= flat.numel():
-            raise ValueError(f"{name!r}: span [{start}, {end}) does not hold shape {shape} in a buffer of {flat.numel()}")
+            raise ValueError(
+                f"{name!r}: span [{start}, {end}) does not hold shape {shape} in a buffer of {flat.numel()}"
+            )
         piece = flat[start:end]
         pairs.append((name, (piece.view(dtype) if flat.dtype == torch.uint8 else piece).reshape(shape)))
     return pairs
@@ -177,7 +179,9 @@ def receive_broadcast(group: UpdateGroup, entries: Sequence[TensorEntry], *, fla
         nbytes = sum(e.nbytes for e in entries)
         buffer = alloc(nbytes) if alloc is not None else torch.empty(nbytes, dtype=torch.uint8)
         group.broadcast(buffer, src=0, timeout_s=timeout_s)
-        return [(e.hf_name, buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)) for e in entries], buffer
+        return [
+            (e.hf_name, buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)) for e in entries
+        ], buffer
     out = []
     for e in entries:
         tensor = torch.empty(e.shape, dtype=e.dtype)

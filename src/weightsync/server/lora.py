@@ -314,6 +314,7 @@ class LoraStore:
             if not self._cond.wait_for(lambda: adapter.in_flight == 0, timeout=timeout_s):
                 adapter.retiring = False
                 raise SyncTimeoutError(
-                    f"LoRA adapter {name!r} still has {adapter.in_flight} request(s) after {timeout_s:.0f}s; not unloaded"
+                    f"LoRA adapter {name!r} still has {adapter.in_flight} request(s) after {timeout_s:.0f}s; "
+                    "not unloaded"
                 )
             del self._adapters[name]

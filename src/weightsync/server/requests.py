@@ -222,9 +222,14 @@ def parse_generate(body: dict[str, Any], encode: Callable[[str], list[int]]) -> 
     logprobs = _per_item(body.get("return_logprob", False), n, "return_logprob", bool)
     starts = _per_item(body.get("logprob_start_len", -1), n, "logprob_start_len", int)
     items = [
-        GenerateItem(prompt_ids=list(prompts[i]), params=SamplingParams.from_json(sampling[i]),
-                     return_logprob=bool(logprobs[i]), logprob_start_len=int(starts[i] if starts[i] is not None else -1),
-                     adapter_name=adapters[i], rid=rids[i] or new_rid())
+        GenerateItem(
+            prompt_ids=list(prompts[i]),
+            params=SamplingParams.from_json(sampling[i]),
+            return_logprob=bool(logprobs[i]),
+            logprob_start_len=int(starts[i] if starts[i] is not None else -1),
+            adapter_name=adapters[i],
+            rid=rids[i] or new_rid(),
+        )
         for i in range(n)
     ]
     return items, is_batch

@@ -158,8 +158,10 @@ def _stack_caches(caches: Sequence[Any], config: Any) -> Any:
         return caches[0]
     layers = zip(*(c.layers for c in caches), strict=True)
     return DynamicCache(
-        ddp_cache_data=[(torch.cat([layer.keys for layer in per_layer]), torch.cat([layer.values for layer in per_layer]))
-                        for per_layer in layers],
+        ddp_cache_data=[
+            (torch.cat([layer.keys for layer in per_layer]), torch.cat([layer.values for layer in per_layer]))
+            for per_layer in layers
+        ],
         config=config,
     )
 

@@ -1,9 +1,10 @@
 """Weight sources: where the `(hf_name, tensor)` stream comes from.
 
 Each push mode picks its source (`weightsync.modes`: `make_source(model, mode)`);
-the LoRA ones live in `weightsync.lora.source`. A source knows its tensors' metadata without reading any data (so a bucket
-plan can be made, and checked by the engines, before a byte moves) and yields
-the tensors in the order it is asked for.
+the LoRA ones live in `weightsync.lora.source`. A source knows its tensors'
+metadata without reading any data (so a bucket plan can be made, and checked by
+the engines, before a byte moves) and yields the tensors in the order it is
+asked for.
 """
 
 from __future__ import annotations

@@ -123,9 +123,8 @@ def memory_table(result: BenchResult) -> str:
 def targets_table(found: list[Target]) -> str:
     rows = []
     for t in found:
-        if t.measured is None:
-            shown = "-"
-        else:
+        shown = "-"
+        if t.measured is not None:
             shown = f"{t.measured:.1f}x" if t.threshold >= 1 else f"{t.measured:.1%}"
         wanted = (f">= {t.threshold:g}x" if t.threshold >= 1 else
                   (f">= {t.threshold:.0%}" if t.higher_is_better else f"< {t.threshold:.0%}"))

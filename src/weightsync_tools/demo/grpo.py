@@ -30,7 +30,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (centered / (groups.std(dim=1, keepdim=True) + 1e-4)).view(-1)
 
 
-def token_logprobs(model: nn.Module, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+def token_logprobs(
+    model: nn.Module, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]
+) -> torch.Tensor:
     """Teacher-forced logprobs of every output token, [batch, output_len].
 
     All prompts share one length and all outputs another (the demo asks for

@@ -51,7 +51,9 @@ def new_weights(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=gen).to(p.dtype) for n, p in model.named_parameters()}
 
 
-def update(weights: dict[str, torch.Tensor], version: int, bucket_bytes: int = 64) -> tuple[Manifest, list[torch.Tensor]]:
+def update(
+    weights: dict[str, torch.Tensor], version: int, bucket_bytes: int = 64
+) -> tuple[Manifest, list[torch.Tensor]]:
     plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], bucket_bytes)
     buffers = [pack(b, {e.hf_name: weights[e.hf_name] for e in b.entries}) for b in plan]
     return Manifest(version=version, buckets=plan).with_digests([digest(b) for b in buffers]), buffers
