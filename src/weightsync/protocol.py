@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from weightsync.transports import parse_link
 from weightsync.types import Delivery, Link, Manifest
 
 
@@ -111,7 +112,7 @@ class ReceiveRequest:
     def from_json(cls, body: Mapping[str, Any]) -> ReceiveRequest:
         return cls(version=_int(body, "version") or 0, index=_int(body, "index") or 0,
                    digest=_str(body, "digest", required=False),
-                   link=Link.from_dict(_record(body, "link")), delivery=Delivery.from_dict(_record(body, "delivery")))
+                   link=parse_link(_record(body, "link")), delivery=Delivery.from_dict(_record(body, "delivery")))
 
 
 def _record(body: Mapping[str, Any], key: str) -> Mapping[str, Any]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -521,49 +521,39 @@ class PausePolicy(StrEnum):
 class Link:
     """How one engine reaches one transport session (made by the transport).
 
-    Only the fields of `transport` are set.
+    Each transport module defines its own subclass with the fields its engine end
+    needs (`transports.shm.ShmLink`, ...), declared with its name:
+    `class ShmLink(Link, transport="shm")`. `from_dict` rebuilds the subclass the
+    "transport" field names, once that module is imported
+    (`weightsync.transports.parse_link` imports it first).
     """
 
     transport: str
-    """"disk", "http", "broadcast" or "shm"."""
-    # broadcast
-    master_address: str | None = None
-    """Host of the trainer's TCP store (rank 0)."""
-    master_port: int | None = None
-    """Port of the trainer's TCP store."""
-    group_name: str | None = None
-    """Process group name (also the store prefix)."""
-    world_size: int | None = None
-    """1 (trainer) + all engine ranks."""
-    rank_offset: int | None = None
-    """This engine's first rank in the group."""
-    backend: str | None = None
-    """"gloo" or "nccl"."""
-    # shm
-    shm_name: str | None = None
-    """Shared memory segment name (under /dev/shm)."""
-    slot_bytes: int | None = None
-    """Bytes per slot of the double buffer."""
-    num_slots: int | None = None
-    """Slots in the segment (2: double buffer)."""
-    # disk
-    root: str | None = None
-    """Directory holding `v<version>/` checkpoints."""
+    """The transport's name in `weightsync.transports.REGISTRY`."""
     timeout_s: float = 60.0
     """Timeout for the engine's side of every collective and copy."""
 
-    def version_dir(self, version: int) -> str:
-        """Disk transport: the final directory of `version`."""
-        assert self.root is not None, "version_dir is for disk links"
-        return f"{self.root}/v{version:08d}"
+    _KINDS: ClassVar[dict[str, type[Link]]] = {}
+
+    def __init_subclass__(cls, *, transport: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if transport is not None:
+            Link._KINDS[transport] = cls
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Link:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
+        """The link `d` describes, as the subclass its "transport" declared (a plain
+        `Link` for a transport whose link has no fields of its own)."""
+        kind = Link._KINDS.get(str(d.get("transport")), Link) if cls is Link else cls
+        fields = kind.__dataclass_fields__
+        missing = sorted(n for n, f in fields.items() if n not in d and f.default is MISSING
+                         and f.default_factory is MISSING)
+        if missing:
+            raise ValueError(f"a {d.get('transport')!r} link needs {missing}; got {dict(d)}")
+        return kind(**{k: v for k, v in d.items() if k in fields})
 
 
 @dataclass(frozen=True, kw_only=True)

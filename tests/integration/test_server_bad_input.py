@@ -249,10 +249,23 @@ def test_bad_generate_requests(client: Any) -> None:
     assert client.http.get("/health_generate").status_code == 200
 
 
-@pytest.mark.parametrize("transport", ["http", "disk", "broadcast"])
+LINKS = {
+    "http": {"transport": "http"},
+    "disk": {"transport": "disk", "root": "/nonexistent"},
+    "broadcast": {"transport": "broadcast", "master_address": "127.0.0.1", "master_port": 1, "group_name": "g",
+                  "world_size": 2, "rank_offset": 1, "backend": "gloo"},
+}
+
+
+@pytest.mark.parametrize("transport", list(LINKS))
 def test_receive_refuses_a_transport_whose_bytes_come_another_way(client: Any, transport: str) -> None:
-    body = {"version": 1, "index": 0, "link": {"transport": transport}, "delivery": {"transport": transport}}
+    body = {"version": 1, "index": 0, "link": LINKS[transport], "delivery": {"transport": transport}}
     refused(client.post("/weightsync/receive", body), 400, repr(transport), "does not deliver through")
+
+
+def test_receive_refuses_a_link_without_its_transports_fields(client: Any) -> None:
+    body = {"version": 1, "index": 0, "link": {"transport": "shm", "shm_name": "x"}, "delivery": {"transport": "shm"}}
+    refused(client.post("/weightsync/receive", body), 400, "'shm' link needs ['num_slots', 'slot_bytes']")
 
 
 def test_receive_names_the_valid_transports_and_needs_link_objects(client: Any) -> None:

@@ -66,3 +66,25 @@ def test_weightsync_takes_a_transport_object(tmp_path: Path) -> None:
         WeightSync([engine], transport=transport, disk_root=str(tmp_path))
     with pytest.raises(TypeError, match="transport must be a name"):
         WeightSync([engine], transport=object())  # type: ignore[arg-type]
+
+
+def test_each_transport_has_its_own_typed_link_that_round_trips(tmp_path: Path) -> None:
+    from weightsync.transports import parse_link
+    from weightsync.transports.broadcast import BroadcastLink
+    from weightsync.transports.disk import DiskLink
+    from weightsync.transports.shm import ShmLink
+    from weightsync.types import Link
+
+    links = [Link(transport="http", timeout_s=5.0), DiskLink(transport="disk", root=str(tmp_path)),
+             ShmLink(transport="shm", shm_name="weightsync-x", slot_bytes=64, num_slots=2),
+             BroadcastLink(transport="broadcast", master_address="127.0.0.1", master_port=1, group_name="g",
+                           world_size=2, rank_offset=1, backend="gloo")]
+    for link in links:
+        again = parse_link(link.to_dict())
+        assert again == link and type(again) is type(link)
+    assert DiskLink(transport="disk", root="/r").version_dir(7) == "/r/v00000007"
+    with pytest.raises(ValueError, match=r"a 'broadcast' link needs \['backend', 'group_name'"):
+        parse_link({"transport": "broadcast", "master_address": "h", "master_port": 1, "world_size": 2,
+                    "rank_offset": 1})
+    with pytest.raises(ValueError, match="unknown transport 'nccl'; valid names: disk, http, broadcast, shm"):
+        parse_link({"transport": "nccl"})

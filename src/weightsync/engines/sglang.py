@@ -47,6 +47,7 @@ from weightsync.protocol import (
     WeightsyncRequest,
 )
 from weightsync.transports import TRANSPORTS, receiver_class
+from weightsync.transports.base import typed
 from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
 
@@ -136,20 +137,26 @@ class SGLangEngine:
     def connect(self, link: Link) -> None:
         if not receiver_class(link.transport).collective:
             return  # shm: `weightsync serve` maps the segment at its first bucket
+        from weightsync.transports.broadcast import BroadcastLink  # transports load on first use
+
+        group = typed(link, BroadcastLink)  # SGLang's group routes take a group's rendezvous
         self._http.post("/init_weights_update_group", {
-            "master_address": link.master_address, "master_port": link.master_port,
-            "rank_offset": link.rank_offset, "world_size": link.world_size,
-            "group_name": link.group_name, "backend": link.backend,
+            "master_address": group.master_address, "master_port": group.master_port,
+            "rank_offset": group.rank_offset, "world_size": group.world_size,
+            "group_name": group.group_name, "backend": group.backend,
         }, timeout_s=link.timeout_s)
 
     def disconnect(self, link: Link) -> None:
         if not receiver_class(link.transport).collective:
             return
+        from weightsync.transports.broadcast import BroadcastLink
+
+        group_name = typed(link, BroadcastLink).group_name
         try:
-            self._http.post("/destroy_weights_update_group", {"group_name": link.group_name},
+            self._http.post("/destroy_weights_update_group", {"group_name": group_name},
                             timeout_s=self._cleanup_timeout_s(link.timeout_s))
         except EngineError as e:
-            log.warning("%s: destroying group %s: %s", self.label, link.group_name, e)
+            log.warning("%s: destroying group %s: %s", self.label, group_name, e)
 
     def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
         mode = policy.sglang_mode
@@ -279,11 +286,13 @@ class SGLangEngine:
         return self._http.post(request.ROUTE, request.to_json(), timeout_s=timeout_s)
 
     def _broadcast_request(self, bucket: BucketMeta, version: int, link: Link) -> dict[str, Any]:
+        from weightsync.transports.broadcast import BroadcastLink
+
         body: dict[str, Any] = {
             "names": [e.hf_name for e in bucket.entries],
             "dtypes": [dtype_name(e.dtype) for e in bucket.entries],
             "shapes": [list(e.shape) for e in bucket.entries],
-            "group_name": link.group_name,
+            "group_name": typed(link, BroadcastLink).group_name,
             "load_format": "flattened_bucket",
             "flush_cache": False,  # flushed once, at commit
             "abort_all_requests": False,
@@ -294,7 +303,9 @@ class SGLangEngine:
         return body
 
     def _commit_disk(self, manifest: Manifest, link: Link) -> Ack:
-        path = link.version_dir(manifest.version)
+        from weightsync.transports.disk import DiskLink
+
+        path = typed(link, DiskLink).version_dir(manifest.version)
         if manifest.is_adapter:
             assert manifest.lora_name is not None
             self._http.post("/load_lora_adapter", {"lora_name": manifest.lora_name, "lora_path": path},

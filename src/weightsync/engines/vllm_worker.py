@@ -65,7 +65,7 @@ from weightsync.errors import (
     format_names,
 )
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
-from weightsync.transports import Receiver, make_receiver
+from weightsync.transports import Receiver, make_receiver, parse_link
 from weightsync.types import Delivery, Link, Manifest, TensorMeta, dtype_name
 
 log = logging.getLogger(__name__)
@@ -221,18 +221,18 @@ class WorkerSync:
         }
 
     def connect(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        link = Link.from_dict(body["link"])
+        link = parse_link(body["link"])
         self._receiver(link.transport).join(link, rank=self.rank)
         return {}
 
     def disconnect(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        link = Link.from_dict(body["link"])
+        link = parse_link(body["link"])
         self._receiver(link.transport).leave(link)
         return {}
 
     def begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         manifest = Manifest.from_dict(body["manifest"])
-        link = Link.from_dict(body["link"])
+        link = parse_link(body["link"])
         try:
             self._receiver(link.transport).check_joined(link)
         except LookupError as e:

@@ -51,10 +51,9 @@ from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
 from weightsync.transports import TRANSPORTS
-from weightsync.transports.shm import ShmTransport
+from weightsync.transports.shm import ShmLink, ShmTransport
 from weightsync.types import (
     Delivery,
-    Link,
     TensorEntry,
     TensorMeta,
     dtype_from_name,
@@ -369,7 +368,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
 def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:
     bucket = state.updater.receiver.bucket(request.version, request.index)
-    link = Link(transport=ShmTransport.name, shm_name=request.shm_name, slot_bytes=request.slot_bytes,
+    link = ShmLink(transport=ShmTransport.name, shm_name=request.shm_name, slot_bytes=request.slot_bytes,
                 num_slots=request.num_slots)
     receiver = state.receiver(link.transport)
     receiver.join(link, rank=0)  # mapped at the first bucket, then kept

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weightsync.transports.base import Receiver, Transport
+from weightsync.types import Link
 
 if TYPE_CHECKING:
     from weightsync.transports.broadcast import BroadcastTransport
@@ -57,6 +58,17 @@ def transport_class(name: str) -> Callable[..., Transport]:
     """The trainer-side class of transport `name`, imported now."""
     cls: Callable[..., Transport] = _registered(name)
     return cls
+
+
+def parse_link(d: Mapping[str, Any]) -> Link:
+    """The link `d` (a `Link.to_dict()`) describes, as its transport's own record
+    (`ShmLink`, ...); the transport's module is imported first. ValueError for an
+    unknown transport or a missing field, naming it."""
+    name = d.get("transport")
+    if not isinstance(name, str):
+        raise ValueError(f"a link names its transport; got {dict(d)}")
+    _registered(name)
+    return Link.from_dict(d)
 
 
 def receiver_class(name: str) -> type[Receiver]:
@@ -108,4 +120,5 @@ def __getattr__(attr: str) -> Any:
 
 
 __all__ = ["REGISTRY", "TRANSPORTS", "BroadcastTransport", "DiskTransport", "HttpTransport", "Receiver",
-           "ShmTransport", "Transport", "make_receiver", "make_transport", "receiver_class", "transport_class"]
+           "ShmTransport", "Transport", "make_receiver", "make_transport", "parse_link", "receiver_class",
+           "transport_class"]

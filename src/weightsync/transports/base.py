@@ -217,11 +217,14 @@ class Joined(Generic[T]):
         return name in self._by_name
 
 
-def require(link: Link, *fields: str) -> None:
-    """Raise ValueError naming the fields of `link` its transport needs but lacks."""
-    missing = [f for f in fields if getattr(link, f) is None]
-    if missing:
-        raise ValueError(f"a {link.transport!r} link needs {missing}; got {link.to_dict()}")
+L = TypeVar("L", bound=Link)
+
+
+def typed(link: Link, kind: type[L]) -> L:
+    """`link` as its transport's own link record; ValueError when it is another transport's."""
+    if not isinstance(link, kind):
+        raise ValueError(f"expected a {kind.__name__}, got a {link.transport!r} link: {link.to_dict()}")
+    return link
 
 
 class SlotBuffers:

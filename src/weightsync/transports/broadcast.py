@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -24,9 +25,27 @@ from weightsync.transports.base import (
     ReceiverDefaults,
     SlotBuffers,
     TransportDefaults,
-    require,
+    typed,
 )
 from weightsync.types import BucketMeta, Delivery, Link
+
+
+@dataclass(frozen=True, kw_only=True)
+class BroadcastLink(Link, transport="broadcast"):
+    """A weight-update group, formed as SGLang's `init_weights_update_group` forms it."""
+
+    master_address: str
+    """Host of the trainer's TCP store (rank 0)."""
+    master_port: int
+    """Port of the trainer's TCP store."""
+    group_name: str
+    """Process group name (also the store prefix)."""
+    world_size: int
+    """1 (trainer) + all engine ranks."""
+    rank_offset: int
+    """This engine's first rank in the group."""
+    backend: str
+    """"gloo" or "nccl"."""
 
 
 class BroadcastReceiver(ReceiverDefaults):
@@ -44,25 +63,25 @@ class BroadcastReceiver(ReceiverDefaults):
         self._groups: Joined[UpdateGroup] = Joined(max_sessions, UpdateGroup.destroy)
 
     def join(self, link: Link, *, rank: int) -> None:
-        require(link, "master_address", "master_port", "world_size", "group_name", "rank_offset", "backend")
-        name = str(link.group_name)
-        self._groups.drop(name)  # a group of the same name is a new session: leave the old one first
-        self._groups.add(name, join_group(
-            master_address=str(link.master_address), master_port=int(link.master_port or 0),
-            rank=int(link.rank_offset or 0) + rank, world_size=int(link.world_size or 0),
-            group_name=name, backend=str(link.backend), timeout_s=link.timeout_s,
+        group = typed(link, BroadcastLink)
+        self._groups.drop(group.group_name)  # a group of the same name is a new session: leave the old one first
+        self._groups.add(group.group_name, join_group(
+            master_address=group.master_address, master_port=group.master_port,
+            rank=group.rank_offset + rank, world_size=group.world_size,
+            group_name=group.group_name, backend=group.backend, timeout_s=group.timeout_s,
         ))
 
     def leave(self, link: Link) -> None:
-        self._groups.drop(str(link.group_name))
+        self._groups.drop(typed(link, BroadcastLink).group_name)
 
     def check_joined(self, link: Link) -> None:
-        if link.group_name not in self._groups:
-            raise LookupError(f"no broadcast group {link.group_name!r}: connect() first")
+        name = typed(link, BroadcastLink).group_name
+        if name not in self._groups:
+            raise LookupError(f"no broadcast group {name!r}: connect() first")
 
     def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
         self.check_joined(link)
-        group = self._groups.get(str(link.group_name))
+        group = self._groups.get(typed(link, BroadcastLink).group_name)
         assert group is not None
         if group.backend != "nccl":
             group.broadcast(into, src=0, timeout_s=link.timeout_s)
@@ -122,7 +141,7 @@ class BroadcastTransport(TransportDefaults):
         )
         offsets = [1 + sum(engine_ranks[:i]) for i in range(len(engine_ranks))]
         self._links = [
-            Link(transport=self.name, master_address=self.master_address, master_port=port,
+            BroadcastLink(transport=self.name, master_address=self.master_address, master_port=port,
                  group_name=group_name, world_size=world_size, rank_offset=off,
                  backend=self.backend, timeout_s=self.timeout_s)
             for off in offsets

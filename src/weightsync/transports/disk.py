@@ -22,6 +22,7 @@ import secrets
 import shutil
 import struct
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,7 +31,7 @@ import torch
 from weightsync.checkpoint import publish, read_version, write_bucket, write_manifest
 from weightsync.errors import IntegrityError, WeightSyncError
 from weightsync.owners import TAG_PATTERN, orphans, owner_tag
-from weightsync.transports.base import Receiver, ReceiverDefaults, SlotBuffers
+from weightsync.transports.base import Receiver, ReceiverDefaults, SlotBuffers, typed
 from weightsync.types import BucketMeta, Delivery, Link, Manifest
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,18 @@ def _writing(what: str, path: Path) -> Iterator[None]:
             "(is the disk full, or the directory not writable?)") from e
 
 
+@dataclass(frozen=True, kw_only=True)
+class DiskLink(Link, transport="disk"):
+    """A directory of published versions, readable by the engines."""
+
+    root: str
+    """Directory holding `v<version>/` checkpoints."""
+
+    def version_dir(self, version: int) -> str:
+        """The final directory of `version`."""
+        return f"{self.root}/v{version:08d}"
+
+
 class DiskReceiver(ReceiverDefaults):
     """Reads a published version directory at commit; nothing per bucket."""
 
@@ -71,7 +84,7 @@ class DiskReceiver(ReceiverDefaults):
     def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
         """Every bucket of `manifest`'s version directory, checked against `manifest`
         (a LoRA adapter: its adapter_model.safetensors, one bucket)."""
-        directory = Path(link.version_dir(manifest.version))
+        directory = Path(typed(link, DiskLink).version_dir(manifest.version))
         if manifest.is_adapter:
             yield 0, _read_adapter_bucket(directory / LORA_WEIGHTS_FILE, manifest.buckets[0])
             return
@@ -109,7 +122,7 @@ class DiskTransport:
         with _writing("creating the root directory", self.root):
             self.root.mkdir(parents=True, exist_ok=True)
         _remove_orphans(self.root)
-        return [Link(transport=self.name, root=str(self.root), timeout_s=self.timeout_s) for _ in engine_ranks]
+        return [DiskLink(transport=self.name, root=str(self.root), timeout_s=self.timeout_s) for _ in engine_ranks]
 
     def establish(self) -> None:
         return None

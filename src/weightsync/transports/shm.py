@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -21,7 +22,7 @@ from weightsync.transports.base import (
     Receiver,
     ReceiverDefaults,
     TransportDefaults,
-    require,
+    typed,
 )
 from weightsync.types import BucketMeta, Delivery, Link
 
@@ -40,8 +41,8 @@ class ShmReceiver(ReceiverDefaults):
         self._lock = threading.Lock()
 
     def join(self, link: Link, *, rank: int) -> None:
-        require(link, "shm_name", "slot_bytes", "num_slots")
-        name, slot_bytes, num_slots = str(link.shm_name), int(link.slot_bytes or 0), int(link.num_slots or 0)
+        shm = typed(link, ShmLink)
+        name, slot_bytes, num_slots = shm.shm_name, shm.slot_bytes, shm.num_slots
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError("slot_bytes and num_slots must be positive")
         with self._lock:
@@ -51,11 +52,12 @@ class ShmReceiver(ReceiverDefaults):
 
     def leave(self, link: Link) -> None:
         with self._lock:
-            self._segments.drop(str(link.shm_name))
+            self._segments.drop(typed(link, ShmLink).shm_name)
 
     def check_joined(self, link: Link) -> None:
         """Mapped under the link's name AND with the link's layout (slot size and count)."""
-        mapped = self._segments.get(str(link.shm_name))
+        link = typed(link, ShmLink)
+        mapped = self._segments.get(link.shm_name)
         if mapped is None:
             raise LookupError(f"shared memory segment {link.shm_name!r} is not mapped: connect() first")
         if (mapped.slot_bytes, mapped.num_slots) != (link.slot_bytes, link.num_slots):
@@ -65,7 +67,7 @@ class ShmReceiver(ReceiverDefaults):
 
     def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
         self.check_joined(link)
-        segment = self._segments.get(str(link.shm_name))
+        segment = self._segments.get(typed(link, ShmLink).shm_name)
         assert segment is not None
         if not isinstance(delivery.slot, int):
             raise ValueError(f"an shm delivery names its slot as an integer; got {delivery.slot!r}")
@@ -74,6 +76,18 @@ class ShmReceiver(ReceiverDefaults):
     def close(self) -> None:
         with self._lock:
             self._segments.clear()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShmLink(Link, transport="shm"):
+    """A shared-memory session: the segment engines map and copy buckets out of."""
+
+    shm_name: str
+    """Shared memory segment name (under /dev/shm)."""
+    slot_bytes: int
+    """Bytes per slot of the double buffer."""
+    num_slots: int
+    """Slots in the segment (2: double buffer)."""
 
 
 class ShmTransport(TransportDefaults):
@@ -97,7 +111,7 @@ class ShmTransport(TransportDefaults):
         self.close()
         seg = self._segment = SharedSlots.create(slot_bytes=max(1, max_bucket_bytes), num_slots=NUM_SLOTS)
         self._links = [
-            Link(transport=self.name, shm_name=seg.name, slot_bytes=seg.slot_bytes,
+            ShmLink(transport=self.name, shm_name=seg.name, slot_bytes=seg.slot_bytes,
                  num_slots=seg.num_slots, timeout_s=self.timeout_s)
             for _ in engine_ranks
         ]

@@ -32,7 +32,8 @@ from weightsync.engines.sglang import SGLangEngine
 from weightsync.errors import WeightSyncError
 from weightsync.sync import WeightSync
 from weightsync.transports import make_transport
-from weightsync.transports.base import Transport
+from weightsync.transports.base import Transport, typed
+from weightsync.transports.shm import ShmLink
 from weightsync.types import BucketMeta, Manifest
 from weightsync.wire import FrameHeader, encode_prefix
 from weightsync_tools.faults.rig import DictSource
@@ -88,7 +89,7 @@ class FaultyTransport:
         self.links = list(links)
         if self.fault == "truncate" and self.name == "shm" and self._pushes + 1 == self.at_push:
             short = max(1, max_bucket_bytes - self.cut_bytes)
-            return [dataclasses.replace(link, slot_bytes=short) for link in links]
+            return [dataclasses.replace(typed(link, ShmLink), slot_bytes=short) for link in links]
         return links
 
     def establish(self) -> None:
@@ -279,7 +280,7 @@ def child_main(spec: dict[str, Any]) -> int:
     made: list[FaultyTransport] = []
 
     def announce() -> None:  # with the shm segments this trainer made (nobody unlinks them once it is killed)
-        names = sorted({link.shm_name for transport in made for link in transport.links if link.shm_name})
+        names = sorted({link.shm_name for transport in made for link in transport.links if isinstance(link, ShmLink)})
         print("READY " + json.dumps(names), flush=True)
 
     loaded = load_file(spec["weights"])
