@@ -18,25 +18,36 @@ from weightsync.transports import parse_link
 from weightsync.types import Delivery, Link, Manifest
 
 
-def _int(body: Mapping[str, Any], key: str, *, required: bool = True) -> int | None:
+def _optional(body: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
+    """Field `key` of `kind` (bool is no int here), or None when absent."""
     value = body.get(key)
-    if value is None:
-        if required:
-            raise ValueError(f"missing required field {key!r}")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"field {key!r} must be an integer, got {value!r}")
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise ValueError(f"field {key!r} must be {what}, got {value!r:.80}")
     return value
 
 
-def _str(body: Mapping[str, Any], key: str, *, required: bool = True) -> str | None:
-    value = body.get(key)
+def _required(body: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
+    value = _optional(body, key, kind, what)
     if value is None:
-        if required:
-            raise ValueError(f"missing required field {key!r}")
-        return None
-    if not isinstance(value, str):
-        raise ValueError(f"field {key!r} must be a string, got {value!r:.80}")
+        raise ValueError(f"missing required field {key!r}")
+    return value
+
+
+def _int(body: Mapping[str, Any], key: str) -> int:
+    return int(_required(body, key, int, "an integer"))
+
+
+def _str(body: Mapping[str, Any], key: str) -> str:
+    return str(_required(body, key, str, "a string"))
+
+
+def _opt_int(body: Mapping[str, Any], key: str) -> int | None:
+    value: int | None = _optional(body, key, int, "an integer")
+    return value
+
+
+def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
+    value: str | None = _optional(body, key, str, "a string")
     return value
 
 
@@ -79,10 +90,9 @@ class ShmBucketRequest:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ShmBucketRequest:
-        request = cls(version=_int(body, "version") or 0, index=_int(body, "index") or 0,
-                      digest=_str(body, "digest", required=False), shm_name=_str(body, "shm_name") or "",
-                      slot_bytes=_int(body, "slot_bytes") or 0, num_slots=_int(body, "num_slots") or 0,
-                      slot=_int(body, "slot") or 0)
+        request = cls(version=_int(body, "version"), index=_int(body, "index"), digest=_opt_str(body, "digest"),
+                      shm_name=_str(body, "shm_name"), slot_bytes=_int(body, "slot_bytes"),
+                      num_slots=_int(body, "num_slots"), slot=_int(body, "slot"))
         if request.slot_bytes <= 0 or request.num_slots <= 0:
             raise ValueError("slot_bytes and num_slots must be positive")
         if not 0 <= request.slot < request.num_slots:
@@ -110,8 +120,7 @@ class ReceiveRequest:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ReceiveRequest:
-        return cls(version=_int(body, "version") or 0, index=_int(body, "index") or 0,
-                   digest=_str(body, "digest", required=False),
+        return cls(version=_int(body, "version"), index=_int(body, "index"), digest=_opt_str(body, "digest"),
                    link=parse_link(_record(body, "link")), delivery=Delivery.from_dict(_record(body, "delivery")))
 
 
@@ -136,7 +145,7 @@ class CommitRequest:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> CommitRequest:
-        return cls(version=_int(body, "version") or 0)
+        return cls(version=_int(body, "version"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +162,7 @@ class AbortRequest:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> AbortRequest:
-        return cls(version=_int(body, "version", required=False), owner=_str(body, "owner", required=False))
+        return cls(version=_opt_int(body, "version"), owner=_opt_str(body, "owner"))
 
 
 @dataclass(frozen=True, kw_only=True)
