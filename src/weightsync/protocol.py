@@ -139,13 +139,17 @@ class CommitRequest:
 
     ROUTE: ClassVar[str] = "/weightsync/commit"
     version: int
+    pause: str | None = None
+    """An SGLang pause mode to hold generation in for the commit (the engine resumes
+    when the commit ends, failed or not), so a push needs no pause and resume round
+    trips; None: no pause, or the trainer paused the engine itself."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version}
+        return {"version": self.version} if self.pause is None else {"version": self.version, "pause": self.pause}
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> CommitRequest:
-        return cls(version=_int(body, "version"))
+        return cls(version=_int(body, "version"), pause=_opt_str(body, "pause"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -153,3 +153,46 @@ def continue_with_kept_cache(old_model: Any, new_model: Any, prefix: list[int], 
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
     return tokens
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_push_pauses_inside_its_commit(client: Any, ws: SimpleNamespace, tiny_model: Path, mode: str) -> None:
+    """A push to `weightsync serve` holds generation for the commit alone, in the commit
+    request itself: begin, the bucket, commit (3 round trips, no pause or continue), and
+    requests in flight see the pause mode exactly as with a separate pause."""
+    import weightsync
+
+    seed = {"abort": 60, "retract": 70}[mode]
+    old_weights, new_weights = ws.perturbed(tiny_model, seed=seed), ws.perturbed(tiny_model, seed=seed + 1)
+    old = client.version() + 1
+    push_tensors(client, old_weights, old)
+    trainer = ws.load_model(tiny_model, new_weights)
+    engine = weightsync.SGLangEngine(client.url)
+    with ThreadPoolExecutor(len(IN_FLIGHT)) as pool, \
+            weightsync.WeightSync([engine], transport="shm", pause=mode) as sync:
+        engine.capabilities(60.0)  # asked once per session: not a round trip of the push
+        in_flight = hold_mid_decode(client, pool, IN_FLIGHT)
+        before = engine.num_requests
+        report = sync.push(trainer, version=old + 1)
+        assert engine.num_requests - before == 3, "begin, one bucket, commit"
+        assert client.info()["paused"] is None, "the commit resumed generation"
+        results = [f.result() for f in in_flight]
+
+    assert report.verified and client.digests() == {n: digest(t) for n, t in new_weights.items()}
+    for answer in results:
+        if mode == "abort":
+            assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+            assert versions_of(answer) == [old]
+        else:
+            assert answer["meta_info"]["finish_reason"]["type"] == "length"
+            assert versions_of(answer) == [old, old + 1]
+
+
+def test_failed_commit_resumes_generation(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+    """A commit that names a pause mode and fails (a bucket never arrived) still resumes."""
+    manifest, _ = ws.make_update(ws.perturbed(tiny_model, seed=80), version=client.version() + 1)
+    client.ok("/weightsync/begin", {"manifest": manifest.to_dict()})
+    refused = client.post("/weightsync/commit", {"version": manifest.version, "pause": "retract"})
+    assert refused.status_code == 400 and "never arrived" in refused.json()["message"]
+    assert client.info()["paused"] is None
+    client.ok("/weightsync/abort", {"version": manifest.version})

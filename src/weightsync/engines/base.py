@@ -73,6 +73,10 @@ class EngineCapabilities:
     stages_updates: bool = False
     """Updates are staged and swapped in at commit, so the coordinator pauses only
     around the commit; otherwise it pauses from begin to commit."""
+    pauses_at_commit: bool = False
+    """The engine pauses generation for the commit itself when the commit request names
+    a pause mode (`protocol.CommitRequest.pause`) and resumes when it ends: a push
+    then makes no pause and resume round trips."""
     supports_delta: bool = True
     """The engine applies a partial ("delta") update on top of a version it can prove
     it holds; otherwise delta pushes go out whole."""
@@ -92,7 +96,8 @@ class EngineCapabilities:
         """The JSON form an engine serves (`/weightsync/info` "capabilities")."""
         return {
             "num_ranks": self.num_ranks, "dtype": None if self.dtype is None else dtype_name(self.dtype),
-            "stages_updates": self.stages_updates, "supports_delta": self.supports_delta,
+            "stages_updates": self.stages_updates, "pauses_at_commit": self.pauses_at_commit,
+            "supports_delta": self.supports_delta,
             "reads_digests": self.reads_digests, "unloads_adapters": self.unloads_adapters,
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
         }
@@ -103,7 +108,9 @@ class EngineCapabilities:
         dtype = d.get("dtype")
         return cls(
             num_ranks=int(d.get("num_ranks", 1)), dtype=dtype_from_name(str(dtype)) if dtype else None,
-            stages_updates=bool(d.get("stages_updates", False)), supports_delta=bool(d.get("supports_delta", True)),
+            stages_updates=bool(d.get("stages_updates", False)),
+            pauses_at_commit=bool(d.get("pauses_at_commit", False)),
+            supports_delta=bool(d.get("supports_delta", True)),
             reads_digests=bool(d.get("reads_digests", False)),
             unloads_adapters=bool(d.get("unloads_adapters", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),

@@ -91,6 +91,10 @@ class SGLangEngine:
         """What the server declared (asked once)."""
         self._session_open = False
         self._flush_cache = True
+        self._pause_at_commit: str | None = None
+        """The pause mode the next commit request carries (`pauses_at_commit` engines)."""
+        self._resumed_by_commit = False
+        """The last commit was answered: the engine resumed generation by itself."""
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
         self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
 
@@ -159,15 +163,36 @@ class SGLangEngine:
             log.warning("%s: destroying group %s: %s", self.label, group_name, e)
 
     def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
+        """Pause generation now, or, on an engine that stages the open update and
+        pauses at commit, let the commit request carry the mode (no round trip: the
+        update is swapped in at commit, so generating until then is safe)."""
         mode = policy.sglang_mode
-        if mode is not None:
-            self._http.post("/pause_generation", {"mode": mode}, timeout_s=timeout_s)
         # An update that flushes the cache while requests still run reports failure
         # even though the weights changed (ENGINES.md): keep the cache with in_place.
         self._flush_cache = policy in (PausePolicy.ABORT, PausePolicy.RETRACT)
+        self._resumed_by_commit = False
+        if mode is None:
+            return
+        if self._commit_pauses():
+            self._pause_at_commit = mode
+            return
+        self._http.post("/pause_generation", {"mode": mode}, timeout_s=timeout_s)
 
     def resume(self, *, timeout_s: float | None = None) -> None:
+        """Continue generation, unless an answered commit already did."""
+        self._pause_at_commit = None
+        if self._resumed_by_commit:
+            self._resumed_by_commit = False
+            return
         self._http.post("/continue_generation", {}, timeout_s=timeout_s)
+
+    def _commit_pauses(self) -> bool:
+        """An update is open and its commit request can hold generation for the commit."""
+        if self._open is None or not self._native:
+            return False
+        caps = self._capabilities
+        return (caps is not None and caps.pauses_at_commit and caps.stages_updates
+                and not receiver_class(self._open[1].transport).reads_at_commit)
 
     def begin(self, manifest: Manifest, link: Link) -> str | None:
         timeout_s = link.timeout_s
@@ -215,7 +240,13 @@ class SGLangEngine:
             return self._commit_disk(manifest, link)
         ack = None
         if self._is_native(link.timeout_s):
-            body = self._send(CommitRequest(version=manifest.version), link.timeout_s)
+            pause, self._pause_at_commit = self._pause_at_commit, None
+            try:
+                body = self._send(CommitRequest(version=manifest.version, pause=pause), link.timeout_s)
+            except EngineError as e:
+                self._resumed_by_commit = pause is not None and e.status is not None  # it answered
+                raise
+            self._resumed_by_commit = pause is not None
             ack = Ack.from_dict(body["ack"], engine=self.label)
         if self._session_open:
             self._session_open = False

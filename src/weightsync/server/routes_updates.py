@@ -53,6 +53,7 @@ from weightsync.server.updates import StageResult
 from weightsync.transports import TRANSPORTS
 from weightsync.transports.shm import ShmLink, ShmTransport
 from weightsync.types import (
+    Ack,
     Delivery,
     TensorEntry,
     TensorMeta,
@@ -283,7 +284,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         dtype = _serving_dtype(updater.metas.values())
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
-            supports_delta=True, reads_digests=True, unloads_adapters=lora_enabled,
+            pauses_at_commit=True, supports_delta=True, reads_digests=True, unloads_adapters=lora_enabled,
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,
@@ -355,15 +356,29 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post(CommitRequest.ROUTE)
     async def commit(request: Request) -> JSONResponse:
-        version = CommitRequest.from_json(await _admin_json(request, state)).version
-        ack = await run_in_threadpool(updater.commit, version)
-        return answer(f"v{version} committed", ack=ack.to_wire())
+        body = CommitRequest.from_json(await _admin_json(request, state))
+        if body.pause is not None and body.pause not in PAUSE_MODES:
+            raise HTTPError(400, f"unknown pause mode {body.pause!r}; one of {list(PAUSE_MODES)}")
+        ack = await run_in_threadpool(_commit, state, body)
+        return answer(f"v{body.version} committed", ack=ack.to_wire())
 
     @app.post(AbortRequest.ROUTE)
     async def abort(request: Request) -> JSONResponse:
         body = AbortRequest.from_json(await _admin_json(request, state))
         dropped = updater.abort(body.version, owner=body.owner)
         return answer(f"update v{body.version} aborted" if dropped else "nothing to abort", aborted=dropped)
+
+
+def _commit(state: ServerState, request: CommitRequest) -> Ack:
+    """Commit, holding generation in the request's pause mode for the commit alone (what
+    /pause_generation, the commit and /continue_generation do, in one round trip)."""
+    if request.pause is None:
+        return state.updater.commit(request.version)
+    state.scheduler.pause(request.pause)
+    try:
+        return state.updater.commit(request.version)
+    finally:
+        state.scheduler.resume()
 
 
 def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:
