@@ -60,6 +60,7 @@ from weightsync.receiving import (
 )
 from weightsync.server import lora
 from weightsync.server.buffers import BufferPool
+from weightsync.server.coverage import Coverage
 from weightsync.server.errors import NotFoundError
 from weightsync.server.requests import ServedVersion
 from weightsync.sessions import Holder, SessionBusyError, take_over
@@ -122,6 +123,8 @@ class WeightUpdater:
         """Receive buffers reused across updates (take one per bucket received)."""
         self._backing: dict[str, torch.Tensor] = {}
         """hf_name -> the received bucket buffer its served parameter views."""
+        self.coverage = Coverage(self.params)
+        """Whether the served weights are one update's (see `coverage`)."""
 
     # -- served weights ----------------------------------------------------------------------
 
@@ -240,7 +243,9 @@ class WeightUpdater:
         lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
-        self._swap(update.tensors, self._served_after(update), owners=_owners(update))
+        served = self._served_after(update)
+        self._swap(update.tensors, served, owners=_owners(update))
+        self.coverage.applied(update.tensors, label=served.label, atomic=True)
         return list(update.tensors)
 
     def install_adapter(self, update: OpenUpdate) -> None:
@@ -310,6 +315,7 @@ class WeightUpdater:
         """Serve `tensors` (checked, owned) as current + 1, under `label` or the current one."""
         served = ServedVersion(self.version + 1, self.label if label is None else label)
         self._swap(tensors, served)
+        self.coverage.applied(tensors, label=label, atomic=False)
         return StageResult(f"applied {len(tensors)} tensor(s) as v{served.version} ({served.label!r})",
                            ack=Ack(engine=ENGINE, version=served.version, loaded_names=frozenset(tensors)))
 
