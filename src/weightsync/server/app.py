@@ -37,7 +37,7 @@ _EXPECTED_ERRORS: tuple[type[Exception], ...] = (
 
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving `state`."""
-    from weightsync.server import routes_lora, routes_updates
+    from weightsync.server import routes_control, routes_lora, routes_updates
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,6 +55,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_generation_routes(app, state)
     routes_updates.add_routes(app, state)
     routes_lora.add_routes(app, state)
+    routes_control.add_routes(app, state)
     return app
 
 
@@ -86,8 +87,9 @@ def _note_refusal(request: Request, status: int, message: str) -> None:
 
 
 def refuse_if_unservable(state: ServerState) -> None:
-    """503 while the served weights are torn or released (server.coverage)."""
-    reason = state.updater.coverage.unservable()
+    """503 while the served weights are torn or released (server.coverage), or the KV
+    cache is released (server.memory)."""
+    reason = state.updater.coverage.unservable() or state.memory.unservable()
     if reason is not None:
         raise HTTPError(503, reason)
 

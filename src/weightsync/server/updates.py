@@ -364,6 +364,37 @@ class WeightUpdater:
                                              digest_hex=None))
         return digests
 
+    # -- memory occupation (SGLang's release/resume of "weights") -----------------------------
+
+    def release_weights(self) -> int:
+        """Free every served parameter, the buffers they view and the receive pool; returns
+        the bytes freed. Nothing is served until `resume_weights` and an update of every
+        parameter (`coverage`). Refused while an update session is open."""
+        with self._lock:
+            if self.session_info() is not None:
+                raise ConflictError("an update session is open; commit or abort it before releasing the weights")
+            with self.between_steps():
+                storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                            for p in self.params.values()}
+                storages.update({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
+                                 for b in self._backing.values()})
+                for param in self.params.values():
+                    param.data = torch.empty(0, dtype=param.dtype)
+                self._backing.clear()
+                self.coverage.released()
+            self.buffers.clear()
+        log.info("weights released (%d bytes)", sum(storages.values()))
+        return sum(storages.values())
+
+    def resume_weights(self) -> int:
+        """Allocate every parameter again (zeros, no weights in them: the next update of
+        every parameter restores them); returns the bytes allocated."""
+        with self._lock, self.between_steps():
+            for name, param in self.params.items():
+                param.data = torch.zeros(self.metas[name].shape, dtype=self.metas[name].dtype)
+            self.coverage.resumed()
+            return sum(m.nbytes for m in self.metas.values())
+
     # -- internals ---------------------------------------------------------------------------
 
     def _swap(self, staged: Mapping[str, torch.Tensor], served: ServedVersion, *,
