@@ -9,7 +9,8 @@ from types import SimpleNamespace
 from weightsync_tools.faults import MARGIN_S, FaultOutcome
 
 READ_ONLY = {"/health", "/health_generate", "/model_info", "/get_model_info", "/get_weight_version", "/generate",
-             "/flush_cache", "/get_weights_by_name", "/weightsync/info", "/weightsync/digests"}
+             "/flush_cache", "/get_weights_by_name", "/weightsync/info", "/weightsync/digests", "/server_info",
+             "/get_server_info"}
 """Routes that change nothing (/flush_cache: there is no prefix cache to flush)."""
 
 def app_routes() -> dict[str, set[str]]:

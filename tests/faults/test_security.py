@@ -100,7 +100,7 @@ def test_the_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(server_http.hmac, "compare_digest", spy)
     for token, ok in ((ADMIN_KEY, True), ("wrong", False), (ADMIN_KEY + "x", False)):
-        request = SimpleNamespace(headers={"authorization": f"Bearer {token}"})
+        request = SimpleNamespace(headers={"authorization": f"Bearer {token}"}, state=SimpleNamespace())
         if ok:
             require_admin(request, ADMIN_KEY)  # type: ignore[arg-type]
         else:

@@ -37,7 +37,7 @@ _EXPECTED_ERRORS: tuple[type[Exception], ...] = (
 
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving `state`."""
-    from weightsync.server import routes_lora, routes_updates
+    from weightsync.server import routes_control, routes_lora, routes_updates
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,11 +55,43 @@ def create_app(state: ServerState) -> FastAPI:
     _add_generation_routes(app, state)
     routes_updates.add_routes(app, state)
     routes_lora.add_routes(app, state)
+    routes_control.add_routes(app, state)
     return app
 
 
+SGLANG_UPDATE_ROUTES = frozenset({
+    "/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weights_from_disk",
+    "/end_weight_update",
+})
+"""SGLang's routes that apply an update request on arrival (or at the end of a session)."""
+
+
 async def _handle_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(exc)
+    response = error_response(exc)
+    if request.url.path in SGLANG_UPDATE_ROUTES and getattr(request.state, "admin", False):
+        _note_refusal(request, response.status_code, str(exc) or type(exc).__name__)
+    return response
+
+
+def _note_refusal(request: Request, status: int, message: str) -> None:
+    """A refused SGLang update request may leave its update half applied (server.coverage)."""
+    state: ServerState = request.app.state.server
+    raw = getattr(request.state, "weight_version", None)
+    label = None if raw is None else str(raw)
+    session = state.updater.session_info()
+    state.updater.coverage.refused(route=request.url.path, label=label, message=f"{status}: {message}",
+                                   session_open=session is not None and session["kind"] == "sglang")
+    reason = state.updater.coverage.unservable()
+    if reason is not None:
+        log.warning("%s", reason)
+
+
+def refuse_if_unservable(state: ServerState) -> None:
+    """503 while the served weights are torn or released (server.coverage), or the KV
+    cache is released (server.memory)."""
+    reason = state.updater.coverage.unservable() or state.memory.unservable()
+    if reason is not None:
+        raise HTTPError(503, reason)
 
 
 def _model_info(state: ServerState) -> dict[str, Any]:
@@ -77,6 +109,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/health_generate", methods=["GET", "POST"])
     async def health_generate() -> JSONResponse:
+        refuse_if_unservable(state)
         if state.scheduler.paused is not None:
             return answer(f"generation is paused ({state.scheduler.paused}); the server is up")
         item = GenerateItem(prompt_ids=[0], params=SamplingParams(temperature=0.0, max_new_tokens=1),
@@ -106,6 +139,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
         body = await read_json(request, limit)
+        refuse_if_unservable(state)
         items, is_batch = parse_generate(body, state.runner.encode)
         for item in items:
             state.runner.check_prompt(item.prompt_ids, item.params.max_new_tokens)

@@ -101,17 +101,18 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise HTTPError(400, f"request body must be a JSON object, got {type(data).__name__}")
     if request.method == "GET":
         data = {**dict(request.query_params), **data}
+    request.state.weight_version = data.get("weight_version")  # for refusals (server.coverage)
     return data
 
 
 def require_admin(request: Request, key: str | None) -> None:
     """401 unless the request carries `Authorization: Bearer <key>` (when a key is set)."""
-    if key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise HTTPError(401, "this route needs the admin key: send 'Authorization: Bearer <admin key>'")
+    if key is not None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise HTTPError(401, "this route needs the admin key: send 'Authorization: Bearer <admin key>'")
+    request.state.admin = True  # its refusals may mark the served weights torn (server.coverage)
 
 
 def field_str(body: Mapping[str, Any], key: str, *, default: str | None = None, required: bool = False) -> str | None:

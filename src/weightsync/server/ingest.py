@@ -22,7 +22,7 @@ import torch
 
 from weightsync.errors import ManifestError
 from weightsync.groups import UpdateGroup
-from weightsync.server.unpickle import safe_loads
+from weightsync.server.unpickle import LocalSerializedTensor, safe_loads
 from weightsync.types import TensorEntry, dtype_from_name
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -30,7 +30,10 @@ MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 
 
 def check_tensor(name: Any, tensor: Any) -> tuple[str, torch.Tensor]:
-    """A received pair must be (str, CPU tensor) whose view stays inside its storage."""
+    """A received pair must be (str, CPU tensor) whose view stays inside its storage; a
+    tensor wrapped in SGLang's LocalSerializedTensor (verl) is this rank's (rank 0's)."""
+    if isinstance(tensor, LocalSerializedTensor):
+        tensor = tensor.unwrap(0)
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor name must be a non-empty string, got {name!r:.80}")
     if not isinstance(tensor, torch.Tensor):

@@ -293,7 +293,9 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "weight_version": updater.version,
             "label": updater.label,
             "capabilities": capabilities.to_dict(),
-            "dirty": False,  # commits swap whole tensors between two steps: never half-applied
+            "dirty": updater.coverage.dirty,  # SGLang-shaped requests applied part of an update
+            "partial_update": updater.coverage.info(),
+            "torn": updater.coverage.unservable(),
             "transports": sorted(capabilities.transports),
             "lora_transports": sorted(capabilities.lora_transports),
             "loaded_loras": state.lora_store.names() if state.lora_store is not None else [],

@@ -117,6 +117,19 @@ class Scheduler:
                 self._finish(req, abort_reason(message))
             return len(victims)
 
+    def abort_rid(self, rid: str, message: str) -> int:
+        """Finish the running or waiting requests with id `rid` (SGLang's `/abort_request`);
+        returns how many (0: none such, as SGLang ignores an unknown rid)."""
+        with self.between_steps(), self._cond:
+            victims = [r for r in list(self._running) + list(self._waiting) if r.rid == rid]
+            for req in victims:
+                if req in self._running:
+                    self._running.remove(req)
+                else:
+                    self._waiting.remove(req)
+                self._finish(req, abort_reason(message))
+            return len(victims)
+
     @property
     def num_running(self) -> int:
         return len(self._running)

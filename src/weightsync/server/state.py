@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from weightsync.groups import UpdateGroup
 from weightsync.server.config import ServerConfig
 from weightsync.server.lora import LoraStore
+from weightsync.server.memory import MemoryOccupation
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
@@ -36,6 +37,8 @@ class ServerState:
     scheduler: Scheduler
     updater: WeightUpdater
     lora_store: LoraStore | None
+    memory: MemoryOccupation
+    """The memory tags released by /release_memory_occupation."""
     groups: dict[str, JoinedGroup] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
     receivers: dict[str, Receiver] = field(default_factory=dict)
@@ -78,7 +81,8 @@ class ServerState:
                                 session_timeout_s=config.session_timeout_s, lora_store=lora_store)
         updater_box.append(updater)
         scheduler.start()
-        return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store)
+        return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store,
+                   memory=MemoryOccupation(updater, scheduler))
 
     def close(self) -> None:
         self.scheduler.stop()

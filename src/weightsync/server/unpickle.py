@@ -5,7 +5,10 @@ pickles. Nothing is unpickled here unless every global it names is on an
 explicit list: the functions and classes that `pickle.dumps` of CPU tensors
 uses (`torch._utils._rebuild_tensor_v2`, `torch.storage._load_from_bytes`,
 `collections.OrderedDict`), `torch.Size`, torch dtypes, builtin containers,
-and a plain stand-in for SGLang's `FlattenedTensorMetadata`. Anything else
+and plain stand-ins for SGLang's `FlattenedTensorMetadata` and
+`LocalSerializedTensor` (the two SGLang classes SGLang's own SafeUnpickler
+allows on this route; a LocalSerializedTensor's inner payload goes through
+this same allow-list). Anything else
 (`os.system`, `builtins.eval`, `subprocess.Popen`, torch's shared-memory
 rebuild functions ...) is refused with an error naming the global.
 
@@ -81,6 +84,40 @@ class FlattenedTensorMetadata:
             raise UnsafePickleError("FlattenedTensorMetadata state must be a dict")
         for key in ("name", "shape", "dtype", "start_idx", "end_idx", "numel"):
             setattr(self, key, state.get(key))
+
+
+class LocalSerializedTensor:
+    """Stand-in for SGLang's `LocalSerializedTensor` (verl wraps each tensor of
+    `/update_weights_from_tensor` in one): `values` holds one serialized tensor per TP
+    rank, each unpickled later with this same allow-list (`unwrap`). Unpickling sets
+    `values` from the pickled state dict and runs no code."""
+
+    values: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) form
+            state = state[0] or state[1]
+        if not isinstance(state, dict) or set(state) != {"values"}:
+            raise UnsafePickleError("LocalSerializedTensor state must be a dict holding only 'values'")
+        self.values = state["values"]
+
+    def unwrap(self, rank: int = 0) -> Any:
+        """The tensor serialized for `rank` (SGLang's `LocalSerializedTensor.get`)."""
+        values = self.values
+        if not isinstance(values, list) or not values or not all(isinstance(v, bytes | str) for v in values):
+            raise UnsafePickleError("LocalSerializedTensor.values must be a non-empty list of serialized tensors")
+        if rank >= len(values):
+            raise UnsafePickleError(f"LocalSerializedTensor has {len(values)} value(s), none for TP rank {rank}")
+        value = values[rank]
+        if isinstance(value, str):  # MultiprocessingSerializer's output_str form
+            import base64
+            import binascii
+
+            try:
+                value = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise UnsafePickleError(f"LocalSerializedTensor.values[{rank}] is not valid base64: {e}") from None
+        return safe_loads(value, what=f"LocalSerializedTensor.values[{rank}]")
 
 
 class _StorageHeaderUnpickler(pickle.Unpickler):
@@ -187,6 +224,10 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         ("torch", "Size"): torch.Size,
         ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
         ("weightsync.server.unpickle", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+        # SGLang's SafeUnpickler allows this class under both of its module names.
+        ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"):
+            LocalSerializedTensor,
+        ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
     }
     for dtype_name in _DTYPE_NAMES:
         allowed[("torch", dtype_name)] = getattr(torch, dtype_name)
@@ -214,10 +255,19 @@ class AllowListUnpickler(pickle.Unpickler):
             raise UnsafePickleError(
                 f"refused global {module}.{name}: the pickle may only name CPU tensors "
                 "(as pickle.dumps writes them), torch dtypes and builtin containers"
+                + (_SHARED_MEMORY_HINT if module.startswith(_SHARED_MEMORY_MODULES) else "")
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(f"refused persistent id {pid!r:.80}")
+
+
+_SHARED_MEMORY_MODULES = ("torch.multiprocessing", "multiprocessing.resource_sharer", "multiprocessing.reduction")
+_SHARED_MEMORY_HINT = (
+    "; this is a MultiprocessingSerializer (ForkingPickler) payload, which passes a shared-memory "
+    "handle instead of the bytes: this server refuses those, serialize the tensors with pickle.dumps "
+    "(or send them over /update_weights_from_distributed or weightsync's shm transport)"
+)
 
 
 def _py3_name(module: str, name: str) -> tuple[str, str]:
@@ -252,6 +302,7 @@ __all__: list[str] = [
     "ALLOWED_GLOBALS",
     "AllowListUnpickler",
     "FlattenedTensorMetadata",
+    "LocalSerializedTensor",
     "UnsafePickleError",
     "allowed_global_names",
     "load_storage_bytes",

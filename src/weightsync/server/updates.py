@@ -60,6 +60,7 @@ from weightsync.receiving import (
 )
 from weightsync.server import lora
 from weightsync.server.buffers import BufferPool
+from weightsync.server.coverage import Coverage
 from weightsync.server.errors import NotFoundError
 from weightsync.server.requests import ServedVersion
 from weightsync.sessions import Holder, SessionBusyError, take_over
@@ -122,6 +123,8 @@ class WeightUpdater:
         """Receive buffers reused across updates (take one per bucket received)."""
         self._backing: dict[str, torch.Tensor] = {}
         """hf_name -> the received bucket buffer its served parameter views."""
+        self.coverage = Coverage(self.params)
+        """Whether the served weights are one update's (see `coverage`)."""
 
     # -- served weights ----------------------------------------------------------------------
 
@@ -240,7 +243,9 @@ class WeightUpdater:
         lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
-        self._swap(update.tensors, self._served_after(update), owners=_owners(update))
+        served = self._served_after(update)
+        self._swap(update.tensors, served, owners=_owners(update))
+        self.coverage.applied(update.tensors, label=served.label, atomic=True)
         return list(update.tensors)
 
     def install_adapter(self, update: OpenUpdate) -> None:
@@ -310,6 +315,7 @@ class WeightUpdater:
         """Serve `tensors` (checked, owned) as current + 1, under `label` or the current one."""
         served = ServedVersion(self.version + 1, self.label if label is None else label)
         self._swap(tensors, served)
+        self.coverage.applied(tensors, label=label, atomic=False)
         return StageResult(f"applied {len(tensors)} tensor(s) as v{served.version} ({served.label!r})",
                            ack=Ack(engine=ENGINE, version=served.version, loaded_names=frozenset(tensors)))
 
@@ -357,6 +363,37 @@ class WeightUpdater:
             digests.append(self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
                                              digest_hex=None))
         return digests
+
+    # -- memory occupation (SGLang's release/resume of "weights") -----------------------------
+
+    def release_weights(self) -> int:
+        """Free every served parameter, the buffers they view and the receive pool; returns
+        the bytes freed. Nothing is served until `resume_weights` and an update of every
+        parameter (`coverage`). Refused while an update session is open."""
+        with self._lock:
+            if self.session_info() is not None:
+                raise ConflictError("an update session is open; commit or abort it before releasing the weights")
+            with self.between_steps():
+                storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                            for p in self.params.values()}
+                storages.update({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
+                                 for b in self._backing.values()})
+                for param in self.params.values():
+                    param.data = torch.empty(0, dtype=param.dtype)
+                self._backing.clear()
+                self.coverage.released()
+            self.buffers.clear()
+        log.info("weights released (%d bytes)", sum(storages.values()))
+        return sum(storages.values())
+
+    def resume_weights(self) -> int:
+        """Allocate every parameter again (zeros, no weights in them: the next update of
+        every parameter restores them); returns the bytes allocated."""
+        with self._lock, self.between_steps():
+            for name, param in self.params.items():
+                param.data = torch.zeros(self.metas[name].shape, dtype=self.metas[name].dtype)
+            self.coverage.resumed()
+            return sum(m.nbytes for m in self.metas.values())
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -144,3 +144,80 @@ def test_out_of_bounds_views_in_a_pickle_are_refused() -> None:
     # torch itself would grow the storage to 64 elements; the server refuses instead.
     with pytest.raises(UnsafePickleError, match="reaches element 63 of a 4-element storage"):
         safe_loads(pickle.dumps(_OutOfBounds()))
+
+
+class _VerlWrapped:
+    """Pickles as SGLang's LocalSerializedTensor (a dataclass with `values`, one
+    serialized tensor per TP rank), as verl's SGLang rollout sends it."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = values
+
+
+_VerlWrapped.__module__ = "sglang.srt.model_executor.model_runner_components.weight_updater"
+_VerlWrapped.__qualname__ = "LocalSerializedTensor"
+
+
+def _pickled_as(module: str, obj: Any) -> bytes:
+    _VerlWrapped.__module__ = module
+    try:
+        import sys
+        import types
+
+        parts = module.split(".")
+        names = [".".join(parts[: i + 1]) for i in range(len(parts))]
+        saved = {n: sys.modules.get(n) for n in names}
+        for n in names:
+            sys.modules[n] = types.ModuleType(n)
+        sys.modules[module].LocalSerializedTensor = _VerlWrapped  # type: ignore[attr-defined]
+        try:
+            return pickle.dumps(obj)
+        finally:
+            for n, old in saved.items():
+                if old is None:
+                    del sys.modules[n]
+                else:
+                    sys.modules[n] = old
+    finally:
+        _VerlWrapped.__module__ = "sglang.srt.model_executor.model_runner_components.weight_updater"
+
+
+@pytest.mark.parametrize("module", ["sglang.srt.model_executor.model_runner_components.weight_updater",
+                                    "sglang.srt.model_executor.model_runner"])
+def test_local_serialized_tensor_unwraps_rank_0(module: str) -> None:
+    from weightsync.server.ingest import decode_serialized
+
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    raw = _pickled_as(module, [("w", _VerlWrapped([pickle.dumps(tensor)]))])
+    import base64
+
+    [(name, got)] = decode_serialized([base64.b64encode(raw).decode()], None)
+    assert name == "w" and torch.equal(got, tensor)
+
+
+def test_local_serialized_tensor_payloads_stay_allow_listed() -> None:
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("true",))
+
+    module = "sglang.srt.model_executor.model_runner_components.weight_updater"
+    inner_evil = safe_loads(_pickled_as(module, _VerlWrapped([pickle.dumps(Evil())])))
+    with pytest.raises(UnsafePickleError, match="refused global posix.system"):
+        check_tensor("w", inner_evil)
+    # A class of the same name elsewhere in sglang is not allowed (SGLang allows two names only).
+    with pytest.raises(UnsafePickleError, match="refused global sglang.srt.utils.common.LocalSerializedTensor"):
+        safe_loads(_pickled_as("sglang.srt.utils.common", _VerlWrapped([pickle.dumps(torch.zeros(1))])))
+    # State beyond `values` is refused, and so is a wrapper of a wrapper.
+    odd = _VerlWrapped([pickle.dumps(torch.zeros(1))])
+    odd.extra = 1  # type: ignore[attr-defined]
+    with pytest.raises(UnsafePickleError, match="only 'values'"):
+        safe_loads(_pickled_as(module, odd))
+    nested = safe_loads(_pickled_as(module, _VerlWrapped([_pickled_as(module, _VerlWrapped([b""]))])))
+    with pytest.raises(ValueError, match="expected a tensor"):
+        check_tensor("w", nested)
+    # SGLang's MultiprocessingSerializer (ForkingPickler) inside: refused, naming why.
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(torch.zeros(4))
+    shared = safe_loads(_pickled_as(module, _VerlWrapped([buffer.getvalue()])))
+    with pytest.raises(UnsafePickleError, match="MultiprocessingSerializer"):
+        check_tensor("w", shared)

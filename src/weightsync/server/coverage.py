@@ -1,0 +1,132 @@
+"""Whether the served weights are one update's, and whether they may be served.
+
+SGLang applies each update request when it arrives, so an update sent as
+several requests (slime's buckets, every one under the same `weight_version`
+label) is served partly between them, and an update whose later request is
+refused stays half applied. The embedded engine keeps SGLang's per-request
+application and this rule, so a mix of two updates is never served silently:
+
+- **partial**: SGLang-shaped requests applied on arrival (or an SGLang
+  begin/end session) have rewritten some, not all, parameters since the served
+  weights were last one update's. `/weightsync/info` reports it (`dirty: true`
+  and `partial_update`); generation goes on, as on SGLang (the frameworks pause
+  it around their updates).
+- **torn**: while partial, a request of the same update (same label, or none)
+  was refused, so that update cannot complete as sent. `/generate` and
+  `/health_generate` answer 503 naming the refusal, and `/weightsync/info`
+  reports `torn`. Released weights (`/release_memory_occupation`) are the
+  same state: the parameters hold no weights.
+- **whole again** once the parameters rewritten since then cover every
+  parameter (resending the refused bucket completes slime's update; any full
+  update, e.g. `/update_weights_from_disk` of the previous checkpoint, reverts),
+  or a weightsync commit lands on weights that were whole.
+
+A refusal during an open `/begin_weight_update` session marks the session: when
+`/end_weight_update` applies what it staged and that is not every parameter,
+the engine is torn. Only refusals after the admin check count (an
+unauthenticated client cannot tear an engine), and a refused request of a
+new label is a new update that applied nothing: it leaves a partial one as is.
+
+Pure bookkeeping: names in, a verdict out; the caller holds the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_NAMES_REPORTED = 20
+
+
+@dataclass(eq=False)
+class PartialUpdate:
+    """Parameters rewritten since the served weights were last one update's."""
+
+    names: set[str] = field(default_factory=set)
+    labels: list[str | None] = field(default_factory=list)
+    """Labels of the requests applied, in order (None: the request gave none)."""
+    requests: int = 0
+
+    @property
+    def label(self) -> str | None:
+        return self.labels[-1] if self.labels else None
+
+
+class Coverage:
+    """The served weights' coverage state (see the module docstring)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.all_names = frozenset(names)
+        self.partial: PartialUpdate | None = None
+        self.torn: str | None = None
+        """Why generation is refused; None while the weights may be served."""
+        self._session_refusal: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def dirty(self) -> bool:
+        return self.partial is not None
+
+    def applied(self, names: Iterable[str], *, label: str | None, atomic: bool) -> None:
+        """An update was applied. `atomic`: it was one whole update by construction
+        (a weightsync commit); otherwise an SGLang-shaped request or session."""
+        with self._lock:
+            session_refusal, self._session_refusal = self._session_refusal, None
+            if atomic and self.partial is None:
+                return
+            partial = self.partial = self.partial or PartialUpdate()
+            partial.names.update(names)
+            partial.labels.append(label)
+            partial.requests += 1
+            if partial.names >= self.all_names:
+                self.partial = None
+                self.torn = None
+                return
+            if session_refusal is not None and self.torn is None:
+                self.torn = session_refusal
+
+    def refused(self, *, route: str, label: str | None, message: str, session_open: bool) -> None:
+        """An SGLang-shaped update request was refused (after the admin check)."""
+        with self._lock:
+            reason = (f"the served weights are part of an update whose request to {route} was refused "
+                      f"({message}); complete it (resend the refused request), send a full update, "
+                      "or revert with /update_weights_from_disk")
+            if session_open:
+                self._session_refusal = self._session_refusal or reason
+                return
+            partial = self.partial
+            if partial is None or self.torn is not None:
+                return
+            if label is not None and label != partial.label:
+                return
+            self.torn = reason
+
+    def released(self) -> None:
+        """The parameters were released: nothing is served until every one is rewritten."""
+        with self._lock:
+            self.partial = PartialUpdate()
+            self.torn = ("the weights were released by /release_memory_occupation; call "
+                         "/resume_memory_occupation, then send an update of every parameter")
+
+    def resumed(self) -> None:
+        """Memory is back, the weights are not: still nothing to serve until an update."""
+        with self._lock:
+            self.torn = ("the weights were resumed by /resume_memory_occupation but not restored; "
+                         "send an update of every parameter (or /update_weights_from_disk)")
+
+    def unservable(self) -> str | None:
+        """Why generation must be refused now, or None."""
+        return self.torn
+
+    def info(self) -> dict[str, Any] | None:
+        """The partial update, for /weightsync/info (None when the weights are one update's)."""
+        with self._lock:
+            partial = self.partial
+            if partial is None:
+                return None
+            missing = sorted(self.all_names - partial.names)
+            return {"label": partial.label, "labels": partial.labels[-MAX_NAMES_REPORTED:],
+                    "requests": partial.requests, "num_applied": len(partial.names),
+                    "num_missing": len(missing), "missing": missing[:MAX_NAMES_REPORTED], "torn": self.torn}
