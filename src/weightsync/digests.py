@@ -250,6 +250,27 @@ def bytes_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
+FUSED_CHUNK_BYTES = 1 << 20
+"""Bytes copied then hashed at a time where a copy and a digest are fused: small enough
+to be hashed from the cache the copy left them in (this machine, 64 MiB: copy then
+hash 11.0 ms, fused in 1 MiB pieces 9.1 ms; 128 KiB pieces cost more in calls)."""
+
+
+def copy_hashed(dst: torch.Tensor, src: torch.Tensor, algorithm: str = XXH3_64) -> str:
+    """Copy `src` into `dst` (equal-sized 1-d uint8 tensors) and return the digest of the
+    bytes written, hashing each piece while it is still in cache: one pass over memory
+    where a copy followed by `digest(dst)` makes two."""
+    if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.dim() != 1 or dst.shape != src.shape:
+        raise ValueError(f"copy_hashed takes equal 1-d uint8 tensors, got {tuple(dst.shape)} {dst.dtype} "
+                         f"and {tuple(src.shape)} {src.dtype}")
+    h = hasher(algorithm)
+    for start in range(0, dst.numel(), FUSED_CHUNK_BYTES):
+        piece = dst[start:start + FUSED_CHUNK_BYTES]
+        piece.copy_(src[start:start + FUSED_CHUNK_BYTES])
+        h.update(piece)
+    return h.hexdigest()
+
+
 def digest(data: torch.Tensor | bytes | bytearray | memoryview, algorithm: str = XXH3_64) -> str:
     """Hex digest of a tensor's bytes (any dtype) or of a bytes-like object."""
     if not isinstance(data, torch.Tensor):
@@ -259,5 +280,5 @@ def digest(data: torch.Tensor | bytes | bytearray | memoryview, algorithm: str =
     return hasher(algorithm).update(data).hexdigest()
 
 
-__all__ = ["ALGORITHMS", "WSMIX64", "XXH3_64", "Hasher", "Wsmix64", "Xxh3", "byte_view", "digest", "for_device",
-           "hasher", "reference_wsmix64", "require_known"]
+__all__ = ["ALGORITHMS", "FUSED_CHUNK_BYTES", "WSMIX64", "XXH3_64", "Hasher", "Wsmix64", "Xxh3", "byte_view",
+           "copy_hashed", "digest", "for_device", "hasher", "reference_wsmix64", "require_known"]

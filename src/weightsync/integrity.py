@@ -38,10 +38,13 @@ class BucketHasher:
         return self._h.hexdigest()
 
 
-def check_bucket(bucket: BucketMeta, data: torch.Tensor | bytes | memoryview, algorithm: str = XXH3_64) -> str:
+def check_bucket(bucket: BucketMeta, data: torch.Tensor | bytes | memoryview, algorithm: str = XXH3_64, *,
+                 computed: str | None = None) -> str:
     """Verify received bytes against a bucket's size and digest (computed with `algorithm`,
     the manifest's, on the device that holds `data`); return the digest.
 
+    `computed`: the digest of `data` as this process computed it while writing `data`
+    (`digests.copy_hashed`), so the bytes are not read again; None: hashed here.
     Raises IntegrityError naming the bucket when the length or the digest is off.
     """
     size = data.numel() if isinstance(data, torch.Tensor) else len(memoryview(data).cast("B"))
@@ -49,7 +52,7 @@ def check_bucket(bucket: BucketMeta, data: torch.Tensor | bytes | memoryview, al
         raise IntegrityError(
             f"bucket {bucket.index}: received {size} bytes, manifest says {bucket.nbytes} (truncated or padded)"
         )
-    got = digest(data, algorithm)
+    got = digest(data, algorithm) if computed is None else computed
     if bucket.digest is not None and got != bucket.digest:
         raise IntegrityError(
             f"bucket {bucket.index}: digest {got} != expected {bucket.digest} "

@@ -167,12 +167,20 @@ class UpdateSession:
         """Bucket `index` of the open update `version` (a sign of life of its trainer)."""
         return self._bucket(version, index)[1]
 
-    def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None = None) -> str:
+    def digest_algorithm(self, version: int) -> str:
+        """The digest algorithm the open update `version` names (for `Receiver.fetch_hashed`)."""
+        with self._lock:
+            return self._require(version).manifest.digest_algorithm
+
+    def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None = None,
+                     computed: str | None = None) -> str:
         """Verify one packed bucket (its size, the manifest's digest, and `digest_hex`,
         the digest sent with it) and stage its tensors as views of `buffer`, which the
-        session now owns (a copy the caller made). Returns the digest computed here."""
+        session now owns (a copy the caller made). `computed`: the digest of `buffer`
+        this process computed while copying it in (`Receiver.fetch_hashed`), never one
+        that came with the bytes. Returns the digest computed here."""
         update, bucket = self._bucket(version, index)
-        got = check_bucket(bucket, buffer, update.manifest.digest_algorithm)
+        got = check_bucket(bucket, buffer, update.manifest.digest_algorithm, computed=computed)
         if digest_hex is not None and got != digest_hex:
             raise IntegrityError(f"bucket {index}: digest {got} != sent {digest_hex} "
                                  f"(first tensor {bucket.hf_names[0] if bucket.entries else '-'!r}); "

@@ -253,11 +253,12 @@ class WorkerSync:
             raise EngineError(self._who, f"no per-bucket receive over transport {link.transport!r}")
         into = torch.empty(bucket.nbytes, dtype=torch.uint8)  # our copy, then check it
         try:
-            buffer = receiver.fetch(link, bucket, Delivery.from_dict(body["delivery"]), into)
+            buffer, computed = receiver.fetch_hashed(link, bucket, Delivery.from_dict(body["delivery"]), into,
+                                                     self.session.digest_algorithm(version))
         except LookupError as e:
             raise EngineError(self._who, str(e)) from None
         return {"digest": self.session.stage_bucket(version=version, index=index, buffer=buffer,
-                                                    digest_hex=str(body["digest"]))}
+                                                    digest_hex=str(body["digest"]), computed=computed)}
 
     def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         version = int(body["version"])

@@ -115,8 +115,7 @@ class ReleasedWeightsGate:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"] in WEIGHT_ROUTES
-                and WEIGHTS in self.state.memory.released):
+        if scope.get("path") in WEIGHT_ROUTES and WEIGHTS in self.state.memory.released:  # lifespan: no path
             response = answer(f"{scope['path']}: the weights are released; call /resume_memory_occupation "
                               "with {\"tags\": [\"weights\"]} first", status=409, success=False)
             await response(scope, receive, send)

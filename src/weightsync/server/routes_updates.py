@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -21,6 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from weightsync.bucketing import pack_one
 from weightsync.checkpoint import MANIFEST_FILE, confine
+from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
@@ -51,10 +51,12 @@ from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
 from weightsync.transports import TRANSPORTS
+from weightsync.transports.base import Receiver
 from weightsync.transports.shm import ShmLink, ShmTransport
 from weightsync.types import (
     Ack,
     Delivery,
+    Link,
     TensorEntry,
     TensorMeta,
     dtype_from_name,
@@ -336,10 +338,9 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         def work() -> str:
             header, payload = decode_frame(frame)
             buffer = updater.buffers.take(len(payload))
-            if len(payload):
-                buffer.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            computed = copy_hashed(buffer, bytes_tensor(payload), updater.receiver.digest_algorithm(header.version))
             return updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
-                                        digest_hex=header.digest)
+                                        digest_hex=header.digest, computed=computed)
 
         digest_hex = await run_in_threadpool(work)
         return answer("bucket staged", digest=digest_hex)
@@ -384,15 +385,12 @@ def _commit(state: ServerState, request: CommitRequest) -> Ack:
 
 
 def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:
-    bucket = state.updater.receiver.bucket(request.version, request.index)
     link = ShmLink(transport=ShmTransport.name, shm_name=request.shm_name, slot_bytes=request.slot_bytes,
                 num_slots=request.num_slots)
     receiver = state.receiver(link.transport)
     receiver.join(link, rank=0)  # mapped at the first bucket, then kept
-    buffer = receiver.fetch(link, bucket, Delivery(transport=link.transport, slot=request.slot),
-                            into=state.updater.buffers.take(bucket.nbytes))
-    return state.updater.stage_bucket(version=request.version, index=request.index, buffer=buffer,
-                                      digest_hex=request.digest)
+    return _stage(state, receiver, link, request.version, request.index,
+                  Delivery(transport=link.transport, slot=request.slot), request.digest)
 
 
 def _stage_fetched(state: ServerState, body: dict[str, Any]) -> str:
@@ -404,11 +402,21 @@ def _stage_fetched(state: ServerState, body: dict[str, Any]) -> str:
     if receiver.bytes_in_delivery or receiver.reads_at_commit or receiver.collective:
         raise HTTPError(400, f"transport {link.transport!r} does not deliver through {ReceiveRequest.ROUTE}: "
                         "its bytes come in /weightsync/bucket frames, SGLang's group routes or a version directory")
-    bucket = state.updater.receiver.bucket(request.version, request.index)
+    state.updater.receiver.bucket(request.version, request.index)  # an open update, a valid index
     try:
         receiver.check_joined(link)
     except LookupError:
         receiver.join(link, rank=0)
-    buffer = receiver.fetch(link, bucket, request.delivery, into=state.updater.buffers.take(bucket.nbytes))
-    return state.updater.stage_bucket(version=request.version, index=request.index, buffer=buffer,
-                                      digest_hex=request.digest)
+    return _stage(state, receiver, link, request.version, request.index, request.delivery, request.digest)
+
+
+def _stage(state: ServerState, receiver: Receiver, link: Link, version: int, index: int, delivery: Delivery,
+           digest_hex: str | None) -> str:
+    """Copy bucket `index` into a receive buffer, hashing it on the way where the
+    receiver can, and stage it."""
+    session = state.updater.receiver
+    bucket = session.bucket(version, index)
+    buffer, computed = receiver.fetch_hashed(link, bucket, delivery, state.updater.buffers.take(bucket.nbytes),
+                                             session.digest_algorithm(version))
+    return state.updater.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
+                                      computed=computed)

@@ -203,10 +203,13 @@ class WeightUpdater:
             self._update_label = None
             return preempted
 
-    def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None) -> str:
+    def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None,
+                     computed: str | None = None) -> str:
         """Verify one packed bucket and stage it. Takes ownership of `buffer` (a copy the
-        caller made). Returns the digest computed here."""
-        return self.receiver.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex)
+        caller made; `computed`: its digest, computed here while copying). Returns the
+        digest computed here."""
+        return self.receiver.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
+                                          computed=computed)
 
     def commit(self, version: int) -> Ack:
         """Apply the open weightsync session; returns the ack."""

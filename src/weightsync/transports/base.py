@@ -148,6 +148,13 @@ class Receiver(Protocol):
         long) and returned. broadcast: runs while the trainer broadcasts it."""
         ...
 
+    def fetch_hashed(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor,
+                     algorithm: str) -> tuple[torch.Tensor, str | None]:
+        """`fetch`, and the digest (`algorithm`) of the bytes written into `into` where
+        the copy computed it on the way (shm: one pass over the bytes, not two); None
+        where it did not (the session hashes the bucket itself)."""
+        ...
+
     def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
         """(bucket index, bytes) of every bucket of `manifest`'s version, at commit
         (disk: read from its version directory, each bucket's digest checked)."""
@@ -174,6 +181,13 @@ class ReceiverDefaults:
 
     def check_joined(self, link: Link) -> None:
         return None
+
+    def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not fetch buckets")
+
+    def fetch_hashed(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor,
+                     algorithm: str) -> tuple[torch.Tensor, str | None]:
+        return self.fetch(link, bucket, delivery, into), None
 
     def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
         raise ValueError(f"transport {link.transport!r} delivers every bucket; there is no version to read at commit")

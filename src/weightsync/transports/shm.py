@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from weightsync.digests import copy_hashed
 from weightsync.shmem import SharedSlots
 from weightsync.transports.base import (
     NUM_SLOTS,
@@ -66,12 +67,20 @@ class ShmReceiver(ReceiverDefaults):
                               "connect() first")
 
     def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
+        return into.copy_(self._slot(link, bucket, delivery))
+
+    def fetch_hashed(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor,
+                     algorithm: str) -> tuple[torch.Tensor, str | None]:
+        """The copy out of the slot, hashed piece by piece as it lands (`copy_hashed`)."""
+        return into, copy_hashed(into, self._slot(link, bucket, delivery), algorithm)
+
+    def _slot(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor:
         self.check_joined(link)
         segment = self._segments.get(typed(link, ShmLink).shm_name)
         assert segment is not None
         if not isinstance(delivery.slot, int):
             raise ValueError(f"an shm delivery names its slot as an integer; got {delivery.slot!r}")
-        return into.copy_(segment.slot(delivery.slot, bucket.nbytes))
+        return segment.slot(delivery.slot, bucket.nbytes)
 
     def close(self) -> None:
         with self._lock:
