@@ -6,6 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,vllm,tools
+# SGLang's own payload classes for tests/integration/test_peer_clients.py: the sglang
+# wheel's files only (--no-deps: its GPU dependencies are not needed to load them).
+sglang_version=0.5.23
+if [ ! -f ".peer/sglang/sglang-${sglang_version}.dist-info/RECORD" ]; then
+  rm -rf .peer/sglang
+  .venv/bin/python -m pip --disable-pip-version-check install -q --no-deps --target .peer/sglang \
+    "sglang==${sglang_version}" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+fi
 export WEIGHTSYNC_REQUIRE_VLLM=1   # vLLM tests fail, never skip, when vllm is missing
 .venv/bin/ruff check src tests
 .venv/bin/mypy

@@ -1,0 +1,90 @@
+"""SGLang's own payload classes, loaded from the sglang wheel's files (no sglang install).
+
+scripts/test.sh installs the wheel with `pip install --no-deps --target .peer/sglang`.
+`import sglang` would run the package's `__init__`, which pulls CUDA-only and other heavy
+dependencies; so the packages on the way are registered as empty packages pointing at the
+wheel's folders, and:
+- `sglang/srt/weight_sync/tensor_bucket.py` (FlattenedTensorBucket) is imported as it is
+  (it needs only torch);
+- `LocalSerializedTensor` (model_runner_components/weight_updater.py) and
+  `MultiprocessingSerializer` (utils/common.py) live in modules whose imports need a GPU
+  stack: their class definitions are taken from those files' source, unchanged, and run in
+  a module of the same name (so pickles name them as SGLang's own pickles do).
+
+`loaded()` undoes the registration on exit: nothing named `sglang` stays in sys.modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import importlib
+import io
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SGLANG_VERSION = "0.5.23"
+WHEEL_DIR = Path(__file__).resolve().parents[2] / ".peer" / "sglang"
+UPDATER_MODULE = "sglang.srt.model_executor.model_runner_components.weight_updater"
+COMMON_MODULE = "sglang.srt.utils.common"
+
+
+def _package(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__path__ = [str(WHEEL_DIR.joinpath(*name.split(".")))]
+    return module
+
+
+def _class_from_source(module_name: str, class_name: str, namespace: dict[str, Any]) -> Any:
+    """Run the source of `class_name` (decorators included) from the wheel's file of
+    `module_name` in a module of that name, registered in sys.modules."""
+    path = WHEEL_DIR.joinpath(*module_name.split(".")).with_suffix(".py")
+    tree = ast.parse(path.read_text())
+    nodes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
+    assert len(nodes) == 1, f"{path}: expected one class {class_name}, found {len(nodes)}"
+    module = sys.modules.get(module_name) or types.ModuleType(module_name)
+    module.__dict__.update(namespace)
+    sys.modules[module_name] = module
+    code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec")
+    exec(code, module.__dict__)
+    return module.__dict__[class_name]
+
+
+@contextmanager
+def loaded() -> Iterator[types.SimpleNamespace]:
+    """SGLang's FlattenedTensorBucket, LocalSerializedTensor and MultiprocessingSerializer
+    (skips the test when the wheel is not installed)."""
+    if not (WHEEL_DIR / f"sglang-{SGLANG_VERSION}.dist-info").is_dir():
+        pytest.skip(f"sglang {SGLANG_VERSION} wheel files not at {WHEEL_DIR}: run scripts/test.sh, which "
+                    f"installs them (pip install --no-deps --target .peer/sglang sglang=={SGLANG_VERSION})")
+    before = {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")}
+    assert not before, f"a real sglang is imported ({sorted(before)[:3]}); this loader would shadow it"
+    for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", "sglang.srt.model_executor",
+                 "sglang.srt.model_executor.model_runner_components", "sglang.srt.utils"):
+        sys.modules[name] = _package(name)
+    try:
+        tensor_bucket = importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
+        import pybase64
+
+        serializer = _class_from_source(COMMON_MODULE, "MultiprocessingSerializer", {
+            "io": io, "ForkingPickler": ForkingPickler, "pybase64": pybase64})
+        local_tensor = _class_from_source(UPDATER_MODULE, "LocalSerializedTensor", {
+            "dataclass": dataclass, "List": list, "MultiprocessingSerializer": serializer})
+        yield types.SimpleNamespace(FlattenedTensorBucket=tensor_bucket.FlattenedTensorBucket,
+                                    LocalSerializedTensor=local_tensor, MultiprocessingSerializer=serializer)
+    finally:
+        for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+            del sys.modules[name]
+
+
+def b64(data: bytes) -> str:
+    """What verl's HTTP adapter does with each serialized entry."""
+    return base64.b64encode(data).decode("utf-8")
