@@ -13,6 +13,13 @@ Pure: a `BenchResult` in, numbers out; nothing here measures or prints.
 - Digest share: (trainer hash seconds, measured + engine re-hash, estimated
   as bytes / measured xxh3 rate) / sync seconds. An upper bound of what
   dropping digests would save: some of it overlaps other stages.
+- Work floor (`floors`): the passes over the bytes a verified full push makes,
+  each timed at its limit measured in the same run (pack = a copy, hash = xxh3,
+  the move = the transport's limit, the engine's copy out of shm or an HTTP
+  frame = a copy, the engine's hash = xxh3). "serial" is their sum; "overlapped"
+  is the longer of the trainer's passes and the engine's, what a perfect
+  pipeline on two cores could reach if memory bandwidth did not bind. A target
+  below the overlapped floor cannot be met by scheduling alone.
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ from weightsync_tools.bench.matrix import CellResult
 from weightsync_tools.bench.suite import BenchResult
 
 LIMIT_OF_TRANSPORT = {"broadcast": "gloo", "shm": "copy", "http": "tcp", "disk": "disk"}
+WORK = {  # (stage, limit, side) for each pass over the bytes a verified full push makes
+    "shm": (("pack", "copy", "trainer"), ("hash", "xxh3", "trainer"), ("engine copy", "copy", "engine"),
+            ("engine hash", "xxh3", "engine")),
+    "broadcast": (("pack", "copy", "trainer"), ("hash", "xxh3", "trainer"), ("move", "gloo", "both"),
+                  ("engine hash", "xxh3", "engine")),
+    "http": (("pack", "copy", "trainer"), ("hash", "xxh3", "trainer"), ("move", "tcp", "both"),
+             ("engine copy", "copy", "engine"), ("engine hash", "xxh3", "engine")),
+}
+"""The engine hashes while it copies (`digests.copy_hashed`), still one hash's work."""
 PER_TENSOR = ("per-tensor-broadcast", "per-tensor-http")
 
 
@@ -101,6 +117,50 @@ def _view(cell: CellResult, result: BenchResult) -> CellView:
     return CellView(result=cell, limit_name=limit_name if limit else None, limit_seconds=limit_seconds,
                     limit_fraction=limit_seconds / cell.seconds if limit_seconds is not None else None,
                     speedups=speedups, digest_share=share, engine_rehash_share=engine_share)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Floor:
+    """The passes a verified full push over `transport` makes, at this run's limits."""
+
+    scenario: str
+    transport: str
+    bucket_bytes: int
+    stages: dict[str, float]
+    """stage -> seconds at its limit, for the push's bytes."""
+    serial: float
+    """Every pass one after the other."""
+    overlapped: float
+    """The trainer's passes alongside the engine's (a shared move counts on both sides)."""
+    limit_seconds: float
+    """The transport's own limit (what the `_vs_limit` targets divide by)."""
+    push_seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scenario": self.scenario, "transport": self.transport, "bucket_bytes": self.bucket_bytes,
+                "stages": dict(self.stages), "serial": self.serial, "overlapped": self.overlapped,
+                "limit_seconds": self.limit_seconds, "push_seconds": self.push_seconds}
+
+
+def floors(result: BenchResult, views: list[CellView]) -> list[Floor]:
+    """The work floor of the fastest full push per scenario and transport, embedded engine."""
+    out = []
+    for transport, work in WORK.items():
+        for scenario in dict.fromkeys(v.result.cell.scenario for v in views if v.result.ok):
+            cells = _select(views, scenario=scenario, mode="full", transport=transport, engine="embedded")
+            if not cells:
+                continue
+            best = min(cells, key=lambda v: v.result.seconds)
+            limits = result.limits.get((scenario, best.result.cell.bucket_bytes), {})
+            if any(name not in limits for _, name, _ in work) or best.limit_seconds is None:
+                continue
+            stages = {stage: limits[name].seconds * best.result.num_bytes / limits[name].num_bytes
+                      for stage, name, _ in work}
+            side = {s: sum(stages[st] for st, _, w in work if w in (s, "both")) for s in ("trainer", "engine")}
+            out.append(Floor(scenario=scenario, transport=transport, bucket_bytes=best.result.cell.bucket_bytes,
+                             stages=stages, serial=sum(stages.values()), overlapped=max(side.values()),
+                             limit_seconds=best.limit_seconds, push_seconds=best.result.seconds))
+    return out
 
 
 def _select(views: list[CellView], **match: str) -> list[CellView]:

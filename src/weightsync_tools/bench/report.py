@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from weightsync_tools.bench.analysis import CellView, Target, cell_views, targets
+from weightsync_tools.bench.analysis import CellView, Floor, Target, cell_views, floors, targets
 from weightsync_tools.bench.fixed_cost import describe as describe_fixed_cost
 from weightsync_tools.bench.matrix import STAGES, CellResult
 from weightsync_tools.bench.scenarios import MANY_SMALL_NOTE
@@ -120,6 +120,16 @@ def memory_table(result: BenchResult) -> str:
     return _table(["merged LoRA", "model MiB", "peak extra MiB", "of model", "largest tensor MiB"], rows)
 
 
+def floors_table(found: list[Floor]) -> str:
+    rows = [[f.scenario, f.transport, f"{f.bucket_bytes >> 20}M",
+             ", ".join(f"{stage} {sec * 1e3:.1f}" for stage, sec in f.stages.items()),
+             f"{f.serial * 1e3:.1f}", f"{f.overlapped * 1e3:.1f}", f"{f.push_seconds * 1e3:.1f}",
+             f"{f.limit_seconds / f.overlapped:.0%}"]
+            for f in found]
+    return _table(["scenario", "transport", "bucket", "passes at this run's limits (ms)", "serial ms",
+                   "overlapped ms", "push ms", "best of limit"], rows)
+
+
 def targets_table(found: list[Target]) -> str:
     rows = []
     for t in found:
@@ -147,6 +157,11 @@ def format_report(result: BenchResult) -> str:
         sections.append(f"fixed cost of a push ({describe_fixed_cost()}):\n" + fixed_cost_table(result.fixed_cost))
     if result.memory:
         sections.append("trainer peak memory beyond the model:\n" + memory_table(result))
+    work = floors(result, views)
+    if work:
+        sections.append("work floor of a verified full push (each pass over the bytes at its limit measured above; "
+                        "overlapped: trainer passes alongside engine passes; best of limit: limit / overlapped, "
+                        "the most a perfect pipeline could reach):\n" + floors_table(work))
     sections.append("targets (reported, never asserted; judged on the embedded engine):\n" + targets_table(found))
     notes = list(result.notes)
     if result.config.quick:
@@ -169,6 +184,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "baselines": [{"scenario": sc, **b.to_dict()} for sc, runs in result.baselines.items() for b in runs],
         "memory": [m.to_dict() for m in result.memory],
         "targets": [t.to_dict() for t in targets(result, views)],
+        "floors": [f.to_dict() for f in floors(result, views)],
         "engine_start_seconds": result.engine_start_seconds, "notes": list(result.notes),
         "seconds": result.seconds,
     }

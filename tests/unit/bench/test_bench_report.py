@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync_tools.bench.analysis import cell_views, targets
+from weightsync_tools.bench.analysis import cell_views, floors, targets
 from weightsync_tools.bench.baselines import BaselineResult
 from weightsync_tools.bench.limits import Limit
 from weightsync_tools.bench.matrix import STAGES, Cell, CellResult
@@ -83,6 +83,16 @@ def test_targets_are_judged_not_asserted(result: BenchResult) -> None:
     assert found["digest_share"].measured == pytest.approx(0.2)
 
 
+def test_work_floor_from_the_same_runs_limits(result: BenchResult) -> None:
+    found = {(f.scenario, f.transport): f for f in floors(result, cell_views(result))}
+    shm = found[("dense", "shm")]  # copy 0.06, xxh3 0.01: pack + hash on each side
+    assert shm.stages == {"pack": 0.06, "hash": 0.01, "engine copy": 0.06, "engine hash": 0.01}
+    assert (shm.serial, shm.overlapped) == (pytest.approx(0.14), pytest.approx(0.07))
+    bcast = found[("dense", "broadcast")]  # the move (gloo 0.1) counts on both sides
+    assert bcast.overlapped == pytest.approx(0.06 + 0.01 + 0.1)
+    assert ("dense", "http") not in found  # no full http cell in this result
+
+
 def test_missing_parts_are_not_measured(tmp_path: Path) -> None:
     empty = BenchResult(config=BenchConfig(out_dir=tmp_path), machine={})
     assert {t.verdict for t in targets(empty, [])} == {"not measured"}
@@ -91,7 +101,7 @@ def test_missing_parts_are_not_measured(tmp_path: Path) -> None:
 def test_table_json_line_and_chart(result: BenchResult, tmp_path: Path) -> None:
     text = format_report(result)
     for section in ("sync matrix:", "machine limits", "baselines", "fixed cost of a push", "trainer peak memory",
-                    "targets (", "FAILED"):
+                    "targets (", "work floor", "FAILED"):
         assert section in text
     fixed_row = next(line.split() for line in text.splitlines() if line.lstrip().startswith("embedded  lora"))
     assert fixed_row[-4:] == ["8.0", "8.5", "5-6", "yes"]  # fastest ms, median ms, requests per push
