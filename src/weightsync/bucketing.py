@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from weightsync.digests import FUSED_CHUNK_BYTES, Hasher
 from weightsync.errors import CastError
 from weightsync.types import BucketMeta, TensorEntry, TensorMeta
 
@@ -85,15 +84,13 @@ def castable(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor, *,
-             allow_overflow: bool = False, hasher: Hasher | None = None) -> None:
+             allow_overflow: bool = False) -> None:
     """Copy one tensor into its place in `buffer` (any layout, any device).
 
     A floating tensor whose dtype differs from the entry's is cast on the way in,
     exactly as `tensor.to(entry.dtype)` casts (round to nearest even), on the
     device that holds it. A cast to a dtype of smaller range (float32 -> float16)
-    raises if a finite value became infinite, unless `allow_overflow`. With
-    `hasher`, the bytes written are fed to it, piece by piece while still in
-    cache where the tensor is contiguous and on the buffer's device.
+    raises if a finite value became infinite, unless `allow_overflow`.
     """
     if not castable(tensor.dtype, entry.dtype) or tuple(tensor.shape) != entry.shape:
         raise ValueError(
@@ -103,20 +100,13 @@ def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor, *,
     if not entry.nbytes:
         return
     view = entry_view(buffer, entry)
-    if tensor.device != view.device and tensor.dtype != entry.dtype:
-        tensor = tensor.to(entry.dtype)  # cast where the tensor lives, then move the smaller bytes
-    if hasher is not None and tensor.is_contiguous() and tensor.device == view.device:
-        flat, out = tensor.reshape(-1), view.reshape(-1)
-        step = max(1, FUSED_CHUNK_BYTES // out.element_size())
-        for start in range(0, out.numel(), step):
-            out[start:start + step].copy_(flat[start:start + step])
-            hasher.update(out[start:start + step])
-    else:
+    if tensor.dtype == entry.dtype:
         view.copy_(tensor)
-        if hasher is not None:
-            hasher.update(view)
-    if (tensor.dtype != entry.dtype and not allow_overflow
-            and torch.finfo(entry.dtype).max < torch.finfo(tensor.dtype).max):
+        return
+    if tensor.device != view.device:
+        tensor = tensor.to(entry.dtype)  # cast where the tensor lives, then move the smaller bytes
+    view.copy_(tensor)
+    if not allow_overflow and torch.finfo(entry.dtype).max < torch.finfo(tensor.dtype).max:
         _check_no_overflow(entry, tensor, view)
 
 
@@ -198,7 +188,6 @@ def pack_stream(
     keep: bool = True,
     alloc: Callable[[BucketMeta], torch.Tensor | None] = allocate,
     allow_overflow: bool = False,
-    hasher: Callable[[], Hasher] | None = None,
 ) -> Iterator[tuple[BucketMeta, torch.Tensor | None]]:
     """Pack a tensor stream bucket by bucket, holding one bucket at a time.
 
@@ -211,13 +200,10 @@ def pack_stream(
     bucket's tensors are consumed but not packed (a sender that failed keeps
     draining a sharded source so the other ranks' gathers complete). Floating
     tensors are cast to their entry's dtype as they are packed (`pack_one`).
-    With `hasher` (a new incremental hasher per bucket), each packed bucket comes
-    with its digest, computed while packing (`bucket.digest`).
     """
     it = iter(tensors)
     for bucket in plan:
         buffer = alloc(bucket) if keep else None
-        h = hasher() if hasher is not None and buffer is not None else None
         if buffer is not None:
             buffer = buffer[: bucket.nbytes]
         for entry in bucket.entries:
@@ -228,7 +214,7 @@ def pack_stream(
             if name != entry.hf_name:
                 raise ValueError(f"tensor stream out of order: got {name!r}, the plan expects {entry.hf_name!r}")
             if buffer is not None:
-                pack_one(buffer, entry, tensor, allow_overflow=allow_overflow, hasher=h)
+                pack_one(buffer, entry, tensor, allow_overflow=allow_overflow)
             del tensor
-        yield (bucket if h is None else bucket.with_digest(h.hexdigest())), buffer
+        yield bucket, buffer
         buffer = None  # the consumer decides how long the bucket lives

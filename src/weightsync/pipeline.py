@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from weightsync.bucketing import pack_stream
-from weightsync.digests import XXH3_64, Hasher, hasher
+from weightsync.digests import XXH3_64, digest
 from weightsync.sources import WeightSource
 from weightsync.transports.base import NUM_SLOTS
 from weightsync.types import BucketMeta, StageSeconds
@@ -50,8 +50,7 @@ def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequ
                    digest_algorithm: str = XXH3_64) -> list[str]:
     """Gather/pack/hash on a producer thread while this thread calls `deliver(bucket,
     buffer)` for each bucket in plan order; returns the buckets' digests (computed with
-    `digest_algorithm` on the device of the slot: xxh3 while packing, piece by piece;
-    wsmix64 hashes a CUDA slot in place once packed).
+    `digest_algorithm` on the device of the slot: wsmix64 hashes a CUDA slot in place).
 
     `order` holds the source's (hf) names in stream order; the plan holds engine
     names (`to_engine` maps them). `slot(index, nbytes)` is the buffer of slot `index`.
@@ -72,26 +71,20 @@ def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequ
         finally:
             waited += time.perf_counter() - t0
 
-    def new_hasher() -> Hasher:
-        return _TimedHasher(hasher(digest_algorithm), stages)
-
     def produce() -> None:
         try:
             tensors = ((to_engine[n], t) for n, t in _timed(source.tensors(order), stages, "gather"))
             t_prev = time.perf_counter()
-            # xxh3 (host buckets) hashes while packing, piece by piece from cache; wsmix64
-            # (device buckets) hashes a bucket whole after packing: a few kernels, not a few per piece.
-            fused = digest_algorithm == XXH3_64
-            for bucket, buffer in pack_stream(plan, tensors, alloc=alloc, allow_overflow=allow_overflow,
-                                              hasher=new_hasher if fused else None):
+            for bucket, buffer in pack_stream(plan, tensors, alloc=alloc, allow_overflow=allow_overflow):
                 if buffer is None:
                     if not drain:
                         break
                     continue
-                if not fused:
-                    bucket = bucket.with_digest(new_hasher().update(buffer).hexdigest())
+                t_hash = time.perf_counter()
+                bucket = bucket.with_digest(digest(buffer, digest_algorithm))
                 now = time.perf_counter()
-                stages.pack += now - t_prev
+                stages.hash += now - t_hash
+                stages.pack += t_hash - t_prev
                 ready.put((bucket, buffer))
                 t_prev = time.perf_counter()
             ready.put(None)
@@ -123,24 +116,8 @@ def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequ
         raise
     finally:
         producer.join()
-    stages.pack = max(0.0, stages.pack - stages.gather - stages.hash - waited)
+    stages.pack = max(0.0, stages.pack - stages.gather - waited)
     return digests
-
-
-class _TimedHasher:
-    """A hasher whose time goes to `stages.hash` (the pack stage is the rest of packing)."""
-
-    def __init__(self, inner: Hasher, stages: Stages) -> None:
-        self._inner, self._stages = inner, stages
-
-    def update(self, tensor: torch.Tensor) -> _TimedHasher:
-        t0 = time.perf_counter()
-        self._inner.update(tensor)
-        self._stages.hash += time.perf_counter() - t0
-        return self
-
-    def hexdigest(self) -> str:
-        return self._inner.hexdigest()
 
 
 def _timed(it: Iterator[tuple[str, torch.Tensor]], stages: Stages, field: str) -> Iterator[tuple[str, torch.Tensor]]:
