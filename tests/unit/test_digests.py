@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weightsync.digests as digests
-from weightsync.digests import WSMIX64, XXH3_64, Wsmix64, digest, for_device, reference_wsmix64
+from weightsync.digests import (
+    FUSED_CHUNK_BYTES,
+    WSMIX64,
+    XXH3_64,
+    Wsmix64,
+    copy_hashed,
+    digest,
+    for_device,
+    reference_wsmix64,
+)
 from weightsync.integrity import BucketHasher
 
 small = st.binary(min_size=0, max_size=200)
@@ -171,3 +180,19 @@ def test_cuda_and_cpu_give_the_same_digest() -> None:
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, 256, (3 * (1 << 20) + 5,), dtype=torch.uint8, generator=gen)
     assert digest(data.cuda(), WSMIX64) == digest(data, WSMIX64)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "wsmix64"])
+@pytest.mark.parametrize("nbytes", [0, 1, FUSED_CHUNK_BYTES - 3, FUSED_CHUNK_BYTES, 2 * FUSED_CHUNK_BYTES + 5])
+def test_copy_hashed_copies_and_hashes_the_bytes_written(algorithm: str, nbytes: int) -> None:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    dst = torch.full((nbytes,), 7, dtype=torch.uint8)
+    assert copy_hashed(dst, src, algorithm) == digest(src, algorithm)
+    assert torch.equal(dst, src)
+
+
+def test_copy_hashed_refuses_mismatched_buffers() -> None:
+    with pytest.raises(ValueError, match="equal 1-d uint8"):
+        copy_hashed(torch.empty(4, dtype=torch.uint8), torch.empty(5, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="equal 1-d uint8"):
+        copy_hashed(torch.empty(4, dtype=torch.uint8), torch.empty(1, dtype=torch.float32))
