@@ -61,6 +61,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "/load_lora_adapter_from_tensors": ("lora_name", "config_dict", "serialized_named_tensors", "load_format",
                                         "expected_checksums", "pinned"),
     "/unload_lora_adapter": ("lora_name",),
+    "/abort_request": ("rid", "abort_all"),
+    "/release_memory_occupation": ("tags",),
+    "/resume_memory_occupation": ("tags",),
 }
 ALLOWED_5XX = {"/init_weights_update_group": {504}}
 
@@ -137,6 +140,9 @@ def field_values(name: str, ctx: dict[str, Any]) -> st.SearchStrategy[Any]:
         "delivery": st.one_of(st.fixed_dictionaries({"transport": st.sampled_from(["shm", "http", ""]),
                                                      "slot": st.one_of(ints, json_values)}), json_values),
         "lora_name": names,
+        "rid": st.one_of(st.text(max_size=12), ints),
+        "tags": st.one_of(st.none(), st.lists(st.sampled_from(["weights", "kv_cache", "cuda_graph", "", "x"]),
+                                              max_size=3)),
         "expected_checksums": st.dictionaries(names, st.text(max_size=64), max_size=3),
         "config_dict": st.one_of(json_values, st.fixed_dictionaries({
             "r": ints, "lora_alpha": ints, "target_modules": st.lists(names, max_size=3), "peft_type": st.just("LORA"),
@@ -146,7 +152,7 @@ def field_values(name: str, ctx: dict[str, Any]) -> st.SearchStrategy[Any]:
         typed[key] = version_like
     for key in ("index", "slot", "slot_bytes", "num_slots", "weightsync_bucket", "rank_offset", "world_size"):
         typed[key] = ints
-    for key in ("flush_cache", "abort_all_requests", "pinned"):
+    for key in ("flush_cache", "abort_all_requests", "pinned", "abort_all"):
         typed[key] = bools
     typed["weightsync_digest"] = typed["digest"]
     strategy = typed.get(name, json_values)
@@ -210,7 +216,8 @@ def frames(draw: st.DrawFn, version: int, sizes: list[int]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def ctx(admin: httpx.Client, keyed_root: Path) -> dict[str, Any]:
+def ctx(admin: httpx.Client, keyed_root: Path, fault_model: Path) -> dict[str, Any]:
+    import shutil
     import socket
 
     from weightsync.bucketing import plan_buckets
@@ -224,8 +231,11 @@ def ctx(admin: httpx.Client, keyed_root: Path) -> dict[str, Any]:
     with socket.socket() as s:  # a port nothing listens on (bound, never listening, then closed)
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
+    restore = keyed_root / "restore"  # the checkpoint, where /update_weights_from_disk may read it
+    if not restore.exists():
+        shutil.copytree(fault_model, restore)
     return {"manifest": manifest.to_dict(), "root": str(keyed_root), "closed_port": closed_port,
-            "sizes": [b.nbytes for b in manifest.buckets], "version": version}
+            "sizes": [b.nbytes for b in manifest.buckets], "version": version, "restore": str(restore)}
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +243,12 @@ def initial(admin: httpx.Client) -> dict[str, str]:
     return dict(admin.post("/weightsync/digests", json={}).json()["digests"])
 
 
-def still_serving(admin: httpx.Client, initial: dict[str, str]) -> None:
+def still_serving(admin: httpx.Client, initial: dict[str, str], restore: str) -> None:
     admin.post("/continue_generation", json={})  # undo a fuzzed pause
     admin.post("/weightsync/abort", json={})  # and a fuzzed session
+    if admin.post("/resume_memory_occupation", json={}).json().get("success"):  # and a fuzzed release:
+        # released weights are gone, as on SGLang; the next update brings them back
+        assert admin.post("/update_weights_from_disk", json={"model_path": restore}).status_code == 200
     assert admin.get("/health").status_code == 200
     answer = admin.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
     assert answer.status_code == 200 and answer.json()["meta_info"]["completion_tokens"] == 2
@@ -273,7 +286,7 @@ def test_garbled_bodies(route: str, session: bool, admin: httpx.Client, ctx: dic
         check_answer(route, admin.post(route, content=content, headers={"Content-Type": content_type}))
 
     fuzz()
-    still_serving(admin, initial)
+    still_serving(admin, initial, ctx["restore"])
 
 
 def test_garbled_bucket_frames(admin: httpx.Client, ctx: dict[str, Any], initial: dict[str, str]) -> None:
@@ -294,7 +307,7 @@ def test_garbled_bucket_frames(admin: httpx.Client, ctx: dict[str, Any], initial
         assert admin.get("/weightsync/info").json()["session"]["buckets_received"] == []
     finally:
         admin.post("/weightsync/abort", json={"version": version})
-    still_serving(admin, initial)
+    still_serving(admin, initial, ctx["restore"])
 
 
 def test_values_fuzzing_found_are_refused_cleanly(admin: httpx.Client, ctx: dict[str, Any]) -> None:
