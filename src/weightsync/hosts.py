@@ -34,6 +34,14 @@ def _addresses(host: str) -> list[tuple[socket.AddressFamily, str]]:
     return list(dict.fromkeys((family, str(info[0])) for family, _, _, _, info in infos))
 
 
+def is_loopback(host: str) -> bool:
+    """`host` is a loopback address or resolves only to loopback addresses ("localhost")."""
+    try:
+        return all(ipaddress.ip_address(address).is_loopback for _, address in _addresses(host))
+    except ValueError:
+        return False
+
+
 def local_address_towards(host: str) -> str:
     """This host's address on the route to `host` (its first resolved address);
     `host` itself when it is loopback."""

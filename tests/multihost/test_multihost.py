@@ -87,13 +87,23 @@ def test_full_delta_lora_to_two_hosts(transport: str, trainer: Trainer) -> None:
     trainer.call("close", sync=f"{transport}-lora")
 
 
-def test_shm_to_another_host_is_refused(trainer: Trainer, engines: Engines) -> None:
-    answer = trainer.call("shm", engine=0)
+def test_shm_to_another_host_is_refused_when_built(trainer: Trainer, engines: Engines) -> None:
+    answer = trainer.call("build", engine=0, transport="shm")
     assert not answer["ok"]
     message = answer["error"]
     assert engines.url(0) in message and "another host" in message, message
     for works in ("broadcast", "http", "disk"):
         assert works in message, message
+
+
+def test_broadcast_hosted_on_loopback_names_the_address_to_use(trainer: Trainer, net: Network) -> None:
+    """The default master_address (127.0.0.1) cannot be reached from another host: the
+    error names the trainer host's address on the route to the engine."""
+    answer = trainer.call("build", engine=0, transport="broadcast")
+    assert not answer["ok"]
+    assert f"pass master_address='{net.address('trainer')}'" in answer["error"], answer["error"]
+    assert trainer.call("build", engine=0, transport="broadcast",
+                        options={"master_address": net.address("trainer")})["ok"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

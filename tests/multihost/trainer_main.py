@@ -9,7 +9,7 @@ while this process keeps its `WeightSync`s between them:
     {"op": "push", "sync": "b", "transport": "broadcast", "mode": "full", "version": 3,
      "fault": {"at_bucket": 1, "run": [argv...]} | {"at_bucket": 1, "kill": pid}}
     {"op": "serving", "engines": [0, 1]}    which pushed version each engine serves, by digests
-    {"op": "shm", "engine": 1}              construct an shm sync to that engine; the error
+    {"op": "build", "engine": 1, "transport": "shm", "options": {}}   construct a sync; its refusal
     {"op": "close", "sync": "b"}
 
 Only the faults are injected (`HookedTransport` runs a command, e.g. a link cut, or
@@ -154,9 +154,10 @@ class Trainer:
         return {"ok": True, "serves": [_match(self.engines[i].digests(), self.known) for i in cmd["engines"]],
                 "versions": [self.engines[i].weight_version() for i in cmd["engines"]]}
 
-    def shm(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def build(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Construct (and close) a sync to one engine with these options; its refusal."""
         try:
-            ws.WeightSync([self.engines[cmd["engine"]]], transport="shm").close()
+            ws.WeightSync([self.engines[cmd["engine"]]], transport=cmd["transport"], **cmd.get("options", {})).close()
         except ValueError as e:
             return {"ok": False, "error": str(e)}
         return {"ok": True}
