@@ -106,15 +106,22 @@ def test_broadcast_hosted_on_loopback_names_the_address_to_use(trainer: Trainer,
                         options={"master_address": net.address("trainer")})["ok"]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_link_cut_mid_push(transport: str, trainer: Trainer, net: Network) -> None:
-    sync = f"{transport}-cut"
+COMMIT_WINDOW = pytest.mark.xfail(strict=True, reason=(
+    "the commit round is not atomic across replicas: disk moves no byte to an engine before its commit, and "
+    "with pause='none' no round precedes the commit either, so the reachable replica commits the new version "
+    "while the cut-off one times out (the push raises; the replicas are split until the next push)"))
+
+
+@pytest.mark.parametrize(("transport", "pause"), [*((t, "retract") for t in TRANSPORTS),
+                                                  pytest.param("disk", "none", marks=COMMIT_WINDOW)])
+def test_link_cut_mid_push(transport: str, pause: str, trainer: Trainer, net: Network) -> None:
+    sync = f"{transport}-{pause}-cut"
     good = next(_versions)
     assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode="full", version=good,
-                                       timeout_s=FAULT_TIMEOUT_S), good)
+                                       timeout_s=FAULT_TIMEOUT_S, pause=pause), good)
     bad = next(_versions)
     try:
-        failed = trainer.call("push", sync=sync, transport=transport, mode="full", version=bad,
+        failed = trainer.call("push", sync=sync, transport=transport, mode="full", version=bad, pause=pause,
                               timeout_s=FAULT_TIMEOUT_S, fault={"at_bucket": 1, "run": net.cut_command("engine0")})
         assert not failed["ok"], "a push to an unreachable engine host fails"
         assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed

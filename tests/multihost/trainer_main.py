@@ -124,7 +124,7 @@ class Trainer:
                                        disk_root=self.spec.get("disk_root"),
                                        master_address=self.spec["master_address"])
             sync = ws.WeightSync(self.engines, transport=transport, mode=cmd["mode"], bucket_bytes=BUCKET_BYTES,
-                                 timeout_s=cmd.get("timeout_s", 30.0))
+                                 timeout_s=cmd.get("timeout_s", 30.0), pause=cmd.get("pause", "retract"))
             self.syncs[name] = sync
         fault = cmd.get("fault")
         if fault is not None:
