@@ -1,7 +1,7 @@
 """Fixtures of the multi-host rig (a pytest plugin, loaded by the test module with
 `pytest_plugins`; not a conftest.py, for the reason tests/faults/fault_fixtures.py gives).
 
-    net       a trainer host and two engine hosts on one switch (`netns.Network`)
+    net       a trainer host and two engine hosts on one switch (`weightsync_tools.netns.Network`)
     engines   a real `weightsync serve` on each engine host, bound to its address
     trainer   `trainer_main.py` on the trainer host, driven one JSON line at a time
 
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import NamespaceError, Network, remove_stale, unavailable
 
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.tiny import make_tiny_model
+from weightsync_tools.netns import NamespaceError, Network, remove_stale, unavailable
 
 HOSTS = ("trainer", "engine0", "engine1")
 ENGINE_HOSTS = HOSTS[1:]

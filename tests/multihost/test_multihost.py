@@ -1,5 +1,5 @@
 """Weight pushes across hosts: a trainer host and two engine hosts, each a Linux
-network namespace (`netns.Network`), each engine a real `weightsync serve` bound to
+network namespace (`weightsync_tools.netns.Network`), each engine a real `weightsync serve` bound to
 its host's address, the trainer a real process on its own host.
 
 One push goes to both replicas at once over broadcast (one gloo group over three
@@ -29,7 +29,8 @@ from weightsync_tools.faults import error_bound_s
 
 if TYPE_CHECKING:  # imported by pytest as a plugin, before this module's asserts are rewritten
     from multihost_fixtures import Engines, Trainer
-    from netns import Network
+
+    from weightsync_tools.netns import Network
 
 pytest_plugins = ["multihost_fixtures"]
 
