@@ -125,6 +125,8 @@ def engines(net: Network, multihost_root: Path) -> Iterator[Engines]:
         yield rig
     finally:
         rig.close()
+    logged = [log for log in rig.logs if "Traceback" in log]
+    assert not logged, f"an engine logged an unhandled error:\n{logged[0][-4000:]}"
 
 
 class Trainer:
