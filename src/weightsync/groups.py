@@ -187,8 +187,14 @@ def _mesh_hint(text: str, bind_address: str) -> str:
     """What to check when gloo's ranks could not connect to each other."""
     if "connectFullMesh" not in text:
         return ""
-    return (f" (this rank bound {bind_address}; every rank must bind an address the others reach: "
-            "weightsync's ranks bind the one on their route to master_address, so check that master_address "
-            "is an address of the trainer the engines reach; an engine that is not weightsync's, e.g. a stock "
-            "SGLang, binds what its host name resolves to unless GLOO_SOCKET_IFNAME names its interface "
-            "towards the trainer)")
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    here = (f"this rank's gloo device is on interface {interface!r} (GLOO_SOCKET_IFNAME)" if interface
+            else f"this rank bound {bind_address}")
+    if "remote=[127." in text or "remote=[::1]" in text:
+        return (f" ({here}; a peer advertised a loopback address, so its gloo device is bound to loopback: "
+                "on that peer's host set GLOO_SOCKET_IFNAME to its interface towards the trainer, or unset it "
+                "(weightsync's own engines then bind the address on their route to master_address))")
+    return (f" ({here}; every rank must bind an address the others reach: weightsync's ranks bind the one on "
+            "their route to master_address, so check that master_address is an address of the trainer the "
+            "engines reach; an engine that is not weightsync's, e.g. a stock SGLang, binds what its host name "
+            "resolves to unless GLOO_SOCKET_IFNAME names its interface towards the trainer)")

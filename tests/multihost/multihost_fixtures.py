@@ -18,7 +18,7 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -74,9 +74,10 @@ class Engines:
         return ["--host", self.net.address(ENGINE_HOSTS[index]), "--enable-lora", "--disk-root", str(self.disk_root),
                 "--num-threads", "1", "--group-timeout", str(GROUP_TIMEOUT_S), "--session-timeout", "2"]
 
-    def start(self, index: int, port: int = 0) -> ServerProcess:
-        server = launch_server(self.model_dir, args=[*self._args(index), "--port", str(port)],
-                               prefix=self.net.prefix(ENGINE_HOSTS[index]))
+    def start(self, index: int, port: int = 0, env: dict[str, str] | None = None,
+              args: Sequence[str] = ()) -> ServerProcess:
+        server = launch_server(self.model_dir, args=[*self._args(index), "--port", str(port), *args],
+                               prefix=self.net.prefix(ENGINE_HOSTS[index]), env=env)
         self.servers[index] = server
         return server
 
@@ -84,13 +85,13 @@ class Engines:
         with ThreadPoolExecutor(len(ENGINE_HOSTS)) as pool:
             list(pool.map(self.start, range(len(ENGINE_HOSTS))))
 
-    def restart(self, index: int) -> None:
-        """Start engine `index` again on its port (after it was killed)."""
+    def restart(self, index: int, env: dict[str, str] | None = None, args: Sequence[str] = ()) -> None:
+        """Start engine `index` again on its port (after it was killed), with `env` and `args` added."""
         old = self.servers[index]
         assert old is not None
         self.logs.append(old.log_text())
         old.close()
-        self.start(index, int(old.url.rsplit(":", 1)[1]))
+        self.start(index, int(old.url.rsplit(":", 1)[1]), env, args)
 
     def url(self, index: int) -> str:
         server = self.servers[index]

@@ -136,6 +136,30 @@ def test_link_cut_mid_push(transport: str, pause: str, trainer: Trainer, net: Ne
     trainer.call("close", sync=sync)
 
 
+def test_engines_bound_to_loopback_fail_within_the_timeout(trainer: Trainer, engines: Engines) -> None:
+    """Engines whose gloo device is on loopback (GLOO_SOCKET_IFNAME=lo, as a stock engine whose
+    host name resolves to 127.0.1.1 would be) cannot reach each other: the push fails within
+    its bound, and the next push, with the engines restarted without it, succeeds. Which
+    error the trainer sees depends on gloo: the engine's join answers with the hint of
+    `groups._mesh_hint` when gloo gives up at once (connection refused), but gloo may also
+    retry past the engine's group timeout, and then the trainer's wait for the join ends first."""
+    try:
+        for index in range(len(engines.servers)):
+            engines.restart(index, env={"GLOO_SOCKET_IFNAME": "lo"}, args=["--group-timeout", "1"])
+        failed = trainer.call("push", sync="loopback", transport="broadcast", mode="full", version=next(_versions),
+                              timeout_s=FAULT_TIMEOUT_S)
+        assert not failed["ok"]
+        assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed
+        assert "joining" in failed["error"], failed["error"]
+    finally:
+        for index in range(len(engines.servers)):
+            engines.restart(index)
+    following = next(_versions)
+    assert_served_exactly(trainer.call("push", sync="loopback", transport="broadcast", mode="full",
+                                       version=following, timeout_s=FAULT_TIMEOUT_S), following)
+    trainer.call("close", sync="loopback")
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_engine_host_killed_mid_push(transport: str, trainer: Trainer, engines: Engines) -> None:
     sync = f"{transport}-kill"

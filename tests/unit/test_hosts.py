@@ -33,3 +33,16 @@ def test_broadcast_hosted_on_loopback_for_an_engine_elsewhere_is_refused_when_bu
     engine = ws.SGLangEngine(f"http://{ELSEWHERE}:30000")
     with pytest.raises(ValueError, match="master_address='127.0.0.1', this host's loopback: pass master_address="):
         ws.WeightSync([engine], transport="broadcast")
+
+
+def test_a_mesh_that_did_not_form_says_what_to_set() -> None:
+    from weightsync.groups import _mesh_hint
+
+    refused = ("Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+               "remote=[127.0.0.1]:16770")
+    hint = _mesh_hint(refused, "10.0.0.2")
+    assert "this rank bound 10.0.0.2" in hint or "GLOO_SOCKET_IFNAME" in hint
+    assert "a peer advertised a loopback address" in hint
+    assert "set GLOO_SOCKET_IFNAME to its interface towards the trainer" in hint
+    assert "master_address" in _mesh_hint("Gloo connectFullMesh failed: Connect timeout", "10.0.0.2")
+    assert _mesh_hint("some other failure", "10.0.0.2") == ""
