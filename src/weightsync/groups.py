@@ -10,13 +10,23 @@ group, and several update groups can coexist in one process.
 
 Both sides use this module: the broadcast transport (trainer), the embedded
 server and the vLLM worker extension (engines).
+
+Across hosts, each gloo rank binds the address peers can reach it at: the
+trainer `master_address`, an engine its own address on the route to
+`master_address` (`weightsync.hosts.local_address_towards`). gloo's own default
+binds whatever this host's name resolves to, often a loopback address in
+/etc/hosts, which peers on other hosts cannot connect to. A user who sets
+GLOO_SOCKET_IFNAME keeps torch's behaviour (that interface).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +39,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 from weightsync.errors import SyncTimeoutError, WeightSyncError
+from weightsync.hosts import local_address_towards
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +57,8 @@ class UpdateGroup:
     world_size: int
     group_name: str
     backend: str
+    bind_address: str = ""
+    """The address this rank's gloo device binds (the trainer's: master_address)."""
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, timeout_s: float) -> None:
         """Broadcast `tensor` from `src`; raises SyncTimeoutError past `timeout_s`."""
@@ -77,8 +90,12 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
 
 
 def _new_group(store: dist.Store, *, rank: int, world_size: int, group_name: str,
-               backend: str, timeout_s: float) -> dist.ProcessGroup:
+               backend: str, timeout_s: float, bind_address: str) -> dist.ProcessGroup:
+    """The group as rank `rank`; a gloo rank binds `bind_address` (see the module docstring)."""
     prefix_store = PrefixStore(group_name, store)
+    options = None
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        backend, options = _bound_gloo_backend(), bind_address
     pg, _ = _new_process_group_helper(
         world_size,
         rank,
@@ -86,10 +103,31 @@ def _new_group(store: dist.Store, *, rank: int, world_size: int, group_name: str
         Backend(backend),
         prefix_store,
         group_name=group_name,  # type: ignore[arg-type]
+        backend_options=options,
         timeout=timedelta(seconds=timeout_s),
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+BOUND_GLOO = "weightsync_gloo"
+"""gloo with its device bound to one address, registered with torch.distributed on first use."""
+_register_lock = threading.Lock()
+
+
+def _bound_gloo_backend() -> str:
+    with _register_lock:
+        if BOUND_GLOO.upper() not in Backend._plugins:
+            Backend.register_backend(BOUND_GLOO, _create_bound_gloo, extended_api=True, devices=["cpu"])
+    return BOUND_GLOO
+
+
+def _create_bound_gloo(options: Any, bind_address: str) -> dist.ProcessGroupGloo:
+    """torch's backend factory: `ProcessGroupGloo` whose one device binds `bind_address`."""
+    gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gloo_options._timeout = options.timeout
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address)]
+    return dist.ProcessGroupGloo(options.store, options.group_rank, options.group_size, gloo_options)
 
 
 def host_group(*, master_address: str, world_size: int, group_name: str, backend: str,
@@ -104,7 +142,7 @@ def host_group(*, master_address: str, world_size: int, group_name: str, backend
         timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
     )
     holder = UpdateGroup(group=None, store=store, rank=0, world_size=world_size,  # type: ignore[arg-type]
-                         group_name=group_name, backend=backend)
+                         group_name=group_name, backend=backend, bind_address=master_address)
     return holder, store.port
 
 
@@ -112,10 +150,12 @@ def finish_hosting(holder: UpdateGroup, *, timeout_s: float) -> UpdateGroup:
     """Trainer side, step 2: form the group as rank 0 (blocks until all ranks join)."""
     try:
         holder.group = _new_group(holder.store, rank=0, world_size=holder.world_size,
-                                  group_name=holder.group_name, backend=holder.backend, timeout_s=timeout_s)
+                                  group_name=holder.group_name, backend=holder.backend, timeout_s=timeout_s,
+                                  bind_address=holder.bind_address)
     except RuntimeError as e:
         raise SyncTimeoutError(
             f"weight-update group {holder.group_name!r} did not form within {timeout_s:.1f}s: {e}"
+            f"{_mesh_hint(str(e), holder.bind_address)}"
         ) from e
     return holder
 
@@ -128,14 +168,33 @@ def join_group(*, master_address: str, master_port: int, rank: int, world_size: 
     if not 0 < rank < world_size:
         raise ValueError(f"engine rank {rank} must be in 1..{world_size - 1} (rank 0 is the trainer)")
     init_method = f"tcp://{master_address}:{master_port}"
+    bind_address = local_address_towards(master_address)
     try:
         store, rank, world_size = next(
             rendezvous(init_method, rank, world_size, timeout=timedelta(seconds=timeout_s))
         )
         store.set_timeout(timedelta(seconds=timeout_s))
         pg = _new_group(store, rank=rank, world_size=world_size, group_name=group_name,
-                        backend=backend, timeout_s=timeout_s)
+                        backend=backend, timeout_s=timeout_s, bind_address=bind_address)
     except RuntimeError as e:
-        raise SyncTimeoutError(f"joining group {group_name!r} at {init_method} failed: {e}") from e
+        raise SyncTimeoutError(f"joining group {group_name!r} at {init_method} failed: {e}"
+                               f"{_mesh_hint(str(e), bind_address)}") from e
     return UpdateGroup(group=pg, store=store, rank=rank, world_size=world_size,
-                       group_name=group_name, backend=backend)
+                       group_name=group_name, backend=backend, bind_address=bind_address)
+
+
+def _mesh_hint(text: str, bind_address: str) -> str:
+    """What to check when gloo's ranks could not connect to each other."""
+    if "connectFullMesh" not in text:
+        return ""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    here = (f"this rank's gloo device is on interface {interface!r} (GLOO_SOCKET_IFNAME)" if interface
+            else f"this rank bound {bind_address}")
+    if "remote=[127." in text or "remote=[::1]" in text:
+        return (f" ({here}; a peer advertised a loopback address, so its gloo device is bound to loopback: "
+                "on that peer's host set GLOO_SOCKET_IFNAME to its interface towards the trainer, or unset it "
+                "(weightsync's own engines then bind the address on their route to master_address))")
+    return (f" ({here}; every rank must bind an address the others reach: weightsync's ranks bind the one on "
+            "their route to master_address, so check that master_address is an address of the trainer the "
+            "engines reach; an engine that is not weightsync's, e.g. a stock SGLang, binds what its host name "
+            "resolves to unless GLOO_SOCKET_IFNAME names its interface towards the trainer)")

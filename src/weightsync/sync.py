@@ -57,6 +57,7 @@ from weightsync.errors import (
     SyncTimeoutError,
     WeightSyncError,
 )
+from weightsync.hosts import is_local_host, is_loopback, local_address_towards, url_host
 from weightsync.integrity import ack_problems, digest
 from weightsync.modes import ModeOptions, PushMode, Selection, make_mode, make_source
 from weightsync.naming import rename
@@ -64,7 +65,7 @@ from weightsync.owners import session_owner
 from weightsync.pipeline import Stages, stream_buckets
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.transports import TRANSPORTS, make_transport
+from weightsync.transports import TRANSPORTS, make_transport, transport_class
 from weightsync.transports.base import NUM_SLOTS, Transport
 from weightsync.types import (
     MODES,
@@ -209,6 +210,7 @@ class WeightSync:
         if self.ranks.is_sender:
             self._check_engines()
             self._make_transport()  # now: a missing transport option fails here, not at the first push
+            self._check_hosts()
         self._links: list[Link] | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines) + 1), thread_name_prefix="weightsync")
         self._caps: list[EngineCapabilities] | None = None
@@ -593,6 +595,39 @@ class WeightSync:
         if self.config.disk_root is not None:
             Path(self.config.disk_root).mkdir(parents=True, exist_ok=True)
 
+    def _check_hosts(self) -> None:
+        """Engines whose URL is not an address of this host cannot take a transport that
+        works on one host only (shm), nor reach a broadcast group hosted on loopback:
+        refused here, naming what works. An engine whose host does not resolve is left to
+        fail when contacted."""
+        transport = self._make_transport()
+        same_host_only = getattr(transport, "same_host_only", False)
+        master = getattr(transport, "master_address", None)
+        on_loopback = isinstance(master, str) and is_loopback(master)
+        if not (same_host_only or on_loopback):
+            return
+        for e in self.engines:
+            url = getattr(e, "url", None)
+            host = url_host(url) if isinstance(url, str) else None
+            try:
+                if host is None or is_local_host(host):
+                    continue
+            except ValueError:
+                continue
+            if same_host_only:
+                allowed = e.lora_transports if self._mode.sends_adapter else e.transports
+                works = [t for t in sorted(allowed) if not getattr(transport_class(t), "same_host_only", False)]
+                raise ValueError(
+                    f"{e.label} is on another host ({host} is not an address of this host), and "
+                    f"transport={self.config.transport!r} reaches engines on the trainer's host only; use one "
+                    f"of {', '.join(works)} (disk: a directory both hosts see; broadcast: master_address= an "
+                    "address of this host the engine reaches)")
+            try:
+                towards = f"master_address={local_address_towards(host)!r} (this host's address on the route to {host})"
+            except ValueError:
+                towards = "master_address= an address of this host"  # no route from here: name none
+            raise ValueError(f"{e.label} is on another host and cannot reach master_address={master!r}, this "
+                             f"host's loopback: pass {towards} or another address of this host the engine reaches")
 
 class _Refused(Exception):
     """An engine refused the manifest at begin and the mode chose to plan again."""

@@ -113,6 +113,8 @@ class VLLMEngine:
 
     transports = _FetchedByWorkers()
     lora_transports = _FetchedByWorkers()
+    url: str | None = None
+    """The server form's URL; None in-process (the engine runs on the trainer's host)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  label: str | None = None, num_ranks: int | None = None) -> None:
@@ -122,7 +124,8 @@ class VLLMEngine:
         needed unless given.
         """
         self._backend: _Backend = _Server(url, api_key=api_key, timeout_s=timeout_s)
-        self.label = label or url.rstrip("/")
+        self.url = url.rstrip("/")
+        self.label = label or self.url
         self.timeout_s = timeout_s
         self._init_state(num_ranks)
 

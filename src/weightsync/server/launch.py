@@ -94,6 +94,7 @@ def launch_server(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120.0,
     log_dir: str | os.PathLike[str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> ServerProcess:
     """Run `python -m weightsync serve --model DIR --port 0 *args` and wait for /health.
 
@@ -101,9 +102,15 @@ def launch_server(
     temporary log file, removed on close unless `log_dir` is given. Raises
     ServerStartError (with the log tail) if it exits or does not answer
     within `timeout_s`.
+
+    `prefix` goes before the command and must exec it in place (so signals reach
+    the server), e.g. `["ip", "netns", "exec", "NS"]` for a server in another
+    network namespace. /health is then not asked from here (this process may not
+    reach that namespace): the listening line is printed once the socket
+    accepts connections.
     """
     log_path = Path(tempfile.mkstemp(prefix="weightsync-serve-", suffix=".log", dir=log_dir)[1])
-    command = [sys.executable, "-m", "weightsync", "serve", "--model", str(model_dir), "--port", "0", *args]
+    command = [*prefix, sys.executable, "-m", "weightsync", "serve", "--model", str(model_dir), "--port", "0", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=full_env,
@@ -112,7 +119,8 @@ def launch_server(
     server = ServerProcess(process, "", log_path, delete_log=log_dir is None)
     try:
         server.url = _wait_for_url(process, deadline)
-        _wait_for_health(server, deadline)
+        if not prefix:
+            _wait_for_health(server, deadline)
     except ServerStartError as e:
         tail = server.log_text()[-4000:]
         server.close()

@@ -268,6 +268,9 @@ class SlotBuffers:
 class TransportDefaults:
     """No-op verbs for transports whose bytes travel inside the engines' receive calls."""
 
+    same_host_only: ClassVar[bool] = False
+    """Engines must run on the trainer's host (shm); `WeightSync` refuses others when built."""
+
     @property
     def buffer_device(self) -> torch.device:
         return torch.device("cpu")

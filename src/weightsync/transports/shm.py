@@ -107,6 +107,7 @@ class ShmTransport(TransportDefaults):
     per_bucket_delivery: ClassVar[bool] = True
     adapter_in_one_bucket: ClassVar[bool] = False
     survives_failure: ClassVar[bool] = True
+    same_host_only: ClassVar[bool] = True
 
     def __init__(self, *, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s

