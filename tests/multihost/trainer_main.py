@@ -12,7 +12,7 @@ while this process keeps its `WeightSync`s between them:
     {"op": "build", "engine": 1, "transport": "shm", "options": {}}   construct a sync; its refusal
     {"op": "close", "sync": "b"}
 
-Only the faults are injected (`HookedTransport` runs a command, e.g. a link cut, or
+Only the faults are injected (`FaultyTransport`'s "call" fault runs a command, e.g. a link cut, or
 kills an engine, once, just before bucket `at_bucket` goes out); the rest is the
 public API against real servers on other "hosts".
 """
@@ -37,34 +37,11 @@ from transformers import AutoModelForCausalLM
 import weightsync as ws
 from weightsync.integrity import digest
 from weightsync.transports import make_transport
-from weightsync.types import BucketMeta, Delivery
+from weightsync_tools.faults.inject import FaultyTransport
 
 PROMPTS = [[5, 17, 42, 7], [300, 2, 99], [11, 12, 13, 14]]
 BUCKET_BYTES = 256 << 10
 """The tiny model (~1.7 MB) goes as several buckets, so a fault lands mid-stream."""
-
-
-class HookedTransport:
-    """A real transport that calls `action` once, just before bucket `at_bucket` is delivered."""
-
-    def __init__(self, inner: Any, at_bucket: int, action: Callable[[], None]) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.per_bucket_delivery = inner.per_bucket_delivery
-        self.adapter_in_one_bucket = inner.adapter_in_one_bucket
-        self.survives_failure = inner.survives_failure
-        self.buffer_device = inner.buffer_device
-        self.at_bucket = at_bucket
-        self.action: Callable[[], None] | None = action
-
-    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
-        if self.action is not None and bucket.index == self.at_bucket:
-            action, self.action = self.action, None
-            action()
-        return self.inner.deliver(bucket, buffer, slot)
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.inner, attr)
 
 
 class Trainer:
@@ -128,9 +105,10 @@ class Trainer:
             self.syncs[name] = sync
         fault = cmd.get("fault")
         if fault is not None:
-            inner = transport.inner if isinstance(transport, HookedTransport) else transport
-            sync._transport = HookedTransport(inner, fault["at_bucket"], _action(fault))  # type: ignore[assignment]
-        elif isinstance(transport, HookedTransport):
+            inner = transport.inner if isinstance(transport, FaultyTransport) else transport
+            sync._transport = FaultyTransport(inner, "call", at_bucket=fault["at_bucket"],  # type: ignore[assignment]
+                                              on_fire=_action(fault))
+        elif isinstance(transport, FaultyTransport):
             sync._transport = transport.inner
         return sync
 

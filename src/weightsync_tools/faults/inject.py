@@ -50,7 +50,9 @@ class FaultyTransport:
     slot advertised shorter than the bucket); "stop" (SIGSTOP) or "kill" the engine
     just before the bucket goes out (`rig.stop()`, `rig.kill()`: a `Rig` or anything
     with those methods); "block" before delivering or "block-send" before
-    broadcasting: call `on_fire`, then wait for `release` (a trainer stuck there).
+    broadcasting: call `on_fire`, then wait for `release` (a trainer stuck there);
+    "call": call `on_fire` just before the bucket goes out, then deliver it (a fault
+    made elsewhere at that moment, e.g. a network link cut).
     """
 
     def __init__(self, inner: Transport, fault: str, *, at_bucket: int = 1, at_push: int = 1,
@@ -122,6 +124,8 @@ class FaultyTransport:
         elif self.fault == "block":
             self._fire()
             self.release.wait(self.block_s)
+        elif self.fault == "call":
+            self._fire()
         elif self.fault == "truncate":
             return self._truncate(bucket, buffer, slot)
         return self.inner.deliver(bucket, buffer, slot)
