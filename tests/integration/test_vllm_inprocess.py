@@ -43,12 +43,8 @@ def engine(model_dir: Path) -> Iterator[VLLMEngine]:
     llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, gpu_memory_utilization=0.1,
               enforce_eager=True, seed=0, **vf.ENGINE_ARGS)
     print(f"\nvLLM in-process start: {time.perf_counter() - started:.1f}s")
-    engine = VLLMEngine.from_llm(llm)
-    try:
+    with vf.engine_of(llm) as engine:
         yield engine
-    finally:
-        engine.close()
-        llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "shm", "disk"])

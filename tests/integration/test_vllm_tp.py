@@ -49,12 +49,8 @@ def engine(model_dir: Path) -> Iterator[VLLMEngine]:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
-    engine = VLLMEngine.from_llm(llm)
-    try:
+    with vf.engine_of(llm) as engine:
         yield engine
-    finally:
-        engine.close()
-        llm.llm_engine.engine_core.shutdown()
 
 
 def test_two_ranks_join_as_two(engine: VLLMEngine) -> None:

@@ -7,7 +7,8 @@ reads the engine's current version and pushes a newer one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,16 @@ def assert_verified(report: Any, version: int) -> None:
     assert report.version == version
     assert report.acks and all(a.version == version for a in report.acks)
     assert all(d is not None for a in report.acks for d in a.digests)
+
+
+@contextmanager
+def engine_of(llm: Any) -> Iterator[Any]:
+    """A `VLLMEngine` over an in-process `LLM`, closed and the LLM's engine core shut down after."""
+    from weightsync.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine.from_llm(llm)
+    try:
+        yield engine
+    finally:
+        engine.close()
+        llm.llm_engine.engine_core.shutdown()

@@ -30,12 +30,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
 import weightsync as ws
 from weightsync.integrity import digest
+from weightsync.server.launch import wait_for_health
 from weightsync.transports import make_transport
 from weightsync_tools.faults.inject import FaultyTransport
 
@@ -54,7 +54,7 @@ class Trainer:
         self.known: dict[int, dict[str, str]] = {0: self._digests()}
         """version -> digests of every base tensor pushed as that version (0: the model dir's)."""
         for url in spec["engines"]:
-            _wait_healthy(url, spec.get("start_timeout_s", 120.0))
+            wait_for_health(url, time.monotonic() + spec.get("start_timeout_s", 120.0))
 
     def _digests(self) -> dict[str, str]:
         return {name: digest(t.detach().contiguous()) for name, t in self.model.state_dict().items()
@@ -171,19 +171,6 @@ def _match(served: dict[str, str], known: dict[int, dict[str, str]]) -> int | No
         if all(served.get(n) == d for n, d in digests.items()):
             return version
     return None
-
-
-def _wait_healthy(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer /health within {timeout_s}s")
-        time.sleep(0.1)  # polling interval: /health decides
 
 
 def main() -> int:

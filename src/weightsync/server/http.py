@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from weightsync.errors import ManifestMismatchError, SyncTimeoutError, WeightSyncError
+from weightsync.server.config import ServerConfig
 from weightsync.server.errors import ConflictError
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,12 @@ def require_admin(request: Request, key: str | None) -> None:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise HTTPError(401, "this route needs the admin key: send 'Authorization: Bearer <admin key>'")
     request.state.admin = True  # its refusals may mark the served weights torn (server.coverage)
+
+
+async def admin_json(request: Request, config: ServerConfig) -> dict[str, Any]:
+    """The JSON body of a mutating route: the admin key checked, then the body read within the size limit."""
+    require_admin(request, config.admin_api_key)
+    return await read_json(request, config.max_json_bytes)
 
 
 def field_str(body: Mapping[str, Any], key: str, *, default: str | None = None, required: bool = False) -> str | None:

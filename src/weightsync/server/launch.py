@@ -120,7 +120,7 @@ def launch_server(
     try:
         server.url = _wait_for_url(process, deadline)
         if not prefix:
-            _wait_for_health(server, deadline)
+            wait_for_health(server.url, deadline, server.process)
     except ServerStartError as e:
         tail = server.log_text()[-4000:]
         server.close()
@@ -156,19 +156,22 @@ def _wait_for_url(process: subprocess.Popen[str], deadline: float) -> str:
             return match.group(1)
 
 
-def _wait_for_health(server: ServerProcess, deadline: float) -> None:
+def wait_for_health(url: str, deadline: float, process: subprocess.Popen[str] | None = None) -> None:
+    """Return once `url` answers /health with 200 (before the monotonic `deadline`);
+    ServerStartError when `process` (the server, if this side started it) exits first
+    or the deadline passes."""
     import httpx
 
     delay = 0.05
     while True:
-        if server.process.poll() is not None:
-            raise ServerStartError(f"weightsync serve exited with code {server.process.returncode}")
+        if process is not None and process.poll() is not None:
+            raise ServerStartError(f"weightsync serve exited with code {process.returncode}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=5.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise ServerStartError(f"weightsync serve at {server.url} did not answer /health in time")
+            raise ServerStartError(f"weightsync serve at {url} did not answer /health in time")
         time.sleep(delay)  # polling interval, not synchronisation: /health decides
         delay = min(delay * 2, 0.5)

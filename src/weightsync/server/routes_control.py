@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weightsync.server.http import HTTPError, answer, field_bool, field_str, read_json, require_admin
+from weightsync.server.http import HTTPError, admin_json, answer, field_bool, field_str
 from weightsync.server.memory import WEIGHTS, parse_tags
 from weightsync.server.state import ServerState
 
@@ -35,11 +35,6 @@ WEIGHT_ROUTES = frozenset({
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     app.add_middleware(ReleasedWeightsGate, state=state)
-    limit = state.config.max_json_bytes
-
-    async def admin_json(request: Request) -> dict[str, Any]:
-        require_admin(request, state.config.admin_api_key)
-        return await read_json(request, limit)
 
     @app.get("/server_info")
     async def server_info(request: Request) -> dict[str, Any]:
@@ -52,7 +47,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> JSONResponse:
-        body = await admin_json(request)
+        body = await admin_json(request, state.config)
         rid = field_str(body, "rid", default="")
         if field_bool(body, "abort_all", False):
             count = await run_in_threadpool(state.scheduler.abort_all, "aborted by /abort_request (abort_all)")
@@ -64,13 +59,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request) -> JSONResponse:
-        tags = parse_tags((await admin_json(request)).get("tags"))
+        tags = parse_tags((await admin_json(request, state.config)).get("tags"))
         result = await run_in_threadpool(state.memory.release, tags)
         return answer(f"released {tags}", **result)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request) -> JSONResponse:
-        body = await admin_json(request)
+        body = await admin_json(request, state.config)
         # No tags: every tag, which here means every released one.
         tags = sorted(state.memory.released) if body.get("tags") in (None, []) else parse_tags(body["tags"])
         result = await run_in_threadpool(state.memory.resume, tags)

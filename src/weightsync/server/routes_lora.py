@@ -14,11 +14,10 @@ from weightsync.errors import IntegrityError, format_names
 from weightsync.server import ingest, lora
 from weightsync.server.http import (
     HTTPError,
+    admin_json,
     answer,
     field_bool,
     field_str,
-    read_json,
-    require_admin,
 )
 from weightsync.server.routes_updates import confined_dir
 from weightsync.server.state import ServerState
@@ -26,15 +25,15 @@ from weightsync.types import Manifest
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    async def admin_json(request: Request) -> dict[str, Any]:
-        require_admin(request, state.config.admin_api_key)
+    async def lora_json(request: Request) -> dict[str, Any]:
+        body = await admin_json(request, state.config)
         if state.lora_store is None:
             raise HTTPError(400, "LoRA is not enabled; start the server with --enable-lora")
-        return await read_json(request, state.config.max_json_bytes)
+        return body
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> JSONResponse:
-        body = await admin_json(request)
+        body = await lora_json(request)
         name = _lora_name(body)
         lora_path = field_str(body, "lora_path", required=True)
         assert lora_path is not None
@@ -51,7 +50,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(request: Request) -> JSONResponse:
-        body = await admin_json(request)
+        body = await lora_json(request)
         name = _lora_name(body)
         config = body.get("config_dict")
         if not isinstance(config, dict):
@@ -78,7 +77,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> JSONResponse:
-        body = await admin_json(request)
+        body = await lora_json(request)
         name = _lora_name(body)
         store = state.lora_store
         assert store is not None

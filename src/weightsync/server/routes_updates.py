@@ -38,6 +38,7 @@ from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
 from weightsync.server.http import (
     HTTPError,
+    admin_json,
     answer,
     field_bool,
     field_int,
@@ -75,11 +76,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         _add_weightsync_routes(app, state)
 
 
-async def _admin_json(request: Request, state: ServerState) -> dict[str, Any]:
-    require_admin(request, state.config.admin_api_key)
-    return await read_json(request, state.config.max_json_bytes)
-
-
 def _staged_answer(state: ServerState, result: StageResult, **extra: Any) -> JSONResponse:
     """SGLang's answer; with weightsync's routes on, it also carries the ack of an applied update."""
     if result.ack is not None and state.config.weightsync_routes:
@@ -108,19 +104,24 @@ def _serving_dtype(metas: Iterable[TensorMeta]) -> str | None:
     return dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
 
 
+def _pause_mode(mode: str | None) -> str:
+    """`mode` if it is one of SGLang's pause modes; a 400 naming them otherwise."""
+    if mode not in PAUSE_MODES:
+        raise HTTPError(400, f"unknown pause mode {mode!r}; one of {list(PAUSE_MODES)}")
+    return mode
+
+
 def _add_generation_control(app: FastAPI, state: ServerState) -> None:
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
-        mode = field_str(body, "mode", default="abort")
-        if mode not in PAUSE_MODES:
-            raise HTTPError(400, f"unknown pause mode {mode!r}; one of {list(PAUSE_MODES)}")
+        body = await admin_json(request, state.config)
+        mode = _pause_mode(field_str(body, "mode", default="abort"))
         affected = await run_in_threadpool(state.scheduler.pause, mode)
         return answer(f"generation paused ({mode}); {affected} request(s) affected", num_paused_requests=affected)
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> JSONResponse:
-        await _admin_json(request, state)
+        await admin_json(request, state.config)
         state.scheduler.resume()
         return answer("generation continued")
 
@@ -130,17 +131,17 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:
-        await _admin_json(request, state)
+        await admin_json(request, state.config)
         return answer(await run_in_threadpool(updater.begin_sglang))
 
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request) -> JSONResponse:
-        await _admin_json(request, state)
+        await admin_json(request, state.config)
         return _staged_answer(state, await run_in_threadpool(updater.end_sglang))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
+        body = await admin_json(request, state.config)
         model_path = field_str(body, "model_path", required=True)
         assert model_path is not None
         label = weight_version_field(body)
@@ -159,7 +160,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
+        body = await admin_json(request, state.config)
         label = weight_version_field(body)
         load_format = field_str(body, "load_format")
 
@@ -172,7 +173,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
+        body = await admin_json(request, state.config)
         label = weight_version_field(body, "new_version")
         if label is None:
             raise HTTPError(400, "missing required field 'new_version'")
@@ -194,7 +195,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
 def _add_group_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
+        body = await admin_json(request, state.config)
         address = field_str(body, "master_address", required=True)
         port = field_int(body, "master_port", required=True)
         world_size = field_int(body, "world_size", required=True)
@@ -218,7 +219,7 @@ def _add_group_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
+        body = await admin_json(request, state.config)
         group_name = field_str(body, "group_name", default="weight_update_group")
         with state.groups_lock:
             joined = state.groups.pop(str(group_name), None)
@@ -229,7 +230,7 @@ def _add_group_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
+        body = await admin_json(request, state.config)
         group_name = field_str(body, "group_name", default="weight_update_group")
         with state.groups_lock:
             joined = state.groups.get(str(group_name))
@@ -318,7 +319,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post(BeginRequest.ROUTE)
     async def begin(request: Request) -> JSONResponse:
-        manifest = BeginRequest.from_json(await _admin_json(request, state)).manifest
+        manifest = BeginRequest.from_json(await admin_json(request, state.config)).manifest
         preempted = await run_in_threadpool(updater.begin, manifest)
         return answer(f"update v{manifest.version} begun ({len(manifest.buckets)} bucket(s))", preempted=preempted)
 
@@ -347,27 +348,27 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post(ShmBucketRequest.ROUTE)
     async def shm_bucket(request: Request) -> JSONResponse:
-        body = ShmBucketRequest.from_json(await _admin_json(request, state))
+        body = ShmBucketRequest.from_json(await admin_json(request, state.config))
         digest_hex = await run_in_threadpool(_stage_from_shm, state, body)
         return answer("bucket staged", digest=digest_hex)
 
     @app.post(ReceiveRequest.ROUTE)
     async def receive(request: Request) -> JSONResponse:
-        body = await _admin_json(request, state)
+        body = await admin_json(request, state.config)
         digest_hex = await run_in_threadpool(_stage_fetched, state, body)
         return answer("bucket staged", digest=digest_hex)
 
     @app.post(CommitRequest.ROUTE)
     async def commit(request: Request) -> JSONResponse:
-        body = CommitRequest.from_json(await _admin_json(request, state))
-        if body.pause is not None and body.pause not in PAUSE_MODES:
-            raise HTTPError(400, f"unknown pause mode {body.pause!r}; one of {list(PAUSE_MODES)}")
+        body = CommitRequest.from_json(await admin_json(request, state.config))
+        if body.pause is not None:
+            _pause_mode(body.pause)
         ack = await run_in_threadpool(_commit, state, body)
         return answer(f"v{body.version} committed", ack=ack.to_wire())
 
     @app.post(AbortRequest.ROUTE)
     async def abort(request: Request) -> JSONResponse:
-        body = AbortRequest.from_json(await _admin_json(request, state))
+        body = AbortRequest.from_json(await admin_json(request, state.config))
         dropped = updater.abort(body.version, owner=body.owner)
         return answer(f"update v{body.version} aborted" if dropped else "nothing to abort", aborted=dropped)
 
