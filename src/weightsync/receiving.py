@@ -81,6 +81,11 @@ class Applier(Protocol):
         """The served weight version."""
         ...
 
+    def not_one_version(self) -> str | None:
+        """Why the served weights are not wholly `version`'s, so a delta on top of it
+        must be refused; None when they are."""
+        ...
+
     def expected(self) -> Mapping[str, TensorMeta] | None:
         """hf_name -> dtype and shape of every weight a full update must send (a delta
         sends a subset); None where the engine cannot tell (no dry run)."""
@@ -277,6 +282,9 @@ class UpdateSession:
         if manifest.mode == "delta":
             if self.rules.refuse_delta is not None:
                 raise ConflictError(self.rules.refuse_delta)
+            if (mixed := self.applier.not_one_version()) is not None:
+                raise ConflictError(f"delta update v{manifest.version} refused: {self.engine} serves "
+                                    f"v{self.applier.version} in name only, {mixed}; send a full update")
             if manifest.base_version != self.applier.version:
                 raise ConflictError(
                     f"delta update v{manifest.version} applies on top of v{manifest.base_version}, "

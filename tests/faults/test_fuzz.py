@@ -64,6 +64,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "/abort_request": ("rid", "abort_all"),
     "/release_memory_occupation": ("tags",),
     "/resume_memory_occupation": ("tags",),
+    "/weights_checker": ("action", "allow_quant_error", "skip_tensor_list", "selector"),
 }
 ALLOWED_5XX = {"/init_weights_update_group": {504}}
 
@@ -114,7 +115,9 @@ def field_values(name: str, ctx: dict[str, Any]) -> st.SearchStrategy[Any]:
     version_like = st.one_of(st.just(ctx["version"]), ints)
     typed: dict[str, st.SearchStrategy[Any]] = {
         "mode": st.sampled_from(["abort", "retract", "in_place", "keep", ""]),
-        "selector": st.sampled_from(["all", "none", ""]),
+        "selector": st.sampled_from(["all", "target", "draft", "none", ""]),
+        "action": st.sampled_from(["snapshot", "reset_tensors", "compare", "checksum", "pre_update", ""]),
+        "skip_tensor_list": st.one_of(st.none(), st.lists(names, max_size=3)),
         "model_path": st.sampled_from([ctx["root"], f"{ctx['root']}/missing", f"{ctx['root']}/../..", "/", "",
                                        "/proc/self", "relative/dir", "model_path\x00"]),
         "lora_path": st.sampled_from([ctx["root"], f"{ctx['root']}/../..", "/etc", "", "relative"]),
@@ -152,7 +155,7 @@ def field_values(name: str, ctx: dict[str, Any]) -> st.SearchStrategy[Any]:
         typed[key] = version_like
     for key in ("index", "slot", "slot_bytes", "num_slots", "weightsync_bucket", "rank_offset", "world_size"):
         typed[key] = ints
-    for key in ("flush_cache", "abort_all_requests", "pinned", "abort_all"):
+    for key in ("flush_cache", "abort_all_requests", "pinned", "abort_all", "allow_quant_error"):
         typed[key] = bools
     typed["weightsync_digest"] = typed["digest"]
     strategy = typed.get(name, json_values)
@@ -246,8 +249,9 @@ def initial(admin: httpx.Client) -> dict[str, str]:
 def still_serving(admin: httpx.Client, initial: dict[str, str], restore: str) -> None:
     admin.post("/continue_generation", json={})  # undo a fuzzed pause
     admin.post("/weightsync/abort", json={})  # and a fuzzed session
-    if admin.post("/resume_memory_occupation", json={}).json().get("success"):  # and a fuzzed release:
-        # released weights are gone, as on SGLang; the next update brings them back
+    admin.post("/resume_memory_occupation", json={})  # and a fuzzed release
+    if admin.get("/weightsync/info").json()["torn"]:
+        # released or reset weights are gone, as on SGLang; the next update brings them back
         assert admin.post("/update_weights_from_disk", json={"model_path": restore}).status_code == 200
     assert admin.get("/health").status_code == 200
     answer = admin.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})

@@ -6,10 +6,12 @@ dependencies; so the packages on the way are registered as empty packages pointi
 wheel's folders, and:
 - `sglang/srt/weight_sync/tensor_bucket.py` (FlattenedTensorBucket) is imported as it is
   (it needs only torch);
-- `LocalSerializedTensor` (model_runner_components/weight_updater.py) and
-  `MultiprocessingSerializer` (utils/common.py) live in modules whose imports need a GPU
-  stack: their class definitions are taken from those files' source, unchanged, and run in
-  a module of the same name (so pickles name them as SGLang's own pickles do).
+- `LocalSerializedTensor` (model_runner_components/weight_updater.py),
+  `MultiprocessingSerializer` (utils/common.py), and the weight checker's checksum
+  functions (`_hash_tensor`, `overall_checksum` in utils/weight_checker.py, `tensor_hash`
+  in managers/mm_utils.py) live in modules whose imports need a GPU stack: their
+  definitions are taken from those files' source, unchanged, and run in a module of the
+  same name (so pickles name them as SGLang's own pickles do).
 
 `loaded()` undoes the registration on exit: nothing named `sglang` stays in sys.modules.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import hashlib
 import importlib
 import io
 import os
@@ -31,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 SGLANG_VERSION = "0.5.23"
 WHEEL_DIR = Path(__file__).resolve().parents[2] / ".peer" / "sglang"
 UPDATER_MODULE = "sglang.srt.model_executor.model_runner_components.weight_updater"
 COMMON_MODULE = "sglang.srt.utils.common"
+CHECKER_MODULE = "sglang.srt.utils.weight_checker"
+HASH_MODULE = "sglang.srt.managers.mm_utils"
 
 
 def _package(name: str) -> types.ModuleType:
@@ -44,25 +50,25 @@ def _package(name: str) -> types.ModuleType:
     return module
 
 
-def _class_from_source(module_name: str, class_name: str, namespace: dict[str, Any]) -> Any:
-    """Run the source of `class_name` (decorators included) from the wheel's file of
-    `module_name` in a module of that name, registered in sys.modules."""
+def _from_source(module_name: str, name: str, namespace: dict[str, Any]) -> Any:
+    """Run the source of class or function `name` (decorators included) from the wheel's
+    file of `module_name` in a module of that name, registered in sys.modules."""
     path = WHEEL_DIR.joinpath(*module_name.split(".")).with_suffix(".py")
     tree = ast.parse(path.read_text())
-    nodes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
-    assert len(nodes) == 1, f"{path}: expected one class {class_name}, found {len(nodes)}"
+    nodes = [n for n in tree.body if isinstance(n, ast.ClassDef | ast.FunctionDef) and n.name == name]
+    assert len(nodes) == 1, f"{path}: expected one definition of {name}, found {len(nodes)}"
     module = sys.modules.get(module_name) or types.ModuleType(module_name)
     module.__dict__.update(namespace)
     sys.modules[module_name] = module
     code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec")
     exec(code, module.__dict__)
-    return module.__dict__[class_name]
+    return module.__dict__[name]
 
 
 @contextmanager
 def loaded() -> Iterator[types.SimpleNamespace]:
-    """SGLang's FlattenedTensorBucket, LocalSerializedTensor and MultiprocessingSerializer
-    (skips the test when the wheel is not installed)."""
+    """SGLang's FlattenedTensorBucket, LocalSerializedTensor, MultiprocessingSerializer and
+    weight-checker checksums (skips the test when the wheel is not installed)."""
     if not (WHEEL_DIR / f"sglang-{SGLANG_VERSION}.dist-info").is_dir():
         message = (f"sglang {SGLANG_VERSION} wheel files not at {WHEEL_DIR}: run scripts/test.sh, which installs "
                    f"them (pip install --no-deps --target .peer/sglang sglang=={SGLANG_VERSION})")
@@ -72,18 +78,22 @@ def loaded() -> Iterator[types.SimpleNamespace]:
     before = {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")}
     assert not before, f"a real sglang is imported ({sorted(before)[:3]}); this loader would shadow it"
     for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", "sglang.srt.model_executor",
-                 "sglang.srt.model_executor.model_runner_components", "sglang.srt.utils"):
+                 "sglang.srt.model_executor.model_runner_components", "sglang.srt.utils", "sglang.srt.managers"):
         sys.modules[name] = _package(name)
     try:
         tensor_bucket = importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
         import pybase64
 
-        serializer = _class_from_source(COMMON_MODULE, "MultiprocessingSerializer", {
+        serializer = _from_source(COMMON_MODULE, "MultiprocessingSerializer", {
             "io": io, "ForkingPickler": ForkingPickler, "pybase64": pybase64})
-        local_tensor = _class_from_source(UPDATER_MODULE, "LocalSerializedTensor", {
+        local_tensor = _from_source(UPDATER_MODULE, "LocalSerializedTensor", {
             "dataclass": dataclass, "List": list, "MultiprocessingSerializer": serializer})
+        tensor_hash = _from_source(HASH_MODULE, "tensor_hash", {"hashlib": hashlib, "torch": torch})
+        checker = {"hashlib": hashlib, "Dict": dict, "tensor_hash": tensor_hash}
         yield types.SimpleNamespace(FlattenedTensorBucket=tensor_bucket.FlattenedTensorBucket,
-                                    LocalSerializedTensor=local_tensor, MultiprocessingSerializer=serializer)
+                                    LocalSerializedTensor=local_tensor, MultiprocessingSerializer=serializer,
+                                    hash_tensor=_from_source(CHECKER_MODULE, "_hash_tensor", checker),
+                                    overall_checksum=_from_source(CHECKER_MODULE, "overall_checksum", checker))
     finally:
         for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
             del sys.modules[name]

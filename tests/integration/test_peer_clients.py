@@ -308,3 +308,102 @@ def test_areal_versioned_lora_from_disk(client: Any, ws: SimpleNamespace, tiny_m
     assert areal_generate(client, "policy-v1")["tokens"] != areal_generate(client, "policy-v2")["tokens"]
     for version in (1, 2):
         assert client.http.post("/unload_lora_adapter", json={"lora_name": f"policy-v{version}"}).status_code == 200
+
+
+def launch_weights(ws: SimpleNamespace, tiny_model: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's own weights, by served (HF) name: what a trainer resumed from it holds."""
+    from weightsync.naming import map_names
+
+    return {p.hf_name: p.param.detach().contiguous() for p in map_names(ws.load_model(tiny_model)).params}
+
+
+def miles_weights_checker(client: Any, action: str) -> Any:
+    # radixark/miles @ 05265438: miles/backends/sglang_utils/sglang_api_client.py check_weights
+    # (POST /weights_checker {"action", "allow_quant_error", "selector"}).
+    return client.http.post("/weights_checker", json={"action": action, "allow_quant_error": False,
+                                                      "selector": "all"})
+
+
+def miles_distributed_update(client: Any, group: Any, group_name: str, weights: dict[str, torch.Tensor],
+                             buckets: list[list[str]], version: int) -> None:
+    # radixark/miles @ 0015b711: update_weight_from_distributed/mixin.py update_weights:
+    # pause_generation(mode) -> flush_cache (mode is not in_place) -> begin_weight_update -> buckets ->
+    # end_weight_update -> continue_generation; broadcast.py update_weights_from_distributed sends each
+    # bucket's names/dtypes/shapes with weight_version=str(version); sglang_engine.py adds flush_cache
+    # False and selector "all". Bodies as miles' SGLangEngine writes them.
+    assert client.http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    assert client.http.get("/flush_cache").status_code == 200
+    assert client.http.post("/begin_weight_update", json={"selector": "all"}).status_code == 200
+    for names in buckets:
+        with ThreadPoolExecutor(1) as pool:
+            receiving = pool.submit(client.http.post, "/update_weights_from_distributed", json={
+                "names": names, "dtypes": [str(weights[n].dtype).replace("torch.", "") for n in names],
+                "shapes": [list(weights[n].shape) for n in names], "group_name": group_name,
+                "flush_cache": False, "selector": "all", "weight_version": str(version)})
+            for name in names:
+                group.broadcast(weights[name], src=0, timeout_s=60)
+            assert receiving.result().status_code == 200, receiving.result().text
+    assert client.http.post("/end_weight_update", json={}).status_code == 200
+    assert client.http.post("/continue_generation", json={}).status_code == 200
+
+
+def test_miles_check_weight_update_equal(client: Any, ws: SimpleNamespace, tiny_model: Path,
+                                        sglang: SimpleNamespace) -> None:
+    # radixark/miles: train.py with --check-weight-update-equal: the rollout manager's engines
+    # snapshot the weights they loaded, reset them, the actor pushes its weights, and
+    # check_weights(action="compare") must find every tensor restored.
+    # sglang_engine.py _init_external: GET /get_server_info, its parallel sizes checked.
+    info = client.http.get("/get_server_info").json()
+    assert (info["tp_size"], info["dp_size"], info["pp_size"]) == (1, 1, 1)
+    assert client.http.post("/update_weights_from_disk", json={"model_path": str(tiny_model)}).status_code == 200
+    weights = launch_weights(ws, tiny_model)
+
+    # broadcast.py connect_rollout_engines_from_distributed: destroy the group first (an engine
+    # without it answers an error, which miles ignores), then init it. miles asks for "nccl"; this
+    # CPU engine refuses it naming 'gloo', which is what a CPU run sends.
+    group_name = "miles-pp_0"
+    assert client.http.post("/destroy_weights_update_group", json={"group_name": group_name}).status_code == 400
+    refused = client.http.post("/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+        "group_name": group_name, "backend": "nccl"})
+    assert refused.status_code == 400 and "'gloo'" in refused.json()["message"]
+    holder, port = host_group(master_address="127.0.0.1", world_size=2, group_name=group_name, backend="gloo",
+                              timeout_s=60)
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(client.http.post, "/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": group_name, "backend": "gloo"})
+        group = finish_hosting(holder, timeout_s=60)
+        assert joining.result().status_code == 200, joining.result().text
+    try:
+        names = sorted(weights)
+        for action in ("snapshot", "reset_tensors"):
+            assert miles_weights_checker(client, action).status_code == 200
+        # Reset weights are no update's: nothing is served from them.
+        assert client.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}).status_code == 503
+        miles_distributed_update(client, group, group_name, weights, [names[: len(names) // 2],
+                                                                      names[len(names) // 2 :]], version=1)
+        compared = miles_weights_checker(client, "compare")
+        assert compared.status_code == 200, compared.text
+        # sglang_api_client.py get_weight_version: /model_info first.
+        assert client.http.get("/model_info").json()["weight_version"] == "1"
+        assert_serves(client, ws, tiny_model, weights, label="1")
+        # The checksum action (sglang weight_checker.py), computed by SGLang's own functions here.
+        checksum = miles_weights_checker(client, "checksum").json()
+        sums = {n: sglang.hash_tensor(t) for n, t in weights.items()}
+        assert checksum["ranks"][0]["checksums"] == sums
+        assert checksum["ranks"][0]["per_gpu_checksum"] == sglang.overall_checksum(sums)
+
+        # A push that leaves one tensor out does not pass the compare, which names it.
+        for action in ("snapshot", "reset_tensors"):
+            assert miles_weights_checker(client, action).status_code == 200
+        miles_distributed_update(client, group, group_name, weights, [names[:-1]], version=2)
+        failed = miles_weights_checker(client, "compare")
+        assert failed.status_code == 400 and repr(names[-1]) in failed.json()["message"], failed.text
+        assert client.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}).status_code == 503
+        # A revert from disk serves the checkpoint again.
+        assert client.http.post("/update_weights_from_disk", json={"model_path": str(tiny_model)}).status_code == 200
+        assert_serves(client, ws, tiny_model, weights)
+    finally:
+        assert client.http.post("/destroy_weights_update_group", json={"group_name": group_name}).status_code == 200
+        group.destroy()

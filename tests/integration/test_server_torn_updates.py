@@ -180,3 +180,27 @@ def test_slime_distributed_buckets_refused_halfway(client: Any, ws: SimpleNamesp
     finally:
         client.ok("/destroy_weights_update_group", {"group_name": group_name})
         group.destroy()
+
+
+def test_a_delta_is_not_applied_on_released_weights(server: Any, client: Any, ws: SimpleNamespace,
+                                                    tiny_model: Path) -> None:
+    # verl's colocated step with a delta-mode trainer: release the engine's weights while training
+    # (/release_memory_occupation), resume them (zeros, same version), push. The version the
+    # engine names is no longer what it holds, so the delta must go out whole, and be served.
+    import weightsync
+
+    model = ws.load_model(tiny_model, ws.perturbed(tiny_model, seed=43))
+    sync = weightsync.WeightSync(engines=[weightsync.SGLangEngine(server.url)], transport="http", mode="delta")
+    try:
+        first = sync.push(model, version=client.version() + 1)
+        assert first.verified and first.mode == "full"
+        client.ok("/release_memory_occupation", {"tags": ["weights"]})
+        client.ok("/resume_memory_occupation", {"tags": ["weights"]})
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.25)
+        second = sync.push(model, version=first.version + 1)
+        assert second.verified and second.mode == "full", second
+        assert client.info()["dirty"] is False and client.info()["torn"] is None
+        assert_generates(client, ws, tiny_model, {n: p.detach() for n, p in model.named_parameters()})
+    finally:
+        sync.close()

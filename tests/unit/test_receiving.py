@@ -30,6 +30,11 @@ class DictApplier:
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.released: list[OpenUpdate] = []
         self.fail_apply = False
+        self.mixed: str | None = None
+        """Why the weights are not one version's (the engine's not_one_version)."""
+
+    def not_one_version(self) -> str | None:
+        return self.mixed
 
     def expected(self) -> dict[str, TensorMeta]:
         return {k: TensorMeta.of(k, v) for k, v in self.weights.items()}
@@ -182,6 +187,10 @@ def test_delta_needs_its_base_or_is_refused_by_rule() -> None:
     s = session(DictApplier(WEIGHTS))
     with pytest.raises(ConflictError, match="serves v3; send a full update"):
         s.begin(update(weights, 4, mode="delta", base_version=2)[0])
+    mixed = DictApplier(WEIGHTS)
+    mixed.mixed = "its weights were released"
+    with pytest.raises(ConflictError, match="serves v3 in name only, its weights were released; send a full"):
+        session(mixed).begin(update(weights, 4, mode="delta", base_version=3)[0])
     s.begin(update(weights, 4, mode="delta", base_version=3)[0])
     refusing = session(DictApplier(WEIGHTS), refuse_delta="no deltas here; send mode='full'")
     with pytest.raises(ConflictError, match="no deltas here"):

@@ -208,6 +208,9 @@ class WorkerSync:
         self._lora_dirs: dict[str, Path] = {}
         self._lora_root_dir: Path | None = None
 
+    def not_one_version(self) -> str | None:
+        return "its last commit failed midway" if self.dirty else None
+
     # -- verbs -------------------------------------------------------------
 
     def info(self, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,9 @@ application and this rule, so a mix of two updates is never served silently:
 - **torn**: while partial, a request of the same update (same label, or none)
   was refused, so that update cannot complete as sent. `/generate` and
   `/health_generate` answer 503 naming the refusal, and `/weightsync/info`
-  reports `torn`. Released weights (`/release_memory_occupation`) are the
-  same state: the parameters hold no weights.
+  reports `torn`. Released weights (`/release_memory_occupation`) and weights
+  overwritten by `/weights_checker` `reset_tensors` are the same state: the
+  parameters hold no update's weights.
 - **whole again** once the parameters rewritten since then cover every
   parameter (resending the refused bucket completes slime's update; any full
   update, e.g. `/update_weights_from_disk` of the previous checkpoint, reverts),
@@ -109,6 +110,14 @@ class Coverage:
             self.partial = PartialUpdate()
             self.torn = ("the weights were released by /release_memory_occupation; call "
                          "/resume_memory_occupation, then send an update of every parameter")
+
+    def reset(self, kept: Iterable[str]) -> None:
+        """/weights_checker overwrote every parameter but `kept` with noise: nothing is
+        served until an update rewrites them."""
+        with self._lock:
+            self.partial = PartialUpdate(names=set(kept))
+            self.torn = ("the weights were overwritten by /weights_checker with action 'reset_tensors'; "
+                         "send an update of every parameter (or /update_weights_from_disk)")
 
     def resumed(self) -> None:
         """Memory is back, the weights are not: still nothing to serve until an update."""

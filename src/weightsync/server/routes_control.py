@@ -1,10 +1,11 @@
 """SGLang's engine-control routes: `/server_info` (and its older name
 `/get_server_info`), `/abort_request`, `/release_memory_occupation` and
-`/resume_memory_occupation`, plus the gate that refuses weight routes while the
-weights are released.
+`/resume_memory_occupation`, `/weights_checker` (`checker`), plus the gate that
+refuses weight routes while the weights are released.
 
 Request and answer shapes follow SGLang's `http_server.py` and `io_struct.py`
-(`AbortReq`: rid, abort_all; `Release/ResumeMemoryOccupationReqInput`: tags);
+(`AbortReq`: rid, abort_all; `Release/ResumeMemoryOccupationReqInput`: tags;
+`CheckWeightsReqInput`: action, allow_quant_error, skip_tensor_list, selector);
 answers are this server's `{"success", "message", ...}` objects where SGLang
 answers with an empty body or `null`, which no client reads.
 """
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from weightsync.server.checker import SELECTORS, WeightChecker
 from weightsync.server.http import HTTPError, admin_json, answer, field_bool, field_str
 from weightsync.server.memory import WEIGHTS, parse_tags
 from weightsync.server.state import ServerState
@@ -28,7 +30,7 @@ WEIGHT_ROUTES = frozenset({
     "/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weights_from_disk",
     "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/load_lora_adapter",
     "/load_lora_adapter_from_tensors", "/weightsync/begin", "/weightsync/bucket", "/weightsync/shm_bucket",
-    "/weightsync/receive", "/weightsync/commit", "/weightsync/digests",
+    "/weightsync/receive", "/weightsync/commit", "/weightsync/digests", "/weights_checker",
 })
 """Routes that read or write the served parameters: refused while they are released."""
 
@@ -70,6 +72,21 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         tags = sorted(state.memory.released) if body.get("tags") in (None, []) else parse_tags(body["tags"])
         result = await run_in_threadpool(state.memory.resume, tags)
         return answer(f"resumed {tags}", **result)
+
+    checker = WeightChecker(state.updater)
+
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def weights_checker(request: Request) -> JSONResponse:
+        body = await admin_json(request, state.config)
+        selector = field_str(body, "selector", default="all")
+        if selector not in SELECTORS:
+            raise HTTPError(400, f"selector {selector!r}: this engine has no draft model; use 'all' or 'target'")
+        skip = body.get("skip_tensor_list") or []
+        if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+            raise HTTPError(400, "field 'skip_tensor_list' must be a list of name substrings or null")
+        action = field_str(body, "action", default="checksum") or "checksum"
+        result = await run_in_threadpool(checker.handle, action, skip)
+        return answer(**result)
 
 
 def _server_info(state: ServerState, request: Request) -> dict[str, Any]:

@@ -138,6 +138,14 @@ class WeightUpdater:
         """SGLang's served `weight_version` label."""
         return self.served.label
 
+    def not_one_version(self) -> str | None:
+        """Why the served weights are not wholly `version`'s (a delta cannot apply on
+        them), or None: SGLang-shaped requests rewrote some parameters since, or the
+        weights were released or reset."""
+        if self.coverage.dirty:
+            return "its weights are not one version's (see partial_update in /weightsync/info)"
+        return None
+
     def digests(self, names: Iterable[str] | None = None) -> tuple[int, dict[str, str]]:
         """(version, hf_name -> xxh3 digest) of the served weights, read between two steps."""
         names = list(self.params) if names is None else list(names)
@@ -388,6 +396,19 @@ class WeightUpdater:
             self.buffers.clear()
         log.info("weights released (%d bytes)", sum(storages.values()))
         return sum(storages.values())
+
+    def reset_weights(self, chosen: Callable[[str], bool]) -> list[str]:
+        """Overwrite the `chosen` parameters with noise (SGLang's `/weights_checker`
+        reset_tensors); returns their names. Nothing is served until an update rewrites
+        them (`coverage`). Refused while an update session is open."""
+        with self._lock:
+            if self.session_info() is not None:
+                raise ConflictError("an update session is open; commit or abort it before resetting the weights")
+            names = [n for n in self.params if chosen(n)]
+            noise = {n: torch.randn(self.metas[n].shape).to(self.metas[n].dtype) for n in names}
+            self._swap(noise, self.served)
+            self.coverage.reset(kept=[n for n in self.params if n not in noise])
+        return names
 
     def resume_weights(self) -> int:
         """Allocate every parameter again (zeros, no weights in them: the next update of
