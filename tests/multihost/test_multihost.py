@@ -107,14 +107,7 @@ def test_broadcast_hosted_on_loopback_names_the_address_to_use(trainer: Trainer,
                         options={"master_address": net.address("trainer")})["ok"]
 
 
-COMMIT_WINDOW = pytest.mark.xfail(strict=True, reason=(
-    "the commit round is not atomic across replicas: disk moves no byte to an engine before its commit, and "
-    "with pause='none' no round precedes the commit either, so the reachable replica commits the new version "
-    "while the cut-off one times out (the push raises; the replicas are split until the next push)"))
-
-
-@pytest.mark.parametrize(("transport", "pause"), [*((t, "retract") for t in TRANSPORTS),
-                                                  pytest.param("disk", "none", marks=COMMIT_WINDOW)])
+@pytest.mark.parametrize(("transport", "pause"), [*((t, "retract") for t in TRANSPORTS), ("disk", "none")])
 def test_link_cut_mid_push(transport: str, pause: str, trainer: Trainer, net: Network) -> None:
     sync = f"{transport}-{pause}-cut"
     good = next(_versions)

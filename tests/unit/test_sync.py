@@ -110,6 +110,12 @@ class MemoryEngine:
             with self._lock:
                 self._inflight -= 1
 
+    def ready(self, version: int, link: Link) -> None:
+        self.calls.append("ready")
+        with self._as_engine_errors():
+            if self.session.open is None or self.session.open.version != version:
+                raise ConflictError(f"update v{version} is no longer open")
+
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self.calls.append("commit")
         with self._as_engine_errors():
@@ -135,6 +141,9 @@ class MemoryEngine:
             raise EngineError(self.label, str(e), status=409, retry_after_s=e.retry_after_s) from None
 
     # -- the receiving.Applier -------------------------------------------------------------------
+
+    def not_one_version(self) -> str | None:
+        return None
 
     def expected(self) -> dict[str, TensorMeta]:
         return {k: TensorMeta.of(k, v) for k, v in self.weights.items()}
@@ -181,8 +190,32 @@ def test_push_reaches_every_engine_verified(transport: str, tmp_path: Path) -> N
         assert same(model, e) and e.version == 1
         assert e.calls[:2] == ["capabilities", "connect"] and "abort" not in e.calls
         # staged engines keep generating while bytes stream: paused only around commit
-        assert e.calls.index("pause:retract") == e.calls.index("commit") - 1
+        between = e.calls[e.calls.index("pause:retract") + 1 : e.calls.index("commit")]
+        assert between == (["ready"] if transport == "disk" else [])  # disk: one round before any commit
         assert e.calls[-2:] == ["commit", "resume"] or e.calls[-1] == "disconnect"
+
+
+class RestartedEngine(MemoryEngine):
+    """Loses its open update after the bytes are written and before the commit (restarted,
+    or its session expired): the engine that would miss the commit."""
+
+    def ready(self, version: int, link: Link) -> None:
+        self.session.abort(version)
+        super().ready(version, link)
+
+
+def test_no_replica_commits_when_one_cannot_over_disk(tmp_path: Path) -> None:
+    """Disk moves no byte to an engine before its commit: the round before the commit finds
+    the replica that lost its update, and the other one does not commit either."""
+    model = tiny()
+    good, lost = engine_for(model, label="a"), RestartedEngine(dict(model.state_dict()), label="b")
+    with ws.WeightSync([good, lost], transport="disk", disk_root=str(tmp_path), pause="none") as sync:
+        before = dict(good.weights)
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        with pytest.raises(EngineError, match="no longer open"):
+            sync.push(model, version=1)
+        assert "commit" not in good.calls and good.version == 0 and good.weights == before
 
 
 @pytest.mark.parametrize("transport", ["http", "shm", "disk"])

@@ -155,6 +155,12 @@ class Engine(Protocol):
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
         """Take one bucket; the engine verifies its digest before use."""
 
+    def ready(self, version: int, link: Link) -> None:
+        """Raise unless the engine still holds the open update `version`: the round before
+        the commit round when no bucket round trip reached the engines (disk), so that an
+        engine that cannot commit (unreachable, restarted, its session expired) is found
+        before any engine commits."""
+
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         """Apply the update, flush caches derived from old weights, ack."""
 

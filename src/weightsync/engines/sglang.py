@@ -234,6 +234,15 @@ class SGLangEngine:
         else:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
 
+    def ready(self, version: int, link: Link) -> None:
+        if not self._is_native(link.timeout_s):  # a stock SGLang holds no session: reachable is all it can say
+            self._http.request("GET", "/health", timeout_s=link.timeout_s)
+            return
+        session = decode(self._http.request("GET", INFO_ROUTE, timeout_s=link.timeout_s)).get("session") or {}
+        if session.get("kind") != "weightsync" or session.get("version") != version:
+            raise EngineError(self.label, f"update v{version} is no longer open on this engine (its open "
+                              f"session: {session or None}); it expired, was replaced, or the engine restarted")
+
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None
         if receiver_class(link.transport).reads_at_commit:

@@ -224,6 +224,12 @@ class VLLMEngine:
         self._rpc("weightsync_receive", {"version": version, "index": bucket.index, "digest": bucket.digest,
                                          "delivery": delivery.to_dict()}, timeout_s=link.timeout_s)
 
+    def ready(self, version: int, link: Link) -> None:
+        for rank, info in enumerate(self._rpc("weightsync_info", {}, timeout_s=link.timeout_s)):
+            if info.get("open_version") != version:
+                raise EngineError(self.label, f"update v{version} is no longer open on rank {rank} (open: "
+                                  f"{info.get('open_version')}); it expired, was replaced, or the engine restarted")
+
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None
         policy, self._policy = self._policy, PausePolicy.NONE  # a push under "none" calls no pause()

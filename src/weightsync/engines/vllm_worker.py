@@ -217,6 +217,7 @@ class WorkerSync:
         lora_config = self.worker.vllm_config.lora_config
         return {
             "num_ranks": self.num_ranks, "version": self.version, "dirty": self.dirty,
+            "open_version": None if self.session.open is None else self.session.open.version,
             "lora_enabled": lora_config is not None,
             "max_lora_rank": lora_config.max_lora_rank if lora_config is not None else None,
             "model": str(self.worker.vllm_config.model_config.model),
