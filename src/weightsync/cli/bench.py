@@ -35,9 +35,9 @@ EPILOG = """examples:
   weightsync bench --quick --json > bench.json
 """
 
-BENCH_MODES = tuple(m for m in MODES if m != "delta")
-"""Every mode but "delta": the matrix pushes the same weights again and again, so a
-delta push would move nothing."""
+BENCH_MODES = tuple(m for m in MODES if m not in ("delta", "sparse"))
+"""Every mode but "delta" and "sparse": the matrix pushes the same weights again and
+again, so they would move nothing (`--suite sparse` measures sparse on real RL steps)."""
 
 
 def _size(text: str) -> int:
