@@ -505,7 +505,9 @@ class StageSeconds:
     encoding the changes and digesting the touched tensors, before anything is sent."""
 
     def to_dict(self) -> dict[str, float]:
-        return {k: round(getattr(self, k), 6) for k in ("gather", "pack", "hash", "wire", "load", "diff")}
+        """Every stage; "diff" only where there was one (a "sparse" push)."""
+        stages = ("gather", "pack", "hash", "wire", "load") + (("diff",) if self.diff else ())
+        return {k: round(getattr(self, k), 6) for k in stages}
 
 
 @dataclass(frozen=True, kw_only=True)
