@@ -24,6 +24,7 @@ four (ties go to the earlier one in that list).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,59 +60,88 @@ def bits_view(tensor: torch.Tensor) -> torch.Tensor:
 
 def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """Flat bool mask of the elements of `new` whose bytes differ from `base`'s."""
-    if new.dtype != base.dtype or new.shape != base.shape:
-        raise ValueError(f"cannot compare {tuple(new.shape)} {new.dtype} with {tuple(base.shape)} {base.dtype}")
+    _check_alike(new, base)
     return bits_view(new.contiguous()) != bits_view(base.contiguous())
 
 
+def _check_alike(new: torch.Tensor, base: torch.Tensor) -> None:
+    if new.dtype != base.dtype or new.shape != base.shape or new.device != base.device:
+        raise ValueError(f"cannot compare {tuple(new.shape)} {new.dtype} on {new.device} with "
+                         f"{tuple(base.shape)} {base.dtype} on {base.device}")
+
+
+class _Changes:
+    """The changed elements of one tensor: on the CPU through numpy (its boolean indexing,
+    flatnonzero and count are several times torch's on CPU), elsewhere through torch."""
+
+    def __init__(self, new: torch.Tensor, base: torch.Tensor) -> None:
+        _check_alike(new, base)
+        self._new = bits_view(new.contiguous())
+        self._cpu = new.device.type == "cpu"
+        self._np_positions: np.ndarray[Any, Any] | None = None
+        if self._cpu:
+            self._np_new = self._new.numpy()
+            self._np_mask = self._np_new != bits_view(base.contiguous()).numpy()
+            self.count = int(np.count_nonzero(self._np_mask))
+        else:
+            self._mask = self._new != bits_view(base.contiguous())
+            self.count = int(torch.count_nonzero(self._mask))
+
+    def values(self) -> torch.Tensor:
+        """The new elements (as integers of their width) at the changed positions, ascending."""
+        if self._cpu:  # gathering at the positions costs per change; a boolean index per element
+            return torch.from_numpy(np.take(self._np_new, self._positions()))
+        return self._new[self._mask]
+
+    def _positions(self) -> np.ndarray[Any, Any]:
+        if self._np_positions is None:
+            self._np_positions = np.flatnonzero(self._np_mask)
+        return self._np_positions
+
+    def bits(self) -> torch.Tensor:
+        """The mask as bytes, bit i % 8 of byte i // 8 (little bit order)."""
+        if self._cpu:
+            return torch.from_numpy(np.packbits(self._np_mask, bitorder="little"))
+        padded = torch.nn.functional.pad(self._mask.to(torch.uint8), (0, -self._mask.numel() % 8)).view(-1, 8)
+        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=self._mask.device)
+        return (padded * weights).sum(dim=1, dtype=torch.uint8)
+
+    def gaps(self) -> torch.Tensor:
+        """The delta-coded changed positions (int64): p[0], p[i] - p[i-1]."""
+        if self._cpu:
+            return torch.from_numpy(np.diff(self._positions(), prepend=0))
+        positions = self._mask.nonzero().squeeze(1)
+        return torch.diff(positions, prepend=positions.new_zeros(1))
+
+
 def encode(new: torch.Tensor, base: torch.Tensor) -> Encoded:
-    """The cheapest encoding of `new` on top of `base` (same dtype and shape)."""
-    new = new.contiguous()
-    mask = changed(new, base)
-    numel, itemsize = new.numel(), new.dtype.itemsize
-    count = int(mask.sum())
+    """The cheapest encoding of `new` on top of `base` (same dtype, shape and device)."""
+    changes = _Changes(new, base)
+    numel, itemsize, count = new.numel(), new.dtype.itemsize, changes.count
     sizes = {enc: encoded_nbytes(enc, numel, itemsize, count) for enc in ("dense", "positions16", "bitmap")}
     best = min(sizes, key=lambda e: sizes[e])  # dict order breaks ties: dense first
     if best == "dense":
         return Encoded("dense", count, None)
-    values = bits_view(new)[mask] if best == "bitmap" else None
-    if best == "positions16":
-        positions = mask.nonzero().squeeze(1)
-        values = bits_view(new)[positions]
-        gaps = torch.diff(positions, prepend=positions.new_zeros(1))
-        if count and int(gaps.max()) > _MAX_GAP16:  # a long gap: 32-bit gaps, unless the bitmap is smaller
-            wide = encoded_nbytes("positions32", numel, itemsize, count)
-            if wide >= sizes["bitmap"]:
-                return _bitmap(mask, bits_view(new)[mask], count)
-            return Encoded("positions32", count, _payload(values, gaps.to(torch.uint32)))
-        return Encoded("positions16", count, _payload(values, gaps.to(torch.uint16)))
-    assert values is not None
-    return _bitmap(mask, values, count)
-
-
-def _bitmap(mask: torch.Tensor, values: torch.Tensor, count: int) -> Encoded:
-    return Encoded("bitmap", count, _payload(values, _pack_bits(mask)))
+    values = changes.values()
+    if best == "bitmap":
+        return Encoded("bitmap", count, _payload(values, changes.bits()))
+    gaps = changes.gaps()
+    if count and int(gaps.max()) > _MAX_GAP16:  # a long gap: 32-bit gaps, unless the bitmap is smaller
+        if encoded_nbytes("positions32", numel, itemsize, count) >= sizes["bitmap"]:
+            return Encoded("bitmap", count, _payload(values, changes.bits()))
+        return Encoded("positions32", count, _payload(values, gaps.to(torch.uint32)))
+    return Encoded("positions16", count, _payload(values, gaps.to(torch.uint16)))
 
 
 def _payload(values: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     """values' bytes, then tail's bytes, zero-padded to PAYLOAD_ALIGN; on the CPU."""
-    parts = [values.contiguous().view(torch.uint8).cpu(), tail.contiguous().view(torch.uint8).cpu()]
-    raw = sum(p.numel() for p in parts)
-    parts.append(torch.zeros(-raw % PAYLOAD_ALIGN, dtype=torch.uint8))
-    return torch.cat(parts)
+    raw = values.cpu().numpy().tobytes() + tail.cpu().numpy().tobytes()
+    raw += bytes(-len(raw) % PAYLOAD_ALIGN)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
 
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A flat bool mask as bytes, bit i % 8 of byte i // 8 (little bit order)."""
-    if mask.device.type == "cpu":
-        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
-    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, -mask.numel() % 8)).view(-1, 8)
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=mask.device)
-    return (padded * weights).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of `_pack_bits`: every bit of `bits` (beyond numel too), as a flat bool mask."""
+def _unpack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_Changes.bits`: every bit of `bits` (beyond numel too), as a flat bool mask."""
     unpacked = np.unpackbits(bits.cpu().numpy(), bitorder="little")
     return torch.from_numpy(unpacked.astype(np.bool_, copy=False))
 
@@ -142,10 +172,11 @@ def apply_payload(base: torch.Tensor, *, encoding: str, num_changed: int, payloa
         flat[positions] = values
         return out
     bits = payload[value_bytes: value_bytes + (numel + 7) // 8]
-    mask = _unpack_bits(bits, numel)
-    if int(mask.sum()) != num_changed or bool(mask[numel:].any()):
-        raise IntegrityError(f"{hf_name}: the bitmap marks {int(mask[:numel].sum())} element(s) (and "
-                             f"{int(mask[numel:].sum())} past the end), the manifest says {num_changed}")
+    mask = _unpack_bits(bits)
+    if int(torch.count_nonzero(mask)) != num_changed or bool(mask[numel:].any()):
+        raise IntegrityError(f"{hf_name}: the bitmap marks {int(torch.count_nonzero(mask[:numel]))} element(s) "
+                             f"(and {int(torch.count_nonzero(mask[numel:]))} past the end), the manifest says "
+                             f"{num_changed}")
     flat[mask[:numel].to(out.device)] = values
     return out
 

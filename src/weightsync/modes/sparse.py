@@ -3,7 +3,8 @@ every engine acked, applied on top of it and verified by whole-tensor digests.
 
 The mode keeps a SNAPSHOT: every tensor as the engines hold it at the acked version
 (cast to their dtype, exactly the bytes the stream sent). It costs one copy of the
-model in the engine's dtype (a 1.5B-parameter bf16 model: 3 GB), held where
+model in the engine's dtype (a 1.5B-parameter bf16 model: 3 GB; plus one scratch
+buffer the size of the largest tensor), held where
 `ModeOptions.sparse_snapshot` says: "trainer" (the device each tensor lives on, the
 fastest diff on a GPU) or "host" (CPU memory, pinned when CUDA is present: GPU
 memory stays free, the diff runs on the CPU).
@@ -11,7 +12,7 @@ memory stays free, the diff runs on the CPU).
 Each push reads the model once, casts every tensor, compares it bitwise with the
 snapshot and encodes each changed tensor in the cheapest of positions, bitmap or
 dense (`weightsync.sparse`); unchanged tensors are left out. The cast tensors
-replace the snapshot as they are compared (no second copy), and the pipeline
+are written into the snapshot once compared (no second copy), and the pipeline
 streams the payloads (or, for a full push, the cast tensors) from here instead of
 reading the model again. Every sent tensor carries the digest of its whole cast
 tensor; engines check it after applying and ack it, the coordinator compares.
@@ -64,6 +65,8 @@ class SparseMode(ModeDefaults):
         """hf_name -> the tensor as the engines hold it at `acked_version` (engine dtype)."""
         self._full: tuple[int, Selection] | None = None
         """(version, the whole push of it) of the push under way: what a refusal sends."""
+        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        """(device, dtype) -> a buffer the size of the largest tensor, cast into before comparing."""
 
     def prepare(self, model: Any, version: int, planner: Planner) -> None:
         self._full = None
@@ -95,38 +98,52 @@ class SparseMode(ModeDefaults):
 
     def _diff(self, source: WeightSource, planner: Planner, *, sparse: bool) -> _Diff:
         """Read and cast every tensor, encode its change against the snapshot (with
-        `sparse`), and make the cast tensor the snapshot."""
+        `sparse`), and write it into the snapshot."""
         cast_to = planner.cast_dtype(cast=self.casts)
         algorithm = planner.digest_algorithm
-        host = self.options.sparse_snapshot == "host"
         out = _Diff()
         for hf_name, tensor in source.tensors([m.hf_name for m in source.metas()]):
             tensor = tensor.detach()
             dtype = cast_to if cast_to is not None and castable(tensor.dtype, cast_to) else tensor.dtype
-            new = tensor.to(dtype, copy=True).contiguous()  # never an alias of the trainer's tensor
+            new = self._cast(tensor, dtype)
             if dtype != tensor.dtype:
                 check_cast(hf_name, tensor, new, allow_overflow=planner.allow_overflow)
-            if host and new.device.type != "cpu":
-                new = new.to("cpu", non_blocking=False).pin_memory() if torch.cuda.is_available() else new.cpu()
-            old = self.snapshot.get(hf_name)
-            self.snapshot[hf_name] = new
+            held = self.snapshot.get(hf_name)
+            if held is None or held.shape != new.shape or held.dtype != new.dtype:
+                held = self.snapshot[hf_name] = new.clone()
+                if self.options.sparse_snapshot == "host" and torch.cuda.is_available():
+                    held = self.snapshot[hf_name] = held.pin_memory()
+                if sparse:
+                    out.metas.append(TensorMeta(hf_name=hf_name, dtype=dtype, shape=tuple(new.shape),
+                                                tensor_digest=digest(held, algorithm)))
+                continue
             if not sparse:
+                held.copy_(new)
                 continue
-            if old is None or old.shape != new.shape or old.dtype != new.dtype:
-                out.metas.append(TensorMeta(hf_name=hf_name, dtype=new.dtype, shape=tuple(new.shape),
-                                            tensor_digest=digest(new, algorithm)))
-                continue
-            encoded = encode(new, old)
+            encoded = encode(new, held)
             if encoded.num_changed == 0:
                 out.num_unchanged += 1
                 continue
-            out.metas.append(TensorMeta(hf_name=hf_name, dtype=new.dtype, shape=tuple(new.shape),
+            held.copy_(new)
+            out.metas.append(TensorMeta(hf_name=hf_name, dtype=dtype, shape=tuple(new.shape),
                                         encoding=encoded.encoding,
                                         num_changed=encoded.num_changed if encoded.payload is not None else 0,
-                                        tensor_digest=digest(new, algorithm)))
+                                        tensor_digest=digest(held, algorithm)))
             if encoded.payload is not None:
                 out.payloads[hf_name] = encoded.payload
         return out
+
+    def _cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`tensor` cast to `dtype` into a scratch buffer kept across pushes (on the
+        snapshot's side): a fresh allocation per tensor and push costs more in page
+        faults than the cast itself. Valid until the next call."""
+        device = torch.device("cpu") if self.options.sparse_snapshot == "host" else tensor.device
+        scratch = self._scratch.get((device, dtype))
+        if scratch is None or scratch.numel() < tensor.numel():
+            scratch = self._scratch[(device, dtype)] = torch.empty(tensor.numel(), dtype=dtype, device=device)
+        new = scratch[: tensor.numel()].view(tensor.shape)
+        new.copy_(tensor)
+        return new
 
 
 @dataclass
