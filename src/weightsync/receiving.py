@@ -119,9 +119,10 @@ class Applier(Protocol):
 class SparseBase(Protocol):
     """An applier that can apply "sparse" updates: it hands out its served tensors."""
 
-    def base_tensor(self, hf_name: str) -> torch.Tensor:
+    def base_tensor(self, hf_name: str) -> torch.Tensor | None:
         """The served tensor `hf_name` (checkpoint form, engine dtype), read only: a
-        sparse update is applied to a copy of it."""
+        sparse update is applied to a copy of it. None where the engine holds no copy of
+        it in checkpoint form (the sparse update is refused at begin with 409)."""
         ...
 
 
@@ -304,9 +305,15 @@ class UpdateSession:
             return
         if manifest.mode == "delta" and self.rules.refuse_delta is not None:
             raise ConflictError(self.rules.refuse_delta)
-        if manifest.mode == "sparse" and not isinstance(self.applier, SparseBase):
-            raise ConflictError(f"{self.engine} does not apply sparse updates (it keeps no copy of its "
-                                "served tensors in checkpoint form); send a full update")
+        if manifest.mode == "sparse":
+            if not isinstance(self.applier, SparseBase):
+                raise ConflictError(f"{self.engine} does not apply sparse updates (it keeps no copy of its "
+                                    "served tensors in checkpoint form); send a full update")
+            unheld = [e.hf_name for e in manifest.entries() if not e.is_dense
+                      and self.applier.base_tensor(e.hf_name) is None]
+            if unheld:
+                raise ConflictError(f"{self.engine} holds no copy of {format_names(unheld)} as served (none "
+                                    "since it started, or its last update failed); send a full update")
         self._check_base(manifest)
         expected = self.applier.expected()
         if expected is not None:
@@ -333,7 +340,11 @@ class UpdateSession:
         for entry in manifest.entries():
             staged = update.tensors[entry.hf_name]
             if not entry.is_dense:
-                staged = apply_payload(applier.base_tensor(entry.hf_name), encoding=entry.encoding,
+                base = applier.base_tensor(entry.hf_name)
+                if base is None:
+                    raise ConflictError(f"{self.engine} no longer holds {entry.hf_name!r} as served; "
+                                        "send a full update")
+                staged = apply_payload(base, encoding=entry.encoding,
                                        num_changed=entry.num_changed, payload=staged, hf_name=entry.hf_name)
                 update.tensors[entry.hf_name] = staged
             got = digest_of(staged.contiguous(), manifest.digest_algorithm)

@@ -1,5 +1,5 @@
-"""mode="sparse" against a real `weightsync serve` (bf16) over every transport, and vLLM
-taking sparse pushes whole.
+"""mode="sparse" against a real `weightsync serve` (bf16) and a real vLLM, over every
+transport.
 
 The trainer is what RL runs: float32 master weights, AdamW steps at RL learning rates
 (1e-5, 1e-6), so only a fraction of the bf16 elements the engine holds change per
@@ -23,11 +23,10 @@ from typing import Any
 import pytest
 import torch
 from contract_helpers import PROBE_PROMPTS, load_trainer, next_version, perturb
-from engine_matrix import EMBEDDED, VLLM, EnginePool, engine_params
+from engine_matrix import EMBEDDED, KINDS_BY_NAME, VLLM, EnginePool, engine_params
 
 import weightsync as ws
 import weightsync.modes.sparse as sparse_mode
-from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import EngineError
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
@@ -185,28 +184,41 @@ def test_an_engine_no_longer_on_the_base_version_gets_a_full_push(
         assert sync.push(trainer, version=next_version()).mode == "sparse", "sparse again once acked"
 
 
-@pytest.mark.parametrize(("engine_kind", "transport"), engine_params(kinds=[VLLM])[:1])
-def test_vllm_takes_sparse_pushes_whole(engine_kind: str, transport: str, engine_pool: EnginePool,
-                                        disk_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM declares no sparse support, so pushes go out whole; and a worker asked anyway
-    (capabilities forced) refuses with 409 at begin, so the same push goes out whole."""
+def patch_q_proj(trainer: torch.nn.Module, seed: int) -> None:
+    """Change 1% of layer 0's q_proj weight by a lot (the probe sees it), nothing else."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight = dict(trainer.named_parameters())["model.layers.0.self_attn.q_proj.weight"].view(-1)
+        picked = torch.randperm(weight.numel(), generator=gen)[: weight.numel() // 100]
+        weight[picked] += 0.5
+
+
+@pytest.mark.parametrize(("engine_kind", "transport"), engine_params(kinds=[VLLM]))
+def test_vllm_serves_a_sparse_patch_to_q_proj_alone(engine_kind: str, transport: str, engine_pool: EnginePool,
+                                                    disk_root: Path) -> None:
+    """vLLM fuses q, k and v into one runtime parameter and reloads it from all of them:
+    the worker rebuilds q_proj from the patch and its own copy of the served version,
+    and reloads the whole group. The engine then answers as the trainer does (and not
+    as before the patch), and acks q_proj's whole digest."""
     trainer = load_trainer(engine_pool.model_dir())
     engine = engine_pool.clients(engine_kind)[0]
-    assert not engine.capabilities(TIMEOUT_S).supports_sparse
-    real = type(engine).capabilities
-
-    def claims_sparse(self: Any, timeout_s: float) -> EngineCapabilities:
-        from dataclasses import replace
-        return replace(real(self, timeout_s), supports_sparse=True)
-
+    assert engine.capabilities(TIMEOUT_S).supports_sparse
+    tolerance = KINDS_BY_NAME[engine_kind].logprob_tolerance
     with make_sync(engine, transport, disk_root) as sync:
-        sync.push(trainer, version=next_version())
-        perturb(trainer, seed=31, only="q_proj")
-        assert sync.push(trainer, version=next_version()).mode == "full"
-    monkeypatch.setattr(type(engine), "capabilities", claims_sparse)
-    with make_sync(engine, transport, disk_root) as sync:
-        sync.push(trainer, version=next_version())
-        perturb(trainer, seed=32, only="q_proj")
+        assert sync.push(trainer, version=next_version()).mode == "full", "nothing acked yet"
+        patch_q_proj(trainer, seed=40)
+        # sparse, or whole where this worker saw no sparse update before (it keeps no copy until asked)
+        assert sync.push(trainer, version=next_version()).verified
+        before = ws.probe_logprobs(trainer, engine, PROBE_PROMPTS, max_new_tokens=6)
+        assert before.token_agreement == 1.0 and before.max_gap < tolerance, before
+        patch_q_proj(trainer, seed=41)
         report = sync.push(trainer, version=(version := next_version()))
-        assert report.mode == "full" and report.verified, "the worker refused the sparse update; sent whole"
-    assert engine.weight_version() == str(version)
+        assert report.mode == "sparse" and report.verified, report
+        assert report.num_tensors == 1 and dict(report.encodings) == {"positions16": 1}, report
+        assert set(report.acks[0].tensor_digests) == {"model.layers.0.self_attn.q_proj.weight"}
+        after = ws.probe_logprobs(trainer, engine, PROBE_PROMPTS, max_new_tokens=6)
+        assert after.token_agreement == 1.0 and after.max_gap < tolerance, after
+        assert set(after.weight_versions) == {str(version)}
+    stale = copy.deepcopy(trainer)
+    patch_q_proj(stale, seed=41)  # the patch applied twice: weights the engine must not serve
+    assert ws.probe_logprobs(stale, engine, PROBE_PROMPTS, max_new_tokens=6).max_gap > 10 * tolerance
