@@ -377,10 +377,12 @@ class SparseMemoryEngine(MemoryEngine):
         return ack
 
 
-def test_sparse_sends_changed_elements_and_goes_full_when_the_base_is_not_proven() -> None:
+@pytest.mark.parametrize("snapshot", ["trainer", "host"])
+def test_sparse_sends_changed_elements_and_goes_full_when_the_base_is_not_proven(snapshot: str) -> None:
     model = tiny()
     engine = SparseMemoryEngine({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
-    with ws.WeightSync([engine], transport="http", mode="sparse", bucket_bytes=1 << 20) as sync:
+    with ws.WeightSync([engine], transport="http", mode="sparse", bucket_bytes=1 << 20,
+                       sparse_snapshot=snapshot) as sync:
         first = sync.push(model, version=1)
         assert first.mode == "full" and dict(first.encodings) == {"dense": 6} and same(model, engine)
         with torch.no_grad():
@@ -433,3 +435,8 @@ def test_sparse_to_an_engine_that_does_not_apply_it_goes_full() -> None:
             model[0].bias[0] += 1.0
         second = sync.push(model, version=2)
     assert second.mode == "full" and second.num_tensors == 6 and same(model, engine)
+
+
+def test_an_unknown_snapshot_place_is_refused_naming_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"sparse_snapshot must be one of \('trainer', 'host'\), got 'gpu'"):
+        ws.WeightSync([engine_for(tiny())], transport="http", mode="sparse", sparse_snapshot="gpu")
