@@ -53,7 +53,8 @@ def layout_bucket(index: int, metas: Sequence[TensorMeta]) -> BucketMeta:
     entries = []
     offset = 0
     for m in ordered:
-        entries.append(TensorEntry(hf_name=m.hf_name, dtype=m.dtype, shape=m.shape, offset=offset))
+        entries.append(TensorEntry(hf_name=m.hf_name, dtype=m.dtype, shape=m.shape, offset=offset,
+                                   encoding=m.encoding, num_changed=m.num_changed, tensor_digest=m.tensor_digest))
         offset += m.nbytes
     return BucketMeta(index=index, entries=tuple(entries))
 
@@ -61,15 +62,24 @@ def layout_bucket(index: int, metas: Sequence[TensorMeta]) -> BucketMeta:
 def entry_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     """The slice of a packed uint8 `buffer` that holds `entry`, typed and shaped.
 
-    A view: it aliases the buffer.
+    A view: it aliases the buffer. A sparse entry's bytes are its payload, not the
+    tensor: see `payload_view`.
     """
+    if not entry.is_dense:
+        raise ValueError(f"{entry.hf_name!r} is {entry.encoding}-encoded; read its payload (payload_view) "
+                         "and apply it on top of the base version (weightsync.sparse.apply_payload)")
+    return payload_view(buffer, entry).view(entry.dtype).view(entry.shape)
+
+
+def payload_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The bytes of `entry` inside a packed uint8 `buffer` (any encoding), as a view."""
     raw = buffer[entry.offset : entry.offset + entry.nbytes]
     if raw.numel() != entry.nbytes:
         raise ValueError(
             f"buffer of {buffer.numel()} bytes is too short for {entry.hf_name!r} "
             f"at offset {entry.offset} ({entry.nbytes} bytes)"
         )
-    return raw.view(entry.dtype).view(entry.shape)
+    return raw
 
 
 def allocate(bucket: BucketMeta, *, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
@@ -90,8 +100,15 @@ def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor, *,
     A floating tensor whose dtype differs from the entry's is cast on the way in,
     exactly as `tensor.to(entry.dtype)` casts (round to nearest even), on the
     device that holds it. A cast to a dtype of smaller range (float32 -> float16)
-    raises if a finite value became infinite, unless `allow_overflow`.
+    raises if a finite value became infinite, unless `allow_overflow`. A sparse entry
+    takes its payload: a 1-d uint8 tensor of exactly `entry.nbytes`.
     """
+    if not entry.is_dense:
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != entry.nbytes:
+            raise ValueError(f"{entry.hf_name!r}: a {entry.encoding} entry takes a 1-d uint8 payload of "
+                             f"{entry.nbytes} bytes, got {tuple(tensor.shape)} {tensor.dtype}")
+        payload_view(buffer, entry).copy_(tensor)
+        return
     if not castable(tensor.dtype, entry.dtype) or tuple(tensor.shape) != entry.shape:
         raise ValueError(
             f"tensor {entry.hf_name!r} is {tuple(tensor.shape)} {tensor.dtype}, "
@@ -106,12 +123,14 @@ def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor, *,
     if tensor.device != view.device:
         tensor = tensor.to(entry.dtype)  # cast where the tensor lives, then move the smaller bytes
     view.copy_(tensor)
-    if not allow_overflow and torch.finfo(entry.dtype).max < torch.finfo(tensor.dtype).max:
-        _check_no_overflow(entry, tensor, view)
+    check_cast(entry.hf_name, tensor, view, allow_overflow=allow_overflow)
 
 
-def _check_no_overflow(entry: TensorEntry, source: torch.Tensor, cast: torch.Tensor) -> None:
-    """Raise if the cast turned a finite value of `source` into +-inf."""
+def check_cast(hf_name: str, source: torch.Tensor, cast: torch.Tensor, *, allow_overflow: bool = False) -> None:
+    """Raise CastError if casting floating `source` to `cast` turned a finite value into
+    +-inf (unless `allow_overflow`, or the cast's dtype has the range of source's)."""
+    if allow_overflow or torch.finfo(cast.dtype).max >= torch.finfo(source.dtype).max:
+        return
     low, high = torch.aminmax(cast.detach().reshape(-1))
     if torch.isfinite(low) and torch.isfinite(high):
         return  # the common case: one reduction, no allocation
@@ -119,9 +138,9 @@ def _check_no_overflow(entry: TensorEntry, source: torch.Tensor, cast: torch.Ten
     if bool(overflowed.any()):
         worst = float(source.to(cast.device)[overflowed].abs().max())
         raise CastError(
-            f"casting {entry.hf_name!r} from {source.dtype} to {entry.dtype} overflows: "
-            f"{int(overflowed.sum())} value(s) up to {worst:.4g} exceed {entry.dtype}'s largest "
-            f"finite value {torch.finfo(entry.dtype).max:.4g}; send a dtype with more range "
+            f"casting {hf_name!r} from {source.dtype} to {cast.dtype} overflows: "
+            f"{int(overflowed.sum())} value(s) up to {worst:.4g} exceed {cast.dtype}'s largest "
+            f"finite value {torch.finfo(cast.dtype).max:.4g}; send a dtype with more range "
             f"(dtype=torch.bfloat16) or pass allow_overflow=True to accept infinities"
         )
 
@@ -161,6 +180,7 @@ def unpack(
 ) -> list[tuple[str, torch.Tensor]]:
     """Split a packed buffer back into `(hf_name, tensor)` pairs, in bucket order.
 
+    A sparse entry comes back as its uint8 payload.
     With `copy=False` the tensors are VIEWS of `buffer`: clone them (or pass
     `copy=True`) before the buffer is reused or freed.
     """
@@ -170,7 +190,7 @@ def unpack(
         raise ValueError(f"bucket {bucket.index}: buffer has {buffer.numel()} bytes, expected {bucket.nbytes}")
     out = []
     for entry in bucket.entries:
-        t = entry_view(buffer, entry)
+        t = entry_view(buffer, entry) if entry.is_dense else payload_view(buffer, entry)
         out.append((entry.hf_name, t.clone() if copy else t))
     return out
 

@@ -8,7 +8,9 @@ Each bucket file is a valid safetensors file whose data section IS the packed
 bucket, byte for byte (safetensors allows any back-to-back layout), so writing
 costs no copy and any safetensors reader (SGLang's and vLLM's loaders,
 `safetensors.torch.load_file`) can read it. The bucket digest is kept in the
-file's `__metadata__` and in manifest.json.
+file's `__metadata__` and in manifest.json. A sparse entry ("sparse" mode) is
+listed as the 1-d U8 tensor its payload is (`weightsync.sparse`); only weightsync
+engines, which read its encoding from manifest.json, can apply it.
 
 A version directory is written under a temporary name, fsynced and renamed
 into place, so a reader sees a whole version or none. Used by both sides: the
@@ -54,7 +56,8 @@ def bucket_file_header(bucket: BucketMeta, digest_hex: str) -> bytes:
         if e.dtype not in _ST_DTYPES:
             raise ManifestError(f"{e.hf_name!r}: dtype {e.dtype} has no safetensors code; use another transport")
         header[e.hf_name] = {
-            "dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [e.offset, e.offset + e.nbytes],
+            "dtype": _ST_DTYPES[e.stored_dtype], "shape": list(e.stored_shape),
+            "data_offsets": [e.offset, e.offset + e.nbytes],
         }
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
@@ -128,7 +131,7 @@ def read_bucket(directory: Path, bucket: BucketMeta, algorithm: str = XXH3_64) -
         for entry in bucket.entries:
             got = header.get(entry.hf_name)
             span = [entry.offset, entry.offset + entry.nbytes]
-            if not got or got.get("data_offsets") != span or got.get("shape") != list(entry.shape):
+            if not got or got.get("data_offsets") != span or got.get("shape") != list(entry.stored_shape):
                 raise IntegrityError(f"{path}: entry {entry.hf_name!r} does not match the manifest")
         if len(header) - ("__metadata__" in header) != len(bucket.entries):
             raise IntegrityError(f"{path}: holds tensors the manifest does not list")

@@ -119,6 +119,8 @@ def check_fits(
 def ack_problems(manifest: Manifest, ack: Ack, *, engine_names: Iterable[str] | None = None) -> list[str]:
     """Compare an engine's ack with what was sent; an empty list means verified.
 
+    A "sparse" update must also ack, for every tensor it touched, the digest of the
+    whole tensor the engine holds now, equal to the trainer's (`TensorEntry.tensor_digest`).
     `engine_names` are the names the engine should report as loaded (the sent
     names after any hf -> engine renaming); defaults to the manifest's names.
     """
@@ -132,6 +134,12 @@ def ack_problems(manifest: Manifest, ack: Ack, *, engine_names: Iterable[str] | 
         bad = [i for i, (a, w) in enumerate(zip(ack.digests, want_digests, strict=True)) if a != w]
         if bad:
             problems.append(f"{ack.engine}: digest mismatch in bucket(s) {bad[:8]}")
+    if manifest.mode == "sparse":
+        want_whole = {e.hf_name: e.tensor_digest for e in manifest.entries()}
+        wrong = sorted(n for n, d in want_whole.items() if ack.tensor_digests.get(n) != d)
+        if wrong:
+            problems.append(f"{ack.engine}: whole-tensor digest differs from the trainer's (or was not acked) "
+                            f"for {format_names(wrong)}")
     want_names = set(engine_names if engine_names is not None else manifest.hf_names)
     if set(ack.loaded_names) != want_names:
         missing = want_names - set(ack.loaded_names)

@@ -38,9 +38,11 @@ class Stages:
     hash: float = 0.0
     wire: float = 0.0
     load: float = 0.0
+    diff: float = 0.0
 
     def frozen(self) -> StageSeconds:
-        return StageSeconds(gather=self.gather, pack=self.pack, hash=self.hash, wire=self.wire, load=self.load)
+        return StageSeconds(gather=self.gather, pack=self.pack, hash=self.hash, wire=self.wire, load=self.load,
+                            diff=self.diff)
 
 
 def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],

@@ -13,12 +13,21 @@ tests' in-memory engine updates a dict).
 
 Errors: `ConflictError` (HTTP 409, with `retry_after_s` when waiting helps)
 for a state clash: no such update open, a version that is not newer, a live
-trainer holding the session, a delta on the wrong base. `ManifestMismatchError`
+trainer holding the session, a delta or sparse update on the wrong base, a sparse
+update to an engine that cannot apply one. `ManifestMismatchError`
 for a manifest that does not fit; `IntegrityError` for bytes that are not what
 was announced or an update that is incomplete at commit; `ValueError` for a
 malformed request (`ManifestError` for a digest algorithm this side does not
 compute). A refused or aborted update leaves the served weights as
 they were.
+
+"sparse" updates (`weightsync.sparse`) are rebuilt here at commit, before the
+applier sees them: each sparse payload is applied to a copy of the served tensor
+(the applier's `SparseBase.base_tensor`), then every touched tensor is digested
+WHOLE and compared with the manifest's `tensor_digest`; a mismatch refuses the
+commit (IntegrityError) and the served weights stay as they were. The ack carries
+those whole-tensor digests, so the trainer checks them too. An applier that is no
+`SparseBase` gets sparse updates refused at begin (409: the trainer sends a full one).
 
 Thread-safe: buckets may be staged from several threads (their digests are
 computed outside the lock); begin, commit and abort are serialised.
@@ -31,16 +40,18 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from weightsync.bucketing import entry_view
+from weightsync.bucketing import entry_view, payload_view
 from weightsync.digests import ALGORITHMS
+from weightsync.digests import digest as digest_of
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
 from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
 from weightsync.sessions import Holder, SessionBusyError, take_over
-from weightsync.types import Ack, BucketMeta, Manifest, TensorMeta
+from weightsync.sparse import apply_payload
+from weightsync.types import PARTIAL_MODES, Ack, BucketMeta, Manifest, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +69,8 @@ class OpenUpdate:
     touched: float = field(default_factory=time.monotonic)
     """Monotonic time of the trainer's last request or staged bucket."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """hf_name -> staged tensor, checked: views of `buffers`, or private copies."""
+    """hf_name -> staged tensor, checked: views of `buffers`, or private copies (a
+    sparse entry: its uint8 payload until commit, then the rebuilt tensor)."""
     digests: dict[int, str] = field(default_factory=dict)
     """Bucket index -> the digest computed here on receipt of the whole bucket."""
     buffers: list[torch.Tensor] = field(default_factory=list)
@@ -105,6 +117,17 @@ class Applier(Protocol):
 
     def release(self, update: OpenUpdate) -> None:
         """`update` is closed (committed, aborted or replaced): free what it holds."""
+        ...
+
+
+@runtime_checkable
+class SparseBase(Protocol):
+    """An applier that can apply "sparse" updates: it hands out its served tensors."""
+
+    def base_tensor(self, hf_name: str) -> torch.Tensor | None:
+        """The served tensor `hf_name` (checkpoint form, engine dtype), read only: a
+        sparse update is applied to a copy of it. None where the engine holds no copy of
+        it in checkpoint form (the sparse update is refused at begin with 409)."""
         ...
 
 
@@ -194,7 +217,8 @@ class UpdateSession:
             if self._open is not update:
                 raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
             for entry in bucket.entries:
-                update.tensors[entry.hf_name] = entry_view(buffer, entry)
+                update.tensors[entry.hf_name] = (entry_view(buffer, entry) if entry.is_dense
+                                                 else payload_view(buffer, entry))
             update.buffers.append(buffer)
             update.digests[index] = got
             update.touched = time.monotonic()
@@ -223,7 +247,11 @@ class UpdateSession:
             digests = tuple(update.digests.get(b.index) or _digest_staged(b.hf_names, update.tensors,
                                                                            manifest.digest_algorithm)
                             for b in manifest.buckets)
+            tensor_digests: dict[str, str] = {}
             try:
+                if manifest.mode == "sparse":
+                    self._check_base(manifest)
+                    tensor_digests = self._rebuild_sparse(update)
                 if manifest.is_adapter:
                     self.applier.install_adapter(update)
                     loaded: Sequence[str] = manifest.hf_names
@@ -231,7 +259,8 @@ class UpdateSession:
                     loaded = self.applier.apply(update)
             finally:
                 self._close(update)
-            return Ack(engine=self.engine, version=version, digests=digests, loaded_names=frozenset(loaded))
+            return Ack(engine=self.engine, version=version, digests=digests, loaded_names=frozenset(loaded),
+                       tensor_digests=tensor_digests)
 
     def abort(self, version: int | None = None, *, owner: str | None = None) -> bool:
         """Drop the open update (if `version` matches or is None, and it is not another
@@ -279,20 +308,65 @@ class UpdateSession:
         if manifest.is_adapter:
             self.applier.check_adapter(manifest)
             return
-        if manifest.mode == "delta":
-            if self.rules.refuse_delta is not None:
-                raise ConflictError(self.rules.refuse_delta)
-            if (mixed := self.applier.not_one_version()) is not None:
-                raise ConflictError(f"delta update v{manifest.version} refused: {self.engine} serves "
-                                    f"v{self.applier.version} in name only, {mixed}; send a full update")
-            if manifest.base_version != self.applier.version:
-                raise ConflictError(
-                    f"delta update v{manifest.version} applies on top of v{manifest.base_version}, "
-                    f"but {self.engine} serves v{self.applier.version}; send a full update"
-                )
+        if manifest.mode == "delta" and self.rules.refuse_delta is not None:
+            raise ConflictError(self.rules.refuse_delta)
+        if manifest.mode == "sparse":
+            if not isinstance(self.applier, SparseBase):
+                raise ConflictError(f"{self.engine} does not apply sparse updates (it keeps no copy of its "
+                                    "served tensors in checkpoint form); send a full update")
+            unheld = [e.hf_name for e in manifest.entries() if not e.is_dense
+                      and self.applier.base_tensor(e.hf_name) is None]
+            if unheld:
+                raise ConflictError(f"{self.engine} holds no copy of {format_names(unheld)} as served (none "
+                                    "since it started, or its last update failed); send a full update")
+        self._check_base(manifest)
         expected = self.applier.expected()
         if expected is not None:
-            check_manifest_fits(manifest, expected, partial=manifest.mode == "delta")
+            check_manifest_fits(manifest, expected, partial=manifest.mode in PARTIAL_MODES)
+
+    def _check_base(self, manifest: Manifest) -> None:
+        """A delta or sparse update applies on top of the served version only, and only
+        while the served weights are wholly that version's."""
+        if manifest.mode not in PARTIAL_MODES:
+            return
+        if (mixed := self.applier.not_one_version()) is not None:
+            raise ConflictError(f"{manifest.mode} update v{manifest.version} refused: {self.engine} serves "
+                                f"v{self.applier.version} in name only, {mixed}; send a full update")
+        if manifest.base_version != self.applier.version:
+            raise ConflictError(
+                f"{manifest.mode} update v{manifest.version} applies on top of v{manifest.base_version}, "
+                f"but {self.engine} serves v{self.applier.version}; send a full update"
+            )
+
+    def _rebuild_sparse(self, update: OpenUpdate) -> dict[str, str]:
+        """Apply every sparse payload to a copy of the served tensor (in `update.tensors`),
+        then digest every touched tensor whole and check it against the manifest; returns
+        hf_name -> digest. Raises IntegrityError naming the tensors that differ (nothing
+        served has changed)."""
+        manifest = update.manifest
+        applier = self.applier
+        assert isinstance(applier, SparseBase)
+        tensor_digests: dict[str, str] = {}
+        wrong = []
+        for entry in manifest.entries():
+            staged = update.tensors[entry.hf_name]
+            if not entry.is_dense:
+                base = applier.base_tensor(entry.hf_name)
+                if base is None:
+                    raise ConflictError(f"{self.engine} no longer holds {entry.hf_name!r} as served; "
+                                        "send a full update")
+                staged = apply_payload(base, encoding=entry.encoding,
+                                       num_changed=entry.num_changed, payload=staged, hf_name=entry.hf_name)
+                update.tensors[entry.hf_name] = staged
+            got = digest_of(staged.contiguous(), manifest.digest_algorithm)
+            tensor_digests[entry.hf_name] = got
+            if entry.tensor_digest is not None and got != entry.tensor_digest:
+                wrong.append(entry.hf_name)
+        if wrong:
+            raise IntegrityError(f"sparse update v{manifest.version} refused, {self.engine} stays on "
+                                 f"v{applier.version}: {len(wrong)} tensor(s) differ from the trainer's once "
+                                 f"applied (whole-tensor digest): {format_names(wrong)}")
+        return tensor_digests
 
     def _bucket(self, version: int, index: int) -> tuple[OpenUpdate, BucketMeta]:
         with self._lock:
@@ -348,4 +422,4 @@ def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor],
     return hasher.hexdigest()
 
 
-__all__ = ["Applier", "OpenUpdate", "SessionRules", "UpdateSession", "check_named", "copies"]
+__all__ = ["Applier", "OpenUpdate", "SessionRules", "SparseBase", "UpdateSession", "check_named", "copies"]

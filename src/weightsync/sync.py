@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -68,12 +69,12 @@ from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import TRANSPORTS, make_transport, transport_class
 from weightsync.transports.base import NUM_SLOTS, Transport
 from weightsync.types import (
+    ENCODINGS,
     MODES,
     Ack,
     BucketMeta,
     Manifest,
     SyncReport,
-    TensorMeta,
     dtype_from_name,
     dtype_name,
 )
@@ -97,7 +98,7 @@ class SyncConfig:
     """The transport's name, one of `weightsync.transports.TRANSPORTS` ("disk", "http",
     "broadcast", "shm"); with a transport object, its `name`."""
     mode: str = "full"
-    """"full", "lora", "lora-merged" or "delta"."""
+    """"full", "lora", "lora-merged", "delta" or "sparse"."""
     bucket_bytes: int = 256 << 20
     """Byte budget of one bucket (a larger tensor gets a bucket of its own)."""
     pause: PausePolicy = PausePolicy.RETRACT
@@ -114,6 +115,9 @@ class SyncConfig:
     stays servable for at least one whole push after it stops being current."""
     adapter_name: str | None = None
     """The PEFT adapter to sync (default: the model's active one)."""
+    sparse_snapshot: str = "trainer"
+    """"sparse" mode: where its copy of the acked version lives (one model copy in the
+    engines' dtype): "trainer" (each tensor's own device) or "host" (CPU memory)."""
     disk_root: str | None = None
     """"disk" transport: the directory engines read versions from."""
     keep_versions: int = 2
@@ -203,9 +207,12 @@ class WeightSync:
         self.ranks = TrainerRanks(process_group, send_rank=send_rank)
         self._transport: Transport | None = given
         """The sending rank's transport (given, or made by name); the other ranks have none."""
+        if self.config.mode == "sparse" and self.ranks.is_distributed:
+            raise ValueError("mode='sparse' does not take a process_group yet (each rank would have to diff its "
+                             "own shard); use mode='delta' or 'full' with a sharded trainer")
         self._mode = make_mode(self.config.mode, ModeOptions(
             adapter_name=self.config.adapter_name, lora_prefix=self.config.lora_prefix,
-            lora_keep=self.config.lora_keep))
+            lora_keep=self.config.lora_keep, sparse_snapshot=self.config.sparse_snapshot))
         """What pushes send, and what that mode remembers between pushes."""
         if self.ranks.is_sender:
             self._check_engines()
@@ -278,6 +285,8 @@ class WeightSync:
         verified, notes = self._verify(manifest, acks)
         notes = begin_notes + notes
         metas = plan.selection.metas
+        entries = list(manifest.entries())
+        encodings = Counter(e.encoding for e in entries)
         cast = sorted({dtype_name(m.dtype) for m in metas if _sent_dtype(m.dtype, plan.cast_to) != m.dtype})
         if plan.cast_to is not None and cast:
             notes.append(f"floating tensors cast from {', '.join(cast)} to {dtype_name(plan.cast_to)} in the stream")
@@ -287,6 +296,8 @@ class WeightSync:
             num_tensors=len(metas), num_buckets=len(manifest.buckets), seconds=time.perf_counter() - started,
             stages=stages.frozen(), verified=verified, acks=tuple(acks),
             num_skipped=plan.selection.num_skipped, notes=tuple(notes),
+            num_elements=sum(e.numel if e.is_dense else e.num_changed for e in entries),
+            encodings={k: encodings[k] for k in ENCODINGS if k in encodings},
         )
 
     def _plan(self, mode: PushMode, source: WeightSource, version: int, planner: _Planner) -> _PushPlan:
@@ -295,7 +306,7 @@ class WeightSync:
         selection = mode.select(source, version, planner)
         # renamed for the whole source, so a rename entry of a tensor left out is not stale
         to_engine = rename([m.hf_name for m in source.metas()], self.config.rename or {})
-        engine_metas = [TensorMeta(hf_name=to_engine[m.hf_name], dtype=_sent_dtype(m.dtype, cast_to), shape=m.shape)
+        engine_metas = [replace(m, hf_name=to_engine[m.hf_name], dtype=_sent_dtype(m.dtype, cast_to))
                         for m in selection.metas]
         bucket_bytes = self.config.bucket_bytes
         if selection.lora_config is not None and self._make_transport().adapter_in_one_bucket:
@@ -305,7 +316,7 @@ class WeightSync:
             version=version, mode=selection.mode, buckets=buckets,
             lora_config=selection.lora_config, lora_name=selection.lora_name,
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
-            digest_algorithm=self.config.digest_algorithm or for_device(self._make_transport().buffer_device),
+            digest_algorithm=self._digest_algorithm(),
         )
         to_hf = {v: k for k, v in to_engine.items()}
         return _PushPlan(selection=selection, manifest=manifest, cast_to=cast_to, to_engine=to_engine,
@@ -340,7 +351,8 @@ class WeightSync:
             self._transport.begin(manifest)
             self._share_with_followers(mode=source.mode, order=plan.order)
             digests = stream_buckets(
-                source, manifest.buckets, plan.order, plan.to_engine, slot=self._transport.slot,
+                plan.selection.stream or source, manifest.buckets, plan.order, plan.to_engine,
+                slot=self._transport.slot,
                 deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
                 drain=self.ranks.is_distributed,  # the other ranks must finish their gathers
                 digest_algorithm=manifest.digest_algorithm)
@@ -434,6 +446,10 @@ class WeightSync:
             raise CastError(f"engine replicas serve different dtypes ({listed}); start them with one dtype, "
                             "or pass dtype= to send one (an engine that cannot take it refuses at begin)")
         return next(iter(served.values()), None)
+
+    def _digest_algorithm(self) -> str:
+        """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`)."""
+        return self.config.digest_algorithm or for_device(self._make_transport().buffer_device)
 
     def _unloaders(self) -> list[AdapterUnloader]:
         return [e for e, c in zip(self.engines, self._capabilities(), strict=True)
@@ -656,9 +672,17 @@ class _Planner:
 
     def __init__(self, sync: WeightSync, stages: Stages) -> None:
         self._sync = sync
-        self._stages = stages
+        self.stages = stages
         self.pool: Executor = sync._pool
         self.timeout_s = sync.config.timeout_s
+        self.allow_overflow = sync.config.allow_overflow
+
+    @property
+    def digest_algorithm(self) -> str:
+        return self._sync._digest_algorithm()
+
+    def cast_dtype(self, *, cast: bool) -> torch.dtype | None:
+        return self._sync._cast_dtype(self._sync._capabilities(), cast=cast)
 
     def capabilities(self) -> Sequence[EngineCapabilities]:
         return self._sync._capabilities()
@@ -667,7 +691,7 @@ class _Planner:
         t0 = time.perf_counter()
         cast_to = self._sync._cast_dtype(self._sync._capabilities(), cast=cast)
         digests = self._sync._hash_tensors(source, cast_to)
-        self._stages.hash += time.perf_counter() - t0
+        self.stages.hash += time.perf_counter() - t0
         return digests
 
     def served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:

@@ -18,8 +18,18 @@ import torch
 
 from weightsync.errors import ManifestError
 
-Mode = Literal["full", "lora", "lora-merged", "delta"]
-MODES: tuple[str, ...] = ("full", "lora", "lora-merged", "delta")
+Mode = Literal["full", "lora", "lora-merged", "delta", "sparse"]
+MODES: tuple[str, ...] = ("full", "lora", "lora-merged", "delta", "sparse")
+PARTIAL_MODES = frozenset({"delta", "sparse"})
+"""Modes whose manifest applies on top of a `base_version` and may leave tensors out."""
+
+ENCODINGS: tuple[str, ...] = ("dense", "positions16", "positions32", "bitmap")
+"""How one tensor's bytes sit in its bucket (`weightsync.sparse` holds the layouts):
+"dense" is the tensor itself; the others, in "sparse" manifests only, carry the
+elements that changed since the base version."""
+PAYLOAD_ALIGN = 8
+"""Sparse payloads are zero-padded to a multiple of this many bytes, so the entries
+after them stay aligned to their itemsize."""
 
 MANIFEST_FORMAT = "weightsync.manifest"
 MANIFEST_FORMAT_VERSION = 1
@@ -64,6 +74,31 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def encoded_nbytes(encoding: str, numel: int, itemsize: int, num_changed: int) -> int:
+    """Bytes one tensor of `numel` elements takes in its bucket under `encoding`
+    (`num_changed`: the elements a sparse encoding carries). See `weightsync.sparse`."""
+    if encoding == "dense":
+        return numel * itemsize
+    if encoding == "positions16":
+        raw = num_changed * (itemsize + 2)
+    elif encoding == "positions32":
+        raw = num_changed * (itemsize + 4)
+    elif encoding == "bitmap":
+        raw = num_changed * itemsize + (numel + 7) // 8
+    else:
+        raise ManifestError(f"unknown encoding {encoding!r}; one of {ENCODINGS}")
+    return raw + (-raw % PAYLOAD_ALIGN)
+
+
+def _check_encoding(hf_name: str, encoding: str, num_changed: int, numel: int) -> None:
+    if encoding not in ENCODINGS:
+        raise ManifestError(f"tensor {hf_name!r}: unknown encoding {encoding!r}; one of {ENCODINGS}")
+    if encoding == "dense" and num_changed:
+        raise ManifestError(f"tensor {hf_name!r}: a dense entry carries no num_changed")
+    if not 0 <= num_changed <= numel:
+        raise ManifestError(f"tensor {hf_name!r}: num_changed {num_changed} outside [0, {numel}]")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TensorMeta:
     """What an engine must know about one tensor before its bytes arrive."""
@@ -74,14 +109,26 @@ class TensorMeta:
     """Element type; sent as its torch attribute name."""
     shape: tuple[int, ...]
     """Full (unsharded) shape."""
+    encoding: str = "dense"
+    """How its bytes travel (`ENCODINGS`); not "dense" only in "sparse" manifests."""
+    num_changed: int = 0
+    """Sparse encodings: the changed elements carried (0 for "dense")."""
+    tensor_digest: str | None = None
+    """"sparse" manifests: digest of the whole tensor the engine must hold once the
+    update is applied (the manifest's digest algorithm)."""
 
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
     @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        """Bytes in its bucket: the whole tensor, or its sparse payload."""
+        return encoded_nbytes(self.encoding, _numel(self.shape), self.dtype.itemsize, self.num_changed)
 
     @classmethod
     def of(cls, hf_name: str, tensor: torch.Tensor) -> TensorMeta:
@@ -100,31 +147,68 @@ class TensorEntry:
     """Full shape."""
     offset: int
     """Byte offset inside the bucket; a multiple of the dtype's itemsize."""
+    encoding: str = "dense"
+    """How its bytes sit in the bucket (`ENCODINGS`)."""
+    num_changed: int = 0
+    """Sparse encodings: the changed elements carried."""
+    tensor_digest: str | None = None
+    """"sparse" manifests: digest of the whole tensor once applied."""
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        """Bytes in the bucket: the whole tensor, or its sparse payload."""
+        return encoded_nbytes(self.encoding, _numel(self.shape), self.dtype.itemsize, self.num_changed)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.encoding == "dense"
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype its bytes are described with to readers that know no encodings (a
+        safetensors header, SGLang's broadcast request): uint8 for a sparse payload."""
+        return self.dtype if self.is_dense else torch.uint8
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape its bytes are described with (see `stored_dtype`): (nbytes,) for a payload."""
+        return self.shape if self.is_dense else (self.nbytes,)
 
     @property
     def meta(self) -> TensorMeta:
-        return TensorMeta(hf_name=self.hf_name, dtype=self.dtype, shape=self.shape)
+        return TensorMeta(hf_name=self.hf_name, dtype=self.dtype, shape=self.shape, encoding=self.encoding,
+                          num_changed=self.num_changed, tensor_digest=self.tensor_digest)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "hf_name": self.hf_name,
             "dtype": dtype_name(self.dtype),
             "shape": list(self.shape),
             "offset": self.offset,
             "nbytes": self.nbytes,
         }
+        if not self.is_dense:  # dense entries keep the format they always had
+            d["encoding"] = self.encoding
+            d["num_changed"] = self.num_changed
+        if self.tensor_digest is not None:
+            d["tensor_digest"] = self.tensor_digest
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TensorEntry:
         try:
             hf_name = d["hf_name"]
             shape = tuple(int(x) for x in d["shape"])
+            tensor_digest = d.get("tensor_digest")
+            if tensor_digest is not None and not isinstance(tensor_digest, str):
+                raise ManifestError(f"tensor {hf_name!r}: tensor_digest must be a hex string or null")
             entry = cls(hf_name=str(hf_name), dtype=dtype_from_name(str(d["dtype"])),
-                        shape=shape, offset=int(d["offset"]))
+                        shape=shape, offset=int(d["offset"]), encoding=str(d.get("encoding", "dense")),
+                        num_changed=int(d.get("num_changed", 0)), tensor_digest=tensor_digest)
             nbytes = int(d["nbytes"])
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ManifestError):
@@ -132,6 +216,7 @@ class TensorEntry:
             raise ManifestError(f"malformed tensor entry {dict(d)!r}: {e}") from None
         if any(x < 0 for x in shape) or entry.offset < 0:
             raise ManifestError(f"tensor {hf_name!r}: negative shape or offset")
+        _check_encoding(entry.hf_name, entry.encoding, entry.num_changed, entry.numel)
         if nbytes != entry.nbytes:
             raise ManifestError(
                 f"tensor {hf_name!r}: nbytes {nbytes} != {entry.nbytes} implied by shape and dtype"
@@ -217,7 +302,7 @@ class Manifest:
     version: int
     """The weight version this update produces."""
     mode: str = "full"
-    """What is sent: "full", "lora", "lora-merged" or "delta"."""
+    """What is sent: "full", "lora", "lora-merged", "delta" or "sparse"."""
     buckets: tuple[BucketMeta, ...] = ()
     """The buckets in send order."""
     lora_config: Mapping[str, Any] | None = None
@@ -225,7 +310,8 @@ class Manifest:
     lora_name: str | None = None
     """The adapter name the engine loads a "lora" update under, e.g. "policy-v7"."""
     base_version: int | None = None
-    """"delta" mode: the version the engine must be serving for the delta to apply."""
+    """"delta" and "sparse" modes: the version the engine must be serving for the update
+    to apply."""
     owner: str | None = None
     """The trainer sending this update (`owners.session_owner()`): engines keep one
     owner's session from being taken by another while that owner is alive."""
@@ -327,8 +413,17 @@ class Manifest:
         base_version = d.get("base_version")
         if base_version is not None and (not isinstance(base_version, int) or isinstance(base_version, bool)):
             raise ManifestError("base_version must be an integer or null")
-        if mode == "delta" and base_version is None:
-            raise ManifestError("a 'delta' manifest needs the base_version it applies on top of")
+        if mode in PARTIAL_MODES and base_version is None:
+            raise ManifestError(f"a {mode!r} manifest needs the base_version it applies on top of")
+        if mode != "sparse":
+            sparse = [e.hf_name for b in buckets for e in b.entries if not e.is_dense]
+            if sparse:
+                raise ManifestError(f"tensor {sparse[0]!r}: sparse encodings travel in 'sparse' manifests only")
+        else:
+            undigested = [e.hf_name for b in buckets for e in b.entries if e.tensor_digest is None]
+            if undigested:
+                raise ManifestError(f"tensor {undigested[0]!r}: every tensor of a 'sparse' manifest needs the "
+                                    "tensor_digest the engine must hold once it is applied")
         owner = d.get("owner")
         if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 200):
             raise ManifestError("owner must be a string of 1 to 200 characters or null")
@@ -363,19 +458,21 @@ class Ack:
     the engine cannot report one (a stock SGLang)."""
     loaded_names: frozenset[str] = frozenset()
     """Names the engine loaded (its checkpoint names)."""
+    tensor_digests: Mapping[str, str] = field(default_factory=dict)
+    """"sparse" updates: name -> digest of every touched tensor WHOLE, as the engine holds
+    it after applying (the manifest's digest algorithm); empty otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "engine": self.engine,
-            "version": self.version,
-            "digests": list(self.digests),
-            "loaded_names": sorted(self.loaded_names),
-        }
+        return {"engine": self.engine, **self.to_wire()}
 
     def to_wire(self) -> dict[str, Any]:
         """The ack as an engine sends it in its commit answer: no `engine` (the client
         names the engine it asked). `from_dict(d, engine=...)` reads it back."""
-        return {"version": self.version, "digests": list(self.digests), "loaded_names": sorted(self.loaded_names)}
+        d: dict[str, Any] = {"version": self.version, "digests": list(self.digests),
+                             "loaded_names": sorted(self.loaded_names)}
+        if self.tensor_digests:
+            d["tensor_digests"] = dict(sorted(self.tensor_digests.items()))
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, engine: str | None = None) -> Ack:
@@ -384,6 +481,7 @@ class Ack:
             version=int(d["version"]),
             digests=tuple(d.get("digests") or ()),
             loaded_names=frozenset(d.get("loaded_names") or ()),
+            tensor_digests={str(k): str(v) for k, v in (d.get("tensor_digests") or {}).items()},
         )
 
 
@@ -402,9 +500,14 @@ class StageSeconds:
     """Moving bytes to the engines (until every engine took the bucket)."""
     load: float = 0.0
     """Engine-side commit: applying the update and acking."""
+    diff: float = 0.0
+    """"sparse" mode: reading, casting and comparing every tensor with the acked version,
+    encoding the changes and digesting the touched tensors, before anything is sent."""
 
     def to_dict(self) -> dict[str, float]:
-        return {k: round(getattr(self, k), 6) for k in ("gather", "pack", "hash", "wire", "load")}
+        """Every stage; "diff" only where there was one (a "sparse" push)."""
+        stages = ("gather", "pack", "hash", "wire", "load") + (("diff",) if self.diff else ())
+        return {k: round(getattr(self, k), 6) for k in stages}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -433,6 +536,10 @@ class SyncReport:
     """One ack per engine."""
     num_skipped: int = 0
     """Tensors left out because they were unchanged ("delta" mode)."""
+    num_elements: int = 0
+    """Tensor elements sent: every element of a dense tensor, the changed ones of a sparse one."""
+    encodings: Mapping[str, int] = field(default_factory=dict)
+    """How many tensors went in each encoding (`ENCODINGS`; a full push: all "dense")."""
     notes: tuple[str, ...] = ()
     """Anything a reader should know: why verification was partial, what was skipped."""
 
@@ -450,6 +557,8 @@ class SyncReport:
             "num_tensors": self.num_tensors,
             "num_buckets": self.num_buckets,
             "num_skipped": self.num_skipped,
+            "num_elements": self.num_elements,
+            "encodings": dict(self.encodings),
             "seconds": round(self.seconds, 6),
             "gbps": round(self.gbps, 4),
             "stages": self.stages.to_dict(),
@@ -468,6 +577,8 @@ class SyncReport:
             num_tensors=int(d["num_tensors"]),
             num_buckets=int(d["num_buckets"]),
             num_skipped=int(d.get("num_skipped", 0)),
+            num_elements=int(d.get("num_elements", 0)),
+            encodings={str(k): int(v) for k, v in (d.get("encodings") or {}).items()},
             seconds=float(d["seconds"]),
             stages=StageSeconds(**d.get("stages", {})),
             verified=bool(d["verified"]),

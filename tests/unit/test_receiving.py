@@ -18,6 +18,7 @@ from weightsync.errors import ConflictError, IntegrityError, ManifestError, Mani
 from weightsync.integrity import digest
 from weightsync.owners import session_owner
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
+from weightsync.sparse import encode
 from weightsync.types import Ack, Manifest, TensorMeta
 
 
@@ -301,3 +302,67 @@ def test_a_replaced_update_frees_what_it_held() -> None:
     assert s.open is not None
     s.open.touched -= s.open.timeout_s + 1.0
     assert s.drop_if_idle() is True and s.open is None
+
+
+class SparseDictApplier(DictApplier):
+    """A DictApplier that applies sparse updates (`receiving.SparseBase`)."""
+
+    def base_tensor(self, hf_name: str) -> torch.Tensor:
+        return self.weights[hf_name]
+
+
+def sparse_update(new: dict[str, torch.Tensor], base: dict[str, torch.Tensor], version: int, *,
+                  base_version: int = 3, lie_about: str | None = None) -> tuple[Manifest, list[torch.Tensor]]:
+    """A "sparse" update from `base` to `new`, every tensor encoded as `sparse.encode` picks;
+    `lie_about`: that tensor's whole-tensor digest is announced wrong (the payload is right)."""
+    metas, tensors = [], {}
+    for name, tensor in new.items():
+        enc = encode(tensor, base[name])
+        whole = digest(tensor.contiguous()) if name != lie_about else "0" * 16
+        metas.append(TensorMeta(hf_name=name, dtype=tensor.dtype, shape=tuple(tensor.shape), encoding=enc.encoding,
+                                num_changed=enc.num_changed if enc.payload is not None else 0, tensor_digest=whole))
+        tensors[name] = enc.payload if enc.payload is not None else tensor
+    plan = plan_buckets(metas, 32)
+    buffers = [pack(b, {e.hf_name: tensors[e.hf_name] for e in b.entries}) for b in plan]
+    manifest = Manifest(version=version, mode="sparse", base_version=base_version, buckets=plan)
+    return manifest.with_digests([digest(b) for b in buffers]), buffers
+
+
+def test_a_sparse_update_is_rebuilt_on_the_served_tensors_and_acks_whole_digests() -> None:
+    applier = SparseDictApplier(WEIGHTS)
+    s = session(applier)
+    new = {n: t.clone() for n, t in WEIGHTS.items()}
+    new["a.weight"][1, 2] = 100.0
+    new["b.weight"][0, 0] = -3.0
+    manifest, buffers = sparse_update(new, WEIGHTS, 4)
+    assert {e.encoding for e in manifest.entries()} >= {"positions16"}
+    s.begin(manifest)
+    stage_all(s, manifest, buffers)
+    ack = s.commit(4)
+    assert applier.version == 4
+    assert all(torch.equal(applier.weights[n].view(-1).view(torch.uint8), new[n].view(-1).view(torch.uint8))
+               for n in new)
+    assert ack.tensor_digests == {n: digest(t.contiguous()) for n, t in new.items()}
+
+
+def test_a_sparse_update_whose_whole_tensor_differs_is_refused_and_nothing_changes() -> None:
+    applier = SparseDictApplier(WEIGHTS)
+    s = session(applier)
+    new = {n: t.clone() for n, t in WEIGHTS.items()}
+    new["a.weight"][0, 0] = 7.0
+    manifest, buffers = sparse_update(new, WEIGHTS, 4, lie_about="a.weight")
+    s.begin(manifest)
+    stage_all(s, manifest, buffers)
+    with pytest.raises(IntegrityError, match=r"stays on v3: 1 tensor\(s\) differ .*a\.weight"):
+        s.commit(4)
+    assert applier.version == 3 and unchanged(applier) and s.open is None
+
+
+def test_a_sparse_update_needs_its_base_and_an_engine_that_applies_it() -> None:
+    new = {n: t.clone() for n, t in WEIGHTS.items()}
+    new["a.bias"][0] = 1.0
+    manifest, _ = sparse_update(new, WEIGHTS, 4)
+    with pytest.raises(ConflictError, match="test engine does not apply sparse updates"):
+        session(DictApplier(WEIGHTS)).begin(manifest)  # no base_tensor: 409, the trainer sends it whole
+    with pytest.raises(ConflictError, match="sparse update v4 applies on top of v2, but test engine serves v3"):
+        session(SparseDictApplier(WEIGHTS)).begin(sparse_update(new, WEIGHTS, 4, base_version=2)[0])

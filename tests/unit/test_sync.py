@@ -385,3 +385,91 @@ def test_an_engine_declaring_other_transports_is_refused_before_any_byte_moves()
             pytest.raises(EngineError, match=r"stock: .*over \['broadcast', 'disk'\], not transport='http'"):
         sync.push(model, version=1)
     assert engine.version == 0 and not any(c.startswith(("begin", "receive")) for c in engine.calls)
+
+
+class SparseMemoryEngine(MemoryEngine):
+    """A MemoryEngine that applies sparse updates (declares it, hands out its served tensors)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], label: str = "sparse") -> None:
+        super().__init__(weights, label)
+        self.wrong_tensor_ack = False
+        """Ack a wrong whole-tensor digest (an engine that applied something else and says so)."""
+
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        self.calls.append("capabilities")
+        return EngineCapabilities(stages_updates=True, supports_sparse=True)
+
+    def base_tensor(self, hf_name: str) -> torch.Tensor:
+        return self.weights[hf_name]
+
+    def commit(self, manifest: Manifest, link: Link) -> Ack:
+        ack = super().commit(manifest, link)
+        if self.wrong_tensor_ack and ack.tensor_digests:
+            first = sorted(ack.tensor_digests)[0]
+            ack = replace(ack, tensor_digests={**ack.tensor_digests, first: "0" * 16})
+        return ack
+
+
+@pytest.mark.parametrize("snapshot", ["trainer", "host"])
+def test_sparse_sends_changed_elements_and_goes_full_when_the_base_is_not_proven(snapshot: str) -> None:
+    model = tiny()
+    engine = SparseMemoryEngine({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    with ws.WeightSync([engine], transport="http", mode="sparse", bucket_bytes=1 << 20,
+                       sparse_snapshot=snapshot) as sync:
+        first = sync.push(model, version=1)
+        assert first.mode == "full" and dict(first.encodings) == {"dense": 6} and same(model, engine)
+        with torch.no_grad():
+            model[0].weight[3, 4] += 1.0
+            model[2].bias[1] -= 1.0
+        second = sync.push(model, version=2)
+        assert second.mode == "sparse" and second.verified and same(model, engine)
+        assert second.num_elements == 2 and second.num_tensors == 2 and second.num_skipped == 4
+        assert dict(second.encodings) == {"positions16": 2} and second.num_bytes == 2 * 8  # 4+2 bytes, padded to 8
+        assert set(second.acks[0].tensor_digests) == {"0.weight", "2.bias"}
+
+        engine.version = 0  # the engine restarted from its checkpoint: not on v2
+        engine.weights = {k: torch.zeros_like(v) for k, v in engine.weights.items()}
+        with torch.no_grad():
+            model[0].weight[0, 0] += 1.0
+        again = sync.push(model, version=3)
+        assert again.mode == "full" and again.num_tensors == 6 and same(model, engine), "refused: sent whole"
+
+        engine.weights["2.weight"][0, 0] += 5.0  # the engine's v3 drifted from what the trainer holds as v3
+        with torch.no_grad():
+            model[2].weight[1, 1] += 1.0
+        with pytest.raises(IntegrityError, match=r"differ from the trainer's once applied .*2\.weight"):
+            sync.push(model, version=4)
+        assert engine.version == 3 and not same(model, engine), "the engine keeps its last good version"
+        fixed = sync.push(model, version=5)
+        assert fixed.mode == "full" and fixed.verified and same(model, engine), "after a failure: whole"
+        assert sync.push(model, version=6).mode == "sparse"
+
+
+def test_a_wrong_whole_tensor_ack_fails_the_push_and_the_next_one_is_full() -> None:
+    model = tiny()
+    engine = SparseMemoryEngine({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    with ws.WeightSync([engine], transport="http", mode="sparse") as sync:
+        sync.push(model, version=1)
+        engine.wrong_tensor_ack = True
+        with torch.no_grad():
+            model[0].bias[0] += 1.0
+        with pytest.raises(IntegrityError, match=r"whole-tensor digest differs from the trainer's .*0\.bias"):
+            sync.push(model, version=2)
+        engine.wrong_tensor_ack = False
+        assert sync.push(model, version=3).mode == "full"
+
+
+def test_sparse_to_an_engine_that_does_not_apply_it_goes_full() -> None:
+    model = tiny()
+    engine = engine_for(model)  # declares no supports_sparse
+    with ws.WeightSync([engine], transport="http", mode="sparse") as sync:
+        sync.push(model, version=1)
+        with torch.no_grad():
+            model[0].bias[0] += 1.0
+        second = sync.push(model, version=2)
+    assert second.mode == "full" and second.num_tensors == 6 and same(model, engine)
+
+
+def test_an_unknown_snapshot_place_is_refused_naming_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"sparse_snapshot must be one of \('trainer', 'host'\), got 'gpu'"):
+        ws.WeightSync([engine_for(tiny())], transport="http", mode="sparse", sparse_snapshot="gpu")

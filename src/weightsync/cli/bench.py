@@ -32,12 +32,13 @@ EPILOG = """examples:
   weightsync bench --transports broadcast,shm --modes full --bucket-bytes 64MiB
   weightsync bench --engines embedded,vllm --model-bytes 256MiB
   weightsync bench --suite faults --quick
+  weightsync bench --suite sparse                   # fp32 AdamW steps at lr 1e-6, 1e-5 into a bf16 engine
   weightsync bench --quick --json > bench.json
 """
 
-BENCH_MODES = tuple(m for m in MODES if m != "delta")
-"""Every mode but "delta": the matrix pushes the same weights again and again, so a
-delta push would move nothing."""
+BENCH_MODES = tuple(m for m in MODES if m not in ("delta", "sparse"))
+"""Every mode but "delta" and "sparse": the matrix pushes the same weights again and
+again, so they would move nothing (`--suite sparse` measures sparse on real RL steps)."""
 
 
 def _size(text: str) -> int:
@@ -69,7 +70,9 @@ def _sizes(text: str) -> tuple[int, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark syncs against the machine's limits and today's baselines",
                        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["sync", "faults"], default="sync", help="what to run (default sync)")
+    p.add_argument("--suite", choices=["sync", "faults", "sparse"], default="sync",
+                   help="what to run (default sync; sparse: mode='sparse' on real RL steps against full pushes, "
+                        "--model-bytes then sizes the bf16 engine, default 512MiB)")
     p.add_argument("--quick", action="store_true",
                    help="about a minute: 64 MiB models, one 16 MiB bucket size, 2 pushes per cell, no vLLM")
     p.add_argument("--model-bytes", type=_size, default=None, help="weights per model (default 512MiB)")

@@ -80,6 +80,10 @@ class EngineCapabilities:
     supports_delta: bool = True
     """The engine applies a partial ("delta") update on top of a version it can prove
     it holds; otherwise delta pushes go out whole."""
+    supports_sparse: bool = False
+    """The engine applies a "sparse" update (changed elements only) on top of the version
+    it serves, checking every touched tensor's whole digest; otherwise sparse pushes go
+    out whole. False unless declared: an engine that does not know the mode cannot."""
     reads_digests: bool = False
     """The engine reports digests of its served weights (`DigestReader`); a first
     "lora" push uses them to check the base weights."""
@@ -97,7 +101,7 @@ class EngineCapabilities:
         return {
             "num_ranks": self.num_ranks, "dtype": None if self.dtype is None else dtype_name(self.dtype),
             "stages_updates": self.stages_updates, "pauses_at_commit": self.pauses_at_commit,
-            "supports_delta": self.supports_delta,
+            "supports_delta": self.supports_delta, "supports_sparse": self.supports_sparse,
             "reads_digests": self.reads_digests, "unloads_adapters": self.unloads_adapters,
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
         }
@@ -111,6 +115,7 @@ class EngineCapabilities:
             stages_updates=bool(d.get("stages_updates", False)),
             pauses_at_commit=bool(d.get("pauses_at_commit", False)),
             supports_delta=bool(d.get("supports_delta", True)),
+            supports_sparse=bool(d.get("supports_sparse", False)),
             reads_digests=bool(d.get("reads_digests", False)),
             unloads_adapters=bool(d.get("unloads_adapters", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),

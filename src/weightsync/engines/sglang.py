@@ -330,8 +330,8 @@ class SGLangEngine:
 
         body: dict[str, Any] = {
             "names": [e.hf_name for e in bucket.entries],
-            "dtypes": [dtype_name(e.dtype) for e in bucket.entries],
-            "shapes": [list(e.shape) for e in bucket.entries],
+            "dtypes": [dtype_name(e.stored_dtype) for e in bucket.entries],  # a sparse payload: uint8
+            "shapes": [list(e.stored_shape) for e in bucket.entries],
             "group_name": typed(link, BroadcastLink).group_name,
             "load_format": "flattened_bucket",
             "flush_cache": False,  # flushed once, at commit

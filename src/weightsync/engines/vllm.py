@@ -153,13 +153,16 @@ class VLLMEngine:
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
         """The workers stage every bucket and swap at commit (no pause while streaming);
         no deltas (vLLM reloads fused layers from all their checkpoint tensors, so
-        "delta" pushes go out whole); adapters unloaded by name. Rank 0 tells (within
+        "delta" pushes go out whole); sparse updates rebuilt from each worker's copy of
+        the served version, reloaded whole fused group by group (`engines.vllm_worker`);
+        adapters unloaded by name. Rank 0 tells (within
         `timeout_s`) the dtype vLLM serves and, unless it was given, the rank count."""
         info = self.info(timeout_s=timeout_s)
         if self._num_ranks is None:
             self._num_ranks = int(info["num_ranks"])
         return EngineCapabilities(num_ranks=self._num_ranks, dtype=dtype_from_name(str(info["dtype"])),
-                                  stages_updates=True, supports_delta=False, reads_digests=False,
+                                  stages_updates=True, supports_delta=False, supports_sparse=True,
+                                  reads_digests=False,
                                   unloads_adapters=True, transports=self.transports,
                                   lora_transports=self.lora_transports if info.get("lora_enabled") else frozenset())
 

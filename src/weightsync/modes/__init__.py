@@ -4,6 +4,7 @@
     delta        only tensors whose bytes changed       (modes/delta.py)
     lora         the adapter alone, versioned names     (modes/lora.py)
     lora-merged  base + adapter merged, as a full push  (modes/merged.py)
+    sparse       only the elements that changed, whole-tensor digests acked (modes/sparse.py)
 
 To add a mode: a module with a `PushMode` class, a line in `_MODES` below, and
 its name in `weightsync.types.MODES` (the manifest's mode field).
@@ -26,6 +27,7 @@ _MODES: dict[str, str] = {
     "lora": "weightsync.modes.lora:LoraMode",
     "lora-merged": "weightsync.modes.merged:MergedLoraMode",
     "delta": "weightsync.modes.delta:DeltaMode",
+    "sparse": "weightsync.modes.sparse:SparseMode",
 }
 assert tuple(_MODES) == MODES, "every manifest mode has a module, in MODES order"
 
@@ -42,7 +44,7 @@ def make_mode(name: str, options: ModeOptions | None = None) -> PushMode:
 
 def make_source(model: nn.Module | WeightSource, mode: str = "full", *,
                 adapter_name: str | None = None) -> WeightSource:
-    """The stream `mode` reads from `model` ("delta" reads like "full"); a `WeightSource`
+    """The stream `mode` reads from `model` ("delta" and "sparse" read like "full"); a `WeightSource`
     that is not a module is its own stream."""
     return make_mode(mode, ModeOptions(adapter_name=adapter_name)).source(model)
 

@@ -24,10 +24,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+import torch
 from torch import nn
 
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import EngineError
+from weightsync.pipeline import Stages
 from weightsync.sources import ModuleSource, WeightSource, as_source
 from weightsync.types import SyncReport, TensorMeta
 
@@ -42,6 +44,9 @@ class ModeOptions:
     """"lora": adapters load as `<lora_prefix>-v<version>`."""
     lora_keep: int = 2
     """"lora": adapter versions kept loaded per engine (see `modes.lora.AdapterRollover`)."""
+    sparse_snapshot: str = "trainer"
+    """"sparse": where the copy of the acked version lives, "trainer" (each tensor's own
+    device) or "host" (CPU memory); one model copy in the engines' dtype either way."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +64,10 @@ class Selection:
     lora_name: str | None = None
     """"lora": the name the adapter loads under."""
     base_version: int | None = None
-    """"delta": the version the engines must hold for the delta to apply."""
+    """"delta", "sparse": the version the engines must hold for the update to apply."""
+    stream: WeightSource | None = None
+    """What the pipeline packs instead of reading the source again ("sparse": payloads
+    and cast tensors it already holds); its tensors must fit `metas`' entries."""
 
 
 class Planner(Protocol):
@@ -69,6 +77,19 @@ class Planner(Protocol):
     """For a mode's background work (lora: unloading retired adapters)."""
     timeout_s: float
     """The push's bound for every engine call."""
+    @property
+    def digest_algorithm(self) -> str:
+        """The algorithm this push's digests are computed with."""
+        ...
+
+    allow_overflow: bool
+    """Casts may turn finite values into infinities (`SyncConfig.allow_overflow`)."""
+    stages: Stages
+    """This push's seconds per stage (a mode adds what it spends, e.g. `diff`)."""
+
+    def cast_dtype(self, *, cast: bool) -> torch.dtype | None:
+        """The dtype floating tensors travel in (None: as the trainer holds them)."""
+        ...
 
     def capabilities(self) -> Sequence[EngineCapabilities]:
         """Every engine's declared capabilities."""
@@ -93,7 +114,7 @@ class Planner(Protocol):
 
 
 class PushMode(Protocol):
-    """One way of choosing what a push sends ("full", "delta", "lora", "lora-merged")."""
+    """One way of choosing what a push sends ("full", "delta", "lora", "lora-merged", "sparse")."""
 
     name: ClassVar[str]
     """The name users pass as `mode=`."""

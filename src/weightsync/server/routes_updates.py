@@ -287,7 +287,8 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         dtype = _serving_dtype(updater.metas.values())
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
-            pauses_at_commit=True, supports_delta=True, reads_digests=True, unloads_adapters=lora_enabled,
+            pauses_at_commit=True, supports_delta=True, supports_sparse=True, reads_digests=True,
+            unloads_adapters=lora_enabled,
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,

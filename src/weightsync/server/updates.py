@@ -253,6 +253,12 @@ class WeightUpdater:
         sent = {e.hf_name: e.meta for e in manifest.entries()}
         lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
 
+    def base_tensor(self, hf_name: str) -> torch.Tensor:
+        """The served tensor a sparse update is applied to (a copy of), as `receiving.SparseBase`:
+        parameters are replaced whole at a commit, never written in place, so reading one
+        while generation runs is safe."""
+        return self.params[hf_name].detach()
+
     def apply(self, update: OpenUpdate) -> Sequence[str]:
         served = self._served_after(update)
         self._swap(update.tensors, served, owners=_owners(update))

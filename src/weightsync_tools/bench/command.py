@@ -1,5 +1,5 @@
 """What `weightsync bench` runs once `weightsync.cli.bench` parsed its arguments:
-the sync suite (table, chart, JSON) or the faults suite."""
+the sync suite (table, chart, JSON), the faults suite or the sparse suite."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def build_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     if args.suite == "faults":
         return _run_faults(args)
+    if args.suite == "sparse":
+        return _run_sparse(args)
     from weightsync_tools.bench.report import format_report, to_json, write_chart
     from weightsync_tools.bench.suite import run_sync_suite
 
@@ -82,3 +84,24 @@ def _run_faults(args: argparse.Namespace) -> int:
     print(format_table(figures), file=sys.stderr if args.json else sys.stdout, flush=True)
     print(json.dumps(figures, default=str), flush=True)
     return 0
+
+
+def _run_sparse(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from weightsync_tools.bench.sparse import DEFAULT_ENGINE_BYTES, TRANSPORTS, format_table, run_sparse_suite
+
+    def progress(message: str) -> None:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+    hf_logging.disable_progress_bar()
+    options: dict[str, Any] = dict(
+        root=args.out / "sparse", transports=args.transports or TRANSPORTS,
+        engine_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else DEFAULT_ENGINE_BYTES),
+        steps_per_lr=1 if args.quick else 3, full_repeats=args.repeats or 2)
+    if args.bucket_bytes:
+        options["bucket_bytes"] = args.bucket_bytes[0]
+    result = run_sparse_suite(progress=progress, **options)
+    print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
+    print(json.dumps(result.to_dict()), flush=True)
+    return 0 if all(s.verified for s in result.steps) else 1

@@ -28,9 +28,9 @@ from weightsync_tools.bench.engines import RunningEngine
 
 log = logging.getLogger(__name__)
 
-MODES = tuple(m for m in ALL_MODES if m != "delta")
-"""Every mode but "delta": a cell pushes the same weights again and again, so a delta
-push would move nothing."""
+MODES = tuple(m for m in ALL_MODES if m not in ("delta", "sparse"))
+"""Every mode but "delta" and "sparse": a cell pushes the same weights again and again,
+so they would move nothing (the "sparse" suite measures sparse on real RL steps)."""
 STAGES = ("gather", "pack", "hash", "wire", "load")
 
 

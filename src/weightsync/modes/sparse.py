@@ -1,0 +1,174 @@
+"""mode="sparse": only the elements whose engine-dtype bytes changed since the version
+every engine acked, applied on top of it and verified by whole-tensor digests.
+
+The mode keeps a SNAPSHOT: every tensor as the engines hold it at the acked version
+(cast to their dtype, exactly the bytes the stream sent). It costs one copy of the
+model in the engine's dtype (a 1.5B-parameter bf16 model: 3 GB; plus one scratch
+buffer the size of the largest tensor), held where
+`ModeOptions.sparse_snapshot` says: "trainer" (the device each tensor lives on, the
+fastest diff on a GPU) or "host" (CPU memory, pinned when CUDA is present: GPU
+memory stays free, the diff runs on the CPU).
+
+Each push reads the model once, casts every tensor, compares it bitwise with the
+snapshot and encodes each changed tensor in the cheapest of positions, bitmap or
+dense (`weightsync.sparse`); unchanged tensors are left out. The cast tensors
+are written into the snapshot once compared (no second copy), and the pipeline
+streams the payloads (or, for a full push, the cast tensors) from here instead of
+reading the model again. Every sent tensor carries the digest of its whole cast
+tensor; engines check it after applying and ack it, the coordinator compares.
+
+Whole pushes: the first one, after an engine refused the base (409: restarted,
+aborted, another trainer), after ANY failed push (a digest mismatch included: the
+snapshot may be ahead of what the engines hold), and to engines that do not apply
+sparse updates (`supports_sparse`).
+
+Not yet for sharded trainers (a `process_group`): see `WeightSync`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync.bucketing import castable, check_cast
+from weightsync.digests import digest
+from weightsync.errors import EngineError
+from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
+from weightsync.sources import WeightSource
+from weightsync.sparse import encode
+from weightsync.types import TensorMeta
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_PLACES = ("trainer", "host")
+
+
+class SparseMode(ModeDefaults):
+    """Changed elements on top of the last acked version, whole-tensor digests acked."""
+
+    name: ClassVar[str] = "sparse"
+
+    def __init__(self, options: ModeOptions | None = None) -> None:
+        super().__init__(options)
+        if self.options.sparse_snapshot not in SNAPSHOT_PLACES:
+            raise ValueError(f"sparse_snapshot must be one of {SNAPSHOT_PLACES}, "
+                             f"got {self.options.sparse_snapshot!r}")
+        self.acked_version: int | None = None
+        """The version every engine acked last, which the snapshot holds (None: none, or
+        the last push failed or was refused)."""
+        self.snapshot: dict[str, torch.Tensor] = {}
+        """hf_name -> the tensor as the engines hold it at `acked_version` (engine dtype)."""
+        self._full: tuple[int, Selection] | None = None
+        """(version, the whole push of it) of the push under way: what a refusal sends."""
+        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        """(device, dtype) -> a buffer the size of the largest tensor, cast into before comparing."""
+
+    def prepare(self, model: Any, version: int, planner: Planner) -> None:
+        self._full = None
+
+    def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
+        if self._full is not None and self._full[0] == version:
+            return self._full[1]  # asked again after a refusal: the snapshot is already this version
+        base, self.acked_version = self.acked_version, None  # proven again only by this push's commit
+        sparse = base is not None and all(c.supports_sparse for c in planner.capabilities())
+        t0 = time.perf_counter()
+        diff = self._diff(source, planner, sparse=sparse)
+        planner.stages.diff += time.perf_counter() - t0
+        full = Selection(mode="full", metas=list(source.metas()), stream=_Stream(source.mode, self.snapshot, {}))
+        self._full = (version, full)
+        if not sparse:
+            return full
+        return Selection(mode="sparse", metas=diff.metas, num_skipped=diff.num_unchanged, base_version=base,
+                         stream=_Stream(source.mode, self.snapshot, diff.payloads))
+
+    def refused(self, selection: Selection, error: EngineError) -> bool:
+        if selection.mode != "sparse" or error.status != 409:
+            return False
+        log.info("sparse update refused (%s); sending the whole model instead", error)
+        return True
+
+    def committed(self, selection: Selection, version: int, planner: Planner) -> None:
+        self.acked_version = version
+        self._full = None
+
+    def _diff(self, source: WeightSource, planner: Planner, *, sparse: bool) -> _Diff:
+        """Read and cast every tensor, encode its change against the snapshot (with
+        `sparse`), and write it into the snapshot."""
+        cast_to = planner.cast_dtype(cast=self.casts)
+        algorithm = planner.digest_algorithm
+        out = _Diff()
+        for hf_name, tensor in source.tensors([m.hf_name for m in source.metas()]):
+            tensor = tensor.detach()
+            dtype = cast_to if cast_to is not None and castable(tensor.dtype, cast_to) else tensor.dtype
+            new = self._cast(tensor, dtype)
+            if dtype != tensor.dtype:
+                check_cast(hf_name, tensor, new, allow_overflow=planner.allow_overflow)
+            held = self.snapshot.get(hf_name)
+            if held is None or held.shape != new.shape or held.dtype != new.dtype:
+                held = self.snapshot[hf_name] = new.clone()
+                if self.options.sparse_snapshot == "host" and torch.cuda.is_available():
+                    held = self.snapshot[hf_name] = held.pin_memory()
+                if sparse:
+                    out.metas.append(TensorMeta(hf_name=hf_name, dtype=dtype, shape=tuple(new.shape),
+                                                tensor_digest=digest(held, algorithm)))
+                continue
+            if not sparse:
+                held.copy_(new)
+                continue
+            encoded = encode(new, held)
+            if encoded.num_changed == 0:
+                out.num_unchanged += 1
+                continue
+            held.copy_(new)
+            out.metas.append(TensorMeta(hf_name=hf_name, dtype=dtype, shape=tuple(new.shape),
+                                        encoding=encoded.encoding,
+                                        num_changed=encoded.num_changed if encoded.payload is not None else 0,
+                                        tensor_digest=digest(held, algorithm)))
+            if encoded.payload is not None:
+                out.payloads[hf_name] = encoded.payload
+        return out
+
+    def _cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`tensor` cast to `dtype` into a scratch buffer kept across pushes (on the
+        snapshot's side): a fresh allocation per tensor and push costs more in page
+        faults than the cast itself. Valid until the next call."""
+        device = torch.device("cpu") if self.options.sparse_snapshot == "host" else tensor.device
+        scratch = self._scratch.get((device, dtype))
+        if scratch is None or scratch.numel() < tensor.numel():
+            scratch = self._scratch[(device, dtype)] = torch.empty(tensor.numel(), dtype=dtype, device=device)
+        new = scratch[: tensor.numel()].view(tensor.shape)
+        new.copy_(tensor)
+        return new
+
+
+@dataclass
+class _Diff:
+    """One push's comparison with the snapshot."""
+
+    metas: list[TensorMeta] = field(default_factory=list)
+    """The tensors to send, with their encodings and whole-tensor digests."""
+    payloads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """hf_name -> the uint8 payload of each sparse-encoded tensor."""
+    num_unchanged: int = 0
+
+
+class _Stream:
+    """What the pipeline packs: each tensor's payload, or its cast tensor from the snapshot."""
+
+    def __init__(self, mode: str, snapshot: dict[str, torch.Tensor], payloads: dict[str, torch.Tensor]) -> None:
+        self.mode = mode
+        self._snapshot = snapshot
+        self._payloads = payloads
+
+    def metas(self) -> Sequence[TensorMeta]:
+        return [TensorMeta.of(n, t) for n, t in self._snapshot.items()]
+
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for hf_name in hf_names if hf_names is not None else list(self._snapshot):
+            payload = self._payloads.get(hf_name)
+            yield hf_name, payload if payload is not None else self._snapshot[hf_name]

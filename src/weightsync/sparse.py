@@ -1,0 +1,187 @@
+"""Sparse encodings of one tensor's change between two versions. Pure: tensors in,
+tensors out, no I/O; used by `mode="sparse"` on the trainer (`encode`) and by every
+engine that applies sparse updates (`apply_payload`).
+
+Both versions are in the engine's dtype and compared BITWISE (integer views of the
+same bytes), so -0.0 vs 0.0 and NaN payloads count as changes and the engine ends
+with exactly the trainer's bytes. A changed element is one whose bytes differ.
+
+Payload layouts (the manifest entry's `encoding`; every integer little-endian; the
+payload is zero-padded to a multiple of `types.PAYLOAD_ALIGN` bytes):
+
+    dense        no payload: the whole tensor, as a full push sends it
+    positions16  values[k] (the tensor's dtype), then gaps[k] (uint16)
+    positions32  values[k], then gaps[k] (uint32): when a gap does not fit 16 bits
+    bitmap       values[k], then ceil(numel / 8) bytes: bit (i % 8) of byte (i // 8)
+                 is set where flat element i changed (numpy's bitorder="little")
+
+`k` is the entry's `num_changed`; values are the new elements at the changed flat
+(C-order) positions, in ascending position order; positions are delta-coded:
+gaps[0] = p[0], gaps[i] = p[i] - p[i-1] (> 0). `encode` picks the smallest of the
+four (ties go to the earlier one in that list).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from weightsync.errors import IntegrityError
+from weightsync.types import PAYLOAD_ALIGN, encoded_nbytes
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GAP_DTYPES = {"positions16": torch.uint16, "positions32": torch.uint32}
+_MAX_GAP16 = (1 << 16) - 1
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tensor's change, encoded."""
+
+    encoding: str
+    """"dense", "positions16", "positions32" or "bitmap"."""
+    num_changed: int
+    """Elements whose bytes differ from the base."""
+    payload: torch.Tensor | None
+    """The uint8 payload of a sparse encoding (None for "dense": send the tensor)."""
+
+
+def bits_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of `tensor`'s bytes (one integer per element), for bitwise
+    comparison. `tensor` must be contiguous."""
+    flat = tensor.reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(_INT_OF_SIZE[flat.dtype.itemsize])
+
+
+def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Flat bool mask of the elements of `new` whose bytes differ from `base`'s."""
+    _check_alike(new, base)
+    return bits_view(new.contiguous()) != bits_view(base.contiguous())
+
+
+def _check_alike(new: torch.Tensor, base: torch.Tensor) -> None:
+    if new.dtype != base.dtype or new.shape != base.shape or new.device != base.device:
+        raise ValueError(f"cannot compare {tuple(new.shape)} {new.dtype} on {new.device} with "
+                         f"{tuple(base.shape)} {base.dtype} on {base.device}")
+
+
+class _Changes:
+    """The changed elements of one tensor: on the CPU through numpy (its boolean indexing,
+    flatnonzero and count are several times torch's on CPU), elsewhere through torch."""
+
+    def __init__(self, new: torch.Tensor, base: torch.Tensor) -> None:
+        _check_alike(new, base)
+        self._new = bits_view(new.contiguous())
+        self._cpu = new.device.type == "cpu"
+        self._np_positions: np.ndarray[Any, Any] | None = None
+        if self._cpu:
+            self._np_new = self._new.numpy()
+            self._np_mask = self._np_new != bits_view(base.contiguous()).numpy()
+            self.count = int(np.count_nonzero(self._np_mask))
+        else:
+            self._mask = self._new != bits_view(base.contiguous())
+            self.count = int(torch.count_nonzero(self._mask))
+
+    def values(self) -> torch.Tensor:
+        """The new elements (as integers of their width) at the changed positions, ascending."""
+        if self._cpu:  # gathering at the positions costs per change; a boolean index per element
+            return torch.from_numpy(np.take(self._np_new, self._positions()))
+        return self._new[self._mask]
+
+    def _positions(self) -> np.ndarray[Any, Any]:
+        if self._np_positions is None:
+            self._np_positions = np.flatnonzero(self._np_mask)
+        return self._np_positions
+
+    def bits(self) -> torch.Tensor:
+        """The mask as bytes, bit i % 8 of byte i // 8 (little bit order; `apply_payload`
+        reads them back with numpy's unpackbits)."""
+        if self._cpu:
+            return torch.from_numpy(np.packbits(self._np_mask, bitorder="little"))
+        padded = torch.nn.functional.pad(self._mask.to(torch.uint8), (0, -self._mask.numel() % 8)).view(-1, 8)
+        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=self._mask.device)
+        return (padded * weights).sum(dim=1, dtype=torch.uint8)
+
+    def gaps(self) -> torch.Tensor:
+        """The delta-coded changed positions (int64): p[0], p[i] - p[i-1]."""
+        if self._cpu:
+            return torch.from_numpy(np.diff(self._positions(), prepend=0))
+        positions = self._mask.nonzero().squeeze(1)
+        return torch.diff(positions, prepend=positions.new_zeros(1))
+
+
+def encode(new: torch.Tensor, base: torch.Tensor) -> Encoded:
+    """The cheapest encoding of `new` on top of `base` (same dtype, shape and device)."""
+    changes = _Changes(new, base)
+    numel, itemsize, count = new.numel(), new.dtype.itemsize, changes.count
+    sizes = {enc: encoded_nbytes(enc, numel, itemsize, count) for enc in ("dense", "positions16", "bitmap")}
+    best = min(sizes, key=lambda e: sizes[e])  # dict order breaks ties: dense first
+    if best == "dense":
+        return Encoded("dense", count, None)
+    values = changes.values()
+    if best == "bitmap":
+        return Encoded("bitmap", count, _payload(values, changes.bits()))
+    gaps = changes.gaps()
+    if count and int(gaps.max()) > _MAX_GAP16:  # a long gap: 32-bit gaps, unless the bitmap is smaller
+        if encoded_nbytes("positions32", numel, itemsize, count) >= sizes["bitmap"]:
+            return Encoded("bitmap", count, _payload(values, changes.bits()))
+        return Encoded("positions32", count, _payload(values, gaps.to(torch.uint32)))
+    return Encoded("positions16", count, _payload(values, gaps.to(torch.uint16)))
+
+
+def _payload(values: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """values' bytes, then tail's bytes, zero-padded to PAYLOAD_ALIGN; on the CPU."""
+    raw = values.cpu().numpy().tobytes() + tail.cpu().numpy().tobytes()
+    raw += bytes(-len(raw) % PAYLOAD_ALIGN)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+def apply_payload(base: torch.Tensor, *, encoding: str, num_changed: int, payload: torch.Tensor,
+                  hf_name: str = "?") -> torch.Tensor:
+    """A new tensor: a copy of `base` with the changes in `payload` written in; `base`
+    is left as it was. Raises IntegrityError (naming `hf_name`) for a payload that is
+    not a well-formed `encoding` of `num_changed` changes to a tensor of base's shape."""
+    numel, itemsize = base.numel(), base.dtype.itemsize
+    want = encoded_nbytes(encoding, numel, itemsize, num_changed)
+    if encoding == "dense" or payload.dtype != torch.uint8 or payload.numel() != want:
+        raise IntegrityError(f"{hf_name}: a {encoding} payload of {num_changed} changes to {numel} elements takes "
+                             f"{want} bytes, got {payload.numel()} {payload.dtype}")
+    payload = payload.reshape(-1)
+    out = base.detach().clone(memory_format=torch.contiguous_format)
+    flat = bits_view(out)
+    int_dtype = flat.dtype
+    value_bytes = num_changed * itemsize
+    values = payload[:value_bytes].clone().view(int_dtype)  # on the CPU, aligned (a fresh copy)
+    if out.device.type != "cpu":
+        values = values.to(out.device)
+    if encoding in _GAP_DTYPES:
+        width = _GAP_DTYPES[encoding].itemsize
+        gaps = payload[value_bytes: value_bytes + num_changed * width].clone().view(_GAP_DTYPES[encoding])
+        gaps = gaps.to(torch.int64)
+        if num_changed and (bool((gaps[1:] <= 0).any()) or int(gaps.sum()) >= numel):
+            raise IntegrityError(f"{hf_name}: positions are not strictly increasing within {numel} elements")
+        positions = gaps.cumsum(0)
+        if out.device.type == "cpu":
+            flat.numpy()[positions.numpy()] = values.numpy()
+        else:
+            flat[positions.to(out.device)] = values
+        return out
+    bits = payload[value_bytes: value_bytes + (numel + 7) // 8]
+    mask = np.unpackbits(bits.numpy(), bitorder="little").view(np.bool_)
+    marked, past_end = int(np.count_nonzero(mask[:numel])), int(np.count_nonzero(mask[numel:]))
+    if marked != num_changed or past_end:
+        raise IntegrityError(f"{hf_name}: the bitmap marks {marked} element(s) (and {past_end} past the end), "
+                             f"the manifest says {num_changed}")
+    if out.device.type == "cpu":  # positions then a gather-assign: ~4x numpy's boolean assignment
+        flat.numpy()[np.flatnonzero(mask[:numel])] = values.numpy()
+    else:
+        flat[torch.from_numpy(mask[:numel]).to(out.device)] = values
+    return out
+
+
+__all__ = ["Encoded", "apply_payload", "bits_view", "changed", "encode"]

@@ -1,0 +1,23 @@
+"""engines.vllm_worker's pure parts: which checkpoint tensors vLLM must reload together."""
+
+from __future__ import annotations
+
+from weightsync.engines.vllm_worker import fused_groups
+
+LAYER = "model.layers.3"
+KNOWN = {f"{LAYER}.self_attn.{p}.{leaf}": None for p in ("q_proj", "k_proj", "v_proj") for leaf in ("weight", "bias")}
+KNOWN |= {f"{LAYER}.self_attn.o_proj.weight": None, f"{LAYER}.mlp.gate_proj.weight": None,
+          f"{LAYER}.mlp.up_proj.weight": None, f"{LAYER}.mlp.down_proj.weight": None, "lm_head.weight": None}
+
+
+def test_a_patch_to_q_proj_alone_reloads_q_k_v_with_their_biases() -> None:
+    assert fused_groups([f"{LAYER}.self_attn.q_proj.weight"], KNOWN) == [
+        f"{LAYER}.self_attn.{p}.{leaf}" for p in ("q_proj", "k_proj", "v_proj") for leaf in ("weight", "bias")]
+
+
+def test_gate_and_up_go_together_and_unfused_tensors_alone() -> None:
+    got = fused_groups([f"{LAYER}.mlp.up_proj.weight", "lm_head.weight", f"{LAYER}.self_attn.o_proj.weight"], KNOWN)
+    assert got == [f"{LAYER}.mlp.gate_proj.weight", f"{LAYER}.mlp.up_proj.weight", "lm_head.weight",
+                   f"{LAYER}.self_attn.o_proj.weight"]
+    assert fused_groups([f"{LAYER}.mlp.gate_proj.weight", f"{LAYER}.mlp.up_proj.weight"], KNOWN) == [
+        f"{LAYER}.mlp.gate_proj.weight", f"{LAYER}.mlp.up_proj.weight"], "each name once"
