@@ -64,7 +64,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         import weightsync as ws
 
         self.engine = engine
-        self.sync = ws.WeightSync([engine], transport=info.transport, bucket_bytes=info.bucket_bytes,
+        engines: list[Any] = [engine]  # VLLMEngine's transports are computed class attributes, as Engine allows
+        self.sync = ws.WeightSync(engines, transport=info.transport, bucket_bytes=info.bucket_bytes,
                                   pause=info.pause, timeout_s=info.timeout_s, disk_root=info.disk_root)
         self.last_report: SyncReport | None = None
         """The report of the last `send_weights`."""

@@ -248,7 +248,7 @@ class _WorkerView:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         assert is_checkpoint_format
-        model = self._engine.model
+        model: Any = self._engine.model  # a vLLM model: load_weights(iterable) -> loaded names
         initialize_layerwise_reload(model)
         model.load_weights(weights_iterator)
         finalize_layerwise_reload(model, self._engine.model_config)

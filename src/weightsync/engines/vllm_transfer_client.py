@@ -41,7 +41,7 @@ import secrets
 import shutil
 import tempfile
 import threading
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from weightsync.engines.base import Completion
 from weightsync.engines.vllm import RPC_MARGIN_S, VLLMEngine, _Backend, _InProcess, _Server
@@ -243,7 +243,7 @@ class VLLMTransferEngine(VLLMEngine):
     `engines.vllm_acks`; default a temporary directory of this host).
     """
 
-    lora_transports: ClassVar[frozenset[str]] = frozenset()  # type: ignore[assignment]
+    lora_transports = frozenset[str]()
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  label: str | None = None, num_ranks: int | None = None, ack_dir: str | None = None) -> None:
