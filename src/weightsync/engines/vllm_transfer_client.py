@@ -171,7 +171,8 @@ class _Transfer(_Backend):
                  f"update v{version} was dropped at finish instead of applied"}} for a in answers]
 
     def _update(self, info: dict[str, Any]) -> list[Any]:
-        return self._call("update_weights", lambda seq: self.client.update_weights({"seq": seq, "ack_dir": self.ack_dir, **info}))
+        return self._call("update_weights",
+                          lambda seq: self.client.update_weights({"seq": seq, "ack_dir": self.ack_dir, **info}))
 
     def _finish(self) -> list[Any]:
         self._active = False
