@@ -193,3 +193,59 @@ def test_vllm_trainer_api_pushes_through_the_backend(llm: Any, model_dir: Path) 
             vf.assert_parity(trainer.engine, trainer_model)
     finally:
         trainer.shutdown()
+
+
+class _DiesAtBucket2:
+    """A trainer that dies after buckets 0 and 1 were staged: its next call fails and it
+    sends no abort (nor anything else) ever again."""
+
+    def __init__(self, inner: VLLMTransferEngine) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def receive(self, bucket: Any, delivery: Any) -> None:
+        if bucket.index == 2:
+            raise ws.EngineError("test", "the trainer died")
+        self.inner.receive(bucket, delivery)
+
+    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
+        return None
+
+    def resume(self, *, timeout_s: float | None = None) -> None:
+        return None
+
+
+def test_trainer_dead_mid_push_leaves_vllm_serving_and_the_next_push_takes_over(
+        engine: VLLMTransferEngine, model_dir: Path) -> None:
+    """vLLM's own session stays open after the trainer died (its next start_weight_update
+    says "already active"); the next trainer's begin goes ahead in it, and the worker drops
+    the dead trainer's staging (its process is gone) at once."""
+    import subprocess
+    import sys
+
+    from weightsync.owners import owner_tag
+
+    good = _serve(engine, model_dir, seed=81)
+    served = engine.info()["version"]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_owner = f"{owner_tag().partition('-')[0]}-{int(gone.stdout)}/dead"  # a pid of this host that exited
+    doomed = vf.load_trainer(model_dir)
+    vf.perturb(doomed, seed=82)
+    sync = ws.WeightSync([_DiesAtBucket2(engine.__class__.from_llm(engine._backend.inner.llm))],
+                         transport="shm", bucket_bytes=256 << 10)
+    sync.owner = dead_owner
+    with pytest.raises(ws.EngineError, match="the trainer died"):
+        sync.push(doomed, version=served + 1)
+    assert engine.info()["version"] == served
+    vf.assert_parity(engine, good)
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=83)
+    with ws.WeightSync([engine], transport="shm") as next_sync:
+        report = next_sync.push(trainer, version=served + 1)
+    vf.assert_verified(report, served + 1)
+    assert any("its process is gone" in note for note in report.notes), report.notes
+    vf.assert_parity(engine, trainer)
+    sync.close()
