@@ -93,7 +93,9 @@ class _HttpClient:
         self.timeout_s = timeout_s
 
     def _post(self, path: str, body: dict[str, Any]) -> None:
-        response = self.http.request("POST", path, json_body=body, allow=(404,), timeout_s=self.timeout_s)
+        # a fresh connection each: after a worker's exception vLLM answers 500 and then resets the connection
+        response = self.http.request("POST", path, json_body=body, allow=(404,), timeout_s=self.timeout_s,
+                                     headers={"Connection": "close"})
         if response.status_code == 404:
             raise EngineError(self.http.base_url, f"POST {path}: 404; start vLLM with VLLM_SERVER_DEV_MODE=1")
 
@@ -149,11 +151,17 @@ class _Transfer(_Backend):
         try:
             self.client.start_weight_update()
             self._active = True
-        except WeightSyncError as e:
-            if "already active" not in str(e):
-                raise
-            log.warning("%s: vLLM's update session is still open (a trainer died mid-push?); this begin goes "
-                        "ahead in it and the workers decide whether the old update may be dropped", self.who)
+        except WeightSyncError as refused:  # "already active" (vLLM's HTTP 500 may not say so)
+            log.warning("%s: vLLM refused to start an update session (%s); if one is still open (a trainer died "
+                        "mid-push?), this begin goes ahead in it and the workers decide whether its update may be "
+                        "dropped", self.who, refused)
+            try:
+                return self._checked_begin(body)
+            except EngineError:  # no worker answered: no session was open, vLLM's refusal stands
+                raise refused from None
+        return self._checked_begin(body)
+
+    def _checked_begin(self, body: dict[str, Any]) -> list[Any]:
         answers = self._update({"begin": body})
         if all(a["ok"] for a in answers):
             self._active = True
