@@ -249,3 +249,25 @@ def test_trainer_dead_mid_push_leaves_vllm_serving_and_the_next_push_takes_over(
     assert any("its process is gone" in note for note in report.notes), report.notes
     vf.assert_parity(engine, trainer)
     sync.close()
+
+
+def test_delta_sends_whole_fused_layers_and_matches_transformers(engine: VLLMTransferEngine,
+                                                                  model_dir: Path) -> None:
+    """vLLM reloads qkv_proj from q, k and v (weights and biases) at once: a change to
+    q_proj alone goes out with its whole group, and everything else stays as served."""
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=91)
+    attention = trainer.model.layers[0].self_attn
+    with ws.WeightSync([engine], transport="shm", mode="delta") as sync:
+        sync.push(trainer, version=vf.next_version(engine))  # nothing acked yet: the whole model
+        with torch.no_grad():
+            attention.q_proj.weight.add_(torch.randn(attention.q_proj.weight.shape,
+                                                     generator=torch.Generator().manual_seed(92)) * 0.5)
+            trainer.model.norm.weight.mul_(1.5)
+        version = vf.next_version(engine)
+        report = sync.push(trainer, version=version)
+    vf.assert_verified(report, version)
+    assert report.mode == "delta", report.notes
+    fused = {f"model.layers.0.self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")}
+    assert report.acks[0].loaded_names == frozenset({*fused, "model.norm.weight"})
+    vf.assert_parity(engine, trainer)

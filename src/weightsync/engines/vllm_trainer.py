@@ -39,7 +39,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
 
     backend: ClassVar[str] = BACKEND
 
-    transport: str = "shm"
+    transport: str
     """"shm" (same host), "disk" (needs `disk_root`) or "broadcast" (gloo/NCCL group)."""
     bucket_bytes: int = 256 << 20
     """Bucket size in bytes."""

@@ -39,9 +39,13 @@ worker only); each writes its answer to the data plane instead
 The update session (versions, takeover, dry run, digests, ack) is weightsync's
 `receiving.UpdateSession` inside `engines.vllm_worker.WorkerSync`, shared with
 the worker extension; only how the staged update reaches the model differs.
-Not here: LoRA adapters (a weight-transfer engine cannot add an adapter to
-vLLM; use the worker extension, `engines.vllm_worker`) and deltas (refused
-with 409 as in the extension, so the coordinator sends the whole model).
+Deltas are applied on top of the served version when they send whole fused
+layers (the worker tells the trainer its `fused_groups`; a delta that sends
+q_proj without k_proj and v_proj is refused with 409 and goes out whole):
+vLLM's layerwise reload rebuilds a layer from the tensors it is given and
+keeps the layers it is given nothing for. Not here: LoRA adapters (a
+weight-transfer engine cannot add an adapter to vLLM; use the worker
+extension, `engines.vllm_worker`).
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.engines.vllm_acks import AckWriter
 from weightsync.engines.vllm_plugin import BACKEND
 from weightsync.engines.vllm_worker import WorkerSync, error_payload
-from weightsync.errors import EngineError, IntegrityError, ManifestMismatchError, format_names
+from weightsync.errors import ConflictError, EngineError, IntegrityError, ManifestMismatchError, format_names
 from weightsync.types import Manifest
 
 log = logging.getLogger(__name__)
@@ -117,7 +121,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.sync = WorkerSync(_WorkerView(self))
+        self.sync = WorkerSync(_WorkerView(self), refuse_delta=None)
+        self._groups: list[tuple[str, ...]] | None = None
         self._acks: AckWriter | None = None
         self._seq = 0
         self._sealed: int | None = None
@@ -177,7 +182,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             self.sync.disconnect({"link": init_info.leave})
         if init_info.join is not None:
             self.sync.connect({"link": init_info.join})
-        return self.sync.info({})
+        return {**self.sync.info({}), "fused_groups": [list(g) for g in self._fused_groups()]}
 
     def _begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         manifest = Manifest.from_dict(body["manifest"])
@@ -187,7 +192,37 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise EngineError(self.sync._who, f"cannot check update v{manifest.version} before loading it: no "
                               f"safetensors checkpoint of {self.model_config.model} on this host to read names and "
                               "shapes from; start vLLM from a local checkpoint directory")
+        if manifest.mode == "delta":
+            self._check_whole_groups(manifest)
         return self.sync.begin(body)
+
+    def _check_whole_groups(self, manifest: Manifest) -> None:
+        """A delta must send every checkpoint tensor of each fused layer it touches: the
+        layerwise reload rebuilds a layer from what it is given (the rest: garbage)."""
+        sent = set(manifest.hf_names)
+        for group in self._fused_groups():
+            missing = [n for n in group if n not in sent]
+            if len(missing) < len(group) and missing:
+                raise ConflictError(f"delta v{manifest.version} refused: it sends part of one fused vLLM layer "
+                                    f"(missing {format_names(missing)}); send each changed layer's whole group "
+                                    "(EngineCapabilities.fused_groups) or a full update")
+
+    def _fused_groups(self) -> list[tuple[str, ...]]:
+        """Checkpoint tensors that load into one vLLM layer, where there are several:
+        a layer's weight and bias, and the shards of its fused linears (the model's
+        `packed_modules_mapping`: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj).
+        A tensor's layer is its checkpoint module path with a shard's name (a whole
+        path component, never a substring) replaced by its fused layer's."""
+        if self._groups is None:
+            fused_of = {shard: fused for fused, shards in getattr(self.model, "packed_modules_mapping", {}).items()
+                        for shard in shards}
+            layers: dict[tuple[str, ...], list[str]] = {}
+            for hf_name in self.sync.expected() or {}:
+                module = hf_name.split(".")[:-1]
+                layer = (*module[:-1], fused_of.get(module[-1], module[-1])) if module else ()
+                layers.setdefault(layer, []).append(hf_name)
+            self._groups = [tuple(names) for names in layers.values() if len(names) > 1]
+        return self._groups
 
     def _seal(self, version: int) -> dict[str, Any]:
         """Check everything `finish_weight_update` would otherwise find out too late."""

@@ -34,6 +34,7 @@ a live one's update is kept and this begin refused with 409).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -43,7 +44,7 @@ import tempfile
 import threading
 from typing import Any, Protocol
 
-from weightsync.engines.base import Completion
+from weightsync.engines.base import Completion, EngineCapabilities
 from weightsync.engines.vllm import RPC_MARGIN_S, VLLMEngine, _Backend, _InProcess, _Server
 from weightsync.engines.vllm_acks import read_answers
 from weightsync.errors import EngineError, WeightSyncError
@@ -247,8 +248,8 @@ class VLLMTransferEngine(VLLMEngine):
     """A vLLM engine reached through its weight-transfer API with the `"weightsync"` backend.
 
     Same verbs, report and guarantees as `VLLMEngine` for full pushes over shm,
-    disk and broadcast; no LoRA (`lora_transports` is empty) and no deltas
-    ("delta" pushes go out whole). `ack_dir`: where the workers answer (see
+    disk and broadcast, plus deltas of whole fused layers; no LoRA
+    (`lora_transports` is empty). `ack_dir`: where the workers answer (see
     `engines.vllm_acks`; default a temporary directory of this host).
     """
 
@@ -260,6 +261,12 @@ class VLLMTransferEngine(VLLMEngine):
         server = self._backend
         assert isinstance(server, _Server)
         self._backend = _Transfer(server, _HttpClient(server, timeout_s), who=self.label, ack_dir=ack_dir)
+
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        """`VLLMEngine`'s, with deltas (of whole fused layers: the workers' `fused_groups`)."""
+        info = self.info(timeout_s=timeout_s)
+        groups = tuple(tuple(str(n) for n in g) for g in info.get("fused_groups") or ())
+        return dataclasses.replace(super().capabilities(timeout_s), supports_delta=True, fused_groups=groups)
 
     @classmethod
     def from_llm(cls, llm: Any, *, timeout_s: float = 60.0, label: str | None = None,

@@ -188,7 +188,9 @@ class WorkerSync:
     `reload_weights`); it is only read, except through `reload_weights`.
     """
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, *, refuse_delta: str | None = DELTA_REFUSED) -> None:
+        """`refuse_delta`: why delta updates are refused (409), or None to apply them
+        (the caller sends every tensor of each fused layer it changes)."""
         self.worker = worker
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
@@ -198,7 +200,7 @@ class WorkerSync:
         up to MAX_SESSIONS trainer sessions each (two trainers may be connected at
         once; one holds the update, the other waits)."""
         self.session = UpdateSession(self, engine=self._who, rules=SessionRules(
-            timeout_s=SESSION_TIMEOUT_S, refuse_delta=DELTA_REFUSED))
+            timeout_s=SESSION_TIMEOUT_S, refuse_delta=refuse_delta))
         self.link: Link | None = None
         """The link of the open update (set by a successful begin)."""
         self._lora_path: Path | None = None
