@@ -271,3 +271,19 @@ def test_delta_sends_whole_fused_layers_and_matches_transformers(engine: VLLMTra
     fused = {f"model.layers.0.self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")}
     assert report.acks[0].loaded_names == frozenset({*fused, "model.norm.weight"})
     vf.assert_parity(engine, trainer)
+
+
+def test_answers_through_the_trainers_store_as_for_vllm_on_another_host(llm: Any, model_dir: Path) -> None:
+    """The workers answer through a TCP store the trainer hosts (no shared filesystem)."""
+    engine = VLLMTransferEngine.from_llm(llm, answer_host="127.0.0.1")
+    try:
+        trainer = vf.load_trainer(model_dir)
+        vf.perturb(trainer, seed=101)
+        with ws.WeightSync([engine], transport="broadcast", bucket_bytes=256 << 10) as sync:
+            version = vf.next_version(engine)
+            vf.assert_verified(sync.push(trainer, version=version), version)
+        vf.assert_parity(engine, trainer)
+        with ws.WeightSync([engine], transport="shm") as sync, pytest.raises(ws.EngineError, match="not newer"):
+            sync.push(trainer, version=version)  # a refusal travels the same way
+    finally:
+        engine.close()

@@ -49,8 +49,10 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     """Bound on every engine call of a push."""
     disk_root: str | None = None
     """The shared directory of the disk transport."""
-    ack_dir: str | None = None
-    """Where the workers answer (default: a temporary directory of this host)."""
+    answer_dir: str | None = None
+    """Where the workers answer (`VLLMTransferEngine`; default: see there)."""
+    answer_host: str | None = None
+    """Answer through a TCP store on this address of the trainer's host instead."""
 
 
 class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
@@ -97,9 +99,11 @@ def _engine_for(client: Any, info: WeightSyncTrainerInitInfo) -> VLLMTransferEng
         return client
     base_url = getattr(client, "base_url", None)
     if isinstance(base_url, str):  # vLLM's HTTPVLLMWeightSyncClient
-        return VLLMTransferEngine(base_url, timeout_s=info.timeout_s, ack_dir=info.ack_dir)
+        return VLLMTransferEngine(base_url, timeout_s=info.timeout_s, answer_dir=info.answer_dir,
+                                  answer_host=info.answer_host)
     if hasattr(client, "llm_engine"):  # an in-process vllm.LLM
-        return VLLMTransferEngine.from_llm(client, timeout_s=info.timeout_s, ack_dir=info.ack_dir)
+        return VLLMTransferEngine.from_llm(client, timeout_s=info.timeout_s, answer_dir=info.answer_dir,
+                                           answer_host=info.answer_host)
     raise ValueError(f"client {type(client).__name__}: pass the vllm.LLM, vLLM's HTTPVLLMWeightSyncClient or a "
                      "weightsync VLLMTransferEngine (the weightsync backend also resets the prefix cache, which the "
                      "four-verb client protocol cannot)")

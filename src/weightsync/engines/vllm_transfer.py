@@ -11,7 +11,7 @@ The trainer side is `engines.vllm_transfer_client`.
 
 The calls of one push, and what this engine does in each:
 
-    init_weight_transfer_engine {ack_dir, seq, join?, leave?}
+    init_weight_transfer_engine {answers, seq, join?, leave?}
                       join / leave a transport session (shm segment, broadcast
                       group); answer with this worker's info
     start_weight_update          nothing: no byte has moved and nothing may fail yet
@@ -62,7 +62,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.engines.vllm_acks import AckWriter
+from weightsync.engines.vllm_acks import AnswerWriter
 from weightsync.engines.vllm_plugin import BACKEND
 from weightsync.engines.vllm_worker import WorkerSync, error_payload
 from weightsync.errors import ConflictError, EngineError, IntegrityError, ManifestMismatchError, format_names
@@ -81,8 +81,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     Called once by `trainer_init` and again whenever the trainer opens a new
     transport session; idempotent."""
 
-    ack_dir: str
-    """The directory this worker writes its answers to (`engines.vllm_acks`)."""
+    answers: dict[str, Any]
+    """Where this worker answers (`engines.vllm_acks.AnswerBox.channel`)."""
     seq: int
     """The trainer's number for this call; the answer carries it."""
     join: dict[str, Any] | None = None
@@ -98,8 +98,8 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
 
     seq: int
     """The trainer's number for this call; the answer carries it."""
-    ack_dir: str
-    """Where to answer (this call and the finish after it): each trainer client has its own."""
+    answers: dict[str, Any]
+    """Where to answer this call and the finish after it (each trainer client has its own)."""
     begin: dict[str, Any] | None = None
     """`{"manifest": Manifest.to_dict(), "link": Link.to_dict()}`: check and open the update."""
     bucket: dict[str, Any] | None = None
@@ -123,7 +123,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         super().__init__(config, vllm_config, device, model)
         self.sync = WorkerSync(_WorkerView(self), refuse_delta=None)
         self._groups: list[tuple[str, ...]] | None = None
-        self._acks: AckWriter | None = None
+        self._writer: AnswerWriter | None = None
         self._seq = 0
         self._sealed: int | None = None
         """The version a commit call sealed: the next finish applies it."""
@@ -131,7 +131,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     # -- vLLM's lifecycle ----------------------------------------------------------
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
-        self._acks = AckWriter(init_info.ack_dir, rank=self.sync.rank)
+        self._answer_on(init_info.answers)
         self._answer(init_info.seq, "init", lambda: self._init(init_info))
 
     def start_weight_update(self) -> None:
@@ -143,7 +143,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
-        self._acks = AckWriter(update_info.ack_dir, rank=self.sync.rank)
+        self._answer_on(update_info.answers)
         if update_info.begin is not None:
             self._answer(update_info.seq, "begin", lambda: self._begin(update_info.begin or {}))
         elif update_info.bucket is not None:
@@ -249,17 +249,21 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._sealed = version
         return {}
 
+    def _answer_on(self, channel: Mapping[str, Any]) -> None:
+        if self._writer is None or self._writer.channel != dict(channel):
+            self._writer = AnswerWriter(channel, rank=self.sync.rank)
+
     def _answer(self, seq: int, verb: str, step: Callable[[], Mapping[str, Any]]) -> bool:
         """Run one step and write its answer for call `seq`; True if it succeeded."""
         self._seq = seq
-        assert self._acks is not None, "init_weight_transfer_engine first"
+        assert self._writer is not None, "init_weight_transfer_engine first"
         try:
             result = step()
         except Exception as e:  # the answer boundary: every failure goes back as data
             log.warning("weightsync %s (call %d) failed on rank %d: %s", verb, seq, self.sync.rank, e)
-            self._acks.write(seq, {"ok": False, "error": error_payload(e)})
+            self._writer.write(seq, {"ok": False, "error": error_payload(e)})
             return False
-        self._acks.write(seq, {"ok": True, **result})
+        self._writer.write(seq, {"ok": True, **result})
         return True
 
 

@@ -19,7 +19,7 @@ Each weightsync verb becomes vLLM calls (see `engines.vllm_transfer` for the
 worker's half), and every answer is read from the data plane
 (`engines.vllm_acks`): vLLM returns none.
 
-    info / connect / disconnect   init_weight_transfer_engine {ack_dir, seq, join?, leave?}
+    info / connect / disconnect   init_weight_transfer_engine {answers, seq, join?, leave?}
     begin                         start_weight_update + update_weights {begin}
     receive                       update_weights {bucket}
     commit                        update_weights {commit} + finish_weight_update
@@ -39,15 +39,14 @@ import itertools
 import json
 import logging
 import secrets
-import shutil
-import tempfile
 import threading
 from typing import Any, Protocol
 
 from weightsync.engines.base import Completion, EngineCapabilities
 from weightsync.engines.vllm import RPC_MARGIN_S, VLLMEngine, _Backend, _InProcess, _Server
-from weightsync.engines.vllm_acks import read_answers
+from weightsync.engines.vllm_acks import AnswerBox
 from weightsync.errors import EngineError, WeightSyncError
+from weightsync.hosts import is_local_host, local_address_towards, url_host
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +116,11 @@ class _Transfer(_Backend):
     """`VLLMEngine`'s backend with the worker verbs as vLLM's weight-transfer calls;
     generation control goes to the wrapped form (`_InProcess` or `_Server`)."""
 
-    def __init__(self, inner: _Backend, client: TransferClient, *, who: str, ack_dir: str | None) -> None:
+    def __init__(self, inner: _Backend, client: TransferClient, *, who: str, answers: AnswerBox) -> None:
         self.inner = inner
         self.client = client
         self.who = who
-        self._own_dir = ack_dir is None
-        self.ack_dir = ack_dir or tempfile.mkdtemp(prefix="weightsync-vllm-acks-")
+        self.answers = answers
         self.num_ranks: int | None = None
         self._seq = itertools.count(secrets.randbits(31))
         self._active = False
@@ -137,7 +135,7 @@ class _Transfer(_Backend):
             if verb in ("info", "connect", "disconnect"):
                 link = {"connect": {"join": body.get("link")}, "disconnect": {"leave": body.get("link")}}
                 return self._call("init", lambda seq: self.client.init_weight_transfer_engine(
-                    {"ack_dir": self.ack_dir, "seq": seq, **link.get(verb, {})}))
+                    {"answers": self.answers.channel, "seq": seq, **link.get(verb, {})}))
             if verb == "begin":
                 return self._begin(body)
             if verb == "receive":
@@ -181,7 +179,7 @@ class _Transfer(_Backend):
 
     def _update(self, info: dict[str, Any]) -> list[Any]:
         return self._call("update_weights",
-                          lambda seq: self.client.update_weights({"seq": seq, "ack_dir": self.ack_dir, **info}))
+                          lambda seq: self.client.update_weights({"seq": seq, "answers": self.answers.channel, **info}))
 
     def _finish(self) -> list[Any]:
         self._active = False
@@ -198,9 +196,9 @@ class _Transfer(_Backend):
             failure = e
         try:
             if self.num_ranks is None:
-                first = read_answers(self.ack_dir, seq, num_ranks=1, who=self.who, what=what)[0]
+                first = self.answers.read(seq, num_ranks=1, who=self.who, what=what)[0]
                 self.num_ranks = int(first.get("num_ranks") or 1)
-            return read_answers(self.ack_dir, seq, num_ranks=self.num_ranks, who=self.who, what=what)
+            return self.answers.read(seq, num_ranks=self.num_ranks, who=self.who, what=what)
         except EngineError:
             if failure is not None:
                 raise failure from None
@@ -240,8 +238,7 @@ class _Transfer(_Backend):
 
     def close(self) -> None:
         self.inner.close()
-        if self._own_dir:
-            shutil.rmtree(self.ack_dir, ignore_errors=True)
+        self.answers.close()
 
 
 class VLLMTransferEngine(VLLMEngine):
@@ -249,18 +246,27 @@ class VLLMTransferEngine(VLLMEngine):
 
     Same verbs, report and guarantees as `VLLMEngine` for full pushes over shm,
     disk and broadcast, plus deltas of whole fused layers; no LoRA
-    (`lora_transports` is empty). `ack_dir`: where the workers answer (see
-    `engines.vllm_acks`; default a temporary directory of this host).
+    (`lora_transports` is empty).
+
+    Where the workers answer (`engines.vllm_acks`): in `answer_dir` (a directory
+    both sides read) if given; else in a TCP store on `answer_host` (an address
+    of this host the workers reach) if given, or by default for a server on
+    another host; else in a temporary directory of this host.
     """
 
     lora_transports = frozenset[str]()
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
-                 label: str | None = None, num_ranks: int | None = None, ack_dir: str | None = None) -> None:
+                 label: str | None = None, num_ranks: int | None = None, answer_dir: str | None = None,
+                 answer_host: str | None = None) -> None:
         super().__init__(url, api_key=api_key, timeout_s=timeout_s, label=label, num_ranks=num_ranks)
         server = self._backend
         assert isinstance(server, _Server)
-        self._backend = _Transfer(server, _HttpClient(server, timeout_s), who=self.label, ack_dir=ack_dir)
+        host = url_host(url)
+        if answer_dir is None and answer_host is None and host is not None and not is_local_host(host):
+            answer_host = local_address_towards(host)
+        answers = AnswerBox(directory=answer_dir, store_host=answer_host)
+        self._backend = _Transfer(server, _HttpClient(server, timeout_s), who=self.label, answers=answers)
 
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
         """`VLLMEngine`'s, with deltas (of whole fused layers: the workers' `fused_groups`)."""
@@ -270,7 +276,7 @@ class VLLMTransferEngine(VLLMEngine):
 
     @classmethod
     def from_llm(cls, llm: Any, *, timeout_s: float = 60.0, label: str | None = None,
-                 ack_dir: str | None = None) -> VLLMTransferEngine:
+                 answer_dir: str | None = None, answer_host: str | None = None) -> VLLMTransferEngine:
         """Wrap `vllm.LLM(..., weight_transfer_config={"backend": "weightsync"})`."""
         engine = super().from_llm(llm, timeout_s=timeout_s, label=label)
         assert isinstance(engine, VLLMTransferEngine)
@@ -278,7 +284,8 @@ class VLLMTransferEngine(VLLMEngine):
         assert isinstance(inner, _InProcess)
         client = _LLMClient(llm)
         locked = _Locked(inner, client)
-        engine._backend = _Transfer(inner, locked, who=engine.label, ack_dir=ack_dir)
+        answers = AnswerBox(directory=answer_dir, store_host=answer_host)
+        engine._backend = _Transfer(inner, locked, who=engine.label, answers=answers)
         return engine
 
 
