@@ -187,9 +187,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def _begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         manifest = Manifest.from_dict(body["manifest"])
         if manifest.is_adapter:
-            raise EngineError(self.sync._who, LORA_REFUSED, status=409)
+            raise EngineError(self.sync.who, LORA_REFUSED, status=409)
         if self.sync.expected() is None:
-            raise EngineError(self.sync._who, f"cannot check update v{manifest.version} before loading it: no "
+            raise EngineError(self.sync.who, f"cannot check update v{manifest.version} before loading it: no "
                               f"safetensors checkpoint of {self.model_config.model} on this host to read names and "
                               "shapes from; start vLLM from a local checkpoint directory")
         if manifest.mode == "delta":
@@ -230,11 +230,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         if update is None or update.version != version:
             raise IntegrityError(f"update v{version} cannot commit: it is not open here (aborted, replaced, or a "
                                  f"bucket was refused); open: {None if update is None else update.version}")
-        link = self.sync.link
-        receiver = self.sync._receiver(link.transport) if link is not None else None
-        if link is not None and receiver is not None and receiver.reads_at_commit:  # disk: read and check now
-            for index, buffer in receiver.read(link, update.manifest):
-                self.sync.session.stage_bucket(version=version, index=index, buffer=buffer)
+        self.sync.read_at_commit(version)  # disk: read and checked now, before anything loads
         missing = [n for n in update.manifest.hf_names if n not in update.tensors]
         if missing:
             raise IntegrityError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
