@@ -55,7 +55,10 @@ LORA_REFUSED = ("the vLLM weight-transfer backend loads base weights only; adapt
 
 
 class TransferClient(Protocol):
-    """vLLM's trainer-side control plane (`VLLMWeightSyncClient`: the four verbs)."""
+    """vLLM's trainer-side control plane (`VLLMWeightSyncClient`: the four verbs), each
+    call bounded by `timeout_s` (set before each call)."""
+
+    timeout_s: float
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 
@@ -67,22 +70,30 @@ class TransferClient(Protocol):
 
 
 class _LLMClient:
-    """The four verbs on an in-process `vllm.LLM` (its methods take a request, not the info)."""
+    """The four verbs on every worker of an in-process `vllm.LLM`, as its own RL methods
+    call them (`collective_rpc`), with a timeout, through `_InProcess` (one caller at a
+    time; vLLM's exceptions become weightsync errors)."""
 
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
+    def __init__(self, inner: _InProcess, timeout_s: float) -> None:
+        self.inner = inner
+        self.timeout_s = timeout_s
+
+    def _rpc(self, method: str, **kwargs: Any) -> None:
+        self.inner._call(method, lambda: self.inner.llm.collective_rpc(method, timeout=self.timeout_s, kwargs=kwargs))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self._rpc("init_weight_transfer_engine", init_info=init_info)
 
     def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        self._rpc("start_weight_update")
 
     def update_weights(self, update_info: Any) -> None:
-        self.llm.update_weights({"update_info": update_info})
+        self._rpc("update_weights", update_info=update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        self._rpc("finish_weight_update")
+        if weight_version is not None:
+            self.inner.set_weight_version(weight_version, timeout_s=self.timeout_s)
 
 
 class _HttpClient:
@@ -132,6 +143,7 @@ class _Transfer(_Backend):
     def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
         verb, body = method.removeprefix("weightsync_"), json.loads(request)
         with self._lock:  # one vLLM call at a time: answers are numbered in order
+            self.client.timeout_s = timeout_s
             if verb in ("info", "connect", "disconnect"):
                 link = {"connect": {"join": body.get("link")}, "disconnect": {"leave": body.get("link")}}
                 return self._call("init", lambda seq: self.client.init_weight_transfer_engine(
@@ -183,9 +195,9 @@ class _Transfer(_Backend):
 
     def _finish(self) -> list[Any]:
         self._active = False
-        return self._call("finish_weight_update", lambda seq: self.client.finish_weight_update(), seq_in_call=False)
+        return self._call("finish_weight_update", lambda seq: self.client.finish_weight_update())
 
-    def _call(self, what: str, send: Any, *, seq_in_call: bool = True) -> list[Any]:
+    def _call(self, what: str, send: Any) -> list[Any]:
         """Send one numbered call and read every worker's answer to it. A finish
         carries no number: the workers answer it as the call after the last one."""
         seq = next(self._seq)
@@ -282,32 +294,9 @@ class VLLMTransferEngine(VLLMEngine):
         assert isinstance(engine, VLLMTransferEngine)
         inner = engine._backend
         assert isinstance(inner, _InProcess)
-        client = _LLMClient(llm)
-        locked = _Locked(inner, client)
         answers = AnswerBox(directory=answer_dir, store_host=answer_host)
-        engine._backend = _Transfer(inner, locked, who=engine.label, answers=answers)
+        engine._backend = _Transfer(inner, _LLMClient(inner, timeout_s), who=engine.label, answers=answers)
         return engine
-
-
-class _Locked:
-    """The in-process LLM's four verbs through `_InProcess._call` (one caller at a time;
-    vLLM's exceptions become weightsync errors)."""
-
-    def __init__(self, inner: _InProcess, client: _LLMClient) -> None:
-        self.inner = inner
-        self.client = client
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.inner._call("init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(init_info))
-
-    def start_weight_update(self) -> None:
-        self.inner._call("start_weight_update", self.client.start_weight_update)
-
-    def update_weights(self, update_info: Any) -> None:
-        self.inner._call("update_weights", lambda: self.client.update_weights(update_info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.inner._call("finish_weight_update", lambda: self.client.finish_weight_update(weight_version))
 
 
 __all__ = ["LORA_REFUSED", "TransferClient", "VLLMTransferEngine"]
