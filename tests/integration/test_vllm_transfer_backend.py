@@ -287,3 +287,37 @@ def test_answers_through_the_trainers_store_as_for_vllm_on_another_host(llm: Any
             sync.push(trainer, version=version)  # a refusal travels the same way
     finally:
         engine.close()
+
+
+class _CorruptsTheVersionDirectory:
+    """Flips one data byte of the last bucket file of the published version just before the
+    commit (disk rot, a bad copy): the workers read and check it while sealing."""
+
+    def __init__(self, inner: VLLMTransferEngine, root: Path) -> None:
+        self.inner = inner
+        self.root = root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def commit(self, manifest: Any, link: Any) -> Any:
+        (version_dir,) = [p for p in self.root.iterdir() if p.name == f"v{manifest.version:08d}"]
+        bucket_file = sorted(version_dir.glob("*.safetensors"))[-1]
+        data = bytearray(bucket_file.read_bytes())
+        data[-5] ^= 0xFF
+        bucket_file.write_bytes(bytes(data))
+        return self.inner.commit(manifest, link)
+
+
+def test_a_corrupted_version_directory_is_refused_before_loading(engine: VLLMTransferEngine, model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    good = _serve(engine, model_dir, seed=111)
+    served = engine.info()["version"]
+    bad = vf.load_trainer(model_dir)
+    vf.perturb(bad, seed=112)
+    with ws.WeightSync([_CorruptsTheVersionDirectory(engine, tmp_path)], transport="disk", disk_root=str(tmp_path),
+                       bucket_bytes=256 << 10) as sync, pytest.raises(ws.IntegrityError, match="digest"):
+        sync.push(bad, version=served + 1)
+    assert engine.info()["version"] == served
+    vf.assert_parity(engine, good)
+    _assert_next_push_goes_through(engine, model_dir, seed=113)
