@@ -141,3 +141,23 @@ def test_unsalted_requests_never_reuse_old_weight_kv(engine: VLLMTransferEngine,
     assert greedy() == vf.reference_greedy(old, prompt, 8)[0]  # the prompt's KV is cached now
     new = _push(engine, model_dir, seed=332)
     assert greedy() == vf.reference_greedy(new, prompt, 8)[0] != vf.reference_greedy(old, prompt, 8)[0]
+
+
+def test_vllm_trainer_api_over_vllms_own_http_client(server: VLLMServer, model_dir: Path) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
+
+    model = vf.load_trainer(model_dir)
+    vf.perturb(model, seed=341)
+    trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),
+                                                        client=HTTPVLLMWeightSyncClient(server.url),
+                                                        source=ModuleSource(model))
+    try:
+        trainer.send_weights()
+        assert trainer.last_report is not None and trainer.last_report.verified
+        vf.assert_parity(trainer.engine, model)
+    finally:
+        trainer.shutdown()

@@ -130,7 +130,11 @@ class _VLLMSource:
         it = iter(self.source)
         for hf_name in wanted:
             while hf_name not in held:
-                name, tensor = next(it)
+                try:
+                    name, tensor = next(it)
+                except StopIteration:
+                    raise ValueError(f"the vLLM WeightSource yielded no {hf_name!r}, which its metadata() "
+                                     "declares; metadata() and iteration must agree") from None
                 if name in want:
                     held[name] = tensor
             yield hf_name, held.pop(hf_name)
