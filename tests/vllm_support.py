@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import tomllib
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +30,45 @@ def require_vllm() -> None:
         pytest.fail(f"WEIGHTSYNC_REQUIRE_VLLM=1 but {message}", pytrace=False)
     warnings.warn(message, stacklevel=2)
     pytest.skip(f"SKIPPED ALL vLLM TESTS: {message}", allow_module_level=True)
+
+
+PLUGIN_GROUP = "vllm.general_plugins"
+
+
+def plugin_entry_points(pyproject: Path) -> dict[str, str]:
+    """The `vllm.general_plugins` entry points pyproject.toml declares (name -> "module:function")."""
+    entry_points = tomllib.loads(pyproject.read_text())["project"].get("entry-points", {})
+    return dict(entry_points.get(PLUGIN_GROUP, {}))
+
+
+@contextmanager
+def plugin_installed(root: Path) -> Iterator[Path]:
+    """Make vLLM find weightsync's plugin as an installed package would, without installing.
+
+    The entry points of an installed distribution live in its `.dist-info/
+    entry_points.txt`, written at install time (an editable install too: a
+    changed pyproject.toml takes effect only after `pip install -e .` again).
+    The tests run from a source tree (PYTHONPATH=src), so this writes a
+    `.dist-info` holding exactly the `vllm.general_plugins` entry points of
+    this checkout's pyproject.toml into `root` and puts `root` on the path of
+    this process and of the processes vLLM spawns; vLLM's
+    `load_general_plugins` discovers them through `importlib.metadata`.
+    """
+    entry_points = plugin_entry_points(Path(__file__).resolve().parents[1] / "pyproject.toml")
+    dist_info = root / "weightsync_vllm_plugin_under_test-0.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightsync-vllm-plugin-under-test\n"
+                                        "Version: 0\n")
+    lines = [f"[{PLUGIN_GROUP}]", *(f"{name} = {target}" for name, target in entry_points.items())]
+    (dist_info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *([old_path] if old_path else [])])
+    sys.path.insert(0, str(root))
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(root))
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path

@@ -12,6 +12,7 @@ from weightsync.bucketing import pack, plan_buckets, unpack
 from weightsync.engines.base import Engine, EngineCapabilities
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.engines.vllm import VLLMEngine
+from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
 from weightsync.errors import (
     AdapterNotLoadedError,
     CastError,
@@ -62,6 +63,7 @@ __all__ = [
     "TensorEntry",
     "TensorMeta",
     "VLLMEngine",
+    "VLLMTransferEngine",
     "WeightSource",
     "WeightSync",
     "WeightSyncError",

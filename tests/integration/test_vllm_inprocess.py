@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,8 +22,6 @@ import vllm_fixtures as vf
 import weightsync as ws
 from weightsync.engines.vllm import VLLMEngine
 from weightsync.engines.vllm_worker import EXTENSION
-from weightsync.shmem import SharedSlots
-from weightsync.types import BucketMeta, Delivery, Link
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
@@ -92,30 +89,6 @@ def test_wrong_shape_is_refused_and_old_weights_keep_serving(engine: VLLMEngine,
     vf.assert_parity(engine, trainer)  # still exactly the last good weights
 
 
-class _CorruptingEngine:
-    """Passes every call through, but flips one byte of bucket 1 in the shm slot first."""
-
-    def __init__(self, inner: VLLMEngine) -> None:
-        self.inner = inner
-        self._link: Link | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def connect(self, link: Link) -> None:
-        self._link = link
-        self.inner.connect(link)
-
-    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
-        if bucket.index == 1:
-            assert self._link is not None and self._link.shm_name and delivery.slot is not None
-            segment = SharedSlots.open(self._link.shm_name, slot_bytes=self._link.slot_bytes or 0,
-                                       num_slots=self._link.num_slots or 0)
-            segment.slot(delivery.slot)[3] ^= 0xFF
-            segment.close()
-        self.inner.receive(bucket, delivery)
-
-
 def test_corrupted_bucket_is_caught_by_the_worker_and_nothing_changes(engine: VLLMEngine, model_dir: Path) -> None:
     trainer = vf.load_trainer(model_dir)
     vf.perturb(trainer, seed=11)
@@ -123,7 +96,7 @@ def test_corrupted_bucket_is_caught_by_the_worker_and_nothing_changes(engine: VL
         sync.push(trainer, version=vf.next_version(engine))
     before, version_before = vf.greedy_tokens(engine), engine.info()["version"]
     vf.perturb(trainer, seed=12)
-    corrupting = _CorruptingEngine(engine)
+    corrupting = vf.CorruptingEngine(engine)
     with ws.WeightSync([corrupting], transport="shm", bucket_bytes=256 << 10) as sync,  \
             pytest.raises(ws.IntegrityError, match="bucket 1: digest"):
         sync.push(trainer, version=vf.next_version(engine))

@@ -17,6 +17,8 @@ from test_server_support import make_widened_tiny_model
 
 from vllm_support import LOGPROB_TOLERANCE as LOGPROB_TOLERANCE
 from vllm_support import require_vllm as require_vllm
+from weightsync.shmem import SharedSlots
+from weightsync.types import BucketMeta, Delivery, Link
 
 PROMPTS: tuple[tuple[int, ...], ...] = ((5, 6, 7, 8), (100, 200, 300), (42, 42, 42, 42, 42, 42), (17,))
 """Fixed token-id prompts for parity checks."""
@@ -131,3 +133,28 @@ def engine_of(llm: Any) -> Iterator[Any]:
     finally:
         engine.close()
         llm.llm_engine.engine_core.shutdown()
+
+
+class CorruptingEngine:
+    """Passes every call through, but flips one byte of bucket 1 in the shm slot first
+    (the fault a worker must catch by its own digest)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._link: Link | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def connect(self, link: Link) -> None:
+        self._link = link
+        self.inner.connect(link)
+
+    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+        if bucket.index == 1:
+            assert self._link is not None and self._link.shm_name and delivery.slot is not None
+            segment = SharedSlots.open(self._link.shm_name, slot_bytes=self._link.slot_bytes or 0,
+                                       num_slots=self._link.num_slots or 0)
+            segment.slot(delivery.slot)[3] ^= 0xFF
+            segment.close()
+        self.inner.receive(bucket, delivery)

@@ -320,6 +320,28 @@ def test_delta_sends_only_changed_tensors_and_falls_back_after_restart() -> None
     assert same(model, engine) and engine.version == 4
 
 
+class FusedEngine(MemoryEngine):
+    """Loads layer 0's weight and bias only together (as vLLM loads a fused qkv_proj)."""
+
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        return EngineCapabilities(stages_updates=True, fused_groups=(("0.weight", "0.bias"),))
+
+
+def test_delta_sends_the_whole_fused_group_of_a_changed_tensor() -> None:
+    model = tiny()
+    engine = FusedEngine({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    with ws.WeightSync([engine], transport="http", mode="delta", bucket_bytes=1 << 20) as sync:
+        sync.push(model, version=1)
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+            model[2].bias.add_(1.0)
+        report = sync.push(model, version=2)
+    assert report.mode == "delta" and report.acks[0].loaded_names == {"0.weight", "0.bias", "2.bias"}
+    assert same(model, engine)
+    caps = EngineCapabilities(fused_groups=(("a", "b"),))
+    assert EngineCapabilities.from_dict(caps.to_dict()) == caps
+
+
 def test_lora_transport_capability_is_checked_up_front() -> None:
     with pytest.raises(ValueError, match=r"cannot take mode='lora' over transport='disk'; it supports \['http'\]"):
         ws.WeightSync([engine_for(tiny())], transport="disk", mode="lora", disk_root="/tmp/x")

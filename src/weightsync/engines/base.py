@@ -95,6 +95,10 @@ class EngineCapabilities:
     them now (a stock SGLang: fewer than its client's `Engine.transports`)."""
     lora_transports: frozenset[str] = frozenset()
     """Transports the engine takes a LoRA adapter over (empty: no LoRA)."""
+    fused_groups: tuple[tuple[str, ...], ...] = ()
+    """Checkpoint tensors the engine only loads together (vLLM reloads a fused
+    qkv_proj or gate_up_proj from all of its checkpoint tensors at once): a delta
+    that changes one tensor of a group sends the whole group."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form an engine serves (`/weightsync/info` "capabilities")."""
@@ -104,6 +108,7 @@ class EngineCapabilities:
             "supports_delta": self.supports_delta, "supports_sparse": self.supports_sparse,
             "reads_digests": self.reads_digests, "unloads_adapters": self.unloads_adapters,
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
+            **({"fused_groups": [list(g) for g in self.fused_groups]} if self.fused_groups else {}),
         }
 
     @classmethod
@@ -119,6 +124,7 @@ class EngineCapabilities:
             reads_digests=bool(d.get("reads_digests", False)),
             unloads_adapters=bool(d.get("unloads_adapters", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),
+            fused_groups=tuple(tuple(str(n) for n in g) for g in d.get("fused_groups") or ()),
         )
 
 

@@ -199,7 +199,9 @@ class WorkerSync:
     `reload_weights`); it is only read, except through `reload_weights`.
     """
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, *, refuse_delta: str | None = DELTA_REFUSED) -> None:
+        """`refuse_delta`: why delta updates are refused (409), or None to apply them
+        (the caller sends every tensor of each fused layer it changes)."""
         self.worker = worker
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
@@ -208,8 +210,8 @@ class WorkerSync:
         """This worker's end of each transport by name, holding the sessions it joined:
         up to MAX_SESSIONS trainer sessions each (two trainers may be connected at
         once; one holds the update, the other waits)."""
-        self.session = UpdateSession(self, engine=self._who, rules=SessionRules(
-            timeout_s=SESSION_TIMEOUT_S, refuse_delta=DELTA_REFUSED))
+        self.session = UpdateSession(self, engine=self.who, rules=SessionRules(
+            timeout_s=SESSION_TIMEOUT_S, refuse_delta=refuse_delta))
         self.link: Link | None = None
         """The link of the open update (set by a successful begin)."""
         self._lora_path: Path | None = None
@@ -258,7 +260,7 @@ class WorkerSync:
         try:
             self._receiver(link.transport).check_joined(link)
         except LookupError as e:
-            raise EngineError(self._who, str(e)) from None
+            raise EngineError(self.who, str(e)) from None
         if manifest.mode == "sparse":
             self.keeps_base = True
         if self.dirty and manifest.mode == "full":
@@ -274,25 +276,20 @@ class WorkerSync:
         assert link is not None
         receiver = self._receiver(link.transport)
         if receiver.bytes_in_delivery or receiver.reads_at_commit:
-            raise EngineError(self._who, f"no per-bucket receive over transport {link.transport!r}")
+            raise EngineError(self.who, f"no per-bucket receive over transport {link.transport!r}")
         into = torch.empty(bucket.nbytes, dtype=torch.uint8)  # our copy, then check it
         try:
             buffer, computed = receiver.fetch_hashed(link, bucket, Delivery.from_dict(body["delivery"]), into,
                                                      self.session.digest_algorithm(version))
         except LookupError as e:
-            raise EngineError(self._who, str(e)) from None
+            raise EngineError(self.who, str(e)) from None
         return {"digest": self.session.stage_bucket(version=version, index=index, buffer=buffer,
                                                     digest_hex=str(body["digest"]), computed=computed)}
 
     def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         version = int(body["version"])
         update = self.session.open
-        link = self.link
-        receiver = self._receiver(link.transport) if link is not None else None
-        if update is not None and update.version == version and link is not None and receiver is not None \
-                and receiver.reads_at_commit:  # disk: the version directory, read now
-            for index, buffer in receiver.read(link, update.manifest):
-                self.session.stage_bucket(version=version, index=index, buffer=buffer)
+        self.read_at_commit(version)
         ack = self.session.commit(version)
         assert update is not None  # commit found it open
         if not update.manifest.is_adapter:
@@ -311,6 +308,17 @@ class WorkerSync:
         return {}
 
     # -- receiving ---------------------------------------------------------
+
+    def read_at_commit(self, version: int) -> None:
+        """Stage the open update `version` from its link's version directory, where the
+        transport delivers nothing per bucket (disk); every bucket's digest is checked."""
+        update, link = self.session.open, self.link
+        if update is None or update.version != version or link is None:
+            return
+        receiver = self._receiver(link.transport)
+        if receiver.reads_at_commit:
+            for index, buffer in receiver.read(link, update.manifest):
+                self.session.stage_bucket(version=version, index=index, buffer=buffer)
 
     def _receiver(self, transport: str) -> Receiver:
         """This worker's receiver of `transport`, made on first use."""
@@ -337,7 +345,7 @@ class WorkerSync:
             group = [n for n in fused_groups(sent, self._expected_metas() or self.held) if n not in tensors]
             unheld = [n for n in group if n not in self.held]
             if unheld:
-                raise ConflictError(f"{self._who} holds no copy of {format_names(unheld)}, which vLLM must "
+                raise ConflictError(f"{self.who} holds no copy of {format_names(unheld)}, which vLLM must "
                                     "reload with the tensors sent; send a full update")
             tensors.update((n, self.held[n]) for n in group)
         loaded: list[str] = []
@@ -392,13 +400,13 @@ class WorkerSync:
     def check_adapter(self, manifest: Manifest) -> None:
         lora_config = self.worker.vllm_config.lora_config
         if lora_config is None:
-            raise EngineError(self._who, f"adapter {manifest.lora_name!r}: this vLLM runs without LoRA; "
+            raise EngineError(self.who, f"adapter {manifest.lora_name!r}: this vLLM runs without LoRA; "
                               "start it with enable_lora=True (--enable-lora) and max_lora_rank")
         config = dict(manifest.lora_config or {})
         if config.get("use_dora"):
-            raise EngineError(self._who, f"adapter {manifest.lora_name!r}: vLLM does not serve DoRA adapters")
+            raise EngineError(self.who, f"adapter {manifest.lora_name!r}: vLLM does not serve DoRA adapters")
         if config.get("bias", "none") != "none":
-            raise EngineError(self._who, f"adapter {manifest.lora_name!r}: vLLM does not serve adapters with "
+            raise EngineError(self.who, f"adapter {manifest.lora_name!r}: vLLM does not serve adapters with "
                               f"bias={config.get('bias')!r}; train with bias='none'")
         expected = self._expected_metas() or {}
         unexpected, mismatched = [], []
@@ -450,7 +458,8 @@ class WorkerSync:
     # -- helpers -----------------------------------------------------------
 
     @property
-    def _who(self) -> str:
+    def who(self) -> str:
+        """This worker, for messages."""
         return f"vLLM worker rank {self.rank}"
 
     def _lora_root(self) -> Path:

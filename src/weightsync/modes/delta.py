@@ -2,9 +2,11 @@
 
 The mode remembers the digest of every tensor as the engines hold it (after the
 cast to their dtype) from the last acked push, and sends the tensors whose digest
-differs. The manifest names that acked version as `base_version`; an engine that
-cannot prove it holds it (restarted, or another trainer pushed since) refuses at
-begin with 409, and the same push goes out whole. With nothing acked yet, or an
+differs, each with the other tensors of its fused group where an engine loads
+some only together (`EngineCapabilities.fused_groups`). The manifest names that
+acked version as `base_version`; an engine that cannot prove it holds it
+(restarted, or another trainer pushed since) refuses at begin with 409, and the
+same push goes out whole. With nothing acked yet, or an
 engine that does not apply partial updates (`supports_delta`), pushes go out whole.
 """
 
@@ -46,7 +48,10 @@ class DeltaMode(ModeDefaults):
         digests = self._pending[1]
         if self.acked_version is None:
             return Selection(mode="full", metas=metas)  # nothing acked yet: the first delta is the whole model
-        changed = [m for m in metas if self._held.get(m.hf_name) != digests[m.hf_name]]
+        sent = {m.hf_name for m in metas if self._held.get(m.hf_name) != digests[m.hf_name]}
+        for groups in (c.fused_groups for c in planner.capabilities()):
+            sent |= {hf_name for group in groups if not sent.isdisjoint(group) for hf_name in group}
+        changed = [m for m in metas if m.hf_name in sent]
         return Selection(mode="delta", metas=changed, num_skipped=len(metas) - len(changed),
                          base_version=self.acked_version)
 

@@ -294,6 +294,10 @@ def child_main(spec: dict[str, Any]) -> int:
         from weightsync.engines.vllm import VLLMEngine
 
         engine = VLLMEngine(spec["url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"])
+    if spec.get("engine") == "vllm-transfer":  # vLLM's weight-transfer API, backend "weightsync"
+        from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+
+        engine = VLLMTransferEngine(spec["url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"])
     fault = spec.get("fault")
     if fault == "block-body":
         engine = _CutBodyEngine(engine, spec["at_bucket"], announce, spec["api_key"])

@@ -1,0 +1,130 @@
+"""The answer channel of weightsync's vLLM weight-transfer backend: each worker's
+answer to each call, carried beside vLLM.
+
+vLLM's weight-transfer verbs (`init_weight_transfer_engine`, `start_weight_update`,
+`update_weights`, `finish_weight_update`) return nothing to the trainer: the
+in-process `LLM` methods return None, the HTTP routes return fixed messages,
+and vLLM's HTTP client drops the 500 body that holds a worker's error. So every
+worker of the `"weightsync"` backend writes its answer to each call (its ack,
+or its refusal with the error's type and fields) under the name
+`rank-<engine rank>`, and the trainer reads them after the call returned.
+Both ends live here: `AnswerWriter` in the workers (`engines.vllm_transfer`),
+`AnswerBox` in the trainer (`engines.vllm_transfer_client`).
+
+Two channels, named in every call's info (`AnswerBox.channel`):
+- "dir": one file per worker in a directory both sides can read (written,
+  fsynced, renamed into place): a temporary directory of the trainer's host
+  where vLLM runs there, a directory on a shared filesystem otherwise;
+- "store": a `torch.distributed.TCPStore` the trainer hosts (one key per
+  worker), for vLLM on another host: its workers reach the trainer's address
+  as they reach a broadcast group's store, and share no filesystem with it.
+
+Calls are numbered by the trainer (`seq`); an answer names the call it
+answers, so an answer left from an earlier call is never taken for the current
+one (each worker overwrites its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from weightsync.errors import EngineError
+
+STORE_TIMEOUT_S = 30.0
+"""How long a worker's write to the trainer's store may take (the trainer may be gone)."""
+
+
+def _key(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+class AnswerWriter:
+    """One worker's end of a channel (`AnswerBox.channel`): write the answer to call `seq`."""
+
+    def __init__(self, channel: Mapping[str, Any], *, rank: int) -> None:
+        self.channel = dict(channel)
+        self.rank = rank
+        self._store: Any = None
+        if channel.get("kind") == "store":
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore(str(channel["host"]), int(channel["port"]), is_master=False,
+                                        timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        elif channel.get("kind") != "dir":
+            raise ValueError(f"unknown answer channel {dict(channel)}; expected kind 'dir' or 'store'")
+
+    def write(self, seq: int, answer: Mapping[str, Any]) -> None:
+        """Replace this worker's answer with `answer` to call `seq`."""
+        text = json.dumps({**answer, "seq": seq, "rank": self.rank})
+        if self._store is not None:
+            self._store.set(_key(self.rank), text)
+            return
+        path = Path(self.channel["path"]) / f"{_key(self.rank)}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+class AnswerBox:
+    """The trainer's end: a channel the workers answer on, and the reading of answers.
+
+    `directory`: answer in files there (default: a temporary directory, removed at
+    `close`); `store_host`: answer in a TCP store this process hosts on that address
+    of this host (reachable from the workers) instead.
+    """
+
+    def __init__(self, *, directory: str | None = None, store_host: str | None = None) -> None:
+        self._store: Any = None
+        self._own_dir: str | None = None
+        if store_host is not None:
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=STORE_TIMEOUT_S))
+            self.channel: dict[str, Any] = {"kind": "store", "host": store_host, "port": int(self._store.port)}
+        else:
+            if directory is None:
+                directory = self._own_dir = tempfile.mkdtemp(prefix="weightsync-vllm-answers-")
+            self.channel = {"kind": "dir", "path": str(directory)}
+
+    def read(self, seq: int, *, num_ranks: int, who: str, what: str) -> list[dict[str, Any]]:
+        """Every worker's answer to call `seq`, rank by rank; EngineError naming the rank
+        that wrote none (or an older one): its worker did not run the backend's verb."""
+        return [self._read_one(seq, rank, who=who, what=what) for rank in range(num_ranks)]
+
+    def _read_one(self, seq: int, rank: int, *, who: str, what: str) -> dict[str, Any]:
+        answer: Any = None
+        if self._store is not None:
+            if self._store.check([_key(rank)]):
+                answer = json.loads(self._store.get(_key(rank)))
+            where = f"the trainer's answer store {self.channel['host']}:{self.channel['port']}"
+        else:
+            path = Path(self.channel["path"]) / f"{_key(rank)}.json"
+            if path.exists():
+                answer = json.loads(path.read_text())
+            where = str(path)
+        if isinstance(answer, dict) and answer.get("seq") == seq:
+            return answer
+        found = "no answer" if answer is None else f"the answer to call {answer.get('seq')}"
+        raise EngineError(who, f"{what}: worker rank {rank} left {found} in {where}, not the answer to call {seq}; "
+                          "is vLLM started with weight_transfer_config={'backend': 'weightsync'} "
+                          "(--weight-transfer-config) and weightsync's vLLM plugin installed, and can its workers "
+                          "reach the answer channel (answer_dir on a shared filesystem, or answer_host)?")
+
+    def close(self) -> None:
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+        self._store = None
+
+
+__all__ = ["AnswerBox", "AnswerWriter"]

@@ -1,0 +1,292 @@
+"""weightsync as a vLLM weight-transfer backend: the worker engine `"weightsync"`.
+
+vLLM 0.32's own RL API (`LLM.init_weight_transfer_engine` / `start_weight_update`
+/ `update_weights` / `finish_weight_update`, or the same HTTP routes of
+`vllm serve` with `VLLM_SERVER_DEV_MODE=1`) drives a `WeightTransferEngine` in
+every worker. This module is that engine for weightsync's transports (shm,
+disk, broadcast), selected with `weight_transfer_config={"backend": "weightsync"}`
+(`--weight-transfer-config '{"backend":"weightsync"}'`) once the plugin
+`weightsync.engines.vllm_plugin:register` has registered it in vLLM's processes.
+The trainer side is `engines.vllm_transfer_client`.
+
+The calls of one push, and what this engine does in each:
+
+    init_weight_transfer_engine {answers, seq, join?, leave?}
+                      join / leave a transport session (shm segment, broadcast
+                      group); answer with this worker's info
+    start_weight_update          nothing: no byte has moved and nothing may fail yet
+    update_weights {seq, begin}  the manifest: version rule and dry run (names,
+                      shapes, dtypes against the served checkpoint); a refusal
+                      here comes before any byte moves
+    update_weights {seq, bucket} fetch one bucket through the transport's
+                      receiver, check its digest, stage it (host memory)
+    update_weights {seq, commit} every tensor staged (disk: read and checked
+                      now), shapes as announced: the update is sealed
+    finish_weight_update         a sealed update is applied through vLLM's
+                      layerwise reload (`initialize_layerwise_reload` ->
+                      `model.load_weights` -> `finalize_layerwise_reload`) and
+                      acked (version, bucket digests, loaded names); an update
+                      that is not sealed (abort, a refused bucket, a trainer
+                      that died) is dropped and the served weights stay
+
+Everything that can fail is checked before `initialize_layerwise_reload`: an
+exception between it and `finalize_layerwise_reload` leaves layers on the meta
+device. Verbs never raise for a refusal (an exception in `finish_weight_update`
+leaves vLLM's session flag set, and one in `update_weights` clears it on one
+worker only); each writes its answer to the data plane instead
+(`engines.vllm_acks`), which is the only way an answer reaches the trainer.
+
+The update session (versions, takeover, dry run, digests, ack) is weightsync's
+`receiving.UpdateSession` inside `engines.vllm_worker.WorkerSync`, shared with
+the worker extension; only how the staged update reaches the model differs.
+Deltas are applied on top of the served version when they send whole fused
+layers (the worker tells the trainer its `fused_groups`; a delta that sends
+q_proj without k_proj and v_proj is refused with 409 and goes out whole):
+vLLM's layerwise reload rebuilds a layer from the tensors it is given and
+keeps the layers it is given nothing for. Not here: LoRA adapters (a
+weight-transfer engine cannot add an adapter to vLLM; use the worker
+extension, `engines.vllm_worker`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightsync.engines.vllm_acks import AnswerWriter
+from weightsync.engines.vllm_plugin import BACKEND
+from weightsync.engines.vllm_worker import WorkerSync, error_payload
+from weightsync.errors import ConflictError, EngineError, IntegrityError, ManifestMismatchError, format_names
+from weightsync.types import Manifest
+
+log = logging.getLogger(__name__)
+
+LORA_REFUSED = ("LoRA adapters cannot travel through vLLM's weight-transfer API (its engines load base weights "
+                "only); start vLLM with weightsync's worker extension and use ws.VLLMEngine for mode='lora'")
+
+
+@dataclass
+class WeightSyncInitInfo(WeightTransferInitInfo):
+    """`init_weight_transfer_engine`'s info: where to answer, and a session to join or leave.
+
+    Called once by `trainer_init` and again whenever the trainer opens a new
+    transport session; idempotent."""
+
+    answers: dict[str, Any]
+    """Where this worker answers (`engines.vllm_acks.AnswerBox.channel`)."""
+    seq: int
+    """The trainer's number for this call; the answer carries it."""
+    join: dict[str, Any] | None = None
+    """A `Link.to_dict()` whose session to join (shm: map the segment; broadcast: join
+    the group, which blocks until the trainer forms it)."""
+    leave: dict[str, Any] | None = None
+    """A `Link.to_dict()` whose session to leave."""
+
+
+@dataclass
+class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
+    """One `update_weights` call: exactly one of `begin`, `bucket` and `commit`."""
+
+    seq: int
+    """The trainer's number for this call; the answer carries it."""
+    answers: dict[str, Any]
+    """Where to answer this call and the finish after it (each trainer client has its own)."""
+    begin: dict[str, Any] | None = None
+    """`{"manifest": Manifest.to_dict(), "link": Link.to_dict()}`: check and open the update."""
+    bucket: dict[str, Any] | None = None
+    """`{"version", "index", "digest", "delivery"}`: fetch, verify and stage one bucket."""
+    commit: int | None = None
+    """A version: seal its update (complete, shapes checked) for `finish_weight_update`."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("begin", "bucket", "commit") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a weightsync update_info holds exactly one of begin, bucket and commit; got {given}")
+
+
+class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
+    """The `"weightsync"` worker engine (one per vLLM worker; see the module docstring)."""
+
+    init_info_cls = WeightSyncInitInfo
+    update_info_cls = WeightSyncUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.sync = WorkerSync(_WorkerView(self), refuse_delta=None)
+        self._groups: list[tuple[str, ...]] | None = None
+        self._writer: AnswerWriter | None = None
+        self._seq = 0
+        self._sealed: int | None = None
+        """The version a commit call sealed: the next finish applies it."""
+
+    # -- vLLM's lifecycle ----------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
+        self._answer_on(init_info.answers)
+        self._answer(init_info.seq, "init", lambda: self._init(init_info))
+
+    def start_weight_update(self) -> None:
+        self._sealed = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's, without its accelerator synchronize (the receivers copy synchronously;
+        on CPU there is no accelerator to synchronize)."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        self._answer_on(update_info.answers)
+        if update_info.begin is not None:
+            self._answer(update_info.seq, "begin", lambda: self._begin(update_info.begin or {}))
+        elif update_info.bucket is not None:
+            bucket = update_info.bucket
+            if not self._answer(update_info.seq, "bucket", lambda: self.sync.receive(bucket)):
+                self.sync.session.abort(int(bucket["version"]))  # nothing of it will be applied
+        else:
+            version = int(update_info.commit or 0)
+            self._answer(update_info.seq, "commit", lambda: self._seal(version))
+
+    def finish_weight_update(self) -> None:
+        """Apply the sealed update and ack it; drop an unsealed one (an abort). Returns
+        normally either way: the answer tells the trainer which."""
+        update = self.sync.session.open
+        sealed, self._sealed = self._sealed, None
+        if update is None or update.version != sealed:
+            dropped = None if update is None else update.version
+            if dropped is not None:
+                log.info("rank %d: update v%d aborted before it was sealed; served weights unchanged",
+                         self.sync.rank, dropped)
+                self.sync.session.abort(dropped)
+            self._answer(self._seq + 1, "finish", lambda: {"aborted": dropped})
+            return
+        self._answer(self._seq + 1, "finish", lambda: {"ack": self.sync.session.commit(update.version).to_wire()})
+
+    def shutdown(self) -> None:
+        self.sync.session.abort()
+        for receiver in self.sync.receivers.values():
+            receiver.close()
+        self.sync.receivers.clear()
+
+    # -- the steps -----------------------------------------------------------------
+
+    def _init(self, init_info: WeightSyncInitInfo) -> dict[str, Any]:
+        if init_info.leave is not None:
+            self.sync.disconnect({"link": init_info.leave})
+        if init_info.join is not None:
+            self.sync.connect({"link": init_info.join})
+        return {**self.sync.info({}), "fused_groups": [list(g) for g in self._fused_groups()]}
+
+    def _begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        manifest = Manifest.from_dict(body["manifest"])
+        if manifest.is_adapter:
+            raise EngineError(self.sync.who, LORA_REFUSED, status=409)
+        if self.sync.expected() is None:
+            raise EngineError(self.sync.who, f"cannot check update v{manifest.version} before loading it: no "
+                              f"safetensors checkpoint of {self.model_config.model} on this host to read names and "
+                              "shapes from; start vLLM from a local checkpoint directory")
+        if manifest.mode == "delta":
+            self._check_whole_groups(manifest)
+        return self.sync.begin(body)
+
+    def _check_whole_groups(self, manifest: Manifest) -> None:
+        """A delta must send every checkpoint tensor of each fused layer it touches: the
+        layerwise reload rebuilds a layer from what it is given (the rest: garbage)."""
+        sent = set(manifest.hf_names)
+        for group in self._fused_groups():
+            missing = [n for n in group if n not in sent]
+            if len(missing) < len(group) and missing:
+                raise ConflictError(f"delta v{manifest.version} refused: it sends part of one fused vLLM layer "
+                                    f"(missing {format_names(missing)}); send each changed layer's whole group "
+                                    "(EngineCapabilities.fused_groups) or a full update")
+
+    def _fused_groups(self) -> list[tuple[str, ...]]:
+        """Checkpoint tensors that load into one vLLM layer, where there are several:
+        a layer's weight and bias, and the shards of its fused linears (the model's
+        `packed_modules_mapping`: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj).
+        A tensor's layer is its checkpoint module path with a shard's name (a whole
+        path component, never a substring) replaced by its fused layer's."""
+        if self._groups is None:
+            fused_of = {shard: fused for fused, shards in getattr(self.model, "packed_modules_mapping", {}).items()
+                        for shard in shards}
+            layers: dict[tuple[str, ...], list[str]] = {}
+            for hf_name in self.sync.expected() or {}:
+                module = hf_name.split(".")[:-1]
+                layer = (*module[:-1], fused_of.get(module[-1], module[-1])) if module else ()
+                layers.setdefault(layer, []).append(hf_name)
+            self._groups = [tuple(names) for names in layers.values() if len(names) > 1]
+        return self._groups
+
+    def _seal(self, version: int) -> dict[str, Any]:
+        """Check everything `finish_weight_update` would otherwise find out too late."""
+        update = self.sync.session.open
+        if update is None or update.version != version:
+            raise IntegrityError(f"update v{version} cannot commit: it is not open here (aborted, replaced, or a "
+                                 f"bucket was refused); open: {None if update is None else update.version}")
+        self.sync.read_at_commit(version)  # disk: read and checked now, before anything loads
+        missing = [n for n in update.manifest.hf_names if n not in update.tensors]
+        if missing:
+            raise IntegrityError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
+                                 f"{format_names(missing)}")
+        expected = self.sync.expected() or {}
+        mismatched = [f"{e.hf_name}: staged {tuple(update.tensors[e.hf_name].shape)}, served "
+                      f"{expected[e.hf_name].shape}" for e in update.manifest.entries()
+                      if e.hf_name in expected and tuple(update.tensors[e.hf_name].shape) != expected[e.hf_name].shape]
+        if mismatched:
+            raise ManifestMismatchError(f"update v{version} refused before loading: " + "; ".join(mismatched[:8]),
+                                        mismatched=[m.split(":", 1)[0] for m in mismatched])
+        self._sealed = version
+        return {}
+
+    def _answer_on(self, channel: Mapping[str, Any]) -> None:
+        if self._writer is None or self._writer.channel != dict(channel):
+            self._writer = AnswerWriter(channel, rank=self.sync.rank)
+
+    def _answer(self, seq: int, verb: str, step: Callable[[], Mapping[str, Any]]) -> bool:
+        """Run one step and write its answer for call `seq`; True if it succeeded."""
+        self._seq = seq
+        assert self._writer is not None, "init_weight_transfer_engine first"
+        try:
+            result = step()
+        except Exception as e:  # the answer boundary: every failure goes back as data
+            log.warning("weightsync %s (call %d) failed on rank %d: %s", verb, seq, self.sync.rank, e)
+            self._writer.write(seq, {"ok": False, "error": error_payload(e)})
+            return False
+        self._writer.write(seq, {"ok": True, **result})
+        return True
+
+
+class _WorkerView:
+    """What `WorkerSync` asks of a vLLM worker, answered by the transfer engine: its
+    config, its device, and an in-place reload through vLLM's layerwise lifecycle."""
+
+    def __init__(self, engine: WeightSyncTransferEngine) -> None:
+        self._engine = engine
+
+    @property
+    def vllm_config(self) -> Any:
+        return self._engine.vllm_config
+
+    @property
+    def device(self) -> torch.device:
+        return self._engine.device
+
+    def reload_weights(self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]],
+                       is_checkpoint_format: bool = True) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        assert is_checkpoint_format
+        model: Any = self._engine.model  # a vLLM model: load_weights(iterable) -> loaded names
+        initialize_layerwise_reload(model)
+        model.load_weights(weights_iterator)
+        finalize_layerwise_reload(model, self._engine.model_config)
+
+
+__all__ = ["BACKEND", "WeightSyncInitInfo", "WeightSyncTransferEngine", "WeightSyncUpdateInfo"]

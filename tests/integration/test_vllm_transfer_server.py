@@ -1,0 +1,163 @@
+"""weightsync as vLLM's own weight-transfer backend: a REAL `vllm serve
+--weight-transfer-config '{"backend":"weightsync"}'` (VLLM_SERVER_DEV_MODE=1).
+
+The trainer drives vLLM's RL routes (`/init_weight_transfer_engine`,
+`/start_weight_update`, `/update_weights`, `/finish_weight_update`), which
+answer fixed messages; every worker's answer comes back on the data plane.
+The backend reaches the server's processes through the `vllm.general_plugins`
+entry point of this checkout's pyproject.toml (`vllm_support.plugin_installed`).
+Shows: pushes over shm and disk give transformers' greedy tokens; a corrupted
+bucket and a stale version leave the last good weights serving; a trainer
+SIGKILLed mid-push leaves vLLM serving and the next push takes over at once;
+an unsalted request after a push never reuses the old weights' prefix KV.
+One server for the module; each test pushes from the served version upward.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import vllm_fixtures as vf
+from safetensors.torch import save_file
+
+import vllm_support
+import weightsync as ws
+from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server
+from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+from weightsync_tools import faults
+
+vf.require_vllm()
+pytestmark = pytest.mark.vllm
+
+BACKEND_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--enable-prefix-caching",
+                "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vf.make_model_dir(tmp_path_factory.mktemp("vllm-transfer-server"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    with vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")), \
+            launch_vllm_server(model_dir, args=BACKEND_ARGS) as running:
+        print(f"\nvLLM server start (weightsync backend): {running.start_seconds:.1f}s")
+        yield running
+
+
+@pytest.fixture(scope="module")
+def engine(server: VLLMServer) -> Iterator[VLLMTransferEngine]:
+    engine = VLLMTransferEngine(server.url, timeout_s=120)
+    yield engine
+    engine.close()
+
+
+def _push(engine: VLLMTransferEngine, model_dir: Path, seed: int, **options: Any) -> torch.nn.Module:
+    """Push a freshly perturbed trainer, verified; returns it (what vLLM now serves)."""
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=seed)
+    with ws.WeightSync([engine], **{"transport": "shm", **options}) as sync:
+        version = vf.next_version(engine)
+        vf.assert_verified(sync.push(trainer, version=version), version)
+    return trainer
+
+
+@pytest.mark.parametrize("transport", ["shm", "disk"])
+def test_full_push_matches_transformers(engine: VLLMTransferEngine, model_dir: Path, tmp_path: Path,
+                                        transport: str) -> None:
+    trainer = _push(engine, model_dir, seed=300 + len(transport), transport=transport, bucket_bytes=256 << 10,
+                    disk_root=str(tmp_path))
+    gap = vf.assert_parity(engine, trainer)
+    completion = engine.generate([vf.PROMPTS[0]], max_new_tokens=2)[0]
+    assert completion.weight_version == engine.weight_version()
+    print(f"\n{transport} over vLLM's RL routes: max logprob gap {gap:.2e}")
+
+
+def test_corrupted_bucket_and_stale_version_keep_the_last_good_weights(engine: VLLMTransferEngine,
+                                                                        model_dir: Path) -> None:
+    good = _push(engine, model_dir, seed=311)
+    served = int(engine.info()["version"])
+    bad = vf.load_trainer(model_dir)
+    vf.perturb(bad, seed=312)
+    with ws.WeightSync([vf.CorruptingEngine(engine)], transport="shm", bucket_bytes=256 << 10) as sync, \
+            pytest.raises(ws.IntegrityError, match="bucket 1: digest"):
+        sync.push(bad, version=served + 1)
+    with ws.WeightSync([engine], transport="shm") as sync, pytest.raises(ws.EngineError, match="not newer"):
+        sync.push(bad, version=served)
+    assert int(engine.info()["version"]) == served
+    vf.assert_parity(engine, good)
+    vf.assert_parity(engine, _push(engine, model_dir, seed=313))
+
+
+def test_trainer_killed_mid_push_leaves_vllm_serving(engine: VLLMTransferEngine, model_dir: Path,
+                                                     server: VLLMServer, tmp_path: Path) -> None:
+    good = _push(engine, model_dir, seed=321)
+    served = int(engine.info()["version"])
+    doomed = copy.deepcopy(good)
+    vf.perturb(doomed, seed=322)
+    weights = {name: p.detach().contiguous() for name, p in doomed.named_parameters()}
+    save_file(weights, str(tmp_path / "weights.safetensors"))
+    spec = {"url": server.url, "api_key": None, "engine": "vllm-transfer", "transport": "shm",
+            "weights": str(tmp_path / "weights.safetensors"), "order": list(weights), "version": served + 1,
+            "disk_root": str(tmp_path / "versions"), "bucket_bytes": faults.BUCKET_BYTES, "timeout_s": 60.0,
+            "fault": "block", "at_bucket": 2}
+    with faults.ChildTrainer(spec) as child:
+        ready = child.wait_for("READY", faults.CHILD_READY_TIMEOUT_S)
+        assert ready is not None, child.tail()
+        child.kill()  # buckets 0 and 1 are staged in the workers; vLLM's update session is open
+    assert int(engine.info()["version"]) == served
+    vf.assert_parity(engine, good)
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=323)
+    with ws.WeightSync([engine], transport="shm") as sync:
+        report = sync.push(trainer, version=served + 1)
+    vf.assert_verified(report, served + 1)
+    assert any("its process is gone" in note for note in report.notes), report.notes
+    vf.assert_parity(engine, trainer)
+
+
+def test_unsalted_requests_never_reuse_old_weight_kv(engine: VLLMTransferEngine, model_dir: Path,
+                                                     server: VLLMServer) -> None:
+    rng = random.Random(5)
+    prompt = [rng.randrange(2, 512) for _ in range(300)]  # two full 128-token KV blocks and a part
+
+    def greedy() -> list[int]:
+        body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}  # no cache_salt: only the reset after the push protects it
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        response.raise_for_status()
+        return list(response.json()["choices"][0]["token_ids"])
+
+    old = _push(engine, model_dir, seed=331)
+    assert greedy() == vf.reference_greedy(old, prompt, 8)[0]  # the prompt's KV is cached now
+    new = _push(engine, model_dir, seed=332)
+    assert greedy() == vf.reference_greedy(new, prompt, 8)[0] != vf.reference_greedy(old, prompt, 8)[0]
+
+
+def test_vllm_trainer_api_over_vllms_own_http_client(server: VLLMServer, model_dir: Path) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
+
+    model = vf.load_trainer(model_dir)
+    vf.perturb(model, seed=341)
+    trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),
+                                                        client=HTTPVLLMWeightSyncClient(server.url),
+                                                        source=ModuleSource(model))
+    try:
+        trainer.send_weights()
+        assert trainer.last_report is not None and trainer.last_report.verified
+        vf.assert_parity(trainer.engine, model)
+    finally:
+        trainer.shutdown()
