@@ -287,7 +287,9 @@ class WeightSync:
         metas = plan.selection.metas
         entries = list(manifest.entries())
         encodings = Counter(e.encoding for e in entries)
-        cast = sorted({dtype_name(m.dtype) for m in metas if _sent_dtype(m.dtype, plan.cast_to) != m.dtype})
+        held = {m.hf_name: m.dtype for m in source.metas()}  # as the trainer holds them (sparse: metas are cast)
+        sent = [held.get(m.hf_name, m.dtype) for m in metas]
+        cast = sorted({dtype_name(d) for d in sent if _sent_dtype(d, plan.cast_to) != d})
         if plan.cast_to is not None and cast:
             notes.append(f"floating tensors cast from {', '.join(cast)} to {dtype_name(plan.cast_to)} in the stream")
         mode.committed(plan.selection, version, planner)

@@ -101,6 +101,7 @@ def test_sparse_pushes_after_adamw_steps_are_bit_exact_with_every_encoding(
             rl_step(trainer, optimizer, lr, seed=step)
             report = sync.push(trainer, version=(version := next_version()))
             assert report.mode == "sparse" and report.verified, report
+            assert "floating tensors cast from float32 to bfloat16 in the stream" in report.notes, report.notes
             assert report.num_bytes < full_bytes / 2, report
             touched = {n for n, d in cast_digests(trainer).items() if d != before[n]}
             assert set(report.acks[0].tensor_digests) == touched == set(report.acks[0].loaded_names)
