@@ -7,7 +7,7 @@ answer fixed messages; every worker's answer comes back on the data plane.
 The backend reaches the server's processes through the `vllm.general_plugins`
 entry point of this checkout's pyproject.toml (`vllm_support.plugin_installed`).
 Shows: pushes over shm and disk give transformers' greedy tokens; a corrupted
-bucket and a stale version leave the last good weights serving; a trainer
+bucket, a stale version and a wrong shape leave the last good weights serving; a trainer
 SIGKILLed mid-push leaves vLLM serving and the next push takes over at once;
 an unsalted request after a push never reuses the old weights' prefix KV.
 One server for the module; each test pushes from the served version upward.
@@ -82,7 +82,7 @@ def test_full_push_matches_transformers(engine: VLLMTransferEngine, model_dir: P
     print(f"\n{transport} over vLLM's RL routes: max logprob gap {gap:.2e}")
 
 
-def test_corrupted_bucket_and_stale_version_keep_the_last_good_weights(engine: VLLMTransferEngine,
+def test_corrupted_bucket_stale_version_and_wrong_shape_keep_the_last_good_weights(engine: VLLMTransferEngine,
                                                                         model_dir: Path) -> None:
     good = _push(engine, model_dir, seed=311)
     served = int(engine.info()["version"])
@@ -93,6 +93,10 @@ def test_corrupted_bucket_and_stale_version_keep_the_last_good_weights(engine: V
         sync.push(bad, version=served + 1)
     with ws.WeightSync([engine], transport="shm") as sync, pytest.raises(ws.EngineError, match="not newer"):
         sync.push(bad, version=served)
+    bad.model.norm.weight = torch.nn.Parameter(torch.ones(130))  # the engine's is (128,)
+    with ws.WeightSync([engine], transport="shm") as sync, \
+            pytest.raises(ws.ManifestMismatchError, match=r"model\.norm\.weight"):
+        sync.push(bad, version=served + 1)
     assert int(engine.info()["version"]) == served
     vf.assert_parity(engine, good)
     vf.assert_parity(engine, _push(engine, model_dir, seed=313))
