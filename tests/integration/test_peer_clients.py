@@ -32,7 +32,6 @@ from sglang_wheel import b64
 from test_server_lora import make_adapter
 from test_server_torn_updates import PROMPT, halves
 
-from weightsync.groups import finish_hosting, host_group
 from weightsync.integrity import digest
 from weightsync.types import dtype_name
 
@@ -96,14 +95,18 @@ def test_slime_external_engine_training_step(client: Any, ws: SimpleNamespace, t
     # slime/backends/sglang_utils/sglang_engine.py (SGLangEngine.pause_generation, flush_cache,
     # update_weights_from_tensor, continue_generation).
     weights = ws.perturbed(tiny_model, seed=60)
+
+    def send_buckets(label: str) -> None:
+        for names in halves(client):
+            response = client.http.post("/update_weights_from_tensor", json={
+                "serialized_named_tensors": [plain(flattened_bucket(sglang, weights, names))],
+                "load_format": "flattened_bucket",
+                "flush_cache": False, "weight_version": label})
+            assert response.status_code == 200, response.text
+
     assert client.http.post("/pause_generation", json={}).status_code == 200
     assert client.http.get("/flush_cache").status_code == 200
-    for names in halves(client):
-        response = client.http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [plain(flattened_bucket(sglang, weights, names))],
-            "load_format": "flattened_bucket",
-            "flush_cache": False, "weight_version": "1"})
-        assert response.status_code == 200, response.text
+    send_buckets("1")
     assert client.http.post("/continue_generation", json={}).status_code == 200
 
     # slime's CI mode: SGLangEngine.get_weight_version (GET, reads "weight_version").
@@ -121,12 +124,7 @@ def test_slime_external_engine_training_step(client: Any, ws: SimpleNamespace, t
     assert client.http.get("/flush_cache").status_code == 200
     assert client.http.post("/release_memory_occupation", json={}).status_code == 200
     assert client.http.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
-    for names in halves(client):
-        response = client.http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [plain(flattened_bucket(sglang, weights, names))],
-            "load_format": "flattened_bucket",
-            "flush_cache": False, "weight_version": "2"})
-        assert response.status_code == 200, response.text
+    send_buckets("2")
     assert client.http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     assert client.http.post("/resume_memory_occupation", json={"tags": None}).status_code == 200
     got = client.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
@@ -257,14 +255,9 @@ def test_areal_distributed_update(client: Any, ws: SimpleNamespace, tiny_model: 
     # build_distributed_weight_update_requests (dtypes as strings, no load_format: one broadcast
     # per tensor, in the listed order), between pause and continue.
     group_name = "update_weight_group"
-    holder, port = host_group(master_address="127.0.0.1", world_size=2, group_name=group_name, backend="gloo",
-                              timeout_s=60)
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(client.http.post, "/init_weights_update_group", json={
-            "master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1, "world_size": 2,
-            "backend": "gloo", "group_name": group_name})
-        group = finish_hosting(holder, timeout_s=60)
-        assert joining.result().status_code == 200, joining.result().text
+    group = ws.joined_group(lambda body: client.http.post("/init_weights_update_group", json=body), group_name,
+                            lambda port: {"master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1,
+                                          "world_size": 2, "backend": "gloo", "group_name": group_name})
     try:
         weights = ws.perturbed(tiny_model, seed=65)
         assert client.http.post("/pause_generation", json={}).status_code == 200
@@ -367,14 +360,9 @@ def test_miles_check_weight_update_equal(client: Any, ws: SimpleNamespace, tiny_
         "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
         "group_name": group_name, "backend": "nccl"})
     assert refused.status_code == 400 and "'gloo'" in refused.json()["message"]
-    holder, port = host_group(master_address="127.0.0.1", world_size=2, group_name=group_name, backend="gloo",
-                              timeout_s=60)
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(client.http.post, "/init_weights_update_group", json={
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": group_name, "backend": "gloo"})
-        group = finish_hosting(holder, timeout_s=60)
-        assert joining.result().status_code == 200, joining.result().text
+    group = ws.joined_group(lambda body: client.http.post("/init_weights_update_group", json=body), group_name,
+                            lambda port: {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                                          "world_size": 2, "group_name": group_name, "backend": "gloo"})
     try:
         names = sorted(weights)
         for action in ("snapshot", "reset_tensors"):

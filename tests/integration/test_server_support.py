@@ -15,7 +15,8 @@ fixtures give a plain one, a module needing other flags overrides `server`
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 from serve_check import checked
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.checkpoint import publish, write_bucket, write_manifest
+from weightsync.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.integrity import digest
 from weightsync.server import ServerProcess, launch_server
 from weightsync.tiny import make_tiny_model
@@ -199,9 +201,23 @@ def client(server: ServerProcess) -> Iterator[Client]:
     client.close()
 
 
+def joined_group(post: Callable[[dict[str, Any]], httpx.Response], group_name: str,
+                 body: Callable[[int], dict[str, Any]]) -> UpdateGroup:
+    """Host a 2-rank gloo weight-update group on 127.0.0.1 and have the server join it as
+    rank 1 through `post(body(port))`: each peer writes its own /init_weights_update_group body."""
+    holder, port = host_group(master_address="127.0.0.1", world_size=2, group_name=group_name, backend="gloo",
+                              timeout_s=60)
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(post, body(port))
+        group = finish_hosting(holder, timeout_s=60)
+        assert joining.result().status_code == 200, joining.result().text
+    return group
+
+
 @pytest.fixture(scope="session")
 def ws() -> SimpleNamespace:
     """The helpers above, as one fixture."""
     return SimpleNamespace(Client=Client, load_model=load_model, perturbed=perturbed,
                            reference_greedy=reference_greedy, start_server=start_server,
-                           make_update=make_update, frame=frame, write_version_dir=write_version_dir)
+                           make_update=make_update, frame=frame, write_version_dir=write_version_dir,
+                           joined_group=joined_group)

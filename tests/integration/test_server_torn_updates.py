@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from weightsync.groups import UpdateGroup, finish_hosting, host_group
+from weightsync.groups import UpdateGroup
 from weightsync.integrity import digest
 from weightsync.types import dtype_name
 
@@ -143,14 +143,10 @@ def test_slime_distributed_buckets_refused_halfway(client: Any, ws: SimpleNamesp
     # slime's update_weights_from_distributed body: names, dtypes, shapes, group_name, flush_cache,
     # weight_version, load_format (slime/backends/sglang_utils/sglang_engine.py).
     group_name = "slime-torn"
-    holder, port = host_group(master_address="127.0.0.1", world_size=2, group_name=group_name, backend="gloo",
-                              timeout_s=60)
-    with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(client.post, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": group_name, "backend": "gloo"})
-        group: UpdateGroup = finish_hosting(holder, timeout_s=60)
-        assert joining.result().status_code == 200
+    group: UpdateGroup = ws.joined_group(
+        lambda body: client.post("/init_weights_update_group", body), group_name,
+        lambda port: {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                      "group_name": group_name, "backend": "gloo"})
     try:
         first, second = halves(client)
         weights = ws.perturbed(tiny_model, seed=44)

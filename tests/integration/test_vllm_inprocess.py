@@ -46,20 +46,7 @@ def engine(model_dir: Path) -> Iterator[VLLMEngine]:
 
 @pytest.mark.parametrize("transport", ["broadcast", "shm", "disk"])
 def test_full_push_matches_transformers(engine: VLLMEngine, model_dir: Path, tmp_path: Path, transport: str) -> None:
-    trainer = vf.load_trainer(model_dir)
-    with ws.WeightSync([engine], transport=transport, bucket_bytes=256 << 10, disk_root=str(tmp_path)) as sync:
-        for step in range(2):  # the second push reuses the session (group, segment)
-            vf.perturb(trainer, seed=100 * step + len(transport))
-            version = vf.next_version(engine)
-            report = sync.push(trainer, version=version)
-            vf.assert_verified(report, version)
-            assert report.num_buckets > 1
-            assert report.acks[0].loaded_names == frozenset(n for n, _ in trainer.named_parameters())
-            gap = vf.assert_parity(engine, trainer)
-            completion = engine.generate([vf.PROMPTS[0]], max_new_tokens=2)[0]
-            assert completion.weight_version == str(version)
-            print(f"\n{transport} v{version}: push {report.seconds:.3f}s ({report.num_bytes} bytes, "
-                  f"{report.num_buckets} buckets), max logprob gap {gap:.2e}")
+    vf.assert_pushes_match_transformers(engine, model_dir, transport, disk_root=tmp_path, seed=len(transport))
 
 
 def test_ready_names_a_rank_without_the_open_update(engine: VLLMEngine, tmp_path: Path) -> None:

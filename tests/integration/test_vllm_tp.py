@@ -11,7 +11,6 @@ the trainer's exact greedy outputs over broadcast, shm and disk.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,10 +24,6 @@ from weightsync.engines.vllm_worker import EXTENSION
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
 
-THREADS_BIND = "0|1"
-"""One core per worker (this machine has one NUMA node); set for the engine's processes."""
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return vf.make_model_dir(tmp_path_factory.mktemp("vllm-tp"))
@@ -38,17 +33,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(model_dir: Path) -> Iterator[VLLMEngine]:
     from vllm import LLM
 
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = THREADS_BIND  # read by the engine processes vLLM starts now
-    try:
+    with vf.two_ranks_bound():
         llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, gpu_memory_utilization=0.1,
                   enforce_eager=True, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
                   dtype="float32", max_model_len=1024)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
     with vf.engine_of(llm) as engine:
         yield engine
 

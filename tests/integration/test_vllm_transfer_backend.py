@@ -81,19 +81,7 @@ def test_the_plugin_is_declared_and_registers_once() -> None:
 @pytest.mark.parametrize("transport", ["shm", "disk", "broadcast"])
 def test_full_push_matches_transformers(engine: VLLMTransferEngine, model_dir: Path, tmp_path: Path,
                                         transport: str) -> None:
-    trainer = vf.load_trainer(model_dir)
-    with ws.WeightSync([engine], transport=transport, bucket_bytes=256 << 10, disk_root=str(tmp_path)) as sync:
-        for step in range(2):  # the second push reuses the session (segment, group)
-            vf.perturb(trainer, seed=200 + 10 * step + len(transport))
-            version = vf.next_version(engine)
-            report = sync.push(trainer, version=version)
-            vf.assert_verified(report, version)
-            assert report.num_buckets > 1
-            assert report.acks[0].loaded_names == frozenset(n for n, _ in trainer.named_parameters())
-            gap = vf.assert_parity(engine, trainer)
-            assert engine.generate([vf.PROMPTS[0]], max_new_tokens=2)[0].weight_version == str(version)
-            print(f"\n{transport} v{version}: push {report.seconds:.3f}s ({report.num_bytes} bytes, "
-                  f"{report.num_buckets} buckets), max logprob gap {gap:.2e}")
+    vf.assert_pushes_match_transformers(engine, model_dir, transport, disk_root=tmp_path, seed=200 + len(transport))
 
 
 def _serve(engine: VLLMTransferEngine, model_dir: Path, seed: int) -> torch.nn.Module:
@@ -241,13 +229,7 @@ def test_trainer_dead_mid_push_leaves_vllm_serving_and_the_next_push_takes_over(
         sync.push(doomed, version=served + 1)
     assert engine.info()["version"] == served
     vf.assert_parity(engine, good)
-    trainer = vf.load_trainer(model_dir)
-    vf.perturb(trainer, seed=83)
-    with ws.WeightSync([engine], transport="shm") as next_sync:
-        report = next_sync.push(trainer, version=served + 1)
-    vf.assert_verified(report, served + 1)
-    assert any("its process is gone" in note for note in report.notes), report.notes
-    vf.assert_parity(engine, trainer)
+    vf.assert_next_push_takes_over(engine, model_dir, version=served + 1, seed=83)
     sync.close()
 
 

@@ -9,7 +9,6 @@ and a delta of one fused layer, give transformers' greedy outputs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,6 @@ from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
 
-THREADS_BIND = "0|1"
-"""One core per worker (this machine has one NUMA node); set for the engine's processes."""
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return vf.make_model_dir(tmp_path_factory.mktemp("vllm-transfer-tp"))
@@ -38,18 +33,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMTransferEngine]:
     from vllm import LLM
 
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = THREADS_BIND  # read by the engine processes vLLM starts now
-    try:
-        with vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")):
-            llm: Any = LLM(model=str(model_dir), weight_transfer_config={"backend": "weightsync"},
-                           gpu_memory_utilization=0.1, enforce_eager=True, seed=0, tensor_parallel_size=2,
-                           distributed_executor_backend="mp", dtype="float32", max_model_len=1024)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+    with vf.two_ranks_bound(), vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")):
+        llm: Any = LLM(model=str(model_dir), weight_transfer_config={"backend": "weightsync"},
+                       gpu_memory_utilization=0.1, enforce_eager=True, seed=0, tensor_parallel_size=2,
+                       distributed_executor_backend="mp", dtype="float32", max_model_len=1024)
     engine = VLLMTransferEngine.from_llm(llm)
     try:
         assert engine.capabilities(30.0).num_ranks == 2

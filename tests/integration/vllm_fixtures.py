@@ -7,6 +7,7 @@ reads the engine's current version and pushes a newer one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,6 +121,56 @@ def assert_verified(report: Any, version: int) -> None:
     assert report.version == version
     assert report.acks and all(a.version == version for a in report.acks)
     assert all(d is not None for a in report.acks for d in a.digests)
+
+
+@contextmanager
+def two_ranks_bound() -> Iterator[None]:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a tensor_parallel_size=2 engine on this machine (one
+    core per worker, one NUMA node), set while vLLM starts its processes, restored after."""
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+
+
+def assert_pushes_match_transformers(engine: Any, model_dir: Path, transport: str, *, disk_root: Path,
+                                     seed: int) -> None:
+    """Two full pushes over `transport` (the second reuses the session: group, segment),
+    each verified, every name acked, served with transformers' greedy tokens and labelled."""
+    import weightsync as ws
+
+    trainer = load_trainer(model_dir)
+    with ws.WeightSync([engine], transport=transport, bucket_bytes=256 << 10, disk_root=str(disk_root)) as sync:
+        for step in range(2):
+            perturb(trainer, seed=seed + 100 * step)
+            version = next_version(engine)
+            report = sync.push(trainer, version=version)
+            assert_verified(report, version)
+            assert report.num_buckets > 1
+            assert report.acks[0].loaded_names == frozenset(n for n, _ in trainer.named_parameters())
+            gap = assert_parity(engine, trainer)
+            assert engine.generate([PROMPTS[0]], max_new_tokens=2)[0].weight_version == str(version)
+            print(f"\n{transport} v{version}: push {report.seconds:.3f}s ({report.num_bytes} bytes, "
+                  f"{report.num_buckets} buckets), max logprob gap {gap:.2e}")
+
+
+def assert_next_push_takes_over(engine: Any, model_dir: Path, *, version: int, seed: int) -> None:
+    """After a trainer died mid-push: the next push goes ahead at once, verified, noting
+    that the dead trainer's update was dropped, and is served."""
+    import weightsync as ws
+
+    trainer = load_trainer(model_dir)
+    perturb(trainer, seed=seed)
+    with ws.WeightSync([engine], transport="shm") as sync:
+        report = sync.push(trainer, version=version)
+    assert_verified(report, version)
+    assert any("its process is gone" in note for note in report.notes), report.notes
+    assert_parity(engine, trainer)
 
 
 @contextmanager

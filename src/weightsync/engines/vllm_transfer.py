@@ -121,7 +121,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.sync = WorkerSync(_WorkerView(self), refuse_delta=None)
+        self.sync = WorkerSync(_WorkerView(self), refuse_delta=None,
+                               packed_modules=getattr(model, "packed_modules_mapping", None))
         self._groups: list[tuple[str, ...]] | None = None
         self._writer: AnswerWriter | None = None
         self._seq = 0
@@ -208,20 +209,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                                     "(EngineCapabilities.fused_groups) or a full update")
 
     def _fused_groups(self) -> list[tuple[str, ...]]:
-        """Checkpoint tensors that load into one vLLM layer, where there are several:
-        a layer's weight and bias, and the shards of its fused linears (the model's
-        `packed_modules_mapping`: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj).
-        A tensor's layer is its checkpoint module path with a shard's name (a whole
-        path component, never a substring) replaced by its fused layer's."""
         if self._groups is None:
-            fused_of = {shard: fused for fused, shards in getattr(self.model, "packed_modules_mapping", {}).items()
-                        for shard in shards}
-            layers: dict[tuple[str, ...], list[str]] = {}
-            for hf_name in self.sync.expected() or {}:
-                module = hf_name.split(".")[:-1]
-                layer = (*module[:-1], fused_of.get(module[-1], module[-1])) if module else ()
-                layers.setdefault(layer, []).append(hf_name)
-            self._groups = [tuple(names) for names in layers.values() if len(names) > 1]
+            self._groups = self.sync.fused_groups()
         return self._groups
 
     def _seal(self, version: int) -> dict[str, Any]:

@@ -60,7 +60,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,10 +199,14 @@ class WorkerSync:
     `reload_weights`); it is only read, except through `reload_weights`.
     """
 
-    def __init__(self, worker: Any, *, refuse_delta: str | None = DELTA_REFUSED) -> None:
+    def __init__(self, worker: Any, *, refuse_delta: str | None = DELTA_REFUSED,
+                 packed_modules: Mapping[str, Sequence[str]] | None = None) -> None:
         """`refuse_delta`: why delta updates are refused (409), or None to apply them
-        (the caller sends every tensor of each fused layer it changes)."""
+        (the caller sends every tensor of each fused layer it changes). `packed_modules`:
+        the model's `packed_modules_mapping` (default: the worker's model's, else
+        `PACKED_MODULES`)."""
         self.worker = worker
+        self._packed = packed_modules
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
         self.dirty = False
@@ -333,6 +337,18 @@ class WorkerSync:
     def expected(self) -> Mapping[str, TensorMeta] | None:
         return self._expected_metas()
 
+    @property
+    def packed_modules(self) -> Mapping[str, Sequence[str]]:
+        """The model's fused linears (vLLM's `packed_modules_mapping`)."""
+        if self._packed is None:
+            model = getattr(getattr(self.worker, "model_runner", None), "model", None)
+            self._packed = getattr(model, "packed_modules_mapping", None) or PACKED_MODULES
+        return self._packed
+
+    def fused_groups(self) -> list[tuple[str, ...]]:
+        """The served checkpoint's tensors that vLLM reloads together (`layer_groups`)."""
+        return layer_groups(self._expected_metas() or self.held, self.packed_modules)
+
     def base_tensor(self, hf_name: str) -> torch.Tensor | None:
         """The served tensor as this worker holds it (`held`), for a sparse update."""
         return self.held.get(hf_name)
@@ -342,7 +358,8 @@ class WorkerSync:
         sent = list(manifest.hf_names)
         tensors = dict(update.tensors)
         if manifest.mode == "sparse":  # the whole fused group of every touched tensor, from `held`
-            group = [n for n in fused_groups(sent, self._expected_metas() or self.held) if n not in tensors]
+            group = [n for n in fused_groups(sent, self._expected_metas() or self.held, self.packed_modules)
+                     if n not in tensors]
             unheld = [n for n in group if n not in self.held]
             if unheld:
                 raise ConflictError(f"{self.who} holds no copy of {format_names(unheld)}, which vLLM must "
@@ -511,27 +528,33 @@ def _checkpoint_dir(model_config: Any, load_config: Any) -> Path | None:
         return None
 
 
-FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Checkpoint modules vLLM loads into one runtime parameter (qkv_proj, gate_up_proj)."""
+PACKED_MODULES: Mapping[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                                 "gate_up_proj": ("gate_proj", "up_proj")}
+"""vLLM's `packed_modules_mapping` of the Llama/Qwen family: for a model that declares none."""
 
 
-def fused_groups(hf_names: Sequence[str], known: Mapping[str, Any]) -> list[str]:
-    """`hf_names` and, for each one in a fused group, every checkpoint tensor of that
-    group that `known` lists (weights and biases): what vLLM must reload together."""
-    out: dict[str, None] = {}
-    for hf_name in hf_names:
-        module, _, _ = hf_name.rpartition(".")
-        parent, _, proj = module.rpartition(".")
-        group = next((g for g in FUSED_GROUPS if proj in g), None)
-        if group is None:
-            out[hf_name] = None
-            continue
-        for member in group:
-            for leaf in ("weight", "bias"):
-                name = f"{parent}.{member}.{leaf}"
-                if name in known or name == hf_name:
-                    out[name] = None
-    return list(out)
+def layer_groups(known: Iterable[str], packed: Mapping[str, Sequence[str]] = PACKED_MODULES) -> list[tuple[str, ...]]:
+    """Checkpoint tensors (of `known`) that load into one vLLM layer, where there are
+    several: a layer's weight and bias, and the shards of its fused linears (`packed`, the
+    model's `packed_modules_mapping`: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj).
+    A tensor's layer is its checkpoint module path with a shard's name (a whole path
+    component, never a substring) replaced by its fused layer's. vLLM's reload rebuilds a
+    layer from the tensors it is given, so these go together or not at all."""
+    fused_of = {shard: fused for fused, shards in packed.items() for shard in shards}
+    layers: dict[tuple[str, ...], list[str]] = {}
+    for hf_name in known:
+        module = hf_name.split(".")[:-1]
+        layer = (*module[:-1], fused_of.get(module[-1], module[-1])) if module else ()
+        layers.setdefault(layer, []).append(hf_name)
+    return [tuple(names) for names in layers.values() if len(names) > 1]
+
+
+def fused_groups(hf_names: Sequence[str], known: Iterable[str],
+                 packed: Mapping[str, Sequence[str]] = PACKED_MODULES) -> list[str]:
+    """`hf_names` and every other tensor of `known` in the same vLLM layer (`layer_groups`),
+    each once: what vLLM must reload together."""
+    group_of = {name: group for group in layer_groups(known, packed) for name in group}
+    return list(dict.fromkeys(member for name in hf_names for member in group_of.get(name, (name,))))
 
 
 def _remove_stale_lora_roots() -> None:
@@ -559,4 +582,5 @@ def _lora_module(peft_name: str) -> str | None:
     return None
 
 
-__all__ = ["EXTENSION", "FUSED_GROUPS", "WeightSyncWorkerExtension", "WorkerSync", "error_payload", "fused_groups"]
+__all__ = ["EXTENSION", "PACKED_MODULES", "WeightSyncWorkerExtension", "WorkerSync", "error_payload",
+           "fused_groups", "layer_groups"]
