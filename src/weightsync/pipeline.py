@@ -1,11 +1,11 @@
 """The streaming pipeline of one push: a producer thread gathers, casts, packs and
 hashes bucket k+1 while the caller delivers bucket k.
 
-Buckets are packed into the transport's slots, slot k % NUM_SLOTS for bucket k;
-a slot is packed again only after the caller has delivered the bucket in it, so
-at most NUM_SLOTS buckets are alive and trainer memory stays within
-NUM_SLOTS x bucket_bytes beyond the model. Time spent per stage goes into
-`Stages`. On a failure the producer stops at the next slot it waits for; with
+Buckets are packed into the transport's slots (`slot(k, nbytes)` for bucket k:
+slot k % NUM_SLOTS, or a leased slot of its own); a bucket is packed only once
+the bucket NUM_SLOTS before it was delivered, so at most NUM_SLOTS buckets are
+alive and trainer memory stays within NUM_SLOTS x bucket_bytes beyond the model.
+Time spent per stage goes into `Stages`. On a failure the producer stops at the next slot it waits for; with
 `drain` (other trainer ranks gather along) it keeps gathering without packing,
 so every rank finishes the same collectives.
 """
@@ -55,7 +55,7 @@ def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequ
     `digest_algorithm` on the device of the slot: wsmix64 hashes a CUDA slot in place).
 
     `order` holds the source's (hf) names in stream order; the plan holds engine
-    names (`to_engine` maps them). `slot(index, nbytes)` is the buffer of slot `index`.
+    names (`to_engine` maps them). `slot(index, nbytes)` is the buffer bucket `index` is packed into.
     """
     ready: queue.Queue[Any] = queue.Queue(maxsize=1)
     free_slots = threading.Semaphore(NUM_SLOTS)
@@ -68,7 +68,7 @@ def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequ
         try:
             while not failed.is_set():
                 if free_slots.acquire(timeout=0.1):
-                    return slot(bucket.index % NUM_SLOTS, bucket.nbytes)
+                    return slot(bucket.index, bucket.nbytes)
             return None
         finally:
             waited += time.perf_counter() - t0

@@ -200,6 +200,14 @@ class UpdateSession:
         with self._lock:
             return self._require(version).manifest.digest_algorithm
 
+    def serves_whole(self, version: int) -> bool:
+        """The open update `version` replaces whole served tensors with the bytes as sent
+        (full, lora-merged), so an engine may serve them from the buffer they arrived in
+        (`Receiver.adopt`); adapters, deltas and sparse payloads are copied."""
+        with self._lock:
+            manifest = self._require(version).manifest
+        return not manifest.is_adapter and manifest.mode not in PARTIAL_MODES
+
     def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None = None,
                      computed: str | None = None) -> str:
         """Verify one packed bucket (its size, the manifest's digest, and `digest_hex`,

@@ -67,7 +67,7 @@ from weightsync.pipeline import Stages, stream_buckets
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import TRANSPORTS, make_transport, transport_class
-from weightsync.transports.base import NUM_SLOTS, Transport
+from weightsync.transports.base import Transport
 from weightsync.types import (
     ENCODINGS,
     MODES,
@@ -330,7 +330,9 @@ class WeightSync:
         of begin). On any failure every engine is left on its last version; raises
         `_Refused` (nothing moved) when an engine refused at begin and the mode plans again."""
         manifest, version = plan.manifest, plan.manifest.version
-        self._ensure_session(max((b.nbytes for b in manifest.buckets), default=1))
+        adopting = all(c.adopts_shm for c in self._capabilities())
+        self._ensure_session(max((b.nbytes for b in manifest.buckets), default=1),
+                             leased_buckets=len(manifest.buckets) if adopting else 0)
         paused = False
         stage_all = all(c.stages_updates for c in self._capabilities())
         begun = False
@@ -369,6 +371,7 @@ class WeightSync:
             t0 = time.perf_counter()
             acks = self._all(lambda e, link: e.commit(manifest, link), "commit")
             stages.load = time.perf_counter() - t0
+            self._transport.committed(acks)
             begun = False
         except _Refused:
             raise
@@ -385,7 +388,7 @@ class WeightSync:
         """Hand one packed bucket to the transport and every engine (per-bucket transports)."""
         transport = self._transport
         assert transport is not None
-        delivery = transport.deliver(bucket, buffer, bucket.index % NUM_SLOTS)
+        delivery = transport.deliver(bucket, buffer)
         if not transport.per_bucket_delivery:
             return
         futures = [self._pool.submit(e.receive, bucket, delivery) for e in self.engines]
@@ -467,9 +470,10 @@ class WeightSync:
             )
         return self._transport
 
-    def _ensure_session(self, max_bucket_bytes: int) -> list[Link]:
+    def _ensure_session(self, max_bucket_bytes: int, *, leased_buckets: int = 0) -> list[Link]:
         transport = self._make_transport()
-        links = transport.open([c.num_ranks for c in self._capabilities()], max_bucket_bytes=max_bucket_bytes)
+        links = transport.open([c.num_ranks for c in self._capabilities()], max_bucket_bytes=max_bucket_bytes,
+                               leased_buckets=leased_buckets)
         if self._links is not None and links == self._links:
             return self._links  # the same session: engines stay connected
         if self._links is not None:

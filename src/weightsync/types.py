@@ -461,6 +461,10 @@ class Ack:
     tensor_digests: Mapping[str, str] = field(default_factory=dict)
     """"sparse" updates: name -> digest of every touched tensor WHOLE, as the engine holds
     it after applying (the manifest's digest algorithm); empty otherwise."""
+    held_slots: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """shm segment name -> the slots of it the engine serves weights from (it adopted
+    them instead of copying their bytes out): the trainer writes none of them until an
+    ack no longer names them. Empty for an engine that copies."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"engine": self.engine, **self.to_wire()}
@@ -472,6 +476,8 @@ class Ack:
                              "loaded_names": sorted(self.loaded_names)}
         if self.tensor_digests:
             d["tensor_digests"] = dict(sorted(self.tensor_digests.items()))
+        if self.held_slots:
+            d["held_slots"] = {name: list(slots) for name, slots in sorted(self.held_slots.items())}
         return d
 
     @classmethod
@@ -482,6 +488,7 @@ class Ack:
             digests=tuple(d.get("digests") or ()),
             loaded_names=frozenset(d.get("loaded_names") or ()),
             tensor_digests={str(k): str(v) for k, v in (d.get("tensor_digests") or {}).items()},
+            held_slots={str(k): tuple(int(s) for s in v) for k, v in (d.get("held_slots") or {}).items()},
         )
 
 

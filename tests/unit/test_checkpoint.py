@@ -126,7 +126,7 @@ def test_disk_transport_keeps_the_newest_versions_and_never_the_stale_ones(tmp_p
         transport.begin(manifest)
         (bucket,) = plan
         buf = pack(bucket, {n: TENSORS[n] for n in bucket.hf_names})
-        transport.deliver(bucket, buf, 0)
+        transport.deliver(bucket, buf)
         transport.finish(manifest.with_digests([digest(buf)]))
         assert (tmp_path / f"v{version:08d}" / "manifest.json").exists(), "the version just published stays"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000003"]

@@ -45,9 +45,9 @@ def _received_per_bucket(name: str) -> list[torch.Tensor]:
         transport.begin(manifest)
         got = []
         for k, (bucket, packed) in enumerate(zip(manifest.buckets, buffers, strict=True)):
-            slot = transport.slot(k % 2, bucket.nbytes)
+            slot = transport.slot(k, bucket.nbytes)
             slot.copy_(packed)
-            delivery = transport.deliver(bucket, slot, k % 2)
+            delivery = transport.deliver(bucket, slot)
             got.append(receiver.fetch(link, bucket, delivery, torch.empty(bucket.nbytes, dtype=torch.uint8)))
         receiver.leave(link)
         return got
@@ -68,7 +68,8 @@ def test_shm_receiver_refuses_a_segment_it_did_not_map() -> None:
     transport = make_transport("shm")
     try:
         (link,) = transport.open([1], max_bucket_bytes=64)
-        delivery = transport.deliver(manifest.buckets[0], transport.slot(0, manifest.buckets[0].nbytes), 0)
+        transport.begin(manifest)
+        delivery = transport.deliver(manifest.buckets[0], transport.slot(0, manifest.buckets[0].nbytes))
         receiver = make_receiver("shm")
         with pytest.raises(LookupError, match="is not mapped: connect"):
             receiver.check_joined(link)
@@ -90,7 +91,7 @@ def test_disk_receiver_reads_the_published_version(tmp_path: Path) -> None:
     (link,) = transport.open([1], max_bucket_bytes=64)
     transport.begin(manifest)
     for k, (bucket, packed) in enumerate(zip(manifest.buckets, buffers, strict=True)):
-        transport.deliver(bucket, packed, k % 2)
+        transport.deliver(bucket, packed)
     transport.finish(manifest)
     got = dict(make_receiver("disk").read(link, manifest))
     assert {i: digest(b) for i, b in got.items()} == {i: digest(b) for i, b in enumerate(buffers)}

@@ -84,6 +84,10 @@ class EngineCapabilities:
     """The engine applies a "sparse" update (changed elements only) on top of the version
     it serves, checking every touched tensor's whole digest; otherwise sparse pushes go
     out whole. False unless declared: an engine that does not know the mode cannot."""
+    adopts_shm: bool = False
+    """The engine serves a full update's tensors straight from the shm slots they came in
+    (no copy out of the slot) and names the slots it holds in its ack (`Ack.held_slots`);
+    the trainer then packs every bucket of a push into a slot no engine holds."""
     reads_digests: bool = False
     """The engine reports digests of its served weights (`DigestReader`); a first
     "lora" push uses them to check the base weights."""
@@ -106,7 +110,8 @@ class EngineCapabilities:
             "num_ranks": self.num_ranks, "dtype": None if self.dtype is None else dtype_name(self.dtype),
             "stages_updates": self.stages_updates, "pauses_at_commit": self.pauses_at_commit,
             "supports_delta": self.supports_delta, "supports_sparse": self.supports_sparse,
-            "reads_digests": self.reads_digests, "unloads_adapters": self.unloads_adapters,
+            "adopts_shm": self.adopts_shm, "reads_digests": self.reads_digests,
+            "unloads_adapters": self.unloads_adapters,
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
             **({"fused_groups": [list(g) for g in self.fused_groups]} if self.fused_groups else {}),
         }
@@ -121,6 +126,7 @@ class EngineCapabilities:
             pauses_at_commit=bool(d.get("pauses_at_commit", False)),
             supports_delta=bool(d.get("supports_delta", True)),
             supports_sparse=bool(d.get("supports_sparse", False)),
+            adopts_shm=bool(d.get("adopts_shm", False)),
             reads_digests=bool(d.get("reads_digests", False)),
             unloads_adapters=bool(d.get("unloads_adapters", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),

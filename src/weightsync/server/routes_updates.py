@@ -8,6 +8,7 @@ collectives, disk reads) runs in worker threads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -287,7 +288,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         dtype = _serving_dtype(updater.metas.values())
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
-            pauses_at_commit=True, supports_delta=True, supports_sparse=True, reads_digests=True,
+            pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
             unloads_adapters=lora_enabled,
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
@@ -376,14 +377,21 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
 def _commit(state: ServerState, request: CommitRequest) -> Ack:
     """Commit, holding generation in the request's pause mode for the commit alone (what
-    /pause_generation, the commit and /continue_generation do, in one round trip)."""
+    /pause_generation, the commit and /continue_generation do, in one round trip). The
+    ack names the shm slots the served weights now live in (`Ack.held_slots`)."""
     if request.pause is None:
-        return state.updater.commit(request.version)
-    state.scheduler.pause(request.pause)
-    try:
-        return state.updater.commit(request.version)
-    finally:
-        state.scheduler.resume()
+        ack = state.updater.commit(request.version)
+    else:
+        state.scheduler.pause(request.pause)
+        try:
+            ack = state.updater.commit(request.version)
+        finally:
+            state.scheduler.resume()
+    served = state.updater.served_buffers()
+    with state.receivers_lock:
+        receivers = list(state.receivers.values())
+    held = {name: slots for receiver in receivers for name, slots in receiver.held_slots(served).items()}
+    return dataclasses.replace(ack, held_slots=held) if held else ack
 
 
 def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:
@@ -418,7 +426,11 @@ def _stage(state: ServerState, receiver: Receiver, link: Link, version: int, ind
     receiver can, and stage it."""
     session = state.updater.receiver
     bucket = session.bucket(version, index)
-    buffer, computed = receiver.fetch_hashed(link, bucket, delivery, state.updater.buffers.take(bucket.nbytes),
-                                             session.digest_algorithm(version))
+    adopted = receiver.adopt(link, bucket, delivery) if session.serves_whole(version) else None
+    if adopted is not None:  # served from where it lies (shm): hashed in place when staged
+        buffer, computed = adopted, None
+    else:
+        buffer, computed = receiver.fetch_hashed(link, bucket, delivery, state.updater.buffers.take(bucket.nbytes),
+                                                 session.digest_algorithm(version))
     return state.updater.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
                                       computed=computed)

@@ -33,6 +33,7 @@ label on every bucket of a multi-request update, each applied on arrival).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -274,6 +275,11 @@ class WeightUpdater:
             self.served = served
         log.info("LoRA adapter %s loaded as v%d (%r)", manifest.lora_name, served.version, served.label)
 
+    def served_buffers(self) -> list[torch.Tensor]:
+        """The received bucket buffers the served parameters view."""
+        with self._lock:
+            return list({id(b): b for b in self._backing.values()}.values())
+
     def release(self, update: OpenUpdate) -> None:
         """Give back to the pool the update's bucket buffers that no served parameter
         views: all of them after an abort, those of an adapter (copied at install)
@@ -477,7 +483,14 @@ class WeightUpdater:
 
 
 def _owners(update: OpenUpdate) -> dict[str, torch.Tensor]:
-    """name -> the update's bucket buffer its staged tensor views (none for clones)."""
-    by_storage = {b.untyped_storage().data_ptr(): b for b in update.buffers if b.numel()}
-    return {name: buffer for name, t in update.tensors.items()
-            if (buffer := by_storage.get(t.untyped_storage().data_ptr())) is not None}
+    """name -> the update's bucket buffer its staged tensor views (none for clones), by
+    address: adopted shm slots are buffers of one storage, the segment's."""
+    spans = sorted(((b.data_ptr(), b.data_ptr() + b.numel()), id(b)) for b in update.buffers if b.numel())
+    by_id = {id(b): b for b in update.buffers}
+    starts = [start for (start, _), _ in spans]
+    owners: dict[str, torch.Tensor] = {}
+    for name, t in update.tensors.items():
+        k = bisect.bisect_right(starts, t.data_ptr()) - 1
+        if k >= 0 and t.data_ptr() < spans[k][0][1]:
+            owners[name] = by_id[spans[k][1]]
+    return owners

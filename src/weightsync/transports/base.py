@@ -8,29 +8,33 @@ processes read a receiver's declared traits, never the transport's name.
 
 The coordinator drives a transport like this for every push:
 
-    links = open(engine_ranks, max_bucket_bytes)   # reuses an open session
+    links = open(engine_ranks, max_bucket_bytes, leased_buckets)   # reuses an open session
     establish()          # while every engine runs connect(link)
     begin(manifest)      # a new version starts (disk: a temporary directory)
-    for each bucket k:   buffer = slot(k % 2, nbytes); pack into it
-                         delivery = deliver(bucket, buffer, k % 2)
+    for each bucket k:   buffer = slot(k, nbytes); pack into it
+                         delivery = deliver(bucket, buffer)
                          (engines' receive(bucket, delivery) run here)
                          send(bucket, buffer)  # the broadcast collective
     finish(manifest)     # disk: publish the version directory
+    committed(acks)      # every engine acked (shm: the slots they now hold)
     discard(version)     # on failure, instead of finish
     close()              # end of the session (or after a failure)
 
 Two slots: bucket k+2 is packed into the slot of bucket k only after every
-engine took bucket k, which bounds trainer memory to 2 x bucket_bytes.
+engine took bucket k, which bounds trainer memory to 2 x bucket_bytes. The
+exception is a push whose engines adopt the buckets (`leased_buckets`: shm to
+engines that serve straight from the segment): each bucket then gets a slot of
+its own that no engine holds (`transports.shm`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from weightsync.types import BucketMeta, Delivery, Link, Manifest
+from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest
 
 NUM_SLOTS = 2
 T = TypeVar("T")
@@ -69,8 +73,11 @@ class Transport(Protocol):
         (whose buckets are then hashed there, with a device digest)."""
         ...
 
-    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
-        """Prepare a session for engines with these rank counts; one Link each."""
+    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
+        """Prepare a session for engines with these rank counts; one Link each.
+        `leased_buckets` > 0: the engines keep serving from the buffers a push's buckets
+        came in, so the next push needs that many buffers no engine holds (shm; other
+        transports copy and ignore it)."""
         ...
 
     def establish(self) -> None:
@@ -82,10 +89,11 @@ class Transport(Protocol):
         ...
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
-        """The uint8 buffer bucket slot `index` is packed into (first `nbytes`)."""
+        """The uint8 buffer bucket `index` of the push is packed into (its first `nbytes`):
+        one of two reused slots, `index % NUM_SLOTS`, unless the push leases slots."""
         ...
 
-    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
         """Make a packed bucket available; tells engines where to find it."""
         ...
 
@@ -95,6 +103,10 @@ class Transport(Protocol):
 
     def finish(self, manifest: Manifest) -> None:
         """All buckets are out: publish what engines load at commit (disk)."""
+        ...
+
+    def committed(self, acks: Sequence[Ack]) -> None:
+        """Every engine committed the push and acked (shm: the slots each now holds)."""
         ...
 
     def discard(self, version: int) -> None:
@@ -155,6 +167,17 @@ class Receiver(Protocol):
         where it did not (the session hashes the bucket itself)."""
         ...
 
+    def adopt(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor | None:
+        """Bucket `bucket`'s bytes where they are, for the engine to serve from without a
+        copy (shm, where the link allows it); None where they must be fetched. The
+        caller checks their digest in place before staging them."""
+        ...
+
+    def held_slots(self, buffers: Iterable[torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """Of `buffers` (what the engine serves from), the ones `adopt` handed out, as
+        session name -> slots (`Ack.held_slots`); empty where nothing is adopted."""
+        ...
+
     def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
         """(bucket index, bytes) of every bucket of `manifest`'s version, at commit
         (disk: read from its version directory, each bucket's digest checked)."""
@@ -188,6 +211,12 @@ class ReceiverDefaults:
     def fetch_hashed(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor,
                      algorithm: str) -> tuple[torch.Tensor, str | None]:
         return self.fetch(link, bucket, delivery, into), None
+
+    def adopt(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor | None:
+        return None
+
+    def held_slots(self, buffers: Iterable[torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        return {}
 
     def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
         raise ValueError(f"transport {link.transport!r} delivers every bucket; there is no version to read at commit")
@@ -253,6 +282,8 @@ class SlotBuffers:
         self._buffers: list[torch.Tensor | None] = [None] * NUM_SLOTS
 
     def get(self, index: int, nbytes: int) -> torch.Tensor:
+        """Buffer `index % NUM_SLOTS` (`index`: the bucket's), its first `nbytes`."""
+        index %= NUM_SLOTS
         buf = self._buffers[index]
         if buf is None or buf.numel() < nbytes:
             self._buffers[index] = None
@@ -285,6 +316,9 @@ class TransportDefaults:
         return None
 
     def finish(self, manifest: Manifest) -> None:
+        return None
+
+    def committed(self, acks: Sequence[Ack]) -> None:
         return None
 
     def discard(self, version: int) -> None:

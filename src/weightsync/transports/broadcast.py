@@ -129,7 +129,7 @@ class BroadcastTransport(TransportDefaults):
         self._links: list[Link] = []
         self._engine_ranks: tuple[int, ...] = ()
 
-    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
+    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
         if self._group is not None and tuple(engine_ranks) == self._engine_ranks:
             return self._links  # reuse the formed group
         self.close()
@@ -162,7 +162,7 @@ class BroadcastTransport(TransportDefaults):
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         return self._slots.get(index, nbytes)
 
-    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
         return Delivery(transport=self.name)
 
     def send(self, bucket: BucketMeta, buffer: torch.Tensor) -> None:

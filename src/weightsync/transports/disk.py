@@ -32,7 +32,7 @@ from weightsync.checkpoint import publish, read_version, write_bucket, write_man
 from weightsync.errors import IntegrityError, WeightSyncError
 from weightsync.owners import TAG_PATTERN, orphans, owner_tag
 from weightsync.transports.base import Receiver, ReceiverDefaults, SlotBuffers, typed
-from weightsync.types import BucketMeta, Delivery, Link, Manifest
+from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class DiskTransport:
         self._tmp: Path | None = None
         self._lora = False
 
-    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
+    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
         with _writing("creating the root directory", self.root):
             self.root.mkdir(parents=True, exist_ok=True)
         _remove_orphans(self.root)
@@ -140,7 +140,7 @@ class DiskTransport:
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         return self._slots.get(index, nbytes)
 
-    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
         assert self._tmp is not None, "begin() first"
         with _writing(f"writing bucket {bucket.index} into", self._tmp):
             path = write_bucket(self._tmp, bucket, buffer)
@@ -163,6 +163,9 @@ class DiskTransport:
             publish(self._tmp, final)
         self._tmp = None
         self._prune(final)
+
+    def committed(self, acks: Sequence[Ack]) -> None:
+        return None
 
     def discard(self, version: int) -> None:
         if self._tmp is not None:

@@ -50,13 +50,13 @@ class HttpTransport(TransportDefaults):
         self.timeout_s = timeout_s
         self._slots = SlotBuffers()
 
-    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
+    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
         return [Link(transport=self.name, timeout_s=self.timeout_s) for _ in engine_ranks]
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         return self._slots.get(index, nbytes)
 
-    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
         return Delivery(transport=self.name, data=buffer)
 
     def close(self) -> None:

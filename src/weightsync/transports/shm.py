@@ -1,15 +1,40 @@
-"""Shared-memory transport: a persistent double buffer in /dev/shm that the
-trainer packs buckets straight into (`ShmTransport`), and engines on the same
-host map once and copy out of (`ShmReceiver`); the segment itself is `weightsync.shmem`.
+"""Shared-memory transport: a segment in /dev/shm that the trainer packs buckets
+straight into (`ShmTransport`) and engines on the same host map once (`ShmReceiver`);
+the segment itself is `weightsync.shmem`.
 
 Zero copies on the trainer beyond packing itself. The segment lives for the
-session and is re-created only when a bucket outgrows its slots.
+session and is re-created only when a bucket outgrows its slots, or a push needs
+more free slots than it has.
+
+Two ways an engine takes a bucket:
+- copy (every engine, every mode): it copies the slot out, hashing as it copies. The
+  trainer reuses two slots, bucket k+2 going into bucket k's once every engine took it.
+- adopt (an engine that declares `adopts_shm`, for full and lora-merged updates): it
+  hashes the slot in place and, at commit, serves its tensors straight from the slot:
+  one pass over the bytes on the engine instead of two, and engines on one host share
+  one copy of the weights. The trainer then leases slots (`leased_buckets`): every
+  bucket of a push goes into a slot of its own that no engine holds, and a slot stays
+  held from the push that filled it until an ack no longer names it (`Ack.held_slots`:
+  every engine names the slots it serves from at each commit). A push that failed
+  counts as held whole until the next commit's acks say otherwise.
+
+Memory stays bounded: the segment has 2 x the push's buckets in slots (the served
+version's and the incoming one's), tmpfs pages exist only where a bucket was written,
+and when a push finds too few free slots (after a failed push) the trainer starts a
+new segment and removes the old one's name: engines keep the pages they serve from
+until their next commit moves them off, then the kernel frees them.
+
+The trust this needs: the trainer writes no slot an engine holds (this module), and
+an engine checks every adopted bucket's digest in place when it arrives. Bytes the
+trainer's process wrote into a held slot anyway would be served unverified; nothing
+else can write the segment (mode 0600, the trainer's user).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,7 +50,7 @@ from weightsync.transports.base import (
     TransportDefaults,
     typed,
 )
-from weightsync.types import BucketMeta, Delivery, Link
+from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest
 
 
 class ShmReceiver(ReceiverDefaults):
@@ -40,6 +65,8 @@ class ShmReceiver(ReceiverDefaults):
     def __init__(self, *, max_sessions: int = 1, device: torch.device | None = None) -> None:
         self._segments: Joined[SharedSlots] = Joined(max_sessions, SharedSlots.close)
         self._lock = threading.Lock()
+        self._adopted: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}
+        """id(slot view) -> (the view, its segment, its slot), for the views `adopt` handed out."""
 
     def join(self, link: Link, *, rank: int) -> None:
         shm = typed(link, ShmLink)
@@ -74,6 +101,30 @@ class ShmReceiver(ReceiverDefaults):
         """The copy out of the slot, hashed piece by piece as it lands (`copy_hashed`)."""
         return into, copy_hashed(into, self._slot(link, bucket, delivery), algorithm)
 
+    def adopt(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor | None:
+        """The slot itself, to stage and serve from without copying it out, where the
+        link lets the engine adopt (`ShmLink.adopt`: the trainer leases slots); None
+        otherwise. The caller hashes it in place before staging it."""
+        if not typed(link, ShmLink).adopt:
+            return None
+        view = self._slot(link, bucket, delivery)
+        key = id(view)
+        with self._lock:
+            self._adopted[key] = (weakref.ref(view, lambda _: self._adopted.pop(key, None)),
+                                  typed(link, ShmLink).shm_name, int(delivery.slot))  # type: ignore[arg-type]
+        return view
+
+    def held_slots(self, buffers: Iterable[torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """Segment name -> the slots of it that `buffers` (what the engine serves from)
+        were adopted from."""
+        held: dict[str, set[int]] = {}
+        with self._lock:
+            for buffer in buffers:
+                entry = self._adopted.get(id(buffer))
+                if entry is not None and entry[0]() is buffer:
+                    held.setdefault(entry[1], set()).add(entry[2])
+        return {name: tuple(sorted(slots)) for name, slots in held.items()}
+
     def _slot(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor:
         self.check_joined(link)
         segment = self._segments.get(typed(link, ShmLink).shm_name)
@@ -96,11 +147,15 @@ class ShmLink(Link, transport="shm"):
     slot_bytes: int
     """Bytes per slot of the double buffer."""
     num_slots: int
-    """Slots in the segment (2: double buffer)."""
+    """Slots in the segment (2: double buffer; more where the trainer leases slots)."""
+    adopt: bool = False
+    """The trainer leases slots: the engine may serve a full update from the slots it
+    came in, naming them in its acks (`Ack.held_slots`); otherwise it copies them out."""
 
 
 class ShmTransport(TransportDefaults):
-    """Buckets packed into a shared-memory double buffer."""
+    """Buckets packed into slots of a shared-memory segment: two reused slots, or one
+    slot per bucket that no engine holds where the engines adopt (`leased_buckets`)."""
 
     name: ClassVar[str] = "shm"
     receiver: ClassVar[type[Receiver]] = ShmReceiver
@@ -113,29 +168,61 @@ class ShmTransport(TransportDefaults):
         self.timeout_s = timeout_s
         self._segment: SharedSlots | None = None
         self._links: list[Link] = []
+        self._leasing = False
+        self._held: set[int] = set()
+        """Slots an engine may serve from: named in the latest acks, plus every slot of a
+        push that failed since (it may have committed on some engine)."""
+        self._slots: list[int] = []
+        """The slots of the push under way, by bucket index (modulo their number)."""
 
-    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
-        if (self._segment is not None and self._segment.slot_bytes >= max_bucket_bytes
-                and len(self._links) == len(engine_ranks)):
+    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
+        seg, wanted = self._segment, leased_buckets or NUM_SLOTS
+        if (seg is not None and seg.slot_bytes >= max_bucket_bytes and len(self._links) == len(engine_ranks)
+                and self._leasing == bool(leased_buckets) and len(self._free()) >= wanted):
             return self._links  # the same segment: engines stay connected
         self.close()
-        seg = self._segment = SharedSlots.create(slot_bytes=max(1, max_bucket_bytes), num_slots=NUM_SLOTS)
+        seg = self._segment = SharedSlots.create(slot_bytes=max(1, max_bucket_bytes),
+                                                 num_slots=max(NUM_SLOTS, 2 * leased_buckets))
+        self._leasing = bool(leased_buckets)
         self._links = [
             ShmLink(transport=self.name, shm_name=seg.name, slot_bytes=seg.slot_bytes,
-                 num_slots=seg.num_slots, timeout_s=self.timeout_s)
+                    num_slots=seg.num_slots, adopt=self._leasing, timeout_s=self.timeout_s)
             for _ in engine_ranks
         ]
         return self._links
 
-    def slot(self, index: int, nbytes: int) -> torch.Tensor:
-        assert self._segment is not None, "open() first"
-        return self._segment.slot(index, nbytes)
+    def begin(self, manifest: Manifest) -> None:
+        wanted = len(manifest.buckets) if self._leasing else NUM_SLOTS
+        free = self._free()
+        if len(free) < wanted:
+            raise RuntimeError(f"the shm segment has {len(free)} free slots, the push needs {wanted}: open() "
+                               "with leased_buckets first")
+        self._slots = free[:wanted]
 
-    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
-        return Delivery(transport=self.name, slot=slot)
+    def slot(self, index: int, nbytes: int) -> torch.Tensor:
+        assert self._segment is not None and self._slots, "open() and begin() first"
+        return self._segment.slot(self._slots[index % len(self._slots)], nbytes)
+
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
+        return Delivery(transport=self.name, slot=self._slots[bucket.index % len(self._slots)])
+
+    def committed(self, acks: Sequence[Ack]) -> None:
+        if self._segment is not None:
+            name = self._segment.name
+            self._held = {s for ack in acks for s in ack.held_slots.get(name, ())}
+
+    def discard(self, version: int) -> None:
+        if self._leasing:
+            self._held.update(self._slots)  # some engine may have committed before the push failed
+
+    def _free(self) -> list[int]:
+        assert self._segment is not None
+        return [s for s in range(self._segment.num_slots) if s not in self._held]
 
     def close(self) -> None:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
         self._links = []
+        self._held = set()
+        self._slots = []

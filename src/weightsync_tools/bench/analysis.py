@@ -33,14 +33,15 @@ from weightsync_tools.bench.suite import BenchResult
 
 LIMIT_OF_TRANSPORT = {"broadcast": "gloo", "shm": "copy", "http": "tcp", "disk": "disk"}
 WORK = {  # (stage, limit, side) for each pass over the bytes a verified full push makes
-    "shm": (("pack", "copy", "trainer"), ("hash", "xxh3", "trainer"), ("engine copy", "copy", "engine"),
-            ("engine hash", "xxh3", "engine")),
+    "shm": (("pack", "copy", "trainer"), ("hash", "xxh3", "trainer"), ("engine hash", "xxh3", "engine")),
     "broadcast": (("pack", "copy", "trainer"), ("hash", "xxh3", "trainer"), ("move", "gloo", "both"),
                   ("engine hash", "xxh3", "engine")),
     "http": (("pack", "copy", "trainer"), ("hash", "xxh3", "trainer"), ("move", "tcp", "both"),
              ("engine copy", "copy", "engine"), ("engine hash", "xxh3", "engine")),
 }
-"""The engine hashes while it copies (`digests.copy_hashed`), still one hash's work."""
+"""The engine hashes while it copies (`digests.copy_hashed`), still one hash's work; over
+shm the embedded engine copies nothing: it hashes the slot in place and serves from it
+(`transports.shm`, adoption)."""
 PER_TENSOR = ("per-tensor-broadcast", "per-tensor-http")
 
 

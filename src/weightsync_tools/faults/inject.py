@@ -34,7 +34,7 @@ from weightsync.sync import WeightSync
 from weightsync.transports import make_transport
 from weightsync.transports.base import Transport, typed
 from weightsync.transports.shm import ShmLink
-from weightsync.types import BucketMeta, Manifest
+from weightsync.types import Ack, BucketMeta, Manifest
 from weightsync.wire import FrameHeader, encode_prefix
 from weightsync_tools.faults.rig import DictSource
 
@@ -86,8 +86,8 @@ class FaultyTransport:
         if self.on_fire is not None:
             self.on_fire()
 
-    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int) -> list[Link]:
-        links = self.inner.open(engine_ranks, max_bucket_bytes=max_bucket_bytes)
+    def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
+        links = self.inner.open(engine_ranks, max_bucket_bytes=max_bucket_bytes, leased_buckets=leased_buckets)
         self.links = list(links)
         if self.fault == "truncate" and self.name == "shm" and self._pushes + 1 == self.at_push:
             short = max(1, max_bucket_bytes - self.cut_bytes)
@@ -106,9 +106,9 @@ class FaultyTransport:
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         return self.inner.slot(index, nbytes)
 
-    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+    def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
         if not self._armed(bucket) or self.fault == "block-send":
-            return self.inner.deliver(bucket, buffer, slot)
+            return self.inner.deliver(bucket, buffer)
         if self.fault == "flip":
             self._fire()
             middle = bucket.nbytes // 2
@@ -127,12 +127,12 @@ class FaultyTransport:
         elif self.fault == "call":
             self._fire()
         elif self.fault == "truncate":
-            return self._truncate(bucket, buffer, slot)
-        return self.inner.deliver(bucket, buffer, slot)
+            return self._truncate(bucket, buffer)
+        return self.inner.deliver(bucket, buffer)
 
-    def _truncate(self, bucket: BucketMeta, buffer: torch.Tensor, slot: int) -> Delivery:
+    def _truncate(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
         short = max(0, bucket.nbytes - self.cut_bytes)
-        delivery = self.inner.deliver(bucket, buffer, slot)
+        delivery = self.inner.deliver(bucket, buffer)
         if self.name == "http":
             self._fire()
             return Delivery(transport="http", data=buffer[:short])
@@ -156,6 +156,9 @@ class FaultyTransport:
 
     def finish(self, manifest: Manifest) -> None:
         self.inner.finish(manifest)
+
+    def committed(self, acks: Sequence[Ack]) -> None:
+        self.inner.committed(acks)
 
     def discard(self, version: int) -> None:
         self.inner.discard(version)
