@@ -1,10 +1,8 @@
-"""A named shared-memory segment split into fixed-size slots (the shm double buffer).
+"""A named shared-memory segment split into fixed-size slots (the shm transport's).
 
 The trainer creates the segment and packs buckets straight into its slots; an
-engine on the same host opens it by name and copies a slot out. Slots are
-reused round-robin, so a slot must not be rewritten before every engine has
-copied it out: the coordinator waits for the engines' acks of bucket k before
-packing bucket k+2.
+engine on the same host opens it by name and copies a slot out, or serves from
+it (`transports.shm` says which slots the trainer may write when).
 
 Segment names are confined to the "weightsync-" prefix so an engine cannot be
 told to map an arbitrary segment. They carry their creator's owner tag

@@ -6,7 +6,7 @@ One push, on the sending rank:
     plan      metas -> buckets (delta: only tensors whose digest changed)
     session   transport.open + engine.connect (once; reused across pushes)
     begin     every engine checks the manifest (names, shapes, dtypes)
-    stream    producer thread: gather -> pack into slot k%2 -> hash
+    stream    producer thread: gather -> pack into a slot (k%2, or a leased one) -> hash
               main thread:     deliver bucket k to every engine (wire)
               at most two buckets alive; bucket k+2 waits for bucket k
     commit    pause (per policy) -> every engine applies and acks -> resume

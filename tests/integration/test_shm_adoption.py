@@ -20,7 +20,8 @@ from weightsync.integrity import digest
 from weightsync.naming import map_names
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.tiny import TinyModelConfig, make_tiny_model
-from weightsync.transports.shm import ShmTransport
+from weightsync.transports.base import typed
+from weightsync.transports.shm import ShmLink, ShmTransport
 from weightsync.types import Ack, BucketMeta, Manifest
 from weightsync_tools.faults import faulty
 
@@ -117,9 +118,10 @@ def _manifest(num_buckets: int, version: int = 1) -> Manifest:
 def test_leased_slots_skip_the_held_ones_and_a_failure_starts_a_new_segment() -> None:
     transport = ShmTransport()
     try:
-        (link,) = transport.open([1], max_bucket_bytes=64, leased_buckets=3)
-        assert link.num_slots == 6 and link.adopt  # type: ignore[attr-defined]
-        name = link.shm_name  # type: ignore[attr-defined]
+        (opened,) = transport.open([1], max_bucket_bytes=64, leased_buckets=3)
+        link = typed(opened, ShmLink)
+        assert link.num_slots == 6 and link.adopt
+        name = link.shm_name
         transport.begin(_manifest(3))
         first = [transport.deliver(BucketMeta(index=k, entries=()), transport.slot(k, 8)).slot for k in range(3)]
         assert first == [0, 1, 2]
@@ -131,8 +133,8 @@ def test_leased_slots_skip_the_held_ones_and_a_failure_starts_a_new_segment() ->
                 for k in range(3)] == [3, 4, 5]
         transport.discard(2)  # v2 may have committed somewhere: 0-5 all held
         (fresh,) = transport.open([1], max_bucket_bytes=64, leased_buckets=3)
-        assert fresh.shm_name != name  # type: ignore[attr-defined]
+        assert typed(fresh, ShmLink).shm_name != name
         (ring,) = transport.open([1], max_bucket_bytes=64)  # engines that copy: two reused slots
-        assert ring.num_slots == 2 and not ring.adopt  # type: ignore[attr-defined]
+        assert typed(ring, ShmLink).num_slots == 2 and not typed(ring, ShmLink).adopt
     finally:
         transport.close()

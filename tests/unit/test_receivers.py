@@ -90,7 +90,7 @@ def test_disk_receiver_reads_the_published_version(tmp_path: Path) -> None:
     transport = make_transport("disk", disk_root=tmp_path)
     (link,) = transport.open([1], max_bucket_bytes=64)
     transport.begin(manifest)
-    for k, (bucket, packed) in enumerate(zip(manifest.buckets, buffers, strict=True)):
+    for bucket, packed in zip(manifest.buckets, buffers, strict=True):
         transport.deliver(bucket, packed)
     transport.finish(manifest)
     got = dict(make_receiver("disk").read(link, manifest))
