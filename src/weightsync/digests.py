@@ -18,7 +18,8 @@ Neither is a MAC: they catch corruption, not an attacker (see `Wsmix64`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -174,6 +175,60 @@ class Wsmix64:
             self._sum += x.sum()
 
 
+@dataclass(frozen=True)
+class Wsmix64Part:
+    """wsmix64's terms of one piece of a byte string: what a rank holding that piece
+    (an FSDP2 shard) contributes to the digest of the whole (`combine_wsmix64`).
+
+    The sum runs over the words wholly inside the piece; a word the piece shares
+    with its neighbours is carried as a partial word instead (the piece's bytes in
+    place, zeros elsewhere), since its term needs all of its bytes."""
+
+    total: int
+    """Sum mod 2**64 of the terms of the words wholly inside the piece."""
+    edges: tuple[tuple[int, int], ...]
+    """(word index, partial word) of the at most two words the piece shares."""
+
+
+def wsmix64_part(tensor: torch.Tensor, byte_offset: int) -> Wsmix64Part:
+    """The terms of `tensor`'s bytes, which lie at `byte_offset` of a longer byte string."""
+    data = byte_view(tensor.contiguous()) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+    start, end = byte_offset, byte_offset + data.numel()
+    first_whole, end_whole = -(-start // 8) * 8, end // 8 * 8
+    edges: list[tuple[int, int]] = []
+    if start % 8 and start < end:  # the head shares the word of `start`
+        head = data[: min(first_whole, end) - start]
+        edges.append((start // 8, _partial_word(head, start % 8)))
+    total = 0
+    if end_whole > first_whole:
+        whole = Wsmix64()
+        whole._sum = torch.zeros((), dtype=torch.int64, device=data.device)
+        whole._mix(data[first_whole - start: end_whole - start], first_whole // 8)
+        total = int(whole._sum.item()) & MASK64
+    if end % 8 and end_whole >= first_whole:  # the tail shares the word of `end` (not the head's)
+        edges.append((end // 8, _partial_word(data[end_whole - start:], 0)))
+    return Wsmix64Part(total=total, edges=tuple(edges))
+
+
+def _partial_word(piece: torch.Tensor, at: int) -> int:
+    """The 64-bit little-endian word holding `piece`'s bytes from byte `at`, zeros elsewhere."""
+    return int.from_bytes(bytes(piece.cpu().numpy().tobytes()), "little") << (8 * at)
+
+
+def combine_wsmix64(parts: Iterable[Wsmix64Part], nbytes: int) -> str:
+    """wsmix64 of a byte string of `nbytes` from the parts of its pieces (which must
+    cover it exactly once): equal to `digest(whole, "wsmix64")`."""
+    total = 0
+    shared: dict[int, int] = {}
+    for part in parts:
+        total += part.total
+        for index, word in part.edges:
+            shared[index] = shared.get(index, 0) | word
+    for index, word in shared.items():
+        total += fmix64(word ^ (((index + 1) * WORD_KEY) & MASK64))
+    return f"{finalize(total & MASK64, nbytes):016x}"
+
+
 def _signed(value: int) -> int:
     """A 64-bit pattern as the int64 torch takes (two's complement)."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -285,5 +340,6 @@ def digest(data: torch.Tensor | bytes | bytearray | memoryview, algorithm: str =
     return hasher(algorithm).update(data).hexdigest()
 
 
-__all__ = ["ALGORITHMS", "FUSED_CHUNK_BYTES", "WSMIX64", "XXH3_64", "Hasher", "Wsmix64", "Xxh3", "byte_view",
-           "copy_hashed", "digest", "for_device", "hasher", "reference_wsmix64", "require_known"]
+__all__ = ["ALGORITHMS", "FUSED_CHUNK_BYTES", "WSMIX64", "XXH3_64", "Hasher", "Wsmix64", "Wsmix64Part", "Xxh3",
+           "byte_view", "combine_wsmix64", "copy_hashed", "digest", "for_device", "hasher", "reference_wsmix64",
+           "require_known", "wsmix64_part"]

@@ -23,6 +23,7 @@ four (ties go to the earlier one in that list).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,8 @@ import torch
 from weightsync.errors import IntegrityError
 from weightsync.types import PAYLOAD_ALIGN, encoded_nbytes
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype elements of each width are compared (and carried) as."""
 _GAP_DTYPES = {"positions16": torch.uint16, "positions32": torch.uint32}
 _MAX_GAP16 = (1 << 16) - 1
 
@@ -55,7 +57,7 @@ def bits_view(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.reshape(-1)
     if flat.dtype == torch.bool:
         return flat.view(torch.uint8)
-    return flat.view(_INT_OF_SIZE[flat.dtype.itemsize])
+    return flat.view(INT_OF_SIZE[flat.dtype.itemsize])
 
 
 def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -70,7 +72,7 @@ def _check_alike(new: torch.Tensor, base: torch.Tensor) -> None:
                          f"{tuple(base.shape)} {base.dtype} on {base.device}")
 
 
-class _Changes:
+class Changes:
     """The changed elements of one tensor: on the CPU through numpy (its boolean indexing,
     flatnonzero and count are several times torch's on CPU), elsewhere through torch."""
 
@@ -98,6 +100,12 @@ class _Changes:
             self._np_positions = np.flatnonzero(self._np_mask)
         return self._np_positions
 
+    def positions(self) -> np.ndarray[Any, Any]:
+        """The changed flat positions, ascending (int64, on the host)."""
+        if self._cpu:
+            return self._positions().astype(np.int64, copy=False)
+        return self._mask.nonzero().squeeze(1).cpu().numpy()
+
     def bits(self) -> torch.Tensor:
         """The mask as bytes, bit i % 8 of byte i // 8 (little bit order; `apply_payload`
         reads them back with numpy's unpackbits)."""
@@ -117,21 +125,47 @@ class _Changes:
 
 def encode(new: torch.Tensor, base: torch.Tensor) -> Encoded:
     """The cheapest encoding of `new` on top of `base` (same dtype, shape and device)."""
-    changes = _Changes(new, base)
-    numel, itemsize, count = new.numel(), new.dtype.itemsize, changes.count
+    changes = Changes(new, base)
+    return _encode(new.numel(), new.dtype.itemsize, changes.count, changes.values, changes.gaps, changes.bits)
+
+
+def encode_positions(numel: int, itemsize: int, positions: np.ndarray[Any, Any], values: torch.Tensor) -> Encoded:
+    """The cheapest encoding of the changes at flat `positions` (ascending int64) whose
+    new elements are `values` (integers of the tensor's width), in a tensor of `numel`:
+    what `encode` gives for the same change (sharded trainers gather changes, not tensors)."""
+    def gaps() -> torch.Tensor:
+        return torch.from_numpy(np.diff(positions, prepend=0))
+
+    def bits() -> torch.Tensor:
+        mask = np.zeros(numel, dtype=np.bool_)
+        mask[positions] = True
+        return torch.from_numpy(np.packbits(mask, bitorder="little"))
+
+    return _encode(numel, itemsize, len(positions), lambda: values, gaps, bits)
+
+
+def smallest_encoding(numel: int, itemsize: int, count: int) -> str:
+    """"dense", "positions16" or "bitmap": the smallest for `count` changes (ties go to
+    the earlier; positions32 is chosen over positions16 only once the gaps are known)."""
     sizes = {enc: encoded_nbytes(enc, numel, itemsize, count) for enc in ("dense", "positions16", "bitmap")}
-    best = min(sizes, key=lambda e: sizes[e])  # dict order breaks ties: dense first
+    return min(sizes, key=lambda e: sizes[e])  # dict order breaks ties: dense first
+
+
+def _encode(numel: int, itemsize: int, count: int, values: Callable[[], torch.Tensor],
+            gaps: Callable[[], torch.Tensor], bits: Callable[[], torch.Tensor]) -> Encoded:
+    """The smallest encoding of `count` changes; `values`, `gaps` and `bits` are asked
+    only for what that encoding needs."""
+    best = smallest_encoding(numel, itemsize, count)
     if best == "dense":
         return Encoded("dense", count, None)
-    values = changes.values()
     if best == "bitmap":
-        return Encoded("bitmap", count, _payload(values, changes.bits()))
-    gaps = changes.gaps()
-    if count and int(gaps.max()) > _MAX_GAP16:  # a long gap: 32-bit gaps, unless the bitmap is smaller
-        if encoded_nbytes("positions32", numel, itemsize, count) >= sizes["bitmap"]:
-            return Encoded("bitmap", count, _payload(values, changes.bits()))
-        return Encoded("positions32", count, _payload(values, gaps.to(torch.uint32)))
-    return Encoded("positions16", count, _payload(values, gaps.to(torch.uint16)))
+        return Encoded("bitmap", count, _payload(values(), bits()))
+    deltas = gaps()
+    if count and int(deltas.max()) > _MAX_GAP16:  # a long gap: 32-bit gaps, unless the bitmap is smaller
+        if encoded_nbytes("positions32", numel, itemsize, count) >= encoded_nbytes("bitmap", numel, itemsize, count):
+            return Encoded("bitmap", count, _payload(values(), bits()))
+        return Encoded("positions32", count, _payload(values(), deltas.to(torch.uint32)))
+    return Encoded("positions16", count, _payload(values(), deltas.to(torch.uint16)))
 
 
 def _payload(values: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -184,4 +218,5 @@ def apply_payload(base: torch.Tensor, *, encoding: str, num_changed: int, payloa
     return out
 
 
-__all__ = ["Encoded", "apply_payload", "bits_view", "changed", "encode"]
+__all__ = ["INT_OF_SIZE", "Changes", "Encoded", "apply_payload", "bits_view", "changed", "encode", "encode_positions",
+           "smallest_encoding"]

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync.bucketing import castable, plan_buckets, stream_order
-from weightsync.digests import ALGORITHMS, for_device
+from weightsync.digests import ALGORITHMS, XXH3_64, for_device
 from weightsync.engines.base import (
     AdapterUnloader,
     DigestReader,
@@ -207,9 +207,9 @@ class WeightSync:
         self.ranks = TrainerRanks(process_group, send_rank=send_rank)
         self._transport: Transport | None = given
         """The sending rank's transport (given, or made by name); the other ranks have none."""
-        if self.config.mode == "sparse" and self.ranks.is_distributed:
-            raise ValueError("mode='sparse' does not take a process_group yet (each rank would have to diff its "
-                             "own shard); use mode='delta' or 'full' with a sharded trainer")
+        if self.config.mode == "sparse" and self.ranks.is_distributed and self.config.digest_algorithm == XXH3_64:
+            raise ValueError("mode='sparse' with a process_group digests each whole tensor from its ranks' parts, "
+                             "which only wsmix64 can: leave digest_algorithm unset or pass 'wsmix64'")
         self._mode = make_mode(self.config.mode, ModeOptions(
             adapter_name=self.config.adapter_name, lora_prefix=self.config.lora_prefix,
             lora_keep=self.config.lora_keep, sparse_snapshot=self.config.sparse_snapshot))
@@ -318,7 +318,7 @@ class WeightSync:
             version=version, mode=selection.mode, buckets=buckets,
             lora_config=selection.lora_config, lora_name=selection.lora_name,
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
-            digest_algorithm=self._digest_algorithm(),
+            digest_algorithm=selection.digest_algorithm or self._digest_algorithm(),
         )
         to_hf = {v: k for k, v in to_engine.items()}
         return _PushPlan(selection=selection, manifest=manifest, cast_to=cast_to, to_engine=to_engine,
@@ -353,7 +353,8 @@ class WeightSync:
             begun = True
             assert self._transport is not None
             self._transport.begin(manifest)
-            self._share_with_followers(mode=source.mode, order=plan.order)
+            step = plan.selection.follower_step
+            self._share_with_followers(mode=source.mode, order=plan.order, **({"step": step} if step else {}))
             digests = stream_buckets(
                 plan.selection.stream or source, manifest.buckets, plan.order, plan.to_engine,
                 slot=self._transport.slot,
@@ -603,6 +604,10 @@ class WeightSync:
                 raise WeightSyncError(f"the sending trainer rank failed: {message['error']}")
             if "report" in message:
                 return SyncReport.from_dict(message["report"])
+            if "step" in message:
+                self._mode.follow(model, message["step"], message.get("order"), self.ranks,
+                                  timeout_s=self.config.timeout_s)
+                continue
             source = make_source(model, message["mode"], adapter_name=self.config.adapter_name)
             for _ in source.tensors(message["order"]):
                 pass
@@ -682,6 +687,10 @@ class _Planner:
         self.pool: Executor = sync._pool
         self.timeout_s = sync.config.timeout_s
         self.allow_overflow = sync.config.allow_overflow
+        self.ranks = sync.ranks
+
+    def share_step(self, step: Mapping[str, Any]) -> None:
+        self._sync._share_with_followers(step=dict(step))
 
     @property
     def digest_algorithm(self) -> str:

@@ -46,7 +46,7 @@ class TrainerRanks:
         if not self.is_distributed:
             assert message is not None
             return message
-        src = dist.get_global_rank(self.group, self.send_rank) if self.group is not None else self.send_rank
+        src = self._global(self.send_rank)
         if self.is_sender:
             payload = json.dumps(message).encode()
             size = torch.tensor([len(payload)], dtype=torch.int64)
@@ -59,11 +59,33 @@ class TrainerRanks:
             self._broadcast(data, src, timeout_s)
         return message if self.is_sender else json.loads(bytes(data.numpy()))  # type: ignore[return-value]
 
+    def all_gather(self, tensor: torch.Tensor, *, timeout_s: float) -> torch.Tensor:
+        """Every rank's `tensor` (same shape on every rank), stacked in rank order."""
+        if not self.is_distributed:
+            return tensor.unsqueeze(0)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(out, tensor, group=self.group, async_op=True), "the other ranks", timeout_s)
+        return torch.stack(out)
+
+    def gather(self, tensor: torch.Tensor, *, timeout_s: float) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape on every rank) on the sender, in rank order;
+        an empty list on the other ranks."""
+        if not self.is_distributed:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_sender else None
+        work = dist.gather(tensor, out, dst=self._global(self.send_rank), group=self.group, async_op=True)
+        self._wait(work, "the other ranks" if self.is_sender else "the sending rank", timeout_s)
+        return out or []
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
     def _broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float) -> None:
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        self._wait(work, "the sending rank", timeout_s)
+
+    def _wait(self, work: Any, whom: str, timeout_s: float) -> None:
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            raise SyncTimeoutError(
-                f"trainer rank {self.rank}: no word from the sending rank within {timeout_s:.0f}s: {e}"
-            ) from e
+            raise SyncTimeoutError(f"trainer rank {self.rank}: no word from {whom} within {timeout_s:.0f}s: {e}") from e

@@ -7,6 +7,9 @@ sum), so agreeing with `reference_wsmix64` on CPU is agreeing on the GPU.
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,10 +21,12 @@ from weightsync.digests import (
     WSMIX64,
     XXH3_64,
     Wsmix64,
+    combine_wsmix64,
     copy_hashed,
     digest,
     for_device,
     reference_wsmix64,
+    wsmix64_part,
 )
 from weightsync.integrity import BucketHasher
 
@@ -196,3 +201,19 @@ def test_copy_hashed_refuses_mismatched_buffers() -> None:
         copy_hashed(torch.empty(4, dtype=torch.uint8), torch.empty(5, dtype=torch.uint8))
     with pytest.raises(ValueError, match="equal 1-d uint8"):
         copy_hashed(torch.empty(4, dtype=torch.uint8), torch.empty(1, dtype=torch.float32))
+
+
+def test_wsmix64_parts_combine_to_the_whole_digest() -> None:
+    """Pieces cut anywhere (inside words, empty, one byte) combine to the digest of the
+    whole: what ranks holding a tensor's rows (FSDP2) contribute."""
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.randrange(0, 70)
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        cuts = sorted(rng.randrange(0, n + 1) for _ in range(rng.randrange(0, 4)))
+        bounds = [0, *cuts, n]
+        parts = [wsmix64_part(data[a:b], a) for a, b in itertools.pairwise(bounds)]
+        assert combine_wsmix64(parts, n) == digest(data, WSMIX64) == reference_wsmix64(bytes(data.numpy())), bounds
+    whole = torch.arange(40, dtype=torch.uint8)
+    parts = [wsmix64_part(whole[:13], 0), wsmix64_part(whole[13:], 13)]
+    assert combine_wsmix64(parts[:1], 40) != digest(whole, WSMIX64), "a missing piece changes the digest"

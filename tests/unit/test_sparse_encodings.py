@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync.errors import IntegrityError, ManifestError
-from weightsync.sparse import apply_payload, encode
+from weightsync.sparse import Changes, apply_payload, encode, encode_positions
 from weightsync.types import BucketMeta, Manifest, TensorEntry, encoded_nbytes
 
 
@@ -38,6 +38,22 @@ def test_each_encoding_is_chosen_where_it_is_smallest_and_applies_bit_exact() ->
     every_tenth = list(range(0, base.numel(), 10))  # 10%: bitmap (1/8 byte each + values) beats 4 bytes each
     assert _roundtrip(_changed(base, every_tenth), base) == "bitmap"
     assert _roundtrip(base + 1, base) == "dense"
+
+
+def test_encoding_gathered_positions_gives_the_same_payload_as_encoding_the_tensor() -> None:
+    """What a sharded trainer's sender encodes from the ranks' gathered changes is byte
+    for byte what `encode` gives for the whole tensor, in every encoding."""
+    torch.manual_seed(1)
+    base = torch.randn(128, 1024).to(torch.bfloat16)
+    for positions in ([3, 70, 5000], [0, 65535 + 10, 65535 + 11], list(range(0, base.numel(), 10))):
+        new = _changed(base, positions)
+        changes = Changes(new, base)
+        assert changes.positions().tolist() == positions
+        whole = encode(new, base)
+        gathered = encode_positions(base.numel(), 2, changes.positions(), changes.values())
+        assert (gathered.encoding, gathered.num_changed) == (whole.encoding, whole.num_changed)
+        assert whole.payload is not None and gathered.payload is not None
+        assert torch.equal(gathered.payload, whole.payload), whole.encoding
 
 
 def test_bitwise_comparison_sees_signed_zeros_and_nan_payloads() -> None:

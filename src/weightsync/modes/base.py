@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
-from weightsync.errors import EngineError
+from weightsync.errors import EngineError, WeightSyncError
 from weightsync.pipeline import Stages
 from weightsync.sources import ModuleSource, WeightSource, as_source
+from weightsync.trainer_ranks import TrainerRanks
 from weightsync.types import SyncReport, TensorMeta
 
 
@@ -68,6 +69,11 @@ class Selection:
     stream: WeightSource | None = None
     """What the pipeline packs instead of reading the source again ("sparse": payloads
     and cast tensors it already holds); its tensors must fit `metas`' entries."""
+    follower_step: Mapping[str, Any] | None = None
+    """What the other trainer ranks run (`PushMode.follow`) while the sender streams
+    `stream` (None: they gather the source's tensors along)."""
+    digest_algorithm: str | None = None
+    """The push's digest algorithm, where the mode needs one (None: the session's)."""
 
 
 class Planner(Protocol):
@@ -86,6 +92,12 @@ class Planner(Protocol):
     """Casts may turn finite values into infinities (`SyncConfig.allow_overflow`)."""
     stages: Stages
     """This push's seconds per stage (a mode adds what it spends, e.g. `diff`)."""
+    ranks: TrainerRanks
+    """The trainer's ranks (one, unless the `WeightSync` has a process_group)."""
+
+    def share_step(self, step: Mapping[str, Any]) -> None:
+        """Have every other trainer rank run `step` (`PushMode.follow`) now."""
+        ...
 
     def cast_dtype(self, *, cast: bool) -> torch.dtype | None:
         """The dtype floating tensors travel in (None: as the trainer holds them)."""
@@ -154,6 +166,12 @@ class PushMode(Protocol):
         """The `WeightSync` closes."""
         ...
 
+    def follow(self, model: Any, step: Mapping[str, Any], order: Sequence[str] | None, ranks: TrainerRanks,
+               *, timeout_s: float) -> None:
+        """On a trainer rank that does not send: the part of `step` (sent by the sender's
+        mode through `Planner.share_step` or `Selection.follower_step`) this rank runs."""
+        ...
+
 
 class ModeDefaults:
     """The verbs most modes leave as they are: the whole source, nothing to remember."""
@@ -188,3 +206,7 @@ class ModeDefaults:
 
     def close(self, planner: Planner) -> None:
         return None
+
+    def follow(self, model: Any, step: Mapping[str, Any], order: Sequence[str] | None, ranks: TrainerRanks,
+               *, timeout_s: float) -> None:
+        raise WeightSyncError(f"mode {self.name!r} has no step for the other trainer ranks (asked {dict(step)})")

@@ -22,26 +22,29 @@ aborted, another trainer), after ANY failed push (a digest mismatch included: th
 snapshot may be ahead of what the engines hold), and to engines that do not apply
 sparse updates (`supports_sparse`).
 
-Not yet for sharded trainers (a `process_group`): see `WeightSync`.
+A sharded trainer (FSDP2, a `process_group`): each rank keeps and diffs its own
+rows, only the changes are gathered (`modes.sparse_shards`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from weightsync.bucketing import castable, check_cast
-from weightsync.digests import digest
+from weightsync.digests import WSMIX64, digest
 from weightsync.errors import EngineError
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
-from weightsync.sources import WeightSource
+from weightsync.modes.sparse_shards import ShardedSnapshot
+from weightsync.sources import ModuleSource, WeightSource
 from weightsync.sparse import encode
-from weightsync.types import TensorMeta
+from weightsync.trainer_ranks import TrainerRanks
+from weightsync.types import TensorMeta, dtype_from_name, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ class SparseMode(ModeDefaults):
         """(version, the whole push of it) of the push under way: what a refusal sends."""
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         """(device, dtype) -> a buffer the size of the largest tensor, cast into before comparing."""
+        self._shards: ShardedSnapshot | None = None
+        """A sharded trainer's: this rank's rows of the snapshot (instead of `snapshot`)."""
 
     def prepare(self, model: Any, version: int, planner: Planner) -> None:
         self._full = None
@@ -76,6 +81,8 @@ class SparseMode(ModeDefaults):
             return self._full[1]  # asked again after a refusal: the snapshot is already this version
         base, self.acked_version = self.acked_version, None  # proven again only by this push's commit
         sparse = base is not None and all(c.supports_sparse for c in planner.capabilities())
+        if planner.ranks.is_distributed:
+            return self._select_sharded(source, version, planner, base if sparse else None)
         t0 = time.perf_counter()
         diff = self._diff(source, planner, sparse=sparse)
         planner.stages.diff += time.perf_counter() - t0
@@ -95,6 +102,51 @@ class SparseMode(ModeDefaults):
     def committed(self, selection: Selection, version: int, planner: Planner) -> None:
         self.acked_version = version
         self._full = None
+
+    def follow(self, model: Any, step: Mapping[str, Any], order: Sequence[str] | None, ranks: TrainerRanks,
+               *, timeout_s: float) -> None:
+        shards = self._shards_of(ranks)
+        if "diff" in step:
+            diff = step["diff"]
+            cast_to = dtype_from_name(diff["cast_to"]) if diff["cast_to"] else None
+            shards.diff(_module_source(self.source(model)), cast_to=cast_to, sparse=diff["sparse"],
+                        allow_overflow=diff["allow_overflow"], timeout_s=timeout_s)
+        elif "stream" in step and order is not None:
+            for _ in shards.stream(order, {}, full=step["stream"] == "full", payloads={}, timeout_s=timeout_s):
+                pass
+        else:
+            super().follow(model, step, order, ranks, timeout_s=timeout_s)
+
+    def _select_sharded(self, source: WeightSource, version: int, planner: Planner, base: int | None) -> Selection:
+        """`select` on the sending rank of a sharded trainer: every rank diffs its rows."""
+        module = _module_source(source)
+        cast_to = planner.cast_dtype(cast=self.casts)
+        step = {"cast_to": dtype_name(cast_to) if cast_to else None, "sparse": base is not None,
+                "allow_overflow": planner.allow_overflow}
+        planner.share_step({"diff": step})
+        shards = self._shards_of(planner.ranks)
+        t0 = time.perf_counter()
+        diff = shards.diff(module, cast_to=cast_to, sparse=base is not None, allow_overflow=planner.allow_overflow,
+                           timeout_s=planner.timeout_s)
+        planner.stages.diff += time.perf_counter() - t0
+        assert diff is not None  # the sender's
+        metas = list(source.metas())
+        shapes = {m.hf_name: tuple(m.shape) for m in metas}
+        full = Selection(mode="full", metas=metas, follower_step={"stream": "full"},
+                         stream=_ShardStream(source.mode, metas, shards, shapes, full=True, payloads={},
+                                             timeout_s=planner.timeout_s))
+        self._full = (version, full)
+        if base is None:
+            return full
+        return Selection(mode="sparse", metas=diff.metas, num_skipped=diff.num_unchanged, base_version=base,
+                         follower_step={"stream": "sparse"}, digest_algorithm=WSMIX64,
+                         stream=_ShardStream(source.mode, metas, shards, shapes, full=False, payloads=diff.payloads,
+                                             timeout_s=planner.timeout_s))
+
+    def _shards_of(self, ranks: TrainerRanks) -> ShardedSnapshot:
+        if self._shards is None:
+            self._shards = ShardedSnapshot(ranks, self.options.sparse_snapshot)
+        return self._shards
 
     def _diff(self, source: WeightSource, planner: Planner, *, sparse: bool) -> _Diff:
         """Read and cast every tensor, encode its change against the snapshot (with
@@ -155,6 +207,34 @@ class _Diff:
     payloads: dict[str, torch.Tensor] = field(default_factory=dict)
     """hf_name -> the uint8 payload of each sparse-encoded tensor."""
     num_unchanged: int = 0
+
+
+class _ShardStream:
+    """What the sending rank of a sharded trainer packs: payloads, and dense tensors
+    gathered from every rank's rows while the others follow (`ShardedSnapshot.stream`)."""
+
+    def __init__(self, mode: str, metas: Sequence[TensorMeta], shards: ShardedSnapshot,
+                 shapes: dict[str, tuple[int, ...]], *, full: bool, payloads: dict[str, torch.Tensor],
+                 timeout_s: float) -> None:
+        self.mode = mode
+        self._metas = metas
+        self._shards, self._shapes, self._full, self._payloads = shards, shapes, full, payloads
+        self._timeout_s = timeout_s
+
+    def metas(self) -> Sequence[TensorMeta]:
+        return self._metas
+
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        order = hf_names if hf_names is not None else list(self._shapes)
+        return self._shards.stream(order, self._shapes, full=self._full, payloads=self._payloads,
+                                   timeout_s=self._timeout_s)
+
+
+def _module_source(source: WeightSource) -> ModuleSource:
+    if not isinstance(source, ModuleSource):
+        raise TypeError(f"mode='sparse' with a process_group diffs each rank's shard of an nn.Module; got a "
+                        f"{type(source).__name__}")
+    return source
 
 
 class _Stream:

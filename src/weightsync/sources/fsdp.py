@@ -36,6 +36,26 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def local_shard(tensor: torch.Tensor, hf_name: str, *, rank: int, world_size: int) -> torch.Tensor | None:
+    """This rank's rows of an FSDP2 parameter (a DTensor sharded on dim 0 over a 1-d mesh
+    of the trainer's ranks, mesh coordinate = rank: the rows follow in rank order), detached;
+    None for a plain tensor (every rank holds all of it). Raises ValueError, naming the
+    tensor, for any other layout (HSDP's 2-d mesh, tensor parallelism)."""
+    if not is_dtensor(tensor):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
+    if mesh.ndim != 1 or tuple(placements) != (Shard(0),) or mesh.size() != world_size \
+            or mesh.get_local_rank() != rank:
+        raise ValueError(
+            f"{hf_name}: sharded as {tuple(placements)} over a mesh of shape {tuple(mesh.shape)} (this rank at "
+            f"{mesh.get_coordinate()}); mode='sparse' with a process_group takes FSDP2's layout only (Shard(0) "
+            f"over a 1-d mesh whose coordinates are the process group's {world_size} ranks in order); use "
+            "mode='delta' or 'full' for this model")
+    return tensor.to_local().detach()  # type: ignore[attr-defined]
+
+
 def global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     """The unsharded shape (a DTensor's `.shape` is already the global one)."""
     return tuple(tensor.shape)

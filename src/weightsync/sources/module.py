@@ -40,7 +40,8 @@ class ModuleSource:
             for p in map_names(model, adapter_name=adapter_name, expected=expected).params
         }
 
-    def _param(self, hf_name: str) -> torch.Tensor:
+    def param(self, hf_name: str) -> torch.Tensor:
+        """The parameter `hf_name` as the model holds it now (an FSDP2 DTensor: this rank's shard)."""
         try:
             return self.model.get_parameter(self._trainer_names[hf_name])
         except KeyError:
@@ -50,9 +51,9 @@ class ModuleSource:
         return [
             TensorMeta(hf_name=name, dtype=p.dtype, shape=global_shape(p))
             for name in self._trainer_names
-            for p in [self._param(name)]
+            for p in [self.param(name)]
         ]
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self._trainer_names if hf_names is None else hf_names:
-            yield name, full_tensor(self._param(name))
+            yield name, full_tensor(self.param(name))
