@@ -9,6 +9,8 @@ checkpoint then reload), the fixed cost of a push (seconds and HTTP round
 trips of a push that moves almost nothing, per transport), plus the
 trainer's peak memory for merged LoRA.
 --suite faults: fault injection and load under pushes (`weightsync_tools.faults`).
+--suite sparse: mode="sparse" on real RL steps against full pushes of the same weights.
+--suite sparse-fsdp: the same from 2 FSDP2 ranks (each diffs its own shard).
 
 Prints a table and ends with one JSON line (with --json: only the JSON line on
 stdout, the table on stderr). Timings are only as good as the machine is
@@ -33,6 +35,7 @@ EPILOG = """examples:
   weightsync bench --engines embedded,vllm --model-bytes 256MiB
   weightsync bench --suite faults --quick
   weightsync bench --suite sparse                   # fp32 AdamW steps at lr 1e-6, 1e-5 into a bf16 engine
+  weightsync bench --suite sparse-fsdp              # the same from 2 FSDP2 ranks (128 MiB bf16 by default)
   weightsync bench --quick --json > bench.json
 """
 
@@ -70,9 +73,10 @@ def _sizes(text: str) -> tuple[int, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark syncs against the machine's limits and today's baselines",
                        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["sync", "faults", "sparse"], default="sync",
+    p.add_argument("--suite", choices=["sync", "faults", "sparse", "sparse-fsdp"], default="sync",
                    help="what to run (default sync; sparse: mode='sparse' on real RL steps against full pushes, "
-                        "--model-bytes then sizes the bf16 engine, default 512MiB)")
+                        "--model-bytes then sizes the bf16 engine, default 512MiB; sparse-fsdp: the same from 2 "
+                        "FSDP2 ranks, default 128MiB)")
     p.add_argument("--quick", action="store_true",
                    help="about a minute: 64 MiB models, one 16 MiB bucket size, 2 pushes per cell, no vLLM")
     p.add_argument("--model-bytes", type=_size, default=None, help="weights per model (default 512MiB)")

@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_faults(args)
     if args.suite == "sparse":
         return _run_sparse(args)
+    if args.suite == "sparse-fsdp":
+        return _run_sparse_fsdp(args)
     from weightsync_tools.bench.report import format_report, to_json, write_chart
     from weightsync_tools.bench.suite import run_sync_suite
 
@@ -105,3 +107,22 @@ def _run_sparse(args: argparse.Namespace) -> int:
     print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     print(json.dumps(result.to_dict()), flush=True)
     return 0 if all(s.verified for s in result.steps) else 1
+
+
+def _run_sparse_fsdp(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from weightsync_tools.bench.sparse_fsdp import DEFAULT_ENGINE_BYTES, format_table, run_sparse_fsdp_suite
+
+    def progress(message: str) -> None:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+    hf_logging.disable_progress_bar()
+    root = args.out / "sparse-fsdp"
+    root.mkdir(parents=True, exist_ok=True)
+    result = run_sparse_fsdp_suite(
+        root=root, engine_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else DEFAULT_ENGINE_BYTES),
+        steps_per_lr=1 if args.quick else 2, full_repeats=args.repeats or 2, progress=progress)
+    print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
+    print(json.dumps(result.to_dict()), flush=True)
+    return 0 if all(s["verified"] for s in result.steps) else 1
