@@ -223,3 +223,36 @@ def test_vllm_serves_a_sparse_patch_to_q_proj_alone(engine_kind: str, transport:
     stale = copy.deepcopy(trainer)
     patch_q_proj(stale, seed=41)  # the patch applied twice: weights the engine must not serve
     assert ws.probe_logprobs(stale, engine, PROBE_PROMPTS, max_new_tokens=6).max_gap > 10 * tolerance
+
+
+def test_sparse_pushes_to_two_replicas_and_a_refusal_by_one_sends_both_whole(
+        bf16_engine: tuple[Path, ServerProcess], disk_root: Path) -> None:
+    """Two replicas, each acking whole-tensor digests of every touched tensor. When one
+    of them is moved off the base version (another trainer pushed to it alone), it
+    refuses at begin (409) and the push goes out whole to both, before any byte moves."""
+    model_dir, first = bf16_engine
+    with launch_server(model_dir, args=["--disk-root", str(disk_root)]) as second:
+        trainer = load_trainer(model_dir).train()
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+        engines = [ws.SGLangEngine(first.url), ws.SGLangEngine(second.url)]
+        with ws.WeightSync(engines, transport="http", mode="sparse", bucket_bytes=BUCKET_BYTES,
+                           timeout_s=TIMEOUT_S) as sync:
+            sync.push(trainer, version=next_version())
+            for seed in (30, 31):
+                rl_step(trainer, optimizer, 1e-5, seed=seed)
+                report = sync.push(trainer, version=(version := next_version()))
+                assert report.mode == "sparse" and report.verified and len(report.acks) == 2
+                assert all(len(ack.tensor_digests) == report.num_tensors for ack in report.acks)
+                for engine in engines:
+                    assert_serves(engine, trainer, version)
+            other = load_trainer(model_dir)
+            perturb(other, seed=32)
+            with ws.WeightSync([ws.SGLangEngine(second.url)], transport="http") as intruder:
+                intruder.push(other, version=next_version())
+            rl_step(trainer, optimizer, 1e-5, seed=33)
+            report = sync.push(trainer, version=(version := next_version()))
+            assert report.mode == "full" and report.verified
+            for engine in engines:
+                assert_serves(engine, trainer, version)
+            rl_step(trainer, optimizer, 1e-5, seed=34)
+            assert sync.push(trainer, version=next_version()).mode == "sparse", "sparse again once both acked"
