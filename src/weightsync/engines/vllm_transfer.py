@@ -43,7 +43,11 @@ Deltas are applied on top of the served version when they send whole fused
 layers (the worker tells the trainer its `fused_groups`; a delta that sends
 q_proj without k_proj and v_proj is refused with 409 and goes out whole):
 vLLM's layerwise reload rebuilds a layer from the tensors it is given and
-keeps the layers it is given nothing for. Not here: LoRA adapters (a
+keeps the layers it is given nothing for. Sparse updates apply as in the worker
+extension: each worker keeps a copy of the served version (from the first sparse
+update a trainer begins on, which is refused with 409 and goes out whole),
+rebuilds every touched tensor from it and reloads the whole fused group of each,
+then acks the whole-tensor digests. Not here: LoRA adapters (a
 weight-transfer engine cannot add an adapter to vLLM; use the worker
 extension, `engines.vllm_worker`).
 """
@@ -225,9 +229,12 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise IntegrityError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
                                  f"{format_names(missing)}")
         expected = self.sync.expected() or {}
+        # a sparse entry's staged bytes are its payload: the session rebuilds and digests it
+        # at commit, before anything loads
         mismatched = [f"{e.hf_name}: staged {tuple(update.tensors[e.hf_name].shape)}, served "
                       f"{expected[e.hf_name].shape}" for e in update.manifest.entries()
-                      if e.hf_name in expected and tuple(update.tensors[e.hf_name].shape) != expected[e.hf_name].shape]
+                      if e.is_dense and e.hf_name in expected
+                      and tuple(update.tensors[e.hf_name].shape) != expected[e.hf_name].shape]
         if mismatched:
             raise ManifestMismatchError(f"update v{version} refused before loading: " + "; ".join(mismatched[:8]),
                                         mismatched=[m.split(":", 1)[0] for m in mismatched])

@@ -281,11 +281,12 @@ class VLLMTransferEngine(VLLMEngine):
         self._backend = _Transfer(server, _HttpClient(server, timeout_s), who=self.label, answers=answers)
 
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
-        """`VLLMEngine`'s, with deltas (of whole fused layers: the workers' `fused_groups`);
-        sparse pushes go out whole (not wired through this backend's reload yet)."""
+        """`VLLMEngine`'s, with deltas (of whole fused layers: the workers' `fused_groups`)
+        and sparse updates (each worker rebuilds the touched tensors from its copy of the
+        served version and reloads their whole fused groups, as the worker extension)."""
         info = self.info(timeout_s=timeout_s)
         groups = tuple(tuple(str(n) for n in g) for g in info.get("fused_groups") or ())
-        return dataclasses.replace(super().capabilities(timeout_s), supports_delta=True, supports_sparse=False,
+        return dataclasses.replace(super().capabilities(timeout_s), supports_delta=True, supports_sparse=True,
                                    fused_groups=groups)
 
     @classmethod
