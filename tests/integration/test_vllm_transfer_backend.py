@@ -9,8 +9,10 @@ tokens, acked by every worker with its own digests; a corrupted bucket, a
 wrong shape and a stale version each leave vLLM serving the last good weights
 and the next push goes through; a long prompt cached before a push never
 lends its old-weight KV to a request after it; vLLM's trainer API
-(`trainer_init` + `send_weights`) pushes through the same backend.
-One engine for the module; each test pushes from the served version upward.
+(`trainer_init` + `send_weights`) pushes through the same backend; sparse
+patches to one tensor of a fused layer are served exactly; beside an embedded
+replica over disk, `ready` stops a push whose update vLLM dropped before either
+replica commits. One engine for the module; each test pushes from the served version upward.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import vllm_fixtures as vf
 import vllm_support
 import weightsync as ws
 from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+from weightsync.integrity import digest
+from weightsync.server.launch import launch_server
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
@@ -284,6 +288,39 @@ def test_sparse_patch_to_q_proj_alone_is_served_exactly(engine: VLLMTransferEngi
     assert report.acks[0].tensor_digests.keys() == {"model.layers.0.self_attn.q_proj.weight"}
     assert report.acks[0].loaded_names == frozenset({"model.layers.0.self_attn.q_proj.weight"})
     vf.assert_parity(engine, trainer)  # k and v reloaded from the workers' copies along with q
+
+
+def test_two_replicas_over_disk_ask_ready_before_any_commits(engine: VLLMTransferEngine, model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """Over disk no call reaches the engines between begin and commit, so with two
+    replicas the trainer first asks each whether its update is still open (`ready`):
+    this backend answers through vLLM's own init call. When the update was dropped on
+    the vLLM replica (an abort from elsewhere), the push fails at `ready`, before
+    either replica commits: both keep their last version, and the next push lands."""
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=96)
+    with launch_server(model_dir, args=["--disk-root", str(tmp_path)]) as server:
+        embedded = ws.SGLangEngine(server.url)
+        with ws.WeightSync([engine, embedded], transport="disk", disk_root=str(tmp_path)) as sync:
+            version = max(vf.next_version(engine), int(embedded.weight_version()) + 1)
+            vf.assert_verified(sync.push(trainer, version=version), version)
+            served = (engine.weight_version(), embedded.weight_version())
+
+            original_finish = sync._transport.finish  # type: ignore[union-attr]
+
+            def finish_then_drop_vllms_update(manifest: Any) -> None:
+                original_finish(manifest)
+                engine.abort(manifest.version)  # the update is gone on the vLLM replica
+
+            sync._transport.finish = finish_then_drop_vllms_update  # type: ignore[union-attr, method-assign]
+            vf.perturb(trainer, seed=97)
+            with pytest.raises(ws.WeightSyncError, match="no longer open"):
+                sync.push(trainer, version=version + 1)
+            assert (engine.weight_version(), embedded.weight_version()) == served, "neither replica committed"
+            sync._transport.finish = original_finish  # type: ignore[union-attr, method-assign]
+            vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
+        vf.assert_parity(engine, trainer)
+        assert embedded.digests() == {n: digest(p.detach().contiguous()) for n, p in trainer.named_parameters()}
 
 
 def test_answers_through_the_trainers_store_as_for_vllm_on_another_host(llm: Any, model_dir: Path) -> None:
