@@ -618,9 +618,10 @@ class WeightSync:
         for e in self.engines:
             allowed = e.lora_transports if self._mode.sends_adapter else e.transports
             if self.config.transport not in allowed:
+                note = getattr(e, "transports_note", None)
                 raise ValueError(
                     f"{e.label} cannot take mode={self.config.mode!r} over transport={self.config.transport!r}; "
-                    f"it supports {sorted(allowed)}"
+                    f"it supports {sorted(allowed)}" + (f": {note}" if note else "")
                 )
         if self.config.disk_root is not None:
             Path(self.config.disk_root).mkdir(parents=True, exist_ok=True)

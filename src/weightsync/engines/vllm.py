@@ -115,6 +115,8 @@ class VLLMEngine:
     lora_transports = _FetchedByWorkers()
     url: str | None = None
     """The server form's URL; None in-process (the engine runs on the trainer's host)."""
+    transports_note: str | None = None
+    """Why a transport is missing from `transports`, said when one is asked for."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  label: str | None = None, num_ranks: int | None = None) -> None:
@@ -139,6 +141,12 @@ class VLLMEngine:
         engine.timeout_s = timeout_s
         parallel = config.parallel_config
         engine._init_state(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+        if _worker_in_this_process(llm):
+            engine.transports = frozenset(engine.transports - {"broadcast"})
+            engine.lora_transports = frozenset(engine.lora_transports - {"broadcast"})
+            engine.transports_note = (
+                "its worker runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 with one rank), and one "
+                "process cannot join a torch.distributed group twice ('A process group is already registered')")
         return engine
 
     def _init_state(self, num_ranks: int | None) -> None:
@@ -441,6 +449,15 @@ class _Backend:
 
     def close(self) -> None:
         return None
+
+
+def _worker_in_this_process(llm: Any) -> bool:
+    """The `LLM`'s engine core runs in this process (no engine-core process) with one
+    rank, so its only worker runs here too."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    return isinstance(llm.llm_engine.engine_core, InprocClient) and parallel.world_size == 1
 
 
 class _InProcess(_Backend):
