@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -75,6 +75,9 @@ class OpenUpdate:
     """Bucket index -> the digest computed here on receipt of the whole bucket."""
     buffers: list[torch.Tensor] = field(default_factory=list)
     """The received bucket buffers `tensors` view (the session owns them)."""
+    sealed: Ack | None = None
+    """Set by `UpdateSession.seal`: every check passed, the ack it will commit with
+    (its loaded names still to come from the applier)."""
 
     @property
     def version(self) -> int:
@@ -241,11 +244,19 @@ class UpdateSession:
             update.tensors.update(copies(named))
             update.touched = time.monotonic()
 
-    def commit(self, version: int) -> Ack:
-        """Apply the open update once every tensor arrived; the update is closed
-        after the applier ran, whether it succeeded or not."""
+    def seal(self, version: int, sent_digests: Sequence[str | None] | None = None) -> Ack:
+        """Check everything a commit of the open update checks, without applying it:
+        every tensor arrived, the version is still newer, every bucket's digest equals
+        the trainer's (`sent_digests`, the final manifest's, where given), sparse payloads
+        rebuilt and their whole tensors' digests right. Ranks of one engine seal before
+        any of them commits, so a rank that would refuse does so while every rank still
+        serves the last version. A refused sparse rebuild closes the update (its staging is
+        half rebuilt); other refusals leave it open for the trainer's abort. Idempotent
+        once sealed."""
         with self._lock:
             update = self._require(version)
+            if update.sealed is not None:
+                return update.sealed
             manifest = update.manifest
             missing = [n for n in manifest.hf_names if n not in update.tensors]
             if missing:
@@ -255,20 +266,34 @@ class UpdateSession:
             digests = tuple(update.digests.get(b.index) or _digest_staged(b.hf_names, update.tensors,
                                                                            manifest.digest_algorithm)
                             for b in manifest.buckets)
+            if sent_digests is not None:
+                _check_sent(version, digests, sent_digests)
             tensor_digests: dict[str, str] = {}
-            try:
-                if manifest.mode == "sparse":
+            if manifest.mode == "sparse":
+                try:
                     self._check_base(manifest)
                     tensor_digests = self._rebuild_sparse(update)
-                if manifest.is_adapter:
+                except BaseException:  # payloads may be half rebuilt: this update is done
+                    self._close(update)
+                    raise
+            update.sealed = Ack(engine=self.engine, version=version, digests=digests, tensor_digests=tensor_digests)
+            return update.sealed
+
+    def commit(self, version: int) -> Ack:
+        """Apply the open update (sealing it first if it is not); the update is closed
+        after the applier ran, whether it succeeded or not."""
+        with self._lock:
+            sealed = self.seal(version)
+            update = self._require(version)
+            try:
+                if update.manifest.is_adapter:
                     self.applier.install_adapter(update)
-                    loaded: Sequence[str] = manifest.hf_names
+                    loaded: Sequence[str] = update.manifest.hf_names
                 else:
                     loaded = self.applier.apply(update)
             finally:
                 self._close(update)
-            return Ack(engine=self.engine, version=version, digests=digests, loaded_names=frozenset(loaded),
-                       tensor_digests=tensor_digests)
+            return replace(sealed, loaded_names=frozenset(loaded))
 
     def abort(self, version: int | None = None, *, owner: str | None = None) -> bool:
         """Drop the open update (if `version` matches or is None, and it is not another
@@ -399,6 +424,18 @@ class UpdateSession:
         self.applier.release(update)
         update.tensors = {}
         update.buffers = []
+
+
+def _check_sent(version: int, here: Sequence[str], sent: Sequence[str | None]) -> None:
+    """The staged buckets' digests are the trainer's (IntegrityError naming the first that differ)."""
+    if len(sent) != len(here):
+        raise IntegrityError(f"update v{version}: the trainer sent {len(sent)} bucket digest(s) for "
+                             f"{len(here)} bucket(s)")
+    wrong = [f"bucket {i}: {h} here, {t} sent" for i, (h, t) in enumerate(zip(here, sent, strict=True))
+             if t is not None and h != t]
+    if wrong:
+        raise IntegrityError(f"update v{version} refused before loading: the bytes staged here are not the "
+                             f"trainer's ({'; '.join(wrong[:4])})")
 
 
 def check_named(named: NamedTensors, expected: Mapping[str, TensorMeta], *, what: str, full: bool = False) -> None:

@@ -11,18 +11,23 @@ the trainer's exact greedy outputs over broadcast, shm and disk.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import vllm_fixtures as vf
 
 import weightsync as ws
 from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_worker import EXTENSION
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
+
+FAULTY_EXTENSION = "vllm_fault_extension.FaultyDiskExtension"
+"""weightsync's extension plus one verb that injects a fault on one rank (the tests here
+use the product's verbs otherwise)."""
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -30,13 +35,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[VLLMEngine]:
+def llm(model_dir: Path) -> Any:
     from vllm import LLM
 
     with vf.two_ranks_bound():
-        llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, gpu_memory_utilization=0.1,
-                  enforce_eager=True, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
-                  dtype="float32", max_model_len=1024)
+        return LLM(model=str(model_dir), worker_extension_cls=FAULTY_EXTENSION, gpu_memory_utilization=0.1,
+                   enforce_eager=True, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
+                   dtype="float32", max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def engine(llm: Any) -> Iterator[VLLMEngine]:
     with vf.engine_of(llm) as engine:
         yield engine
 
@@ -57,3 +66,30 @@ def test_full_push_to_two_ranks_matches_transformers(engine: VLLMEngine, model_d
             vf.assert_verified(report, version)
             assert report.acks[0].loaded_names == frozenset(n for n, _ in trainer.named_parameters())
             vf.assert_parity(engine, trainer)
+
+
+
+def test_a_rank_that_refuses_at_commit_leaves_every_rank_on_the_last_version(
+        llm: Any, engine: VLLMEngine, model_dir: Path, tmp_path: Path) -> None:
+    """Over disk each rank reads the version directory at commit. Rank 1 reads a flipped
+    byte: every rank seals (checks) before any rank applies, so rank 1's refusal fails the
+    push while rank 0 still serves the last version too. Greedy answers equal the last
+    pushed weights (a TP engine whose ranks held different versions would not), and the
+    next push lands."""
+    trainer = vf.load_trainer(model_dir)
+    with ws.WeightSync([engine], transport="disk", disk_root=str(tmp_path)) as sync:
+        vf.perturb(trainer, seed=301)
+        version = vf.next_version(engine)
+        vf.assert_verified(sync.push(trainer, version=version), version)
+        served = copy.deepcopy(trainer)
+        assert llm.collective_rpc("weightsync_test_flip_disk_reads", args=(1,)) == [False, True]
+        try:
+            vf.perturb(trainer, seed=302)
+            with pytest.raises(ws.IntegrityError, match="on rank 1"):
+                sync.push(trainer, version=version + 1)
+        finally:
+            llm.collective_rpc("weightsync_test_flip_disk_reads", args=(-1,))
+        assert engine.info()["version"] == version
+        vf.assert_parity(engine, served)
+        vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
+        vf.assert_parity(engine, trainer)

@@ -142,8 +142,8 @@ class VLLMEngine:
         parallel = config.parallel_config
         engine._init_state(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
         if _worker_in_this_process(llm):
-            engine.transports = frozenset(engine.transports - {"broadcast"})
-            engine.lora_transports = frozenset(engine.lora_transports - {"broadcast"})
+            engine.transports = frozenset(n for n in engine.transports if not receiver_class(n).collective)
+            engine.lora_transports = frozenset(n for n in engine.lora_transports if not receiver_class(n).collective)
             engine.transports_note = (
                 "its worker runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 with one rank), and one "
                 "process cannot join a torch.distributed group twice ('A process group is already registered')")
@@ -244,6 +244,9 @@ class VLLMEngine:
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None
         policy, self._policy = self._policy, PausePolicy.NONE  # a push under "none" calls no pause()
+        # every rank checks before any rank applies: a refusal leaves them all on the last version
+        self._rpc("weightsync_seal", {"version": manifest.version, "digests": [b.digest for b in manifest.buckets]},
+                  timeout_s=link.timeout_s)
         results = self._rpc("weightsync_commit", {"version": manifest.version}, timeout_s=link.timeout_s)
         ack = self._combine_acks(results)
         if manifest.is_adapter:

@@ -20,8 +20,9 @@ The calls of one push, and what this engine does in each:
                       here comes before any byte moves
     update_weights {seq, bucket} fetch one bucket through the transport's
                       receiver, check its digest, stage it (host memory)
-    update_weights {seq, commit} every tensor staged (disk: read and checked
-                      now), shapes as announced: the update is sealed
+    update_weights {seq, commit, digests}  every tensor staged (disk: read and
+                      checked now), every bucket's digest the trainer's, shapes as
+                      announced, sparse payloads rebuilt: the update is sealed
     finish_weight_update         a sealed update is applied through vLLM's
                       layerwise reload (`initialize_layerwise_reload` ->
                       `model.load_weights` -> `finalize_layerwise_reload`) and
@@ -109,7 +110,10 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     bucket: dict[str, Any] | None = None
     """`{"version", "index", "digest", "delivery"}`: fetch, verify and stage one bucket."""
     commit: int | None = None
-    """A version: seal its update (complete, shapes checked) for `finish_weight_update`."""
+    """A version: seal its update (complete, digests the trainer's, shapes checked) for
+    `finish_weight_update`."""
+    digests: list[str | None] | None = None
+    """With `commit`: the trainer's digest of every bucket (the final manifest's)."""
 
     def __post_init__(self) -> None:
         given = [k for k in ("begin", "bucket", "commit") if getattr(self, k) is not None]
@@ -156,8 +160,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             if not self._answer(update_info.seq, "bucket", lambda: self.sync.receive(bucket)):
                 self.sync.session.abort(int(bucket["version"]))  # nothing of it will be applied
         else:
-            version = int(update_info.commit or 0)
-            self._answer(update_info.seq, "commit", lambda: self._seal(version))
+            version, digests = int(update_info.commit or 0), update_info.digests
+            self._answer(update_info.seq, "commit", lambda: self._seal(version, digests))
 
     def finish_weight_update(self) -> None:
         """Apply the sealed update and ack it; drop an unsealed one (an abort). Returns
@@ -217,24 +221,17 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             self._groups = self.sync.fused_groups()
         return self._groups
 
-    def _seal(self, version: int) -> dict[str, Any]:
+    def _seal(self, version: int, digests: list[str | None] | None) -> dict[str, Any]:
         """Check everything `finish_weight_update` would otherwise find out too late."""
         update = self.sync.session.open
         if update is None or update.version != version:
             raise IntegrityError(f"update v{version} cannot commit: it is not open here (aborted, replaced, or a "
                                  f"bucket was refused); open: {None if update is None else update.version}")
-        self.sync.read_at_commit(version)  # disk: read and checked now, before anything loads
-        missing = [n for n in update.manifest.hf_names if n not in update.tensors]
-        if missing:
-            raise IntegrityError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
-                                 f"{format_names(missing)}")
+        self.sync.seal({"version": version, "digests": digests})  # disk read, complete, the trainer's bytes
         expected = self.sync.expected() or {}
-        # a sparse entry's staged bytes are its payload: the session rebuilds and digests it
-        # at commit, before anything loads
         mismatched = [f"{e.hf_name}: staged {tuple(update.tensors[e.hf_name].shape)}, served "
                       f"{expected[e.hf_name].shape}" for e in update.manifest.entries()
-                      if e.is_dense and e.hf_name in expected
-                      and tuple(update.tensors[e.hf_name].shape) != expected[e.hf_name].shape]
+                      if e.hf_name in expected and tuple(update.tensors[e.hf_name].shape) != expected[e.hf_name].shape]
         if mismatched:
             raise ManifestMismatchError(f"update v{version} refused before loading: " + "; ".join(mismatched[:8]),
                                         mismatched=[m.split(":", 1)[0] for m in mismatched])

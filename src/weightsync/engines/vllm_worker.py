@@ -133,6 +133,12 @@ class WeightSyncWorkerExtension:
         open link's transport receiver, verify and stage it."""
         return _call(self, "receive", request)
 
+    def weightsync_seal(self, request: str) -> dict[str, Any]:
+        """`{"version", "digests"}`: check everything the commit would (disk: read the
+        version now), and every bucket's digest against the trainer's, applying nothing:
+        every rank seals before any rank commits."""
+        return _call(self, "seal", request)
+
     def weightsync_commit(self, request: str) -> dict[str, Any]:
         """`{"version"}`: apply the staged update and ack it (LoRA: and say where it is)."""
         return _call(self, "commit", request)
@@ -290,6 +296,12 @@ class WorkerSync:
         return {"digest": self.session.stage_bucket(version=version, index=index, buffer=buffer,
                                                     digest_hex=str(body["digest"]), computed=computed)}
 
+    def seal(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        version = int(body["version"])
+        self.read_at_commit(version)
+        self.session.seal(version, body.get("digests"))
+        return {}
+
     def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         version = int(body["version"])
         update = self.session.open
@@ -317,7 +329,7 @@ class WorkerSync:
         """Stage the open update `version` from its link's version directory, where the
         transport delivers nothing per bucket (disk); every bucket's digest is checked."""
         update, link = self.session.open, self.link
-        if update is None or update.version != version or link is None:
+        if update is None or update.version != version or link is None or update.sealed is not None:
             return
         receiver = self._receiver(link.transport)
         if receiver.reads_at_commit:
