@@ -77,6 +77,15 @@ def assert_serves(engine: ws.SGLangEngine, trainer: torch.nn.Module, version: in
     assert result.token_agreement == 1.0 and result.max_gap < BF16_MAX_GAP, result
 
 
+def push_from_another_trainer(model_dir: Path, url: str, seed: int) -> None:
+    """Other weights, pushed by another trainer to the engine at `url` alone: it no longer
+    serves the version the sparse trainer diffed against."""
+    other = load_trainer(model_dir)
+    perturb(other, seed=seed)
+    with ws.WeightSync([ws.SGLangEngine(url)], transport="http") as intruder:
+        intruder.push(other, version=next_version())
+
+
 def make_sync(engine: Any, transport: str, disk_root: Path, **kw: Any) -> ws.WeightSync:
     return ws.WeightSync([engine], transport=transport, mode="sparse", bucket_bytes=BUCKET_BYTES,
                          disk_root=str(disk_root / "sparse"), timeout_s=TIMEOUT_S, **kw)
@@ -173,10 +182,7 @@ def test_an_engine_no_longer_on_the_base_version_gets_a_full_push(
         sync.push(trainer, version=next_version())
         rl_step(trainer, optimizer, 1e-5, seed=20)
         assert sync.push(trainer, version=next_version()).mode == "sparse"
-        other = load_trainer(model_dir)
-        perturb(other, seed=21)
-        with ws.WeightSync([ws.SGLangEngine(server.url)], transport="http") as intruder:
-            intruder.push(other, version=next_version())
+        push_from_another_trainer(model_dir, server.url, seed=21)
         rl_step(trainer, optimizer, 1e-5, seed=22)
         report = sync.push(trainer, version=(version := next_version()))
         assert report.mode == "full" and report.verified and report.num_tensors == len(cast_digests(trainer))
@@ -245,10 +251,7 @@ def test_sparse_pushes_to_two_replicas_and_a_refusal_by_one_sends_both_whole(
                 assert all(len(ack.tensor_digests) == report.num_tensors for ack in report.acks)
                 for engine in engines:
                     assert_serves(engine, trainer, version)
-            other = load_trainer(model_dir)
-            perturb(other, seed=32)
-            with ws.WeightSync([ws.SGLangEngine(second.url)], transport="http") as intruder:
-                intruder.push(other, version=next_version())
+            push_from_another_trainer(model_dir, second.url, seed=32)
             rl_step(trainer, optimizer, 1e-5, seed=33)
             report = sync.push(trainer, version=(version := next_version()))
             assert report.mode == "full" and report.verified
