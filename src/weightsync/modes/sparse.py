@@ -121,12 +121,12 @@ class SparseMode(ModeDefaults):
         """`select` on the sending rank of a sharded trainer: every rank diffs its rows."""
         module = _module_source(source)
         cast_to = planner.cast_dtype(cast=self.casts)
-        step = {"cast_to": dtype_name(cast_to) if cast_to else None, "sparse": base is not None,
-                "allow_overflow": planner.allow_overflow}
-        planner.share_step({"diff": step})
+        sparse = base is not None
+        planner.share_step({"diff": {"cast_to": dtype_name(cast_to) if cast_to else None, "sparse": sparse,
+                                     "allow_overflow": planner.allow_overflow}})
         shards = self._shards_of(planner.ranks)
         t0 = time.perf_counter()
-        diff = shards.diff(module, cast_to=cast_to, sparse=base is not None, allow_overflow=planner.allow_overflow,
+        diff = shards.diff(module, cast_to=cast_to, sparse=sparse, allow_overflow=planner.allow_overflow,
                            timeout_s=planner.timeout_s)
         planner.stages.diff += time.perf_counter() - t0
         assert diff is not None  # the sender's

@@ -236,7 +236,8 @@ class ShardedSnapshot:
         mine = b"".join(pieces)
         assert len(mine) == sizes[self.ranks.rank]
         buffer = torch.zeros(max(sizes), dtype=torch.uint8)
-        buffer[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else buffer[:0]
+        if mine:
+            buffer[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         parts = [p.cpu().numpy() for p in self.ranks.gather(self._to_comm(buffer), timeout_s=timeout_s)]
         out: dict[str, tuple[np.ndarray[Any, Any], torch.Tensor]] = {}
         if not self.ranks.is_sender:
