@@ -366,9 +366,8 @@ class WeightSync:
             if not paused:
                 self._pause()
                 paused = True
-            if not self._transport.per_bucket_delivery and len(self.engines) > 1:
-                # No round trip reached the engines since begin: find one that cannot commit before any does.
-                self._all(lambda e, link: e.ready(manifest.version, link), "checking its update is still open")
+            if len(self.engines) > 1:  # find an engine that cannot commit before any does
+                self._all(lambda e, link: e.ready(manifest, link), "checking it can commit")
             t0 = time.perf_counter()
             acks = self._all(lambda e, link: e.commit(manifest, link), "commit")
             stages.load = time.perf_counter() - t0

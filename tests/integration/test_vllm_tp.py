@@ -21,6 +21,8 @@ import vllm_fixtures as vf
 
 import weightsync as ws
 from weightsync.engines.vllm import VLLMEngine
+from weightsync.integrity import digest
+from weightsync.server.launch import launch_server
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
@@ -93,3 +95,28 @@ def test_a_rank_that_refuses_at_commit_leaves_every_rank_on_the_last_version(
         vf.assert_parity(engine, served)
         vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
         vf.assert_parity(engine, trainer)
+
+
+def test_a_refusing_rank_fails_the_push_before_another_replica_commits(
+        llm: Any, engine: VLLMEngine, model_dir: Path, tmp_path: Path) -> None:
+    """Two replicas over disk, the TP=2 engine and an embedded one: the round before the
+    commit round seals every vLLM rank, so rank 1's bad read fails the push before the
+    embedded replica commits. Both replicas keep the last version; the next push lands."""
+    trainer = vf.load_trainer(model_dir)
+    with launch_server(model_dir, args=["--disk-root", str(tmp_path)]) as server:
+        embedded = ws.SGLangEngine(server.url)
+        with ws.WeightSync([engine, embedded], transport="disk", disk_root=str(tmp_path)) as sync:
+            vf.perturb(trainer, seed=311)
+            version = max(vf.next_version(engine), int(embedded.weight_version()) + 1)
+            vf.assert_verified(sync.push(trainer, version=version), version)
+            assert llm.collective_rpc("weightsync_test_flip_disk_reads", args=(1,)) == [False, True]
+            try:
+                vf.perturb(trainer, seed=312)
+                with pytest.raises(ws.IntegrityError, match="on rank 1"):
+                    sync.push(trainer, version=version + 1)
+            finally:
+                llm.collective_rpc("weightsync_test_flip_disk_reads", args=(-1,))
+            assert (engine.info()["version"], embedded.weight_version()) == (version, str(version))
+            vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
+        vf.assert_parity(engine, trainer)
+        assert embedded.digests() == {n: digest(p.detach().contiguous()) for n, p in trainer.named_parameters()}

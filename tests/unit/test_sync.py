@@ -110,11 +110,11 @@ class MemoryEngine:
             with self._lock:
                 self._inflight -= 1
 
-    def ready(self, version: int, link: Link) -> None:
+    def ready(self, manifest: Manifest, link: Link) -> None:
         self.calls.append("ready")
         with self._as_engine_errors():
-            if self.session.open is None or self.session.open.version != version:
-                raise ConflictError(f"update v{version} is no longer open")
+            if self.session.open is None or self.session.open.version != manifest.version:
+                raise ConflictError(f"update v{manifest.version} is no longer open")
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self.calls.append("commit")
@@ -191,7 +191,7 @@ def test_push_reaches_every_engine_verified(transport: str, tmp_path: Path) -> N
         assert e.calls[:2] == ["capabilities", "connect"] and "abort" not in e.calls
         # staged engines keep generating while bytes stream: paused only around commit
         between = e.calls[e.calls.index("pause:retract") + 1 : e.calls.index("commit")]
-        assert between == (["ready"] if transport == "disk" else [])  # disk: one round before any commit
+        assert between == ["ready"]  # several replicas: one round before any commit
         assert e.calls[-2:] == ["commit", "resume"] or e.calls[-1] == "disconnect"
 
 
@@ -199,9 +199,9 @@ class RestartedEngine(MemoryEngine):
     """Loses its open update after the bytes are written and before the commit (restarted,
     or its session expired): the engine that would miss the commit."""
 
-    def ready(self, version: int, link: Link) -> None:
-        self.session.abort(version)
-        super().ready(version, link)
+    def ready(self, manifest: Manifest, link: Link) -> None:
+        self.session.abort(manifest.version)
+        super().ready(manifest, link)
 
 
 def test_no_replica_commits_when_one_cannot_over_disk(tmp_path: Path) -> None:

@@ -172,11 +172,12 @@ class Engine(Protocol):
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
         """Take one bucket; the engine verifies its digest before use."""
 
-    def ready(self, version: int, link: Link) -> None:
-        """Raise unless the engine still holds the open update `version`: the round before
-        the commit round when no bucket round trip reached the engines (disk), so that an
-        engine that cannot commit (unreachable, restarted, its session expired) is found
-        before any engine commits."""
+    def ready(self, manifest: Manifest, link: Link) -> None:
+        """Raise unless the engine can still commit `manifest` (its final digests in):
+        the round before the commit round when a push has several replicas, so that an
+        engine that cannot commit (unreachable, restarted, its session expired, and where
+        the engine can check it now, bytes that are not the trainer's) is found before
+        any engine commits. Applies nothing."""
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         """Apply the update, flush caches derived from old weights, ack."""

@@ -234,7 +234,8 @@ class SGLangEngine:
         else:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
 
-    def ready(self, version: int, link: Link) -> None:
+    def ready(self, manifest: Manifest, link: Link) -> None:
+        version = manifest.version
         if not self._is_native(link.timeout_s):  # a stock SGLang holds no session: reachable is all it can say
             self._http.request("GET", "/health", timeout_s=link.timeout_s)
             return

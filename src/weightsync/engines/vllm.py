@@ -235,18 +235,20 @@ class VLLMEngine:
         self._rpc("weightsync_receive", {"version": version, "index": bucket.index, "digest": bucket.digest,
                                          "delivery": delivery.to_dict()}, timeout_s=link.timeout_s)
 
-    def ready(self, version: int, link: Link) -> None:
+    def ready(self, manifest: Manifest, link: Link) -> None:
+        """Every rank still holds the update, then every rank seals it (disk: reads it now;
+        every bucket's bytes the trainer's), so a refusal comes before any replica commits."""
+        version = manifest.version
         for rank, info in enumerate(self._rpc("weightsync_info", {}, timeout_s=link.timeout_s)):
             if info.get("open_version") != version:
                 raise EngineError(self.label, f"update v{version} is no longer open on rank {rank} (open: "
                                   f"{info.get('open_version')}); it expired, was replaced, or the engine restarted")
+        self._seal(manifest, link)
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None
         policy, self._policy = self._policy, PausePolicy.NONE  # a push under "none" calls no pause()
-        # every rank checks before any rank applies: a refusal leaves them all on the last version
-        self._rpc("weightsync_seal", {"version": manifest.version, "digests": [b.digest for b in manifest.buckets]},
-                  timeout_s=link.timeout_s)
+        self._seal(manifest, link)  # every rank checks before any rank applies (again after ready: a no-op)
         results = self._rpc("weightsync_commit", {"version": manifest.version}, timeout_s=link.timeout_s)
         ack = self._combine_acks(results)
         if manifest.is_adapter:
@@ -259,6 +261,11 @@ class VLLMEngine:
             self._reset_prefix_cache(policy, timeout_s=link.timeout_s)
         self._backend.set_weight_version(str(manifest.version), timeout_s=link.timeout_s)
         return ack
+
+    def _seal(self, manifest: Manifest, link: Link) -> None:
+        """Every rank checks everything its commit would, applying nothing (idempotent)."""
+        self._rpc("weightsync_seal", {"version": manifest.version, "digests": [b.digest for b in manifest.buckets]},
+                  timeout_s=link.timeout_s)
 
     def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self._open = None
