@@ -11,6 +11,7 @@ the trainer's exact greedy outputs over broadcast, shm and disk.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +72,16 @@ def test_full_push_to_two_ranks_matches_transformers(engine: VLLMEngine, model_d
 
 
 
+@contextlib.contextmanager
+def rank_1_reads_a_flipped_byte(llm: Any) -> Iterator[None]:
+    """Within the block, rank 1's disk reads flip a byte (`FAULTY_EXTENSION`); rank 0's do not."""
+    assert llm.collective_rpc("weightsync_test_flip_disk_reads", args=(1,)) == [False, True]
+    try:
+        yield
+    finally:
+        llm.collective_rpc("weightsync_test_flip_disk_reads", args=(-1,))
+
+
 def test_a_rank_that_refuses_at_commit_leaves_every_rank_on_the_last_version(
         llm: Any, engine: VLLMEngine, model_dir: Path, tmp_path: Path) -> None:
     """Over disk each rank reads the version directory at commit. Rank 1 reads a flipped
@@ -84,13 +95,9 @@ def test_a_rank_that_refuses_at_commit_leaves_every_rank_on_the_last_version(
         version = vf.next_version(engine)
         vf.assert_verified(sync.push(trainer, version=version), version)
         served = copy.deepcopy(trainer)
-        assert llm.collective_rpc("weightsync_test_flip_disk_reads", args=(1,)) == [False, True]
-        try:
-            vf.perturb(trainer, seed=302)
-            with pytest.raises(ws.IntegrityError, match="on rank 1"):
-                sync.push(trainer, version=version + 1)
-        finally:
-            llm.collective_rpc("weightsync_test_flip_disk_reads", args=(-1,))
+        vf.perturb(trainer, seed=302)
+        with rank_1_reads_a_flipped_byte(llm), pytest.raises(ws.IntegrityError, match="on rank 1"):
+            sync.push(trainer, version=version + 1)
         assert engine.info()["version"] == version
         vf.assert_parity(engine, served)
         vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
@@ -109,13 +116,9 @@ def test_a_refusing_rank_fails_the_push_before_another_replica_commits(
             vf.perturb(trainer, seed=311)
             version = max(vf.next_version(engine), int(embedded.weight_version()) + 1)
             vf.assert_verified(sync.push(trainer, version=version), version)
-            assert llm.collective_rpc("weightsync_test_flip_disk_reads", args=(1,)) == [False, True]
-            try:
-                vf.perturb(trainer, seed=312)
-                with pytest.raises(ws.IntegrityError, match="on rank 1"):
-                    sync.push(trainer, version=version + 1)
-            finally:
-                llm.collective_rpc("weightsync_test_flip_disk_reads", args=(-1,))
+            vf.perturb(trainer, seed=312)
+            with rank_1_reads_a_flipped_byte(llm), pytest.raises(ws.IntegrityError, match="on rank 1"):
+                sync.push(trainer, version=version + 1)
             assert (engine.info()["version"], embedded.weight_version()) == (version, str(version))
             vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
         vf.assert_parity(engine, trainer)
