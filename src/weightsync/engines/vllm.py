@@ -153,6 +153,7 @@ class VLLMEngine:
         self._num_ranks = num_ranks
         self._policy = PausePolicy.NONE
         self._open: tuple[int, Link] | None = None
+        self._sealed: int | None = None  # the version `ready` sealed on every rank
         self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
         self._warned_unreset = False
 
@@ -214,6 +215,7 @@ class VLLMEngine:
         self._backend.resume(timeout_s=self._timeout(timeout_s))
 
     def begin(self, manifest: Manifest, link: Link) -> str | None:
+        self._sealed = None
         allowed = self.lora_transports if manifest.is_adapter else self.transports
         if link.transport not in allowed:
             raise EngineError(self.label, f"transport {link.transport!r} is not supported for mode "
@@ -244,11 +246,14 @@ class VLLMEngine:
                 raise EngineError(self.label, f"update v{version} is no longer open on rank {rank} (open: "
                                   f"{info.get('open_version')}); it expired, was replaced, or the engine restarted")
         self._seal(manifest, link)
+        self._sealed = version
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None
         policy, self._policy = self._policy, PausePolicy.NONE  # a push under "none" calls no pause()
-        self._seal(manifest, link)  # every rank checks before any rank applies (again after ready: a no-op)
+        if self._sealed != manifest.version:  # ready sealed it already with several replicas
+            self._seal(manifest, link)  # every rank checks before any rank applies
+        self._sealed = None
         results = self._rpc("weightsync_commit", {"version": manifest.version}, timeout_s=link.timeout_s)
         ack = self._combine_acks(results)
         if manifest.is_adapter:
@@ -269,6 +274,7 @@ class VLLMEngine:
 
     def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self._open = None
+        self._sealed = None
         self._policy = PausePolicy.NONE
         self._rpc("weightsync_abort", {"version": version, "owner": self._owner},
                   timeout_s=min(CLEANUP_TIMEOUT_S, self._timeout(timeout_s)), margin_s=0.0)

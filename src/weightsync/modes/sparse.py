@@ -40,7 +40,7 @@ from weightsync.bucketing import castable, check_cast
 from weightsync.digests import WSMIX64, digest
 from weightsync.errors import EngineError
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
-from weightsync.modes.sparse_shards import ShardedSnapshot
+from weightsync.modes.sparse_shards import ShardedSnapshot, SnapshotMemory
 from weightsync.sources import ModuleSource, WeightSource
 from weightsync.sparse import encode
 from weightsync.trainer_ranks import TrainerRanks
@@ -68,8 +68,7 @@ class SparseMode(ModeDefaults):
         """hf_name -> the tensor as the engines hold it at `acked_version` (engine dtype)."""
         self._full: tuple[int, Selection] | None = None
         """(version, the whole push of it) of the push under way: what a refusal sends."""
-        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        """(device, dtype) -> a buffer the size of the largest tensor, cast into before comparing."""
+        self._memory = SnapshotMemory(self.options.sparse_snapshot)
         self._shards: ShardedSnapshot | None = None
         """A sharded trainer's: this rank's rows of the snapshot (instead of `snapshot`)."""
 
@@ -157,14 +156,12 @@ class SparseMode(ModeDefaults):
         for hf_name, tensor in source.tensors([m.hf_name for m in source.metas()]):
             tensor = tensor.detach()
             dtype = cast_to if cast_to is not None and castable(tensor.dtype, cast_to) else tensor.dtype
-            new = self._cast(tensor, dtype)
+            new = self._memory.cast(tensor, dtype)
             if dtype != tensor.dtype:
                 check_cast(hf_name, tensor, new, allow_overflow=planner.allow_overflow)
             held = self.snapshot.get(hf_name)
             if held is None or held.shape != new.shape or held.dtype != new.dtype:
-                held = self.snapshot[hf_name] = new.clone()
-                if self.options.sparse_snapshot == "host" and torch.cuda.is_available():
-                    held = self.snapshot[hf_name] = held.pin_memory()
+                held = self.snapshot[hf_name] = self._memory.keep(new)
                 if sparse:
                     out.metas.append(TensorMeta(hf_name=hf_name, dtype=dtype, shape=tuple(new.shape),
                                                 tensor_digest=digest(held, algorithm)))
@@ -184,18 +181,6 @@ class SparseMode(ModeDefaults):
             if encoded.payload is not None:
                 out.payloads[hf_name] = encoded.payload
         return out
-
-    def _cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`tensor` cast to `dtype` into a scratch buffer kept across pushes (on the
-        snapshot's side): a fresh allocation per tensor and push costs more in page
-        faults than the cast itself. Valid until the next call."""
-        device = torch.device("cpu") if self.options.sparse_snapshot == "host" else tensor.device
-        scratch = self._scratch.get((device, dtype))
-        if scratch is None or scratch.numel() < tensor.numel():
-            scratch = self._scratch[(device, dtype)] = torch.empty(tensor.numel(), dtype=dtype, device=device)
-        new = scratch[: tensor.numel()].view(tensor.shape)
-        new.copy_(tensor)
-        return new
 
 
 @dataclass

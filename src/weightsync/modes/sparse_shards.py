@@ -53,6 +53,33 @@ _NO_WORD = -1
 """A word index in the digest table: no shared word."""
 
 
+class SnapshotMemory:
+    """Where a snapshot lives ("trainer": each tensor's device; "host": CPU memory, pinned
+    when CUDA is present), and the scratch buffers casts go into before comparing."""
+
+    def __init__(self, place: str) -> None:
+        self.place = place
+        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        """(device, dtype) -> a buffer the size of the largest tensor cast so far."""
+
+    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`tensor` cast to `dtype` into a scratch buffer kept across pushes, on the
+        snapshot's side: a fresh allocation per tensor and push costs more in page faults
+        than the cast itself. Valid until the next call."""
+        device = torch.device("cpu") if self.place == "host" else tensor.device
+        scratch = self._scratch.get((device, dtype))
+        if scratch is None or scratch.numel() < tensor.numel():
+            scratch = self._scratch[(device, dtype)] = torch.empty(tensor.numel(), dtype=dtype, device=device)
+        new = scratch[: tensor.numel()].view(tensor.shape)
+        new.copy_(tensor)
+        return new
+
+    def keep(self, new: torch.Tensor) -> torch.Tensor:
+        """A copy of `new` to hold as the snapshot."""
+        held = new.clone()
+        return held.pin_memory() if self.place == "host" and torch.cuda.is_available() else held
+
+
 @dataclass
 class ShardedDiff:
     """One push's comparison, on the sender: what to send."""
@@ -87,13 +114,11 @@ class ShardedSnapshot:
 
     def __init__(self, ranks: TrainerRanks, place: str) -> None:
         self.ranks = ranks
-        self.place = place
-        """"trainer" (each shard's device) or "host" (CPU memory)."""
         self.rows: dict[str, torch.Tensor] = {}
         """hf_name -> this rank's rows of the tensor as the engines hold it (flat); plain
         tensors only on the sender, whole."""
         self._plan: _Plan | None = None
-        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.memory = SnapshotMemory(place)
 
     def diff(self, source: ModuleSource, *, cast_to: torch.dtype | None, sparse: bool, allow_overflow: bool,
              timeout_s: float) -> ShardedDiff | None:
@@ -112,7 +137,7 @@ class ShardedSnapshot:
                 rows = param if ranks.is_sender else param.new_empty(0)
             dtype = cast_to if cast_to is not None and castable(rows.dtype, cast_to) else rows.dtype
             dtypes.append(dtype)
-            new = self._cast(rows, dtype)
+            new = self.memory.cast(rows, dtype).view(-1)
             if dtype != rows.dtype and rows.numel():
                 try:
                     check_cast(meta.hf_name, rows.reshape(-1), new, allow_overflow=allow_overflow)
@@ -122,7 +147,7 @@ class ShardedSnapshot:
             table[i, _NUMEL] = new.numel()
             held = self.rows.get(meta.hf_name)
             if held is None or held.shape != new.shape or held.dtype != new.dtype:
-                self.rows[meta.hf_name] = self._keep(new)
+                self.rows[meta.hf_name] = self.memory.keep(new)
                 table[i, _FRESH] = 1
             elif sparse:
                 found = Changes(new, held)
@@ -257,23 +282,6 @@ class ShardedSnapshot:
                                   torch.from_numpy(np.concatenate(value_bytes).copy()).view(INT_OF_SIZE[item]))
         return out
 
-    # -- memory --------------------------------------------------------------
-
-    def _cast(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`rows` flat, cast to `dtype` into a scratch buffer kept across pushes. Valid
-        until the next call."""
-        device = torch.device("cpu") if self.place == "host" else rows.device
-        scratch = self._scratch.get((device, dtype))
-        if scratch is None or scratch.numel() < rows.numel():
-            scratch = self._scratch[(device, dtype)] = torch.empty(rows.numel(), dtype=dtype, device=device)
-        new = scratch[: rows.numel()]
-        new.copy_(rows.reshape(-1))
-        return new
-
-    def _keep(self, new: torch.Tensor) -> torch.Tensor:
-        held = new.clone()
-        return held.pin_memory() if self.place == "host" and torch.cuda.is_available() else held
-
     def _to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` where the group's backend takes it: CUDA for NCCL, else the CPU."""
         group = self.ranks.group
@@ -322,4 +330,4 @@ def _part(row: np.ndarray[Any, Any]) -> Wsmix64Part:
     return Wsmix64Part(total=int(row[0]) & MASK64, edges=edges)
 
 
-__all__ = ["ShardedDiff", "ShardedSnapshot"]
+__all__ = ["ShardedDiff", "ShardedSnapshot", "SnapshotMemory"]
