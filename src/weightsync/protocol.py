@@ -170,6 +170,24 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RollbackRequest:
+    """Undo the commit of `version` (the weights, version and adapters served before it are
+    served again), while no update began since; a no-op where `version` is not served."""
+
+    ROUTE: ClassVar[str] = "/weightsync/rollback"
+    version: int
+    owner: str | None = None
+    """The trainer that committed it; another trainer's commit is not undone."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "owner": self.owner}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> RollbackRequest:
+        return cls(version=_int(body, "version"), owner=_opt_str(body, "owner"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class DigestsRequest:
     """Digests of the served weights (all of them, or the named ones)."""
 
@@ -189,7 +207,8 @@ class DigestsRequest:
         return cls(names=tuple(names))
 
 
-WeightsyncRequest = BeginRequest | ReceiveRequest | ShmBucketRequest | CommitRequest | AbortRequest | DigestsRequest
+WeightsyncRequest = (BeginRequest | ReceiveRequest | ShmBucketRequest | CommitRequest | AbortRequest | RollbackRequest
+                     | DigestsRequest)
 """Any request of weightsync's own POST routes: `ROUTE` and `to_json()`."""
 
 INFO_ROUTE = "/weightsync/info"

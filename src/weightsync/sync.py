@@ -50,6 +50,7 @@ from weightsync.engines.base import (
     EngineCapabilities,
     Link,
     PausePolicy,
+    Rollbacker,
 )
 from weightsync.errors import (
     CastError,
@@ -245,8 +246,10 @@ class WeightSync:
             return self._follow(model)
         try:
             report = self._push(self._mode, model, version)
-        except WeightSyncError as e:
-            self._tell_followers({"error": f"{type(e).__name__}: {e}"})
+        except BaseException as e:
+            self._mode.failed(version)
+            if isinstance(e, WeightSyncError):
+                self._tell_followers({"error": f"{type(e).__name__}: {e}"})
             raise
         self._tell_followers({"report": report.to_dict()})
         return report
@@ -282,7 +285,7 @@ class WeightSync:
             except _Refused:
                 continue  # the mode chose again (delta: the whole model)
             break
-        verified, notes = self._verify(manifest, acks)
+        verified, notes = self._verify(acks)
         notes = begin_notes + notes
         metas = plan.selection.metas
         entries = list(manifest.entries())
@@ -335,8 +338,7 @@ class WeightSync:
                              leased_buckets=len(manifest.buckets) if adopting else 0)
         paused = False
         stage_all = all(c.stages_updates for c in self._capabilities())
-        begun = False
-        failed = False
+        begun = committing = failed = False
         try:
             if not stage_all:
                 self._pause()
@@ -369,7 +371,8 @@ class WeightSync:
             if len(self.engines) > 1:  # find an engine that cannot commit before any does
                 self._all(lambda e, link: e.ready(manifest, link), "checking it can commit")
             t0 = time.perf_counter()
-            acks = self._all(lambda e, link: e.commit(manifest, link), "commit")
+            committing = True
+            acks = self._commit_round(manifest)
             stages.load = time.perf_counter() - t0
             self._transport.committed(acks)
             begun = False
@@ -377,7 +380,7 @@ class WeightSync:
             raise
         except BaseException as e:
             failed = True
-            self._fail(version, begun, e)
+            self._fail(version, begun, e, committing=committing)
             raise
         finally:
             if paused:
@@ -515,22 +518,79 @@ class WeightSync:
         if self.config.pause is not PausePolicy.NONE:
             self._cleanup(lambda e, _: e.resume(timeout_s=timeout_s), "resuming generation", timeout_s=timeout_s)
 
-    def _fail(self, version: int, begun: bool, error: BaseException) -> None:
-        """Leave every engine on its last good version after `error`."""
+    def _commit_round(self, manifest: Manifest) -> list[Ack]:
+        """Commit on every engine and check every ack against what was sent. Engines that
+        can undo a commit (`EngineCapabilities.rolls_back`) commit first, all at once; the
+        others only once every one of those acked what was sent. On a failure the caller
+        rolls back the engines that committed, so a push is all or nothing across replicas
+        when at most one engine cannot undo its commit."""
+        undoable = [c.rolls_back and isinstance(e, Rollbacker)
+                    for e, c in zip(self.engines, self._capabilities(), strict=True)]
+        acks: dict[int, Ack] = {}
+        for first in (True, False):
+            among = [i for i, u in enumerate(undoable) if u is first]
+            if not among:
+                continue
+            # every answer is awaited: a rollback must not overtake a commit still under way
+            acks.update(zip(among, self._all(lambda e, link: e.commit(manifest, link), "commit",
+                                             among=among, settle=True), strict=True))
+            problems = [p for i in among for p in _ack_problems(manifest, acks[i])]
+            if problems:
+                raise IntegrityError("engines acked something other than what was sent: " + "; ".join(problems))
+        return [acks[i] for i in range(len(self.engines))]
+
+    def _roll_back(self, version: int, error: BaseException) -> None:
+        """After a failed commit round: undo `version` on every engine that committed it and
+        can (a no-op where it did not commit); says what it did in a note on `error`."""
+        cleanup_s = self.config.cleanup_timeout_s
+        undoable = [e for e, c in zip(self.engines, self._caps or (), strict=False)
+                    if c.rolls_back and isinstance(e, Rollbacker)]
+        futures = [(e, self._pool.submit(e.rollback, version, timeout_s=cleanup_s)) for e in undoable]
+        undone = []
+        for engine, future in futures:
+            try:
+                if self._wait(future, f"{engine.label}: rollback of v{version}", timeout_s=cleanup_s):
+                    undone.append(engine.label)
+            except WeightSyncError as e:
+                log.warning("%s", e)
+                error.add_note(f"{engine.label} was not rolled back (if its commit landed, it serves v{version}): {e}")
+        if undone:
+            log.warning("v%d rolled back on %s", version, ", ".join(undone))
+            error.add_note(f"v{version} had committed on {', '.join(undone)}: rolled back to the last version")
+
+    def _fail(self, version: int, begun: bool, error: BaseException, *, committing: bool = False) -> None:
+        """Leave every engine on its last good version after `error`; `committing`: it came in
+        the commit round, so some engines may have committed."""
         log.warning("push of v%d failed: %s", version, error)
         if begun:
             cleanup_s = self.config.cleanup_timeout_s
             self._cleanup(lambda e, _: e.abort(version, timeout_s=cleanup_s), f"abort of v{version}")
+        if committing:
+            self._roll_back(version, error)
         if self._transport is not None:
             self._transport.discard(version)
         if not self._make_transport().survives_failure or isinstance(error, SyncTimeoutError):
             self._end_session()
 
-    def _all(self, call: Callable[[Any, Link | None], T], what: str) -> list[T]:
-        """`call(engine, link)` on every engine at once; the first error wins."""
+    def _all(self, call: Callable[[Any, Link | None], T], what: str, *, among: Sequence[int] | None = None,
+             settle: bool = False) -> list[T]:
+        """`call(engine, link)` on every engine (those at the indices `among`) at once; the
+        first error wins, raised at once or, with `settle`, once every call answered."""
         links: Sequence[Link | None] = self._links or [None] * len(self.engines)
-        futures = [self._pool.submit(call, e, link) for e, link in zip(self.engines, links, strict=True)]
-        return [self._wait(f, f"{e.label}: {what}") for e, f in zip(self.engines, futures, strict=True)]
+        chosen = range(len(self.engines)) if among is None else among
+        futures = [(self.engines[i], self._pool.submit(call, self.engines[i], links[i])) for i in chosen]
+        results: list[T] = []
+        first: BaseException | None = None
+        for engine, future in futures:
+            try:
+                results.append(self._wait(future, f"{engine.label}: {what}"))
+            except BaseException as e:
+                if not settle:
+                    raise
+                first = first or e
+        if first is not None:
+            raise first
+        return results
 
     def _cleanup(self, call: Callable[[Any, int], object], what: str, *, timeout_s: float | None = None) -> None:
         """`call(engine, index)` on every engine at once after a failure, each bounded by
@@ -552,18 +612,11 @@ class WeightSync:
         except FutureTimeout:
             raise SyncTimeoutError(f"{what}: no answer within {timeout_s:.0f}s") from None
 
-    def _verify(self, manifest: Manifest, acks: Sequence[Ack]) -> tuple[bool, list[str]]:
-        notes: list[str] = []
-        verified = True
-        for ack in acks:
-            if all(d is None for d in ack.digests) and ack.digests:
-                verified = False
-                notes.append(f"{ack.engine}: the engine reports no digests (stock SGLang); update not digest-verified")
-                continue
-            problems = ack_problems(manifest, ack)
-            if problems:
-                raise IntegrityError("engines acked something other than what was sent: " + "; ".join(problems))
-        return verified, notes
+    def _verify(self, acks: Sequence[Ack]) -> tuple[bool, list[str]]:
+        """Whether every ack was digest-checked (in the commit round), and notes on those that were not."""
+        unchecked = [a.engine for a in acks if _unverified(a)]
+        notes = [f"{e}: the engine reports no digests (stock SGLang); update not digest-verified" for e in unchecked]
+        return not unchecked, notes
 
     # -- what modes ask ------------------------------------------------------
 
@@ -722,3 +775,13 @@ class _Planner:
 def _sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     """What a tensor of `dtype` travels as: `cast_to` if both are floating (bucketing.castable)."""
     return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
+
+
+def _unverified(ack: Ack) -> bool:
+    """A stock SGLang's ack: it reports no digests, so nothing in it can be checked."""
+    return bool(ack.digests) and all(d is None for d in ack.digests)
+
+
+def _ack_problems(manifest: Manifest, ack: Ack) -> list[str]:
+    """How `ack` differs from what was sent (`integrity.ack_problems`); none for an unverified ack."""
+    return [] if _unverified(ack) else ack_problems(manifest, ack)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -24,6 +25,7 @@ from weightsync.transports.base import typed
 from weightsync.transports.shm import ShmLink, ShmTransport
 from weightsync.types import Ack, BucketMeta, Manifest
 from weightsync_tools.faults import faulty
+from weightsync_tools.faults.inject import fail_in_commit_round
 
 BUCKET_BYTES = 64 << 10  # a dozen buckets for the tiny model
 
@@ -106,6 +108,37 @@ def test_a_failed_push_leaves_the_served_slots_alone_and_the_next_push_lands(
     [old] = first.acks[0].held_slots
     [new] = third.acks[0].held_slots
     assert new != old  # the failed push's slots might have been held: a fresh segment, no guessing
+    for engine in engines:
+        assert engine.digests() == _as_served(after)
+    sync.close()
+
+
+def test_a_replica_that_cannot_commit_rolls_the_other_back_onto_its_slots(
+        servers: list[ServerProcess], tiny_model_dir: Path) -> None:
+    """Replica 1 commits v+1 out of fresh slots; replica 0's update is then dropped (its
+    session gone: a restart, an expiry) before its commit goes out, so the push fails and
+    replica 1 rolls back: it serves v again from the slots it held, bit for bit, and the
+    next push, which writes none of them, lands on both."""
+    engines = [ws.SGLangEngine(s.url) for s in servers]
+    version = max(int(e.weight_version()) for e in engines) + 1
+    sync = ws.WeightSync(engines, transport="shm", bucket_bytes=BUCKET_BYTES)
+    good = _trainer(tiny_model_dir, seed=20)
+    first = sync.push(good, version=version)
+    assert first.verified and first.acks[0].held_slots
+
+    def drop_update() -> None:
+        httpx.post(f"{servers[0].url}/weightsync/abort", json={"version": version + 1}).raise_for_status()
+
+    sync.engines = fail_in_commit_round(engines, 0, 1, drop_update)
+    with pytest.raises(EngineError, match="no update session is open") as info:
+        sync.push(_trainer(tiny_model_dir, seed=21), version=version + 1)
+    assert any("rolled back to the last version" in note for note in info.value.__notes__)
+    sync.engines = engines
+    for engine in engines:
+        assert engine.weight_version() == str(version)
+        assert engine.digests() == _as_served(good)
+    after = _trainer(tiny_model_dir, seed=22)
+    assert sync.push(after, version=version + 2).verified
     for engine in engines:
         assert engine.digests() == _as_served(after)
     sync.close()

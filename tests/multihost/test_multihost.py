@@ -14,6 +14,11 @@ engine is killed. The push fails within its timeout, the other replica keeps its
 last good version (every engine must answer the pause before any commits, and a
 failure before the commit aborts the update on all of them), and the next push
 succeeds once the link or the engine is back.
+
+In the commit round (a hook too: the engine host dies after the other replica
+committed and before its own commit goes out), the push fails and the replica that
+committed is rolled back: it serves its last version again, bit for bit, under its
+last version label, with no adapter of the failed push loaded.
 """
 
 from __future__ import annotations
@@ -169,4 +174,26 @@ def test_engine_host_killed_mid_push(transport: str, trainer: Trainer, engines: 
     following = next(_versions)
     assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode="full", version=following,
                                        timeout_s=FAULT_TIMEOUT_S), following)
+    trainer.call("close", sync=sync)
+
+
+@pytest.mark.parametrize(("transport", "mode"), [("broadcast", "full"), ("http", "delta"), ("disk", "lora")])
+def test_engine_host_lost_in_the_commit_round(transport: str, mode: str, trainer: Trainer, engines: Engines) -> None:
+    sync = f"{transport}-{mode}-commit"
+    good = next(_versions)
+    assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode=mode, version=good,
+                                       timeout_s=FAULT_TIMEOUT_S), good, lora=mode == "lora")
+    before = trainer.call("serving", engines=[1])
+    bad = next(_versions)
+    failed = trainer.call("push", sync=sync, transport=transport, mode=mode, version=bad,
+                          timeout_s=FAULT_TIMEOUT_S, fault={"in_commit": 0, "kill": engines.pid(0)})
+    assert not failed["ok"], "a push whose replica is lost in the commit round fails"
+    assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed
+    after = trainer.call("serving", engines=[1])
+    assert after == before, "the replica that committed was rolled back to its last version"
+    assert after["versions"] == [str(good)], after
+    engines.restart(0)
+    following = next(_versions)
+    assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode=mode, version=following,
+                                       timeout_s=FAULT_TIMEOUT_S), following, lora=mode == "lora")
     trainer.call("close", sync=sync)

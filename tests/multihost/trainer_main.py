@@ -7,14 +7,16 @@ It reads one JSON command per line on stdin and answers one JSON line on stdout
 while this process keeps its `WeightSync`s between them:
 
     {"op": "push", "sync": "b", "transport": "broadcast", "mode": "full", "version": 3,
-     "fault": {"at_bucket": 1, "run": [argv...]} | {"at_bucket": 1, "kill": pid}}
+     "fault": {"at_bucket": 1, "run": [argv...]} | {"at_bucket": 1, "kill": pid}
+              | {"in_commit": 0, "kill": pid}}
     {"op": "serving", "engines": [0, 1]}    which pushed version each engine serves, by digests
     {"op": "build", "engine": 1, "transport": "shm", "options": {}}   construct a sync; its refusal
     {"op": "close", "sync": "b"}
 
 Only the faults are injected (`FaultyTransport`'s "call" fault runs a command, e.g. a link cut, or
-kills an engine, once, just before bucket `at_bucket` goes out); the rest is the
-public API against real servers on other "hosts".
+kills an engine, once, just before bucket `at_bucket` goes out; "in_commit": N runs it in the commit
+round, just before engine N's commit goes out and after the other engine committed); the rest is
+the public API against real servers on other "hosts".
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -37,7 +40,7 @@ import weightsync as ws
 from weightsync.integrity import digest
 from weightsync.server.launch import wait_for_health
 from weightsync.transports import make_transport
-from weightsync_tools.faults.inject import FaultyTransport
+from weightsync_tools.faults.inject import FaultyTransport, fail_in_commit_round
 
 PROMPTS = [[5, 17, 42, 7], [300, 2, 99], [11, 12, 13, 14]]
 BUCKET_BYTES = 256 << 10
@@ -92,6 +95,7 @@ class Trainer:
     def _sync(self, cmd: dict[str, Any]) -> ws.WeightSync:
         name = cmd["sync"]
         if name in self.syncs and "fault" not in cmd:
+            self.syncs[name].engines = list(self.engines)
             return self.syncs[name]
         if name in self.syncs:
             sync = self.syncs[name]
@@ -104,7 +108,11 @@ class Trainer:
                                  timeout_s=cmd.get("timeout_s", 30.0), pause=cmd.get("pause", "retract"))
             self.syncs[name] = sync
         fault = cmd.get("fault")
-        if fault is not None:
+        sync.engines = list(self.engines)
+        if fault is not None and "in_commit" in fault:
+            victim = int(fault["in_commit"])
+            sync.engines = fail_in_commit_round(self.engines, victim, 1 - victim, _action(fault))
+        elif fault is not None:
             inner = transport.inner if isinstance(transport, FaultyTransport) else transport
             sync._transport = FaultyTransport(inner, "call", at_bucket=fault["at_bucket"],  # type: ignore[assignment]
                                               on_fire=_action(fault))
@@ -130,7 +138,9 @@ class Trainer:
 
     def serving(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "serves": [_match(self.engines[i].digests(), self.known) for i in cmd["engines"]],
-                "versions": [self.engines[i].weight_version() for i in cmd["engines"]]}
+                "versions": [self.engines[i].weight_version() for i in cmd["engines"]],
+                "adapters": [httpx.get(f"{self.spec['engines'][i]}/weightsync/info").json()["loaded_loras"]
+                             for i in cmd["engines"]]}
 
     def build(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Construct (and close) a sync to one engine with these options; its refusal."""

@@ -42,8 +42,12 @@ class MemoryEngine:
     transports: ClassVar[frozenset[str]] = frozenset({"http", "shm", "disk"})
     lora_transports: ClassVar[frozenset[str]] = frozenset({"http"})
 
-    def __init__(self, weights: dict[str, torch.Tensor], label: str = "memory") -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], label: str = "memory", *, rolls_back: bool = False) -> None:
         self.label = label
+        self.rolls_back = rolls_back
+        self.previous: tuple[dict[str, torch.Tensor], int] | None = None
+        """What the last commit replaced, while it can be rolled back."""
+        self.fail_commit = False
         self.weights = {k: v.clone() for k, v in weights.items()}
         self.version = 0
         self.session = UpdateSession(self, engine=label)
@@ -64,7 +68,7 @@ class MemoryEngine:
 
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
         self.calls.append("capabilities")
-        return EngineCapabilities(stages_updates=True)
+        return EngineCapabilities(stages_updates=True, rolls_back=self.rolls_back)
 
     def connect(self, link: Link) -> None:
         self.calls.append("connect")
@@ -118,6 +122,8 @@ class MemoryEngine:
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self.calls.append("commit")
+        if self.fail_commit:
+            raise EngineError(self.label, "injected failure at commit", status=None)
         with self._as_engine_errors():
             if link.transport == "disk":
                 _, buckets = read_version(Path(link.version_dir(manifest.version)))
@@ -131,6 +137,14 @@ class MemoryEngine:
     def abort(self, version: int, *, timeout_s: float | None = None) -> None:
         self.calls.append("abort")
         self.session.abort(version)
+
+    def rollback(self, version: int, *, timeout_s: float | None = None) -> bool:
+        self.calls.append("rollback")
+        assert self.rolls_back, "the coordinator rolls back only engines that declare it"
+        if self.previous is None or self.version != version:
+            return False
+        (self.weights, self.version), self.previous = self.previous, None
+        return True
 
     @contextmanager
     def _as_engine_errors(self) -> Iterator[None]:
@@ -152,6 +166,7 @@ class MemoryEngine:
         raise ConflictError(f"{self.label} holds no adapters")
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
+        self.previous = dict(self.weights), self.version
         self.weights.update(update.tensors)
         self.version = update.version
         return list(update.tensors)
@@ -296,6 +311,69 @@ def test_a_wrong_ack_is_an_integrity_error() -> None:
     engine.corrupt_ack = True
     with ws.WeightSync([engine], transport="http") as sync, pytest.raises(IntegrityError, match="digest mismatch"):
         sync.push(model, version=1)
+
+
+def _moved(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    return model
+
+
+@pytest.mark.parametrize("transport", ["http", "shm", "disk"])
+def test_a_replica_that_fails_its_commit_rolls_back_the_ones_that_committed(transport: str, tmp_path: Path) -> None:
+    """All or nothing across replicas: b fails in the commit round after a committed (its
+    commit waited for a's), so a is rolled back to v1; the error says so, and v3 lands on both."""
+    model = tiny()
+    a, b = engine_for(model, label="a", rolls_back=True), engine_for(model, label="b", rolls_back=True)
+    a_committed = threading.Event()
+    a_commit, b_commit = a.commit, b.commit
+    a.commit = lambda m, link: (a_commit(m, link), a_committed.set())[0]  # type: ignore[method-assign]
+    b.commit = lambda m, link: (a_committed.wait(10), b_commit(m, link))[1]  # type: ignore[method-assign]
+    with ws.WeightSync([a, b], transport=transport, bucket_bytes=600, disk_root=str(tmp_path)) as sync:
+        sync.push(model, version=1)
+        v1 = dict(a.weights)
+        b.fail_commit = True
+        with pytest.raises(EngineError, match="injected failure at commit") as info:
+            sync.push(_moved(model), version=2)
+        assert info.value.__notes__ == ["v2 had committed on a: rolled back to the last version"]
+        assert a.version == b.version == 1 and a.weights.keys() == v1.keys()
+        assert all(torch.equal(a.weights[k], v1[k]) for k in v1), "a serves v1 again, bit for bit"
+        assert a.calls[-3:] == ["abort", "rollback", "resume"]
+        b.fail_commit = False
+        assert sync.push(model, version=3).verified
+    assert same(model, a) and same(model, b) and a.version == b.version == 3
+
+
+def test_a_wrong_ack_rolls_the_commit_back() -> None:
+    """The acks are checked in the commit round: an engine that acked other digests serves its last version."""
+    model = tiny()
+    engine = engine_for(model, rolls_back=True)
+    with ws.WeightSync([engine], transport="http") as sync:
+        sync.push(model, version=1)
+        v1 = dict(engine.weights)
+        engine.corrupt_ack = True
+        with pytest.raises(IntegrityError, match="digest mismatch"):
+            sync.push(_moved(model), version=2)
+    assert engine.version == 1 and all(torch.equal(engine.weights[k], v) for k, v in v1.items())
+
+
+@pytest.mark.parametrize("failing", ["undoable", "final"])
+def test_an_engine_that_cannot_roll_back_commits_last(failing: str) -> None:
+    """With one engine that cannot undo a commit, it commits only after every other engine
+    acked; its failure rolls the others back, and theirs means it never commits."""
+    model = tiny()
+    undoable, final = engine_for(model, label="u", rolls_back=True), engine_for(model, label="f")
+    with ws.WeightSync([final, undoable], transport="http", bucket_bytes=600) as sync:
+        sync.push(model, version=1)
+        assert final.calls.count("commit") == undoable.calls.count("commit") == 1
+        (undoable if failing == "undoable" else final).fail_commit = True
+        with pytest.raises(EngineError, match="injected failure at commit"):
+            sync.push(_moved(model), version=2)
+    assert final.calls.count("commit") == (1 if failing == "undoable" else 2)
+    assert undoable.calls.count("rollback") == 1
+    assert undoable.version == final.version == 1
+    assert "rollback" not in final.calls
 
 
 def test_delta_sends_only_changed_tensors_and_falls_back_after_restart() -> None:

@@ -94,6 +94,10 @@ class EngineCapabilities:
     unloads_adapters: bool = False
     """The engine unloads LoRA adapters by name (`AdapterUnloader`); "lora" pushes
     retire old versions through it."""
+    rolls_back: bool = False
+    """The engine can undo its last commit until its next update begins (`Rollbacker`): the
+    coordinator commits these engines first and rolls them back when another engine does
+    not commit, so a push to several replicas is all or nothing."""
     transports: frozenset[str] = frozenset()
     """Transports the engine takes full, delta and merged updates over, as it reports
     them now (a stock SGLang: fewer than its client's `Engine.transports`)."""
@@ -111,7 +115,7 @@ class EngineCapabilities:
             "stages_updates": self.stages_updates, "pauses_at_commit": self.pauses_at_commit,
             "supports_delta": self.supports_delta, "supports_sparse": self.supports_sparse,
             "adopts_shm": self.adopts_shm, "reads_digests": self.reads_digests,
-            "unloads_adapters": self.unloads_adapters,
+            "unloads_adapters": self.unloads_adapters, "rolls_back": self.rolls_back,
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
             **({"fused_groups": [list(g) for g in self.fused_groups]} if self.fused_groups else {}),
         }
@@ -129,6 +133,7 @@ class EngineCapabilities:
             adopts_shm=bool(d.get("adopts_shm", False)),
             reads_digests=bool(d.get("reads_digests", False)),
             unloads_adapters=bool(d.get("unloads_adapters", False)),
+            rolls_back=bool(d.get("rolls_back", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),
             fused_groups=tuple(tuple(str(n) for n in g) for g in d.get("fused_groups") or ()),
         )
@@ -192,6 +197,16 @@ class DigestReader(Protocol):
 
     def digests(self, hf_names: Sequence[str] | None = None, *, timeout_s: float | None = None) -> dict[str, str]:
         """hf_name -> xxh3 digest of the served tensor."""
+
+
+@runtime_checkable
+class Rollbacker(Protocol):
+    """An engine that undoes its last commit (`rolls_back`)."""
+
+    def rollback(self, version: int, *, timeout_s: float | None = None) -> bool:
+        """Serve again what was served before this trainer's commit of `version`, while no
+        update began since; True if undone, False where `version` is not served (never
+        committed). Raises where it is served and cannot be undone."""
 
 
 @runtime_checkable

@@ -44,6 +44,7 @@ from weightsync.protocol import (
     CommitRequest,
     DigestsRequest,
     ReceiveRequest,
+    RollbackRequest,
     WeightsyncRequest,
 )
 from weightsync.transports import TRANSPORTS, receiver_class
@@ -235,6 +236,9 @@ class SGLangEngine:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
 
     def ready(self, manifest: Manifest, link: Link) -> None:
+        """Also holds generation from here to the end of the push where the commit would
+        have paused it alone: with several replicas no request may run on a commit that
+        is then rolled back."""
         version = manifest.version
         if not self._is_native(link.timeout_s):  # a stock SGLang holds no session: reachable is all it can say
             self._http.request("GET", "/health", timeout_s=link.timeout_s)
@@ -243,6 +247,9 @@ class SGLangEngine:
         if session.get("kind") != "weightsync" or session.get("version") != version:
             raise EngineError(self.label, f"update v{version} is no longer open on this engine (its open "
                               f"session: {session or None}); it expired, was replaced, or the engine restarted")
+        mode, self._pause_at_commit = self._pause_at_commit, None
+        if mode is not None:
+            self._http.post("/pause_generation", {"mode": mode}, timeout_s=link.timeout_s)
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None
@@ -277,6 +284,13 @@ class SGLangEngine:
             self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=cleanup_s)
         if errors:
             raise errors[0]
+
+    def rollback(self, version: int, *, timeout_s: float | None = None) -> bool:
+        """Undo this trainer's commit of `version` (weightsync serve only; see `Rollbacker`)."""
+        timeout_s = self._cleanup_timeout_s(timeout_s)
+        self._require_native("rolling back a commit", timeout_s)
+        body = self._send(RollbackRequest(version=version, owner=self._owner), timeout_s)
+        return bool(body.get("rolled_back"))
 
     def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
         """Unload an adapter; SGLang waits for requests still using it. Raises

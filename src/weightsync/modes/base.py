@@ -162,6 +162,11 @@ class PushMode(Protocol):
         """Every engine acked `version`."""
         ...
 
+    def failed(self, version: int) -> None:
+        """The push of `version` failed: no engine serves it, and an engine may have been
+        restarted since the last push (serving its checkpoint's weights again)."""
+        ...
+
     def close(self, planner: Planner) -> None:
         """The `WeightSync` closes."""
         ...
@@ -202,6 +207,9 @@ class ModeDefaults:
         return False
 
     def committed(self, selection: Selection, version: int, planner: Planner) -> None:
+        return None
+
+    def failed(self, version: int) -> None:
         return None
 
     def close(self, planner: Planner) -> None:

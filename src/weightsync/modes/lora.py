@@ -1,8 +1,9 @@
 """mode="lora": only the adapter, loaded on the engines under a versioned name.
 
-The first push checks that every engine that reports digests serves the
-trainer's base weights, and pushes them (as a full update of the same version)
-where one does not; later pushes send the adapter tensors alone, uncast (engines
+The first push, and the first after a failed one (an engine may have been
+restarted from its checkpoint), checks that every engine that reports digests
+serves the trainer's base weights, and pushes them (as a full update of the same
+version) where one does not; later pushes send the adapter tensors alone, uncast (engines
 cast adapters themselves) unless a dtype is forced.
 
 "lora" pushes load each adapter version under a name of its own (`policy-v7`),
@@ -161,6 +162,9 @@ class LoraMode(ModeDefaults):
             return
         log.info("engine base weights differ from the trainer's: syncing them before the adapter")
         planner.push(base, model, version)
+
+    def failed(self, version: int) -> None:
+        self._base_checked = False
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
         config = source.config() if isinstance(source, AdapterSource) else None

@@ -33,6 +33,7 @@ Pure bookkeeping: names in, a verdict out; the caller holds the lock.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -53,6 +54,15 @@ class PartialUpdate:
     @property
     def label(self) -> str | None:
         return self.labels[-1] if self.labels else None
+
+
+@dataclass(frozen=True)
+class CoverageState:
+    """A `Coverage` as it was (`Coverage.saved`)."""
+
+    partial: PartialUpdate | None
+    torn: str | None
+    refusal: str | None
 
 
 class Coverage:
@@ -103,6 +113,15 @@ class Coverage:
             if label is not None and label != partial.label:
                 return
             self.torn = reason
+
+    def saved(self) -> CoverageState:
+        """The state now, for `restore` (a rolled-back commit)."""
+        with self._lock:
+            return CoverageState(copy.deepcopy(self.partial), self.torn, self._session_refusal)
+
+    def restore(self, state: CoverageState) -> None:
+        with self._lock:
+            self.partial, self.torn, self._session_refusal = copy.deepcopy(state.partial), state.torn, state.refusal
 
     def released(self) -> None:
         """The parameters were released: nothing is served until every one is rewritten."""

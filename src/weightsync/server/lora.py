@@ -263,8 +263,8 @@ class LoraStore:
             adapter = self._adapters.get(name)
             return adapter is not None and not adapter.retiring
 
-    def add(self, adapter: Adapter, *, pinned: bool = False) -> list[str]:
-        """Load `adapter`, evicting least recently used ones beyond the limit; returns evicted names."""
+    def add(self, adapter: Adapter, *, pinned: bool = False) -> list[Adapter]:
+        """Load `adapter`, evicting least recently used ones beyond the limit; returns those evicted."""
         with self._cond:
             if adapter.name in self._adapters:
                 raise ConflictError(f"LoRA adapter {adapter.name!r} is already loaded; unload it first")
@@ -278,7 +278,7 @@ class LoraStore:
                         f"(limit {self.max_loaded}) are pinned or in use; unload one"
                     )
                 del self._adapters[victim.name]
-                evicted.append(victim.name)
+                evicted.append(victim)
                 log.info("evicted LoRA adapter %s (least recently used)", victim.name)
             adapter.pinned = pinned
             self._adapters[adapter.name] = adapter

@@ -143,7 +143,7 @@ def _install(state: ServerState, name: str, config: dict[str, Any], tensors: dic
 
         raise ConflictError(f"LoRA adapter {name!r} is already loaded; unload it first")
     adapter = lora.build_adapter(state.runner.model, name, config, tensors)
-    return state.lora_store.add(adapter, pinned=pinned)
+    return [a.name for a in state.lora_store.add(adapter, pinned=pinned)]
 
 
 def _loaded_answer(state: ServerState, name: str, evicted: list[str]) -> JSONResponse:

@@ -33,6 +33,7 @@ from weightsync.protocol import (
     CommitRequest,
     DigestsRequest,
     ReceiveRequest,
+    RollbackRequest,
     ShmBucketRequest,
 )
 from weightsync.server import ingest
@@ -289,7 +290,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
-            unloads_adapters=lora_enabled,
+            unloads_adapters=lora_enabled, rolls_back=True,
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,
@@ -373,6 +374,13 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         body = AbortRequest.from_json(await admin_json(request, state.config))
         dropped = updater.abort(body.version, owner=body.owner)
         return answer(f"update v{body.version} aborted" if dropped else "nothing to abort", aborted=dropped)
+
+    @app.post(RollbackRequest.ROUTE)
+    async def rollback(request: Request) -> JSONResponse:
+        body = RollbackRequest.from_json(await admin_json(request, state.config))
+        undone = await run_in_threadpool(updater.rollback, body.version, owner=body.owner)
+        message = f"v{body.version} rolled back" if undone else f"v{body.version} is not served: nothing to roll back"
+        return answer(message, rolled_back=undone, weight_version=updater.version)
 
 
 def _commit(state: ServerState, request: CommitRequest) -> Ack:

@@ -12,6 +12,12 @@ to the receive pool only when no parameter views it any more; a buffer that a
 partial (delta) commit leaves partly served is compacted: its remaining
 tensors are cloned out, so served memory stays the size of the model.
 
+The last weightsync commit can be undone until the next update begins
+(`rollback`): it keeps the tensors, buffers and version it replaced, so a push
+to several replicas can put the replicas that committed back on their last
+version when another replica could not commit. Those buffers go back to the
+receive pool when the next update begins, before any byte of it arrives.
+
 At most one session is open:
 - "weightsync": opened by `/weightsync/begin` with a manifest; buckets arrive
   by index (HTTP frame, shared memory, broadcast with weightsync keys, a disk
@@ -61,7 +67,7 @@ from weightsync.receiving import (
 )
 from weightsync.server import lora
 from weightsync.server.buffers import BufferPool
-from weightsync.server.coverage import Coverage
+from weightsync.server.coverage import Coverage, CoverageState
 from weightsync.server.errors import NotFoundError
 from weightsync.server.requests import ServedVersion
 from weightsync.sessions import Holder, SessionBusyError, take_over
@@ -84,6 +90,27 @@ class SglangSession:
     """The `weight_version` of the latest request that staged into it; None keeps the label."""
     touched: float = field(default_factory=time.monotonic)
     """The last request that staged into it."""
+
+
+@dataclass(eq=False)
+class LastCommit:
+    """What the last weightsync commit replaced, so that it can be undone (`WeightUpdater.rollback`)
+    until the next update begins."""
+
+    version: int
+    owner: str | None
+    served: ServedVersion
+    """The version and label served before it."""
+    params: dict[str, torch.Tensor]
+    """hf_name -> every parameter's tensor before it (the same storage, not a copy)."""
+    backing: dict[str, torch.Tensor]
+    coverage: CoverageState
+    replaced: list[torch.Tensor] = field(default_factory=list)
+    """Receive buffers it stopped serving from: back to the pool once it is final."""
+    adapter: str | None = None
+    """The LoRA adapter it loaded."""
+    evicted: list[lora.Adapter] = field(default_factory=list)
+    """Adapters the store evicted to load it."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +153,8 @@ class WeightUpdater:
         """hf_name -> the received bucket buffer its served parameter views."""
         self.coverage = Coverage(self.params)
         """Whether the served weights are one update's (see `coverage`)."""
+        self._last: LastCommit | None = None
+        """The last weightsync commit while it can still be rolled back."""
 
     # -- served weights ----------------------------------------------------------------------
 
@@ -208,6 +237,7 @@ class WeightUpdater:
                 except SessionBusyError as e:
                     raise ConflictError(str(e), retry_after_s=e.retry_after_s) from None
             preempted = self.receiver.begin(manifest) or preempted
+            self._make_final()
             self._sglang = None
             self._update_label = None
             return preempted
@@ -237,6 +267,38 @@ class WeightUpdater:
                 return True
             return False
 
+    def rollback(self, version: int, *, owner: str | None = None) -> bool:
+        """Undo the commit of `version`: serve again, bit for bit, the weights, version and
+        adapters served before it. True if it was undone; False if `version` is not served
+        here (it never committed: nothing to undo). Refused (ConflictError) once the commit
+        is final (another update began since) or when it was another trainer's."""
+        with self._lock:
+            last = self._last
+            if last is None or last.version != version:
+                if self.version != version:
+                    return False
+                raise ConflictError(f"v{version} cannot be rolled back here: it is final (an update began since "
+                                    "it committed, or it was not a weightsync commit)")
+            if owner is not None and last.owner not in (None, owner):
+                raise ConflictError(f"v{version} was committed by another trainer ({last.owner}); not rolled back")
+            self._last = None
+            if last.adapter is not None:
+                assert self.lora_store is not None
+                self.lora_store.unload(last.adapter, timeout_s=self.session_timeout_s)
+                for adapter in last.evicted:
+                    self.lora_store.add(adapter, pinned=adapter.pinned)
+            restored = {id(b) for b in last.backing.values()}
+            dropped = {id(b): b for b in self._backing.values() if id(b) not in restored}
+            with self.between_steps():
+                for name, tensor in last.params.items():
+                    self.params[name].data = tensor
+                self.served = last.served
+                self._backing = last.backing
+                self.coverage.restore(last.coverage)
+            self.buffers.give(dropped.values())
+        log.info("v%d rolled back: v%d (%r) served again", version, last.served.version, last.served.label)
+        return True
+
     # -- the receiving.Applier of weightsync sessions ----------------------------------------
 
     def expected(self) -> Mapping[str, TensorMeta]:
@@ -261,18 +323,21 @@ class WeightUpdater:
         return self.params[hf_name].detach()
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
-        served = self._served_after(update)
-        self._swap(update.tensors, served, owners=_owners(update))
+        served, last = self._served_after(update), self._undo_record(update)
+        last.replaced = self._swap(update.tensors, served, owners=_owners(update))
         self.coverage.applied(update.tensors, label=served.label, atomic=True)
+        self._last = last
         return list(update.tensors)
 
     def install_adapter(self, update: OpenUpdate) -> None:
-        manifest, served = update.manifest, self._served_after(update)
+        manifest, served, last = update.manifest, self._served_after(update), self._undo_record(update)
         assert self.lora_store is not None and manifest.lora_name is not None and manifest.lora_config is not None
         adapter = lora.build_adapter(self.model, manifest.lora_name, manifest.lora_config, update.tensors)
-        self.lora_store.add(adapter)
+        last.adapter = manifest.lora_name
+        last.evicted = self.lora_store.add(adapter)
         with self.between_steps():
             self.served = served
+        self._last = last
         log.info("LoRA adapter %s loaded as v%d (%r)", manifest.lora_name, served.version, served.label)
 
     def served_buffers(self) -> list[torch.Tensor]:
@@ -289,6 +354,19 @@ class WeightUpdater:
 
     def _served_after(self, update: OpenUpdate) -> ServedVersion:
         return ServedVersion(update.version, str(update.version) if self._update_label is None else self._update_label)
+
+    def _undo_record(self, update: OpenUpdate) -> LastCommit:
+        """What a commit of `update` is about to replace (`rollback`); the previous commit is final."""
+        self._make_final()
+        return LastCommit(version=update.version, owner=update.owner, served=self.served,
+                          params={n: p.data for n, p in self.params.items()}, backing=dict(self._backing),
+                          coverage=self.coverage.saved())
+
+    def _make_final(self) -> None:
+        """The last commit can no longer be rolled back: its replaced buffers go back to the pool."""
+        last, self._last = self._last, None
+        if last is not None:
+            self.buffers.give(last.replaced)
 
     # -- SGLang-shaped updates ---------------------------------------------------------------
 
@@ -337,7 +415,8 @@ class WeightUpdater:
     def _apply_sglang(self, tensors: Mapping[str, torch.Tensor], label: str | None) -> StageResult:
         """Serve `tensors` (checked, owned) as current + 1, under `label` or the current one."""
         served = ServedVersion(self.version + 1, self.label if label is None else label)
-        self._swap(tensors, served)
+        self._make_final()
+        self.buffers.give(self._swap(tensors, served))
         self.coverage.applied(tensors, label=label, atomic=False)
         return StageResult(f"applied {len(tensors)} tensor(s) as v{served.version} ({served.label!r})",
                            ack=Ack(engine=ENGINE, version=served.version, loaded_names=frozenset(tensors)))
@@ -403,6 +482,7 @@ class WeightUpdater:
                                  for b in self._backing.values()})
                 for param in self.params.values():
                     param.data = torch.empty(0, dtype=param.dtype)
+                self._last = None
                 self._backing.clear()
                 self.coverage.released()
             self.buffers.clear()
@@ -418,7 +498,8 @@ class WeightUpdater:
                 raise ConflictError("an update session is open; commit or abort it before resetting the weights")
             names = [n for n in self.params if chosen(n)]
             noise = {n: torch.randn(self.metas[n].shape).to(self.metas[n].dtype) for n in names}
-            self._swap(noise, self.served)
+            self._make_final()
+            self.buffers.give(self._swap(noise, self.served))
             self.coverage.reset(kept=[n for n in self.params if n not in noise])
         return names
 
@@ -426,6 +507,7 @@ class WeightUpdater:
         """Allocate every parameter again (zeros, no weights in them: the next update of
         every parameter restores them); returns the bytes allocated."""
         with self._lock, self.between_steps():
+            self._last = None
             for name, param in self.params.items():
                 param.data = torch.zeros(self.metas[name].shape, dtype=self.metas[name].dtype)
             self.coverage.resumed()
@@ -434,8 +516,9 @@ class WeightUpdater:
     # -- internals ---------------------------------------------------------------------------
 
     def _swap(self, staged: Mapping[str, torch.Tensor], served: ServedVersion, *,
-              owners: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Make the staged tensors the served parameters between two steps, served as `served`.
+              owners: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Make the staged tensors the served parameters between two steps, served as `served`;
+        returns the receive buffers no parameter views any more (the caller gives them back).
 
         The staged tensors are adopted, not copied (they are owned by this update
         and never written again); `owners` names the bucket buffer each one views.
@@ -450,8 +533,8 @@ class WeightUpdater:
                 self.params[name].data = tensor
             self.served = served
             released = self._rebind_backing(staged, owners)
-        self.buffers.give(released)
         log.info("v%d (%r) committed (%d tensor(s))", served.version, served.label, len(staged))
+        return released
 
     def _rebind_backing(self, staged: Mapping[str, torch.Tensor],
                         owners: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

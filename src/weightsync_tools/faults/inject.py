@@ -2,7 +2,8 @@
 child processes that can be killed mid-push.
 
 Fakes appear only here, and only to inject faults: `FaultyTransport` wraps a
-real transport; `_CutBodyEngine` wraps a real engine client. Everything else a
+real transport; `_CutBodyEngine` and `fail_in_commit_round` wrap real engine
+clients. Everything else a
 scenario touches is real (servers, sockets, shared memory, files, gloo).
 """
 
@@ -234,6 +235,56 @@ def segments_left(ready_line: str) -> list[str]:
 
     names = json.loads(ready_line.removeprefix("READY").strip() or "[]")
     return [name for name in names if (SHM_DIR / check_name(name)).exists()]
+
+
+class _CommitsFirst:
+    """A real engine client that says when its commit answered."""
+
+    def __init__(self, inner: Any, committed: threading.Event) -> None:
+        self.inner = inner
+        self.committed = committed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def commit(self, manifest: Manifest, link: Link) -> Ack:
+        ack = self.inner.commit(manifest, link)
+        self.committed.set()
+        return ack
+
+
+class _FailsInCommit:
+    """A real engine client whose engine fails in the commit round: once the other replica
+    committed, `on_fire` runs (kill its server, cut its link), then the real commit goes out."""
+
+    def __init__(self, inner: Any, other_committed: threading.Event, on_fire: Callable[[], None],
+                 wait_s: float) -> None:
+        self.inner = inner
+        self.other_committed = other_committed
+        self.on_fire = on_fire
+        self.wait_s = wait_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def commit(self, manifest: Manifest, link: Link) -> Ack:
+        if not self.other_committed.wait(self.wait_s):
+            raise AssertionError(f"the other replica did not commit within {self.wait_s:.0f}s")
+        self.on_fire()
+        ack: Ack = self.inner.commit(manifest, link)
+        return ack
+
+
+def fail_in_commit_round(engines: Sequence[Any], victim: int, witness: int, on_fire: Callable[[], None], *,
+                         wait_s: float = 60.0) -> list[Any]:
+    """`engines`, with engine `victim` failing in the commit round (`on_fire`, then its real
+    commit) only after engine `witness` committed: the replica lost between another's
+    commit and its own, deterministically."""
+    committed = threading.Event()
+    wrapped = list(engines)
+    wrapped[witness] = _CommitsFirst(engines[witness], committed)
+    wrapped[victim] = _FailsInCommit(engines[victim], committed, on_fire, wait_s)
+    return wrapped
 
 
 # -- the trainer child process -----------------------------------------------------------------

@@ -10,10 +10,12 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import pytest
 import torch
 from torch import nn
 
 from weightsync.bucketing import pack, plan_buckets
+from weightsync.errors import ConflictError
 from weightsync.integrity import digest
 from weightsync.server.buffers import BufferPool
 from weightsync.server.updates import WeightUpdater
@@ -73,6 +75,11 @@ def _push(updater: WeightUpdater, weights: dict[str, torch.Tensor], version: int
         updater.abort(version)
 
 
+def _begin_next(updater: WeightUpdater) -> None:
+    """Begin the next update (an empty delta), which makes the last commit final."""
+    updater.begin(Manifest(version=updater.version + 1, buckets=[], mode="delta", base_version=updater.version))
+
+
 def _scribble_on_free_buffers(updater: WeightUpdater) -> None:
     """Take every free buffer and overwrite it, as the next update's receive would."""
     taken = [updater.buffers.take(n) for n, free in list(updater.buffers._free.items()) for _ in free]
@@ -89,9 +96,12 @@ def test_updates_through_reused_buffers_stay_exact() -> None:
     for version in range(1, 5):
         weights = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
         _push(updater, weights, version)
-        # the commit adopted this update's buffers; the previous update's came back
+        # the commit adopted this update's buffers; the previous update's are kept for a rollback
+        assert updater.buffers.free_bytes == 0
+        _begin_next(updater)  # the last commit is final: they come back
         assert updater.buffers.free_bytes == (model_bytes if version > 1 else 0)
         _scribble_on_free_buffers(updater)
+        updater.abort(version + 1)
         assert updater.digests()[1] == {n: digest(t) for n, t in weights.items()}
     kept = updater.digests()[1]
     _push(updater, {n: torch.zeros(p.shape) for n, p in model.named_parameters()}, 5, commit=False)
@@ -127,3 +137,61 @@ def test_partial_update_compacts_the_buffers_it_leaves_partly_served() -> None:
     assert sorted(updater._backing) == ["proj.bias", "proj.weight"]  # norm.* were compacted out
     _scribble_on_free_buffers(updater)
     assert updater.digests()[1] == {n: digest(t) for n, t in (full | delta).items()}
+
+
+def _served(updater: WeightUpdater) -> dict[str, str]:
+    return updater.digests()[1]
+
+
+def test_rollback_serves_the_previous_version_bit_for_bit() -> None:
+    """A commit can be undone until the next update begins: the previous weights, version and
+    label are served again, the undone update's buffers go back to the pool, and a second
+    rollback is a no-op."""
+    model = Tiny()
+    updater = _updater(model)
+    gen = torch.Generator().manual_seed(1)
+    v1 = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    v2 = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    _push(updater, v1, 1)
+    _push(updater, v2, 2)
+    assert _served(updater) == {n: digest(t) for n, t in v2.items()}
+    assert updater.rollback(2) is True
+    assert (updater.version, updater.label) == (1, "1")
+    assert updater.buffers.free_bytes == sum(p.numel() * 4 for p in model.parameters())  # v2's
+    _scribble_on_free_buffers(updater)
+    assert _served(updater) == {n: digest(t) for n, t in v1.items()}
+    assert updater.rollback(2) is False, "not served: nothing to undo"
+    _push(updater, v2, 3)
+    assert _served(updater) == {n: digest(t) for n, t in v2.items()}
+
+
+def test_rollback_of_a_delta_restores_the_tensors_it_compacted() -> None:
+    model = Tiny()
+    updater = _updater(model)
+    full = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+    _push(updater, full, 1)
+    backing = dict(updater._backing)
+    _push(updater, {"proj.bias": torch.randn(8)}, 2, mode="delta", base_version=1)
+    assert updater.rollback(2)
+    assert updater._backing == backing and not updater.coverage.dirty
+    _scribble_on_free_buffers(updater)
+    assert _served(updater) == {n: digest(t) for n, t in full.items()}
+    for name, param in model.named_parameters():  # the parameters view their buffers again, no copies
+        buffer = updater._backing[name]
+        assert buffer.data_ptr() <= param.data_ptr() < buffer.data_ptr() + buffer.numel()
+
+
+def test_a_final_or_foreign_commit_is_not_rolled_back() -> None:
+    model = Tiny()
+    updater = _updater(model)
+    weights = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], 200)
+    updater.begin(Manifest(version=1, buckets=plan, owner="trainer-a"))
+    updater.stage_as_buckets(weights)
+    updater.commit(1)
+    with pytest.raises(ConflictError, match=r"committed by another trainer \(trainer-a\)"):
+        updater.rollback(1, owner="trainer-b")
+    _begin_next(updater)
+    with pytest.raises(ConflictError, match="v1 cannot be rolled back here: it is final"):
+        updater.rollback(1, owner="trainer-a")
+    assert updater.version == 1 and _served(updater) == {n: digest(t) for n, t in weights.items()}
