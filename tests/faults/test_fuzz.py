@@ -57,6 +57,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "/weightsync/receive": ("version", "index", "digest", "link", "delivery"),
     "/weightsync/commit": ("version",),
     "/weightsync/abort": ("version",),
+    "/weightsync/rollback": ("version", "owner"),
     "/load_lora_adapter": ("lora_name", "lora_path", "pinned"),
     "/load_lora_adapter_from_tensors": ("lora_name", "config_dict", "serialized_named_tensors", "load_format",
                                         "expected_checksums", "pinned"),

@@ -40,6 +40,7 @@ MUTATING = [
     "/weightsync/receive",
     "/weightsync/commit",
     "/weightsync/abort",
+    "/weightsync/rollback",
     "/load_lora_adapter",
     "/load_lora_adapter_from_tensors",
     "/unload_lora_adapter",
