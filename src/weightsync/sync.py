@@ -628,11 +628,21 @@ class WeightSync:
         return {name: digest(t.to(_sent_dtype(t.dtype, cast_to)).contiguous()) for name, t in source.tensors(names)}
 
     def _served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:
-        readers = [e for e, c in zip(self.engines, self._capabilities(), strict=True)
-                   if c.reads_digests and isinstance(e, DigestReader)]
         timeout_s = self.config.timeout_s
+        readers = self._digest_readers()
         served = [self._pool.submit(e.digests, hf_names, timeout_s=timeout_s) for e in readers]
         return [self._wait(f, f"{e.label}: reading digests") for e, f in zip(readers, served, strict=True)]
+
+    def _served_instances(self) -> list[str | None]:
+        timeout_s = self.config.timeout_s
+        readers = self._digest_readers()
+        asked = [self._pool.submit(e.instance, timeout_s=timeout_s) for e in readers]
+        return [self._wait(f, f"{e.label}: asking its instance") for e, f in zip(readers, asked, strict=True)]
+
+    def _digest_readers(self) -> list[Any]:
+        """The engines that report digests of their served weights (`DigestReader`)."""
+        return [e for e, c in zip(self.engines, self._capabilities(), strict=True)
+                if c.reads_digests and isinstance(e, DigestReader)]
 
     # -- the other trainer ranks -------------------------------------------
 
@@ -764,6 +774,9 @@ class _Planner:
 
     def served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:
         return self._sync._served_digests(hf_names)
+
+    def served_instances(self) -> list[str | None]:
+        return self._sync._served_instances()
 
     def push(self, mode: PushMode, model: Any, version: int) -> SyncReport:
         return self._sync._push(mode, model, version)

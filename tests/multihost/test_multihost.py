@@ -197,3 +197,22 @@ def test_engine_host_lost_in_the_commit_round(transport: str, mode: str, trainer
     assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode=mode, version=following,
                                        timeout_s=FAULT_TIMEOUT_S), following, lora=mode == "lora")
     trainer.call("close", sync=sync)
+
+
+def test_lora_after_an_engine_restart_syncs_the_base_again(trainer: Trainer, engines: Engines) -> None:
+    """An engine restarted between two lora pushes that both succeed serves its checkpoint's
+    base again: the next lora push sees its new process id and pushes the trainer's base
+    first (the trainer's base differs from the checkpoint: a full push moved it)."""
+    moved = next(_versions)
+    assert_served_exactly(trainer.call("push", sync="restart-full", transport="http", mode="full", version=moved,
+                                       timeout_s=FAULT_TIMEOUT_S), moved)
+    first = next(_versions)
+    assert_served_exactly(trainer.call("push", sync="restart-lora", transport="http", mode="lora", version=first,
+                                       timeout_s=FAULT_TIMEOUT_S), first, lora=True)
+    engines.restart(0)
+    assert trainer.call("serving", engines=[0])["serves"] == [0], "the restarted engine serves its checkpoint"
+    following = next(_versions)
+    assert_served_exactly(trainer.call("push", sync="restart-lora", transport="http", mode="lora",
+                                       version=following, timeout_s=FAULT_TIMEOUT_S), following, lora=True)
+    for sync in ("restart-full", "restart-lora"):
+        trainer.call("close", sync=sync)

@@ -198,6 +198,10 @@ class DigestReader(Protocol):
     def digests(self, hf_names: Sequence[str] | None = None, *, timeout_s: float | None = None) -> dict[str, str]:
         """hf_name -> xxh3 digest of the served tensor."""
 
+    def instance(self, *, timeout_s: float | None = None) -> str | None:
+        """An id the engine process drew when it started (None: it has none): another id
+        than before means the engine restarted and serves its checkpoint's weights again."""
+
 
 @runtime_checkable
 class Rollbacker(Protocol):

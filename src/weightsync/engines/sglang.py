@@ -331,6 +331,13 @@ class SGLangEngine:
         request = DigestsRequest(names=tuple(hf_names) if hf_names else None)
         return dict(self._send(request, timeout_s)["digests"])
 
+    def instance(self, *, timeout_s: float | None = None) -> str | None:
+        """The id the server process drew at start (weightsync serve; a stock SGLang: None)."""
+        if not self._is_native(self.timeout_s if timeout_s is None else timeout_s):
+            return None
+        answer = decode(self._http.request("GET", INFO_ROUTE, timeout_s=timeout_s)).get("instance")
+        return str(answer) if answer is not None else None
+
     def close(self) -> None:
         self._http.close()
 

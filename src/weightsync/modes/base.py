@@ -116,6 +116,10 @@ class Planner(Protocol):
         """hf_name -> digest of the served weights, from each engine that reports them."""
         ...
 
+    def served_instances(self) -> list[str | None]:
+        """The process id (`DigestReader.instance`) of each engine that reports digests."""
+        ...
+
     def push(self, mode: PushMode, model: Any, version: int) -> SyncReport:
         """A whole push in another mode (lora: the base weights first)."""
         ...

@@ -1,9 +1,10 @@
 """mode="lora": only the adapter, loaded on the engines under a versioned name.
 
-The first push, and the first after a failed one (an engine may have been
-restarted from its checkpoint), checks that every engine that reports digests
-serves the trainer's base weights, and pushes them (as a full update of the same
-version) where one does not; later pushes send the adapter tensors alone, uncast (engines
+The first push checks that every engine that reports digests serves the
+trainer's base weights, and pushes them (as a full update of the same version)
+where one does not; so does the first push after a failed one, or after an
+engine restarted (its process id, `DigestReader.instance`, changed: it serves
+its checkpoint's weights again); other pushes send the adapter tensors alone, uncast (engines
 cast adapters themselves) unless a dtype is forced.
 
 "lora" pushes load each adapter version under a name of its own (`policy-v7`),
@@ -136,6 +137,8 @@ class LoraMode(ModeDefaults):
         super().__init__(options)
         self.rollover = AdapterRollover(keep=self.options.lora_keep)
         self._base_checked = False
+        self._instances: list[str | None] = []
+        """The engines' process ids when the base was last checked."""
 
     @property
     def lora_name(self) -> str | None:
@@ -149,13 +152,15 @@ class LoraMode(ModeDefaults):
         return LoraSource(model, adapter_name=self.options.adapter_name)
 
     def prepare(self, model: Any, version: int, planner: Planner) -> None:
-        """First push: make sure each engine that reports digests serves the trainer's
-        base weights; push them as `version` where one does not."""
-        if self._base_checked:
-            return
-        self._base_checked = True
+        """First push, and after a failure or an engine restart: make sure each engine that
+        reports digests serves the trainer's base weights; push them as `version` where one
+        does not."""
         if not any(c.reads_digests for c in planner.capabilities()):
             return
+        instances = planner.served_instances()
+        if self._base_checked and instances == self._instances:
+            return
+        self._base_checked, self._instances = True, instances
         base = FullMode(self.options)
         trainer = planner.hash_tensors(base.source(model), cast=base.casts)
         if all(served == trainer for served in planner.served_digests(list(trainer))):

@@ -296,6 +296,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "success": True,
             "message": "",
             "weightsync": 1,
+            "instance": state.instance,
             "weight_version": updater.version,
             "label": updater.label,
             "capabilities": capabilities.to_dict(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 from weightsync.groups import UpdateGroup
@@ -46,6 +47,9 @@ class ServerState:
     session (the shm segment, mapped at its first bucket and kept while its name stays
     the same: a fresh mapping page-faults every byte of the first copy out of it)."""
     receivers_lock: threading.Lock = field(default_factory=threading.Lock)
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Drawn when this server process started: a client that sees another one knows the
+    engine restarted (and serves its checkpoint's weights again)."""
     model_path: str | None = None
     """The `model_path` of the last `/update_weights_from_disk` that was applied
     (None: the model directory the server started with)."""
