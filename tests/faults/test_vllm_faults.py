@@ -75,6 +75,24 @@ class _ProcessGroup:
     def kill(self) -> None:
         os.killpg(self.pid, signal.SIGKILL)
 
+    def remove_orphaned_segments(self) -> list[str]:
+        """vLLM's shared-memory rings (Python SharedMemory, `/dev/shm/psm_*`, 400 MB here) outlive
+        a SIGKILLed vLLM: once the group is gone, remove those no live process maps any more."""
+        deadline = time.monotonic() + 10
+        with contextlib.suppress(ProcessLookupError):
+            while time.monotonic() < deadline:
+                os.killpg(self.pid, 0)
+                time.sleep(0.1)
+        mapped = set()
+        for maps in Path("/proc").glob("[0-9]*/maps"):
+            with contextlib.suppress(OSError):
+                mapped.update(line.rsplit("/dev/shm/", 1)[1].removesuffix(" (deleted)")
+                              for line in maps.read_text().splitlines() if "/dev/shm/psm_" in line)
+        orphans = [p for p in Path("/dev/shm").glob("psm_*") if p.name not in mapped]
+        for path in orphans:
+            path.unlink(missing_ok=True)
+        return [p.name for p in orphans]
+
 
 @pytest.fixture(scope="module")
 def server(fault_model: Path) -> Iterator[VLLMServer]:
@@ -310,13 +328,15 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
 def test_vllm_killed_mid_stream_then_restarted(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine,
                                                trainer: Any, fault_model: Path, tmp_path: Path) -> None:
     """Last in this module: it kills the module's server, then starts a new one."""
-    killing = with_fault("shm", "kill", tmp_path, rig=_ProcessGroup(server), at_push=2)
+    group = _ProcessGroup(server)
+    killing = with_fault("shm", "kill", tmp_path, rig=group, at_push=2)
     with make_sync(engine, killing, tmp_path) as sync:
         push_good(sync, reader, trainer)
         error, seconds = push_faulted(sync, reader, trainer)
     assert isinstance(error, ws.EngineError | ws.SyncTimeoutError), error
     assert seconds < BOUND_S, f"{seconds:.1f}s"
     server.process.wait(30)
+    group.remove_orphaned_segments()
     print(f"\nvLLM killed mid-stream: {type(error).__name__} after {seconds:.1f}s: {str(error)[:200]}",
           file=sys.stderr)
     # The restarted engine serves its checkpoint; the next push succeeds and is served exactly.
