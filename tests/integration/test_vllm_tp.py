@@ -123,3 +123,29 @@ def test_a_refusing_rank_fails_the_push_before_another_replica_commits(
             vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
         vf.assert_parity(engine, trainer)
         assert embedded.digests() == {n: digest(p.detach().contiguous()) for n, p in trainer.named_parameters()}
+
+
+def test_a_vllm_commit_that_fails_rolls_the_embedded_replica_back(
+        llm: Any, engine: VLLMEngine, model_dir: Path, tmp_path: Path) -> None:
+    """vLLM cannot undo a commit, so it commits after the embedded replica acked; when both of
+    its ranks then refuse, the embedded replica, already on the new version, is rolled back:
+    both serve the last version again (embedded: bit for bit), and the next push lands."""
+    trainer = vf.load_trainer(model_dir)
+    with launch_server(model_dir, args=["--disk-root", str(tmp_path)]) as server:
+        embedded = ws.SGLangEngine(server.url)
+        with ws.WeightSync([engine, embedded], transport="disk", disk_root=str(tmp_path)) as sync:
+            vf.perturb(trainer, seed=321)
+            version = max(vf.next_version(engine), int(embedded.weight_version()) + 1)
+            vf.assert_verified(sync.push(trainer, version=version), version)
+            served = copy.deepcopy(trainer)
+            vf.perturb(trainer, seed=322)
+            assert llm.collective_rpc("weightsync_test_refuse_next_commit", args=([0, 1],)) == [True, True]
+            with pytest.raises(ws.EngineError, match="lost its update before the commit") as failed:
+                sync.push(trainer, version=version + 1)
+            assert f"v{version + 1} had committed on {embedded.label}: rolled back to the last version" in (
+                failed.value.__notes__), failed.value.__notes__
+            assert (engine.info()["version"], embedded.weight_version()) == (version, str(version))
+            assert embedded.digests() == {n: digest(p.detach().contiguous()) for n, p in served.named_parameters()}
+            vf.assert_parity(engine, served)
+            vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
+        vf.assert_parity(engine, trainer)

@@ -1,5 +1,5 @@
-"""weightsync's vLLM worker extension plus one fault to inject, for tests that need a
-fault on ONE rank of a tensor-parallel engine (a worker imports it by name:
+"""weightsync's vLLM worker extension plus faults to inject on chosen ranks of a
+tensor-parallel engine (a worker imports it by name:
 `worker_extension_cls="vllm_fault_extension.FaultyDiskExtension"`)."""
 
 from __future__ import annotations
@@ -7,11 +7,26 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from weightsync.engines.vllm_worker import WeightSyncWorkerExtension, _state
+from weightsync.engines.vllm_worker import WeightSyncWorkerExtension, _state, error_payload
+from weightsync.errors import ConflictError
+
+REFUSE_COMMIT = "_weightsync_test_refuse_commit"
 
 
 class FaultyDiskExtension(WeightSyncWorkerExtension):
-    """The product's verbs, unchanged, and `weightsync_test_flip_disk_reads`."""
+    """The product's verbs, `weightsync_test_flip_disk_reads` and `weightsync_test_refuse_next_commit`."""
+
+    def weightsync_test_refuse_next_commit(self, ranks: list[int]) -> bool:
+        """This worker's next commit refuses, applying nothing (as a worker whose update was
+        lost), if its rank is in `ranks`. True where the fault is on."""
+        self.__dict__[REFUSE_COMMIT] = _state(self).rank in ranks
+        return bool(self.__dict__[REFUSE_COMMIT])
+
+    def weightsync_commit(self, request: str) -> dict[str, Any]:
+        if self.__dict__.pop(REFUSE_COMMIT, False):
+            error = ConflictError("injected: this rank lost its update before the commit")
+            return {"ok": False, "rank": _state(self).rank, "error": error_payload(error)}
+        return super().weightsync_commit(request)
 
     def weightsync_test_flip_disk_reads(self, rank: int) -> bool:
         """From now on this worker's disk reads flip one byte of bucket 0 if it is `rank`
