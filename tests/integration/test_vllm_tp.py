@@ -104,25 +104,38 @@ def test_a_rank_that_refuses_at_commit_leaves_every_rank_on_the_last_version(
         vf.assert_parity(engine, trainer)
 
 
+@contextlib.contextmanager
+def beside_an_embedded_replica(engine: VLLMEngine, model_dir: Path, tmp_path: Path, trainer: Any,
+                               seed: int) -> Iterator[tuple[ws.WeightSync, ws.SGLangEngine, int]]:
+    """The TP=2 engine and an embedded replica in one sync over disk, both on the version
+    yielded after a first push of `trainer` perturbed with `seed`."""
+    with launch_server(model_dir, args=["--disk-root", str(tmp_path)]) as server:
+        embedded = ws.SGLangEngine(server.url)
+        with ws.WeightSync([engine, embedded], transport="disk", disk_root=str(tmp_path)) as sync:
+            vf.perturb(trainer, seed=seed)
+            version = max(vf.next_version(engine), int(embedded.weight_version()) + 1)
+            vf.assert_verified(sync.push(trainer, version=version), version)
+            yield sync, embedded, version
+
+
+def _served_by(model: Any) -> dict[str, str]:
+    return {n: digest(p.detach().contiguous()) for n, p in model.named_parameters()}
+
+
 def test_a_refusing_rank_fails_the_push_before_another_replica_commits(
         llm: Any, engine: VLLMEngine, model_dir: Path, tmp_path: Path) -> None:
     """Two replicas over disk, the TP=2 engine and an embedded one: the round before the
     commit round seals every vLLM rank, so rank 1's bad read fails the push before the
     embedded replica commits. Both replicas keep the last version; the next push lands."""
     trainer = vf.load_trainer(model_dir)
-    with launch_server(model_dir, args=["--disk-root", str(tmp_path)]) as server:
-        embedded = ws.SGLangEngine(server.url)
-        with ws.WeightSync([engine, embedded], transport="disk", disk_root=str(tmp_path)) as sync:
-            vf.perturb(trainer, seed=311)
-            version = max(vf.next_version(engine), int(embedded.weight_version()) + 1)
-            vf.assert_verified(sync.push(trainer, version=version), version)
-            vf.perturb(trainer, seed=312)
-            with rank_1_reads_a_flipped_byte(llm), pytest.raises(ws.IntegrityError, match="on rank 1"):
-                sync.push(trainer, version=version + 1)
-            assert (engine.info()["version"], embedded.weight_version()) == (version, str(version))
-            vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
+    with beside_an_embedded_replica(engine, model_dir, tmp_path, trainer, seed=311) as (sync, embedded, version):
+        vf.perturb(trainer, seed=312)
+        with rank_1_reads_a_flipped_byte(llm), pytest.raises(ws.IntegrityError, match="on rank 1"):
+            sync.push(trainer, version=version + 1)
+        assert (engine.info()["version"], embedded.weight_version()) == (version, str(version))
+        vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
         vf.assert_parity(engine, trainer)
-        assert embedded.digests() == {n: digest(p.detach().contiguous()) for n, p in trainer.named_parameters()}
+        assert embedded.digests() == _served_by(trainer)
 
 
 def test_a_vllm_commit_that_fails_rolls_the_embedded_replica_back(
@@ -131,21 +144,16 @@ def test_a_vllm_commit_that_fails_rolls_the_embedded_replica_back(
     its ranks then refuse, the embedded replica, already on the new version, is rolled back:
     both serve the last version again (embedded: bit for bit), and the next push lands."""
     trainer = vf.load_trainer(model_dir)
-    with launch_server(model_dir, args=["--disk-root", str(tmp_path)]) as server:
-        embedded = ws.SGLangEngine(server.url)
-        with ws.WeightSync([engine, embedded], transport="disk", disk_root=str(tmp_path)) as sync:
-            vf.perturb(trainer, seed=321)
-            version = max(vf.next_version(engine), int(embedded.weight_version()) + 1)
-            vf.assert_verified(sync.push(trainer, version=version), version)
-            served = copy.deepcopy(trainer)
-            vf.perturb(trainer, seed=322)
-            assert llm.collective_rpc("weightsync_test_refuse_next_commit", args=([0, 1],)) == [True, True]
-            with pytest.raises(ws.EngineError, match="lost its update before the commit") as failed:
-                sync.push(trainer, version=version + 1)
-            assert f"v{version + 1} had committed on {embedded.label}: rolled back to the last version" in (
-                failed.value.__notes__), failed.value.__notes__
-            assert (engine.info()["version"], embedded.weight_version()) == (version, str(version))
-            assert embedded.digests() == {n: digest(p.detach().contiguous()) for n, p in served.named_parameters()}
-            vf.assert_parity(engine, served)
-            vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
+    with beside_an_embedded_replica(engine, model_dir, tmp_path, trainer, seed=321) as (sync, embedded, version):
+        served = copy.deepcopy(trainer)
+        vf.perturb(trainer, seed=322)
+        assert llm.collective_rpc("weightsync_test_refuse_next_commit", args=([0, 1],)) == [True, True]
+        with pytest.raises(ws.EngineError, match="lost its update before the commit") as failed:
+            sync.push(trainer, version=version + 1)
+        assert f"v{version + 1} had committed on {embedded.label}: rolled back to the last version" in (
+            failed.value.__notes__), failed.value.__notes__
+        assert (engine.info()["version"], embedded.weight_version()) == (version, str(version))
+        assert embedded.digests() == _served_by(served)
+        vf.assert_parity(engine, served)
+        vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
         vf.assert_parity(engine, trainer)
