@@ -524,8 +524,7 @@ class WeightSync:
         others only once every one of those acked what was sent. On a failure the caller
         rolls back the engines that committed, so a push is all or nothing across replicas
         when at most one engine cannot undo its commit."""
-        undoable = [c.rolls_back and isinstance(e, Rollbacker)
-                    for e, c in zip(self.engines, self._capabilities(), strict=True)]
+        undoable = [r is not None for r in self._rollbackers()]
         acks: dict[int, Ack] = {}
         for first in (True, False):
             among = [i for i, u in enumerate(undoable) if u is first]
@@ -543,8 +542,7 @@ class WeightSync:
         """After a failed commit round: undo `version` on every engine that committed it and
         can (a no-op where it did not commit); says what it did in a note on `error`."""
         cleanup_s = self.config.cleanup_timeout_s
-        undoable = [e for e, c in zip(self.engines, self._caps or (), strict=False)
-                    if c.rolls_back and isinstance(e, Rollbacker)]
+        undoable = [r for r in self._rollbackers() if r is not None]
         futures = [(e, self._pool.submit(e.rollback, version, timeout_s=cleanup_s)) for e in undoable]
         undone = []
         for engine, future in futures:
@@ -557,6 +555,11 @@ class WeightSync:
         if undone:
             log.warning("v%d rolled back on %s", version, ", ".join(undone))
             error.add_note(f"v{version} had committed on {', '.join(undone)}: rolled back to the last version")
+
+    def _rollbackers(self) -> list[Rollbacker | None]:
+        """Per engine: itself where it can undo its last commit (`EngineCapabilities.rolls_back`), else None."""
+        return [e if c.rolls_back and isinstance(e, Rollbacker) else None
+                for e, c in zip(self.engines, self._capabilities(), strict=True)]
 
     def _fail(self, version: int, begun: bool, error: BaseException, *, committing: bool = False) -> None:
         """Leave every engine on its last good version after `error`; `committing`: it came in
@@ -629,20 +632,18 @@ class WeightSync:
 
     def _served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:
         timeout_s = self.config.timeout_s
-        readers = self._digest_readers()
-        served = [self._pool.submit(e.digests, hf_names, timeout_s=timeout_s) for e in readers]
-        return [self._wait(f, f"{e.label}: reading digests") for e, f in zip(readers, served, strict=True)]
+        return self._ask_digest_readers(lambda e: e.digests(hf_names, timeout_s=timeout_s), "reading digests")
 
     def _served_instances(self) -> list[str | None]:
         timeout_s = self.config.timeout_s
-        readers = self._digest_readers()
-        asked = [self._pool.submit(e.instance, timeout_s=timeout_s) for e in readers]
-        return [self._wait(f, f"{e.label}: asking its instance") for e, f in zip(readers, asked, strict=True)]
+        return self._ask_digest_readers(lambda e: e.instance(timeout_s=timeout_s), "asking its instance")
 
-    def _digest_readers(self) -> list[Any]:
-        """The engines that report digests of their served weights (`DigestReader`)."""
-        return [e for e, c in zip(self.engines, self._capabilities(), strict=True)
-                if c.reads_digests and isinstance(e, DigestReader)]
+    def _ask_digest_readers(self, call: Callable[[DigestReader], T], what: str) -> list[T]:
+        """`call` on every engine that reports digests of its served weights (`DigestReader`), at once."""
+        readers = [e for e, c in zip(self.engines, self._capabilities(), strict=True)
+                   if c.reads_digests and isinstance(e, DigestReader)]
+        futures = [self._pool.submit(call, e) for e in readers]
+        return [self._wait(f, f"{e.label}: {what}") for e, f in zip(readers, futures, strict=True)]
 
     # -- the other trainer ranks -------------------------------------------
 

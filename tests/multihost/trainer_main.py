@@ -94,30 +94,25 @@ class Trainer:
 
     def _sync(self, cmd: dict[str, Any]) -> ws.WeightSync:
         name = cmd["sync"]
-        if name in self.syncs and "fault" not in cmd:
-            self.syncs[name].engines = list(self.engines)
-            return self.syncs[name]
-        if name in self.syncs:
-            sync = self.syncs[name]
-            transport = sync._make_transport()
-        else:
+        sync = self.syncs.get(name)
+        if sync is None:
             transport = make_transport(cmd["transport"], timeout_s=cmd.get("timeout_s", 30.0),
                                        disk_root=self.spec.get("disk_root"),
                                        master_address=self.spec["master_address"])
-            sync = ws.WeightSync(self.engines, transport=transport, mode=cmd["mode"], bucket_bytes=BUCKET_BYTES,
-                                 timeout_s=cmd.get("timeout_s", 30.0), pause=cmd.get("pause", "retract"))
-            self.syncs[name] = sync
-        fault = cmd.get("fault")
+            sync = self.syncs[name] = ws.WeightSync(
+                self.engines, transport=transport, mode=cmd["mode"], bucket_bytes=BUCKET_BYTES,
+                timeout_s=cmd.get("timeout_s", 30.0), pause=cmd.get("pause", "retract"))
+        transport = sync._make_transport()
+        if isinstance(transport, FaultyTransport):  # the last push's fault is spent
+            transport = sync._transport = transport.inner
         sync.engines = list(self.engines)
+        fault = cmd.get("fault")
         if fault is not None and "in_commit" in fault:
             victim = int(fault["in_commit"])
             sync.engines = fail_in_commit_round(self.engines, victim, 1 - victim, _action(fault))
         elif fault is not None:
-            inner = transport.inner if isinstance(transport, FaultyTransport) else transport
-            sync._transport = FaultyTransport(inner, "call", at_bucket=fault["at_bucket"],  # type: ignore[assignment]
+            sync._transport = FaultyTransport(transport, "call", at_bucket=fault["at_bucket"],  # type: ignore[assignment]
                                               on_fire=_action(fault))
-        elif isinstance(transport, FaultyTransport):
-            sync._transport = transport.inner
         return sync
 
     def _served(self, index: int, model: Any, lora_name: str | None) -> dict[str, Any]:

@@ -207,6 +207,8 @@ class DigestReader(Protocol):
 class Rollbacker(Protocol):
     """An engine that undoes its last commit (`rolls_back`)."""
 
+    label: str
+
     def rollback(self, version: int, *, timeout_s: float | None = None) -> bool:
         """Serve again what was served before this trainer's commit of `version`, while no
         update began since; True if undone, False where `version` is not served (never
