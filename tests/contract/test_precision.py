@@ -74,7 +74,8 @@ def test_fp32_trainer_to_bf16_engine_is_bit_exact(engine_kind: str, transport: s
         want = {n: digest(t) for n, t in bf16.items()}
         assert engine.digests() == want, "every served tensor == trainer_tensor.to(bfloat16), bit for bit"
     # and the engine scores its own greedy tokens as transformers does with those bf16 weights
-    # (teacher-forced: bf16 kernels differ, so free-running greedy paths may part after a near-tie)
+    # (teacher-forced, no token agreement: which token wins a near-tie over bf16 weights depends
+    # on the CPU's kernels; one greedy token of 24 flipped on an AMD EPYC, none on an Intel Xeon)
     pushed = ws.probe_logprobs(trainer.to(torch.bfloat16), engine, PROBE_PROMPTS, max_new_tokens=8)
     before = ws.probe_logprobs(load_trainer(engine_pool.model_dir("bfloat16")).to(torch.bfloat16), engine,
                                PROBE_PROMPTS, max_new_tokens=8)
@@ -82,7 +83,6 @@ def test_fp32_trainer_to_bf16_engine_is_bit_exact(engine_kind: str, transport: s
           f"(mean {pushed.mean_gap:.2e}, agreement {pushed.token_agreement:.2f}), to the previous ones "
           f"{before.max_gap:.2e}")
     assert pushed.max_gap < BF16_MAX_GAP and pushed.mean_gap < BF16_MEAN_GAP, pushed
-    assert pushed.token_agreement >= 0.9, pushed
     assert before.max_gap > 2 * BF16_MAX_GAP, "the probe tells the pushed weights from the old ones"
 
 

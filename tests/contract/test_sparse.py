@@ -4,10 +4,13 @@ transport.
 The trainer is what RL runs: float32 master weights, AdamW steps at RL learning rates
 (1e-5, 1e-6), so only a fraction of the bf16 elements the engine holds change per
 step. After every push the engine serves `trainer_tensor.to(bfloat16)` bit for bit
-(its digests), greedy answers agree with transformers on those bf16 weights, and every
-encoding has been used. A payload that applies to the wrong thing, and a wrong
-whole-tensor digest, leave the engine on its last good version; the next push is full,
-as it is when the engine is no longer on the version the trainer diffed against.
+(its digests, exact) and scores its own greedy tokens as transformers does with those
+bf16 weights (a teacher-forced logprob gap under a bound, not token agreement: greedy
+decoding over bf16 weights follows the CPU's kernels, and a near-tie flips on one x86
+CPU and not on another), and every encoding has been used. A payload that applies to
+the wrong thing, and a wrong whole-tensor digest, leave the engine on its last good
+version; the next push is full, as it is when the engine is no longer on the version
+the trainer diffed against.
 
 The engine's model has a 1024-token vocabulary (131072-element embedding and head), so
 a gap between two changed positions can exceed 16 bits (`positions32`).
@@ -35,8 +38,15 @@ from weightsync.tiny import TinyModelConfig, make_tiny_model
 
 BUCKET_BYTES = 64 << 10
 TIMEOUT_S = 30.0
-BF16_MAX_GAP = 0.5
-"""As tests/contract/test_precision.py: bf16 kernels against transformers' bf16 eager ones."""
+BF16_MAX_GAP = 0.05
+BF16_MEAN_GAP = 0.01
+"""Teacher-forced logprob gaps between the bf16 engine's kernels and transformers' bf16
+eager ones on the same weights, over the engine's own greedy tokens. Measured on this
+model: Intel Xeon max 0.0074, mean 0.0015; AMD EPYC max 0.0058, mean 0.0020 (where one
+greedy token of 24 differed). The weights an engine serves when a push is skipped give
+far more: max 2.0-2.5, mean 0.8-1.8 (`test_an_engine_no_longer_on_the_base_version_gets_a_full_push`
+asserts > 10x the bounds). One AdamW step at lr 1e-5 moves logprobs less than bf16
+kernels do, so between two such steps the digests decide, exactly."""
 VOCAB = 1024
 
 
@@ -69,21 +79,27 @@ def cast_digests(trainer: torch.nn.Module) -> dict[str, str]:
     return {n: digest(p.detach().to(torch.bfloat16).contiguous()) for n, p in trainer.named_parameters()}
 
 
+def bf16_probe(engine: ws.SGLangEngine, trainer: torch.nn.Module) -> ws.ProbeResult:
+    """The engine's greedy tokens scored teacher-forced by transformers on `trainer`'s weights cast to bf16."""
+    return ws.probe_logprobs(copy.deepcopy(trainer).to(torch.bfloat16), engine, PROBE_PROMPTS, max_new_tokens=8)
+
+
 def assert_serves(engine: ws.SGLangEngine, trainer: torch.nn.Module, version: int) -> None:
-    """Bit for bit the trainer's cast tensors, and greedy answers as transformers gives them."""
+    """Bit for bit the trainer's cast tensors, and logprobs as transformers computes them on those."""
     assert engine.weight_version() == str(version)
     assert engine.digests() == cast_digests(trainer), "every served tensor == trainer_tensor.to(bfloat16)"
-    result = ws.probe_logprobs(copy.deepcopy(trainer).to(torch.bfloat16), engine, PROBE_PROMPTS, max_new_tokens=8)
-    assert result.token_agreement == 1.0 and result.max_gap < BF16_MAX_GAP, result
+    result = bf16_probe(engine, trainer)
+    assert result.max_gap < BF16_MAX_GAP and result.mean_gap < BF16_MEAN_GAP, result
 
 
-def push_from_another_trainer(model_dir: Path, url: str, seed: int) -> None:
+def push_from_another_trainer(model_dir: Path, url: str, seed: int) -> torch.nn.Module:
     """Other weights, pushed by another trainer to the engine at `url` alone: it no longer
-    serves the version the sparse trainer diffed against."""
+    serves the version the sparse trainer diffed against. Returns the other trainer."""
     other = load_trainer(model_dir)
     perturb(other, seed=seed)
     with ws.WeightSync([ws.SGLangEngine(url)], transport="http") as intruder:
         intruder.push(other, version=next_version())
+    return other
 
 
 def make_sync(engine: Any, transport: str, disk_root: Path, **kw: Any) -> ws.WeightSync:
@@ -126,6 +142,11 @@ def test_sparse_pushes_after_adamw_steps_are_bit_exact_with_every_encoding(
         assert report.num_elements == params["lm_head.weight"].numel() + 2
         used |= set(report.encodings)
         assert_serves(engine, trainer, version)
+        stale = copy.deepcopy(trainer)  # one tensor left on the previous step's values
+        with torch.no_grad():
+            dict(stale.named_parameters())["lm_head.weight"].sub_(0.05)
+        with pytest.raises(AssertionError, match="every served tensor"):
+            assert_serves(engine, stale, version)
     assert used == {"dense", "positions16", "positions32", "bitmap"}, used
 
 
@@ -182,11 +203,17 @@ def test_an_engine_no_longer_on_the_base_version_gets_a_full_push(
         sync.push(trainer, version=next_version())
         rl_step(trainer, optimizer, 1e-5, seed=20)
         assert sync.push(trainer, version=next_version()).mode == "sparse"
-        push_from_another_trainer(model_dir, server.url, seed=21)
+        intruder = push_from_another_trainer(model_dir, server.url, seed=21)
         rl_step(trainer, optimizer, 1e-5, seed=22)
+        skipped = bf16_probe(engine, trainer)  # the engine serves the intruder's weights, not the trainer's
         report = sync.push(trainer, version=(version := next_version()))
         assert report.mode == "full" and report.verified and report.num_tensors == len(cast_digests(trainer))
         assert_serves(engine, trainer, version)
+        previous = bf16_probe(engine, intruder)  # the weights the engine served before the push
+        print(f"\nbf16 probe, push skipped: max gap {skipped.max_gap:.3f}, mean {skipped.mean_gap:.3f}; "
+              f"previous version's weights: max {previous.max_gap:.3f}, mean {previous.mean_gap:.3f}")
+        for wrong in (skipped, previous):
+            assert wrong.max_gap > 10 * BF16_MAX_GAP and wrong.mean_gap > 10 * BF16_MEAN_GAP, wrong
         rl_step(trainer, optimizer, 1e-5, seed=23)
         assert sync.push(trainer, version=next_version()).mode == "sparse", "sparse again once acked"
 
