@@ -22,7 +22,8 @@ Every engine call made for a push is bounded by the push's `timeout_s`
 (whatever the engine client was built with): the push raises within
 1.2 x timeout_s + 1 s of a stalled call, plus at most min(10 s, timeout_s) for
 each round of cleanup calls after a failure (abort, resume, leaving a group),
-which run on every engine at once.
+which run on every engine at once. A push that paused, or tried to, resumes
+every engine, whatever failed.
 """
 
 from __future__ import annotations
@@ -341,8 +342,8 @@ class WeightSync:
         begun = committing = failed = False
         try:
             if not stage_all:
+                paused = True  # before: a pause that failed may still take effect (see _pause)
                 self._pause()
-                paused = True
             try:
                 begin_notes = self._begin(manifest)
             except EngineError as e:
@@ -366,8 +367,8 @@ class WeightSync:
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:
-                self._pause()
                 paused = True
+                self._pause()
             if len(self.engines) > 1:  # find an engine that cannot commit before any does
                 self._all(lambda e, link: e.ready(manifest, link), "checking it can commit")
             t0 = time.perf_counter()
@@ -510,6 +511,10 @@ class WeightSync:
         self._cleanup(lambda e, i: leave(e, links[i]), "leaving the session")
 
     def _pause(self) -> None:
+        """Pause every engine per the policy. The caller resumes every engine even when this
+        raises: a pause that failed may have taken effect on some engine, or still take effect
+        (vLLM 0.32 applies a `/pause` it read after the client gave up on the answer), and
+        an engine left paused would hold every request forever."""
         if self.config.pause is not PausePolicy.NONE:
             timeout_s = self.config.timeout_s
             self._all(lambda e, _: e.pause(self.config.pause, timeout_s=timeout_s), "pause")

@@ -2,12 +2,13 @@
 
 vLLM hands the KV blocks of a prompt prefix to the next request with the same
 prefix. After a push, a new request must never be computed on blocks that
-older weights produced. Each test pushes while a long request sharing the
-prefix is mid-decode: vLLM's own pause (mode "keep") freezes the engine, and a
-plain `/reset_prefix_cache` failing then shows that the request holds KV
-blocks (nothing else runs); frozen, it holds them through the push. It decodes
-on beside the first request after the push, then is aborted. New requests
-sharing the prefix must get transformers' greedy tokens for the NEW weights:
+older weights produced. Each test pushes while a request sharing the prefix is
+mid-decode: the server's `FreezingScheduler` (vllm_freezing_scheduler.py)
+holds it at FREEZE_AT_TOKEN tokens, paused as `/pause?mode=keep` pauses, and a
+plain `/reset_prefix_cache` failing then shows that it holds KV blocks;
+frozen, it holds them through the push. It decodes on beside the first request
+after the push, then is aborted. New requests sharing the prefix must get
+transformers' greedy tokens for the NEW weights:
 - `pause="none"`: the commit preempts the running request, so the reset
   succeeds and even unsalted requests are clean;
 - `pause="in_place"`: the kept request keeps its KV (no preemption), the reset
@@ -16,16 +17,22 @@ sharing the prefix must get transformers' greedy tokens for the NEW weights:
   request of `VLLMEngine.generate`, raw `/inference/v1/generate` and
   `/v1/completions`) are clean; an own request salted just before the push is
   asked again.
+No request is sent while the held request decodes unpaused for long: vLLM
+0.32's API server reads no new HTTP request while its engine streams outputs
+faster than it takes them, which a decoding tiny model does on 2 cores (README,
+Known limits), so the held request asks for HELD_TOKENS only.
 One server for the module; each test pushes from the served weights upward.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +50,13 @@ vf.require_vllm()
 pytestmark = pytest.mark.vllm
 pytest_plugins = ["test_server_support"]  # fixture: one_torch_thread
 
-MAX_MODEL_LEN = 32768
-"""The held request may run to the end of it: tens of seconds of decoding here."""
-MAX_HOLD_ATTEMPTS = 20
-"""Pause-and-probe rounds until the held request is seen holding KV blocks (usually one)."""
+MAX_MODEL_LEN = 2048
+FREEZE_AT_TOKEN = 4
+"""Where the server's FreezingScheduler holds the held request: mid-decode."""
+HELD_TOKENS = 1000
+"""Tokens the held request asks for (EOS ignored): far more than FREEZE_AT_TOKEN, and few
+enough that requests sent beside it after the push wait seconds at most (a 32768-token
+request kept them waiting for minutes here, see the module docstring)."""
 CHECK_TOKENS = 8
 
 
@@ -63,8 +73,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, one_torch_thread: None) -> Iterator[VLLMServer]:
-    args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching"]
-    with launch_vllm_server(model_dir, args=args) as running:
+    """With the FreezingScheduler (this directory on the server's PYTHONPATH)."""
+    args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
+            "--scheduler-cls", "vllm_freezing_scheduler.FreezingScheduler"]
+    pythonpath = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    with launch_vllm_server(model_dir, args=args, env={"PYTHONPATH": pythonpath}) as running:
         yield running
 
 
@@ -78,18 +91,36 @@ def prefix(server: VLLMServer) -> list[int]:
 
 @dataclass
 class _Held:
-    """A (not streamed) /inference/v1/generate request to the end of the context."""
+    """A streamed /inference/v1/generate request for HELD_TOKENS that the server's
+    FreezingScheduler holds at FREEZE_AT_TOKEN tokens; its answer is read to the end."""
 
     url: str
     model_dir: Path
     prompt: list[int]
+    freeze_id: str
+    frozen: threading.Event = field(default_factory=threading.Event)
+    """Set once FREEZE_AT_TOKEN tokens arrived, or when the answer ended first."""
+    num_tokens: int = 0
+    """Output tokens received so far."""
     thread: threading.Thread | None = None
 
     def start(self) -> None:
-        body = _generate_body(self.model_dir, self.prompt, MAX_MODEL_LEN - len(self.prompt))
-        self.thread = threading.Thread(target=httpx.post, args=(f"{self.url}/inference/v1/generate",),
-                                       kwargs={"json": body, "timeout": 600}, daemon=True)
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        body = _generate_body(self.model_dir, self.prompt, HELD_TOKENS, stream=True)
+        body["sampling_params"]["extra_args"] = {"freeze_id": self.freeze_id, "freeze_requests": 1,
+                                                 "freeze_at_token": FREEZE_AT_TOKEN}
+        try:
+            with httpx.stream("POST", f"{self.url}/inference/v1/generate", json=body, timeout=600) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):  # each chunk carries the new tokens
+                        self.num_tokens += len(json.loads(line[len("data: "):])["choices"][0]["token_ids"] or ())
+                        if self.num_tokens >= FREEZE_AT_TOKEN:  # the scheduler paused in the step that made it
+                            self.frozen.set()
+        finally:
+            self.frozen.set()
 
     @property
     def ended(self) -> bool:
@@ -103,27 +134,25 @@ class _Held:
         assert self.ended, "the held request did not end after its abort"
 
 
-def _hold_mid_decode(server: VLLMServer, model_dir: Path, prefix: list[int],
+def _hold_mid_decode(server: VLLMServer, model_dir: Path, prefix: list[int], freeze_id: str,
                      salts: tuple[str | None, ...]) -> _Held:
-    """Start a held request sharing the prefix, cache the prefix's KV under each of `salts`,
-    and pause the engine (mode "keep") with the held request mid-decode, holding KV blocks.
+    """Cache the prefix's KV under each of `salts`, then leave the engine paused (as mode
+    "keep" pauses) with a request sharing the prefix mid-decode, holding KV blocks.
 
-    Each round pauses and probes with a plain prefix-cache reset, which fails only while
-    a request holds blocks. If it succeeds (the held request not admitted yet, or already
-    ended), the engine resumes and the round is done again (the cache filled again).
+    The request is sent while generation is paused; the FreezingScheduler admits it and
+    pauses again once it has FREEZE_AT_TOKEN tokens, inside the engine, with no call
+    from outside. A plain prefix-cache reset then fails (a request holds blocks).
     """
-    held = _Held(server.url, model_dir, [*prefix, 12])
-    for _ in range(MAX_HOLD_ATTEMPTS):
-        if held.thread is None or held.ended:
-            held = _Held(server.url, model_dir, [*prefix, 12])
-            held.start()
-        for salt in salts:
-            _tokens(server, model_dir, [*prefix, 11], salt=salt)
-        _post(server.url, "/pause", params={"mode": "keep", "clear_cache": "false"})
-        if not _post(server.url, "/reset_prefix_cache")["success"] and not held.ended:
-            return held
-        _post(server.url, "/resume")
-    raise AssertionError(f"the held request was not seen holding KV blocks in {MAX_HOLD_ATTEMPTS} rounds")
+    for salt in salts:
+        _tokens(server, model_dir, [*prefix, 11], salt=salt)
+    _post(server.url, "/pause", params={"mode": "keep", "clear_cache": "false"})
+    held = _Held(server.url, model_dir, [*prefix, 12], freeze_id)
+    held.start()
+    assert held.frozen.wait(timeout=120), "the held request got no tokens"
+    assert FREEZE_AT_TOKEN <= held.num_tokens < HELD_TOKENS, f"held request not frozen: {held.num_tokens} tokens"
+    assert httpx.get(f"{server.url}/is_paused", timeout=120).json()["is_paused"]
+    assert not _post(server.url, "/reset_prefix_cache")["success"], "the frozen request holds no KV blocks"
+    return held
 
 
 class _SaltReadBeforePush(VLLMEngine):
@@ -149,7 +178,8 @@ def test_none_push_preempts_running_requests(server: VLLMServer, model_dir: Path
         sync.push(trainer, version=old)  # nothing runs: served weights == trainer's, cache empty
         preemptions = _metric(server.url, "vllm:num_preemptions_total")
         try:
-            held = _hold_mid_decode(server, model_dir, prefix, salts=(None,))  # old weights' prefix KV, cached
+            # the old weights' prefix KV, cached
+            held = _hold_mid_decode(server, model_dir, prefix, f"none-v{old}", salts=(None,))
             vf.perturb(trainer, seed=71)
             vf.assert_verified(sync.push(trainer, version=old + 1), old + 1)  # pauses nothing
         finally:
@@ -167,11 +197,6 @@ def test_none_push_preempts_running_requests(server: VLLMServer, model_dir: Path
     engine.close()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect, not understood yet: on 2026-11-23 this test hung in _hold_mid_decode (a /inference/v1/generate "
-    "request to the paused-then-resumed vllm serve never answered) on every run, on ec62ec5 as well as after it; "
-    "it passed on every run before. Kept running so each run reports it (XPASS when it passes)"))
-@pytest.mark.timeout(300)
 def test_in_place_push_serves_salted_requests_no_older_kv(server: VLLMServer, model_dir: Path,
                                                           prefix: list[int]) -> None:
     engine = VLLMEngine(server.url, timeout_s=120)
@@ -182,7 +207,8 @@ def test_in_place_push_serves_salted_requests_no_older_kv(server: VLLMServer, mo
         assert engine.cache_salt() == f"weightsync-v{old}"
         preemptions = _metric(server.url, "vllm:num_preemptions_total")
         try:
-            held = _hold_mid_decode(server, model_dir, prefix, salts=(None, engine.cache_salt()))  # both cached
+            held = _hold_mid_decode(server, model_dir, prefix, f"in_place-v{old}",
+                                    salts=(None, engine.cache_salt()))  # both cached
             vf.perturb(trainer, seed=72)
             report = sync.push(trainer, version=old + 1)  # pauses "keep" again, commits, resumes
             vf.assert_verified(report, old + 1)

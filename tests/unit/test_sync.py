@@ -57,6 +57,7 @@ class MemoryEngine:
         self.unhang = threading.Event()
         self.corrupt_ack = False
         self.paused = False
+        self.lose_pause_answer = False
         self._link: Link | None = None
         self._version = 0
         """The version of the update begun last (a delivery does not name it)."""
@@ -79,6 +80,8 @@ class MemoryEngine:
     def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
         self.calls.append(f"pause:{policy.value}")
         self.paused = True
+        if self.lose_pause_answer:  # paused, and the answer never came (vLLM applies a late /pause)
+            raise SyncTimeoutError(f"{self.label}: pause: injected lost answer")
 
     def resume(self, *, timeout_s: float | None = None) -> None:
         self.calls.append("resume")
@@ -288,6 +291,21 @@ def test_failure_mid_stream_aborts_resumes_and_the_next_push_works() -> None:
         engine.fail_receive_at = None
         assert sync.push(model, version=2).verified
     assert same(model, engine)
+
+
+@pytest.mark.parametrize("policy", ["abort", "retract", "in_place"])
+def test_a_pause_whose_answer_is_lost_leaves_no_engine_paused(policy: str) -> None:
+    model = tiny()
+    lost, fine = engine_for(model, label="lost"), engine_for(model, label="fine")
+    lost.lose_pause_answer = True
+    with ws.WeightSync([fine, lost], transport="http", pause=policy) as sync:
+        with pytest.raises(SyncTimeoutError, match="lost: pause"):
+            sync.push(model, version=1)
+        assert not lost.paused and not fine.paused, "a failed push left an engine paused: its requests wait forever"
+        assert "abort" in lost.calls and lost.version == fine.version == 0
+        lost.lose_pause_answer = False
+        assert sync.push(model, version=2).verified
+    assert not lost.paused and not fine.paused
 
 
 def test_hung_engine_becomes_a_timeout() -> None:
