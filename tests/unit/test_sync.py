@@ -305,6 +305,24 @@ def test_hung_engine_becomes_a_timeout() -> None:
     assert engine.version == 0
 
 
+def test_an_engine_that_timed_out_is_cleaned_up_in_the_background_before_the_next_push() -> None:
+    model = tiny()
+    engine = engine_for(model)
+    engine.hang_receive_at = 0
+    with ws.WeightSync([engine], transport="http", timeout_s=2.0) as sync:
+        try:  # the push does not wait on the hung engine again: its abort is owed
+            with pytest.raises(SyncTimeoutError, match="receiving bucket 0") as info:
+                sync.push(model, version=1)
+        finally:
+            engine.unhang.set()
+        assert any("goes out in the background" in note for note in info.value.__notes__), info.value.__notes__
+        engine.hang_receive_at = None
+        assert sync.push(model, version=2).verified
+    second_begin = [i for i, call in enumerate(engine.calls) if call == "begin"][1]
+    assert "abort" in engine.calls[:second_begin], f"the abort went out after the next push began: {engine.calls}"
+    assert same(model, engine)
+
+
 def test_a_wrong_ack_is_an_integrity_error() -> None:
     model = tiny()
     engine = engine_for(model)
