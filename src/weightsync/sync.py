@@ -442,7 +442,8 @@ class WeightSync:
         backoff, busy = 0.05, 0
         while True:
             try:
-                answers = self._all(lambda e, link: e.begin(manifest, link), "begin", deadline=deadline)
+                # each attempt has timeout_s of its own: an engine that answers 409 is alive
+                answers = self._all(lambda e, link: e.begin(manifest, link), "begin")
             except EngineError as e:
                 expires = e.retry_after_s
                 if e.status != 409 or expires is None or time.monotonic() + expires > deadline:
