@@ -182,7 +182,9 @@ class WeightSync:
     `transport` is a name (the sending rank makes it at construction from
     `timeout_s` and the transport options: `disk_root`, `keep_versions`,
     `master_address`, `backend`) or a `Transport` object built by the caller,
-    e.g. `DiskTransport(root)`, used as it is; `config.transport` holds its name.
+    e.g. `DiskTransport(root)`, used as it is (its own `timeout_s` bounds its links and,
+    for a broadcast, the trainer's side of every collective: build it with the push's);
+    `config.transport` holds its name.
     """
 
     def __init__(
