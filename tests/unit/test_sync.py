@@ -54,6 +54,7 @@ class MemoryEngine:
         self.calls: list[str] = []
         self.fail_receive_at: int | None = None
         self.hang_receive_at: int | None = None
+        self.hang_pause = False
         self.unhang = threading.Event()
         self.corrupt_ack = False
         self.paused = False
@@ -78,6 +79,8 @@ class MemoryEngine:
 
     def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
         self.calls.append(f"pause:{policy.value}")
+        if self.hang_pause:
+            self.unhang.wait(60)
         self.paused = True
 
     def resume(self, *, timeout_s: float | None = None) -> None:
@@ -321,6 +324,24 @@ def test_an_engine_that_timed_out_is_cleaned_up_in_the_background_before_the_nex
     second_begin = [i for i, call in enumerate(engine.calls) if call == "begin"][1]
     assert "abort" in engine.calls[:second_begin], f"the abort went out after the next push began: {engine.calls}"
     assert same(model, engine)
+
+
+def test_a_pause_that_timed_out_is_resumed_before_the_next_push() -> None:
+    """A pause with no answer in time may still land when the engine wakes: it is resumed."""
+    model = tiny()
+    engine = engine_for(model)
+    engine.hang_pause = True
+    with ws.WeightSync([engine], transport="http", timeout_s=2.0, pause="abort") as sync:
+        try:
+            with pytest.raises(SyncTimeoutError, match="pause"):
+                sync.push(model, version=1)
+        finally:
+            engine.unhang.set()
+        engine.hang_pause = False
+        assert sync.push(model, version=2).verified
+    second_begin = [i for i, call in enumerate(engine.calls) if call == "begin"][1]
+    assert "resume" in engine.calls[:second_begin], engine.calls
+    assert not engine.paused
 
 
 def test_a_wrong_ack_is_an_integrity_error() -> None:
