@@ -18,16 +18,21 @@ broadcast group, resumes generation, and raises. Engines that stage updates
 (`stages_updates`) keep generating while bytes stream and pause only around
 the commit; the others are paused from begin to commit.
 
-Every engine call made for a push is bounded by the push's `timeout_s`
-(whatever the engine client was built with): the push raises within
-1.2 x timeout_s + 1 s of a stalled call, plus at most min(10 s, timeout_s) for
-each round of cleanup calls after a failure (abort, resume, leaving a group),
-which run on every engine at once. A push that paused, or tried to, resumes
-every engine, whatever failed.
+Every round of engine calls made for a push (and the trainer's side of a
+collective) is bounded by the push's `timeout_s`, whatever the engine client
+was built with; the cleanup rounds after a failure (abort, rollback, leaving
+the session, resume) share one bound, min(timeout_s, 10 s), and skip an engine
+that timed out in this push: its cleanup runs in the background
+(`weightsync.cleanup`), and the next push waits for it (at most timeout_s)
+before it begins. So a push raises at most timeout_s + min(timeout_s, 10 s)
+after the call that stalled began: from its start when an engine is stalled
+from the start.
+A push that paused, or tried to, resumes every engine, whatever failed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -43,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync.bucketing import castable, plan_buckets, stream_order
+from weightsync.cleanup import Backlog
 from weightsync.digests import ALGORITHMS, XXH3_64, for_device
 from weightsync.engines.base import (
     AdapterUnloader,
@@ -88,8 +94,7 @@ TRANSPORT_OPTIONS = frozenset({"disk_root", "keep_versions", "master_address", "
 """`SyncConfig` fields that only configure a transport made by name."""
 
 CLEANUP_TIMEOUT_S = 10.0
-"""Upper bound of each cleanup call after a failed push (never more than timeout_s):
-they often go to an engine that already stopped answering."""
+"""Upper bound of all cleanup rounds of a failed push together (never more than timeout_s)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +168,8 @@ class SyncConfig:
 
     @property
     def cleanup_timeout_s(self) -> float:
-        """Bound of each cleanup call after a failure (abort, resume, leaving a group)."""
+        """Bound of the cleanup rounds after a failure together (abort, rollback, leaving the
+        session, resume), and of each cleanup call that runs in the background."""
         return min(CLEANUP_TIMEOUT_S, self.timeout_s)
 
 
@@ -177,7 +183,9 @@ class WeightSync:
     `transport` is a name (the sending rank makes it at construction from
     `timeout_s` and the transport options: `disk_root`, `keep_versions`,
     `master_address`, `backend`) or a `Transport` object built by the caller,
-    e.g. `DiskTransport(root)`, used as it is; `config.transport` holds its name.
+    e.g. `DiskTransport(root)`, used as it is (its own `timeout_s` bounds its links and,
+    for a broadcast, the trainer's side of every collective: build it with the push's);
+    `config.transport` holds its name.
     """
 
     def __init__(
@@ -221,7 +229,12 @@ class WeightSync:
             self._make_transport()  # now: a missing transport option fails here, not at the first push
             self._check_hosts()
         self._links: list[Link] | None = None
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines) + 1), thread_name_prefix="weightsync")
+        # per engine: a call of the push and a background cleanup task (which waits for that call)
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.engines) + 2, thread_name_prefix="weightsync")
+        self._backlog = Backlog(self._pool, settle_s=self.config.cleanup_timeout_s)
+        """Engines that timed out in this push and the cleanup they are owed (`weightsync.cleanup`)."""
+        self._cleanup_by: float | None = None
+        """While a failed push cleans up: when every cleanup round must have answered."""
         self._caps: list[EngineCapabilities] | None = None
         """What each engine can do; asked once per transport session."""
         self.owner = session_owner()
@@ -246,12 +259,19 @@ class WeightSync:
         if not self.ranks.is_sender:
             return self._follow(model)
         try:
+            self._backlog.wait(self.config.timeout_s, f"the push of v{version}")
             report = self._push(self._mode, model, version)
         except BaseException as e:
             self._mode.failed(version)
+            owed = self._backlog.owed_labels()
+            if owed:
+                e.add_note(f"{', '.join(owed)} did not answer within timeout_s: the rest of the cleanup (abort, "
+                           "leaving the session, resume) goes out in the background; the next push waits for it")
             if isinstance(e, WeightSyncError):
                 self._tell_followers({"error": f"{type(e).__name__}: {e}"})
             raise
+        finally:
+            self._backlog.start()
         self._tell_followers({"report": report.to_dict()})
         return report
 
@@ -260,8 +280,13 @@ class WeightSync:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._backlog.wait(self.config.timeout_s, "closing")
+        except SyncTimeoutError as e:
+            log.warning("%s", e)
         self._mode.close(_Planner(self, Stages()))
         self._end_session()
+        self._backlog.start()
         self._pool.shutdown(wait=False)
 
     def __enter__(self) -> WeightSync:
@@ -342,7 +367,7 @@ class WeightSync:
         begun = committing = failed = False
         try:
             if not stage_all:
-                paused = True  # before: a pause that failed may still take effect (see _pause)
+                paused = True  # before asking: a pause that timed out may land when the engine wakes
                 self._pause()
             try:
                 begin_notes = self._begin(manifest)
@@ -386,6 +411,7 @@ class WeightSync:
         finally:
             if paused:
                 self._resume(self.config.cleanup_timeout_s if failed else self.config.timeout_s)
+            self._cleanup_by = None
         return manifest, acks, begin_notes
 
     def _deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> None:
@@ -395,10 +421,18 @@ class WeightSync:
         delivery = transport.deliver(bucket, buffer)
         if not transport.per_bucket_delivery:
             return
+        deadline = time.monotonic() + self.config.timeout_s  # the collective is bounded by timeout_s too
         futures = [self._pool.submit(e.receive, bucket, delivery) for e in self.engines]
-        transport.send(bucket, buffer)
-        for engine, future in zip(self.engines, futures, strict=True):
-            self._wait(future, f"{engine.label}: receiving bucket {bucket.index}")
+        try:
+            transport.send(bucket, buffer)
+        except SyncTimeoutError:  # the engines that have not answered did not take the bucket in time either
+            for i, future in enumerate(futures):
+                if not future.done():
+                    self._backlog.mark(i, self.engines[i].label, future)
+            raise
+        for i, future in enumerate(futures):
+            self._wait(future, f"{self.engines[i].label}: receiving bucket {bucket.index}", index=i,
+                       deadline=deadline)
 
     # -- session, pause, commit helpers ------------------------------------
 
@@ -411,6 +445,7 @@ class WeightSync:
         backoff, busy = 0.05, 0
         while True:
             try:
+                # each attempt has timeout_s of its own: an engine that answers 409 is alive
                 answers = self._all(lambda e, link: e.begin(manifest, link), "begin")
             except EngineError as e:
                 expires = e.retry_after_s
@@ -484,11 +519,16 @@ class WeightSync:
             self._disconnect(self._links)  # e.g. a new group or a bigger segment replaces the old
         self._links = None
         connects = [self._pool.submit(e.connect, link) for e, link in zip(self.engines, links, strict=True)]
+        deadline = time.monotonic() + self.config.timeout_s  # forming a group included
         try:
             transport.establish()
-            for engine, future in zip(self.engines, connects, strict=True):
-                self._wait(future, f"{engine.label}: joining the {self.config.transport} session")
+            for i, future in enumerate(connects):
+                self._wait(future, f"{self.engines[i].label}: joining the {self.config.transport} session",
+                           index=i, deadline=deadline)
         except BaseException:
+            for i, future in enumerate(connects):
+                if not future.done():  # it leaves once its join has answered
+                    self._backlog.mark(i, self.engines[i].label, future)
             self._end_session(links)
             raise
         self._links = links
@@ -545,14 +585,26 @@ class WeightSync:
 
     def _roll_back(self, version: int, error: BaseException) -> None:
         """After a failed commit round: undo `version` on every engine that committed it and
-        can (a no-op where it did not commit); says what it did in a note on `error`."""
+        can (a no-op where it did not commit); says what it did in a note on `error`. An
+        engine that timed out in this push is rolled back in the background."""
         cleanup_s = self.config.cleanup_timeout_s
-        undoable = [r for r in self._rollbackers() if r is not None]
-        futures = [(e, self._pool.submit(e.rollback, version, timeout_s=cleanup_s)) for e in undoable]
+        deadline = self._cleanup_deadline(cleanup_s)
+        futures = []
+        for i, engine in enumerate(self._rollbackers()):
+            if engine is None:
+                continue
+            call = functools.partial(engine.rollback, version, timeout_s=cleanup_s)
+            if self._backlog.stalled(i):
+                self._backlog.owe(i, f"rollback of v{version}", call)
+                error.add_note(f"{engine.label} did not answer: its rollback of v{version} goes out in the "
+                               f"background (if its commit landed, it serves v{version} until then)")
+            else:
+                futures.append((i, engine, self._pool.submit(call)))
         undone = []
-        for engine, future in futures:
+        for i, engine, future in futures:
             try:
-                if self._wait(future, f"{engine.label}: rollback of v{version}", timeout_s=cleanup_s):
+                if self._wait(future, f"{engine.label}: rollback of v{version}", index=i, deadline=deadline,
+                              limit_s=cleanup_s):
                     undone.append(engine.label)
             except WeightSyncError as e:
                 log.warning("%s", e)
@@ -570,6 +622,7 @@ class WeightSync:
         """Leave every engine on its last good version after `error`; `committing`: it came in
         the commit round, so some engines may have committed."""
         log.warning("push of v%d failed: %s", version, error)
+        self._cleanup_by = time.monotonic() + self.config.cleanup_timeout_s  # every round below shares it
         if begun:
             cleanup_s = self.config.cleanup_timeout_s
             self._cleanup(lambda e, _: e.abort(version, timeout_s=cleanup_s), f"abort of v{version}")
@@ -581,17 +634,19 @@ class WeightSync:
             self._end_session()
 
     def _all(self, call: Callable[[Any, Link | None], T], what: str, *, among: Sequence[int] | None = None,
-             settle: bool = False) -> list[T]:
-        """`call(engine, link)` on every engine (those at the indices `among`) at once; the
-        first error wins, raised at once or, with `settle`, once every call answered."""
+             settle: bool = False, deadline: float | None = None) -> list[T]:
+        """`call(engine, link)` on every engine (those at the indices `among`) at once, all
+        answered by `deadline` (default: timeout_s from now); the first error wins, raised
+        at once or, with `settle`, once every call answered or timed out."""
+        deadline = time.monotonic() + self.config.timeout_s if deadline is None else deadline
         links: Sequence[Link | None] = self._links or [None] * len(self.engines)
         chosen = range(len(self.engines)) if among is None else among
-        futures = [(self.engines[i], self._pool.submit(call, self.engines[i], links[i])) for i in chosen]
+        futures = [(i, self._pool.submit(call, self.engines[i], links[i])) for i in chosen]
         results: list[T] = []
         first: BaseException | None = None
-        for engine, future in futures:
+        for i, future in futures:
             try:
-                results.append(self._wait(future, f"{engine.label}: {what}"))
+                results.append(self._wait(future, f"{self.engines[i].label}: {what}", index=i, deadline=deadline))
             except BaseException as e:
                 if not settle:
                     raise
@@ -601,24 +656,42 @@ class WeightSync:
         return results
 
     def _cleanup(self, call: Callable[[Any, int], object], what: str, *, timeout_s: float | None = None) -> None:
-        """`call(engine, index)` on every engine at once after a failure, each bounded by
-        `timeout_s` (the cleanup bound by default); errors are logged, never raised."""
-        timeout_s = self.config.cleanup_timeout_s if timeout_s is None else timeout_s
-        futures = [self._pool.submit(call, e, i) for i, e in enumerate(self.engines)]
-        for engine, future in zip(self.engines, futures, strict=True):
+        """`call(engine, index)` on every engine at once, answered within `timeout_s` (the
+        cleanup bound by default; while a failed push cleans up, what is left of its shared
+        bound); errors are logged, never raised. An engine that timed out in this push is not
+        waited on: the call joins its backlog (`weightsync.cleanup`), as does every later one."""
+        limit_s = self.config.cleanup_timeout_s if timeout_s is None else timeout_s
+        deadline = self._cleanup_deadline(limit_s)
+        futures = []
+        for i, engine in enumerate(self.engines):
+            if self._backlog.stalled(i):
+                self._backlog.owe(i, what, functools.partial(call, engine, i))
+            else:
+                futures.append((i, self._pool.submit(call, engine, i)))
+        for i, future in futures:
             try:
-                self._wait(future, f"{engine.label}: {what}", timeout_s=timeout_s)
+                self._wait(future, f"{self.engines[i].label}: {what}", index=i, deadline=deadline, limit_s=limit_s)
             except WeightSyncError as e:
                 log.warning("%s", e)
 
-    def _wait(self, future: Future[T], what: str, *, timeout_s: float | None = None) -> T:
-        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+    def _cleanup_deadline(self, limit_s: float) -> float:
+        """When a cleanup round must have answered: the shared bound of a failed push's
+        cleanup while it runs, else `limit_s` from now."""
+        return self._cleanup_by if self._cleanup_by is not None else time.monotonic() + limit_s
+
+    def _wait(self, future: Future[T], what: str, *, index: int, deadline: float, limit_s: float | None = None) -> T:
+        """The answer of engine `index`'s call `future` by `deadline` (whichever fires first:
+        this or the engine client's own timeout). A call that times out marks the engine as
+        stalled for the rest of the push; `limit_s` is the bound the error names."""
+        limit_s = self.config.timeout_s if limit_s is None else limit_s
         try:
-            # A little beyond timeout_s, so the engine client's own timeout (with its
-            # better message) fires first.
-            return future.result(timeout=timeout_s * 1.2 + 1)
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
-            raise SyncTimeoutError(f"{what}: no answer within {timeout_s:.0f}s") from None
+            self._backlog.mark(index, self.engines[index].label, future)
+            raise SyncTimeoutError(f"{what}: no answer within {limit_s:.0f}s") from None
+        except SyncTimeoutError:
+            self._backlog.mark(index, self.engines[index].label)
+            raise
 
     def _verify(self, acks: Sequence[Ack]) -> tuple[bool, list[str]]:
         """Whether every ack was digest-checked (in the commit round), and notes on those that were not."""
@@ -645,10 +718,11 @@ class WeightSync:
 
     def _ask_digest_readers(self, call: Callable[[DigestReader], T], what: str) -> list[T]:
         """`call` on every engine that reports digests of its served weights (`DigestReader`), at once."""
-        readers = [e for e, c in zip(self.engines, self._capabilities(), strict=True)
+        readers = [(i, e) for i, (e, c) in enumerate(zip(self.engines, self._capabilities(), strict=True))
                    if c.reads_digests and isinstance(e, DigestReader)]
-        futures = [self._pool.submit(call, e) for e in readers]
-        return [self._wait(f, f"{e.label}: {what}") for e, f in zip(readers, futures, strict=True)]
+        deadline = time.monotonic() + self.config.timeout_s
+        futures = [(i, e, self._pool.submit(call, e)) for i, e in readers]
+        return [self._wait(f, f"{e.label}: {what}", index=i, deadline=deadline) for i, e, f in futures]
 
     # -- the other trainer ranks -------------------------------------------
 

@@ -54,6 +54,7 @@ class MemoryEngine:
         self.calls: list[str] = []
         self.fail_receive_at: int | None = None
         self.hang_receive_at: int | None = None
+        self.hang_pause = False
         self.unhang = threading.Event()
         self.corrupt_ack = False
         self.paused = False
@@ -79,6 +80,8 @@ class MemoryEngine:
 
     def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
         self.calls.append(f"pause:{policy.value}")
+        if self.hang_pause:
+            self.unhang.wait(60)
         self.paused = True
         if self.lose_pause_answer:  # paused, and the answer never came (vLLM applies a late /pause)
             raise SyncTimeoutError(f"{self.label}: pause: injected lost answer")
@@ -301,10 +304,11 @@ def test_a_pause_whose_answer_is_lost_leaves_no_engine_paused(policy: str) -> No
     with ws.WeightSync([fine, lost], transport="http", pause=policy) as sync:
         with pytest.raises(SyncTimeoutError, match="lost: pause"):
             sync.push(model, version=1)
-        assert not lost.paused and not fine.paused, "a failed push left an engine paused: its requests wait forever"
-        assert "abort" in lost.calls and lost.version == fine.version == 0
+        assert not fine.paused and fine.version == lost.version == 0
         lost.lose_pause_answer = False
-        assert sync.push(model, version=2).verified
+        assert sync.push(model, version=2).verified  # after the engine that timed out was cleaned up
+    second_begin = [i for i, call in enumerate(lost.calls) if call == "begin"][-1]
+    assert {"abort", "resume"} <= set(lost.calls[:second_begin]), "a failed push left an engine paused"
     assert not lost.paused and not fine.paused
 
 
@@ -321,6 +325,42 @@ def test_hung_engine_becomes_a_timeout() -> None:
     finally:
         engine.unhang.set()
     assert engine.version == 0
+
+
+def test_an_engine_that_timed_out_is_cleaned_up_in_the_background_before_the_next_push() -> None:
+    model = tiny()
+    engine = engine_for(model)
+    engine.hang_receive_at = 0
+    with ws.WeightSync([engine], transport="http", timeout_s=2.0) as sync:
+        try:  # the push does not wait on the hung engine again: its abort is owed
+            with pytest.raises(SyncTimeoutError, match="receiving bucket 0") as info:
+                sync.push(model, version=1)
+        finally:
+            engine.unhang.set()
+        assert any("goes out in the background" in note for note in info.value.__notes__), info.value.__notes__
+        engine.hang_receive_at = None
+        assert sync.push(model, version=2).verified
+    second_begin = [i for i, call in enumerate(engine.calls) if call == "begin"][1]
+    assert "abort" in engine.calls[:second_begin], f"the abort went out after the next push began: {engine.calls}"
+    assert same(model, engine)
+
+
+def test_a_pause_that_timed_out_is_resumed_before_the_next_push() -> None:
+    """A pause with no answer in time may still land when the engine wakes: it is resumed."""
+    model = tiny()
+    engine = engine_for(model)
+    engine.hang_pause = True
+    with ws.WeightSync([engine], transport="http", timeout_s=2.0, pause="abort") as sync:
+        try:
+            with pytest.raises(SyncTimeoutError, match="pause"):
+                sync.push(model, version=1)
+        finally:
+            engine.unhang.set()
+        engine.hang_pause = False
+        assert sync.push(model, version=2).verified
+    second_begin = [i for i, call in enumerate(engine.calls) if call == "begin"][1]
+    assert "resume" in engine.calls[:second_begin], engine.calls
+    assert not engine.paused
 
 
 def test_a_wrong_ack_is_an_integrity_error() -> None:
