@@ -18,4 +18,4 @@ export WEIGHTSYNC_REQUIRE_VLLM=1   # vLLM tests fail, never skip, when vllm is m
 export WEIGHTSYNC_REQUIRE_PEERS=1  # so do the peer-client tests when the sglang wheel files are missing
 .venv/bin/ruff check src tests
 .venv/bin/mypy
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest --durations=25 "$@"

@@ -60,6 +60,11 @@ class Answer:
     finish: str
 
 
+PUSH_TIMEOUT_S = 60.0
+"""timeout_s of the pushes under load: generous, so a push slowed by the load (or by a
+busy machine) is never failed as a stall; the fault tests prove the timeouts."""
+
+
 def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int = 3, num_pushes: int = 4,
              max_new_tokens: int = 16) -> LoadFigures:
     """`num_clients` loopback clients send greedy requests back to back while `num_pushes`
@@ -102,7 +107,7 @@ def run_load(rig: Rig, policy: str, *, transport: str = "http", num_clients: int
                     return
 
     served: dict[int, Weights] = {}
-    with rig.sync(transport, pause=policy) as sync:
+    with rig.sync(transport, pause=policy, timeout_s=PUSH_TIMEOUT_S) as sync:
         version = rig.push(sync)
         served[version] = rig.weights
         threads = [threading.Thread(target=client, args=(i,), name=f"weightsync-load-{i}", daemon=True)
