@@ -1,4 +1,4 @@
-"""Fixtures the integration modules share: one `vllm serve` for the server-form vLLM tests.
+"""One `vllm serve` for the server-form vLLM tests (a plugin module: `pytest_plugins`).
 
 A vLLM start costs 20-30 s here (three processes, each importing vLLM), so the
 server-form modules (`test_vllm_prefix_cache.py`, `test_vllm_server.py`,
@@ -8,6 +8,9 @@ holds requests where a test asks (`vllm_freezing_scheduler.py`, this directory o
 the server's PYTHONPATH) and weightsync's weight-transfer backend (found through
 this checkout's `vllm.general_plugins` entry point). Each test reads the served
 version and pushes a newer one, so the order of tests does not matter.
+
+Not a conftest.py: the suite imports every conftest.py as the module `conftest`, and
+tests/distributed's spawned ranks find their entry point there by that name.
 """
 
 from __future__ import annotations
