@@ -593,13 +593,13 @@ class WeightSync:
         for i, engine in enumerate(self._rollbackers()):
             if engine is None:
                 continue
-            call = functools.partial(engine.rollback, version, timeout_s=cleanup_s)
-            if self._backlog.stalled(i):
-                self._backlog.owe(i, f"rollback of v{version}", call)
+            future = self._cleanup_call(i, f"rollback of v{version}",
+                                        functools.partial(engine.rollback, version, timeout_s=cleanup_s))
+            if future is None:
                 error.add_note(f"{engine.label} did not answer: its rollback of v{version} goes out in the "
                                f"background (if its commit landed, it serves v{version} until then)")
             else:
-                futures.append((i, engine, self._pool.submit(call)))
+                futures.append((i, engine, future))
         undone = []
         for i, engine, future in futures:
             try:
@@ -662,17 +662,23 @@ class WeightSync:
         waited on: the call joins its backlog (`weightsync.cleanup`), as does every later one."""
         limit_s = self.config.cleanup_timeout_s if timeout_s is None else timeout_s
         deadline = self._cleanup_deadline(limit_s)
-        futures = []
-        for i, engine in enumerate(self.engines):
-            if self._backlog.stalled(i):
-                self._backlog.owe(i, what, functools.partial(call, engine, i))
-            else:
-                futures.append((i, self._pool.submit(call, engine, i)))
+        futures = [(i, self._cleanup_call(i, what, functools.partial(call, engine, i)))
+                   for i, engine in enumerate(self.engines)]
         for i, future in futures:
+            if future is None:
+                continue
             try:
                 self._wait(future, f"{self.engines[i].label}: {what}", index=i, deadline=deadline, limit_s=limit_s)
             except WeightSyncError as e:
                 log.warning("%s", e)
+
+    def _cleanup_call(self, index: int, what: str, call: Callable[[], object]) -> Future[Any] | None:
+        """Start a cleanup call to engine `index` now, or, where it timed out in this push,
+        add it to its backlog (None): it is not waited on twice."""
+        if self._backlog.stalled(index):
+            self._backlog.owe(index, what, call)
+            return None
+        return self._pool.submit(call)
 
     def _cleanup_deadline(self, limit_s: float) -> float:
         """When a cleanup round must have answered: the shared bound of a failed push's
