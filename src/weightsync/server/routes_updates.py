@@ -290,7 +290,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
-            unloads_adapters=lora_enabled, rolls_back=True,
+            unloads_adapters=lora_enabled, rolls_back=True, expert_layout="fused",
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,
