@@ -288,6 +288,12 @@ class WorkerSync:
             raise EngineError(self.who, str(e)) from None
         if manifest.mode == "sparse":
             self.keeps_base = True
+            group = fused_groups(manifest.hf_names, self._expected_metas() or self.held, self.packed_modules,
+                                 self.moe_layers)
+            unheld = [n for n in group if n not in self.held]
+            if unheld or not self.held:  # refused now (409: the coordinator sends the whole model), not at commit
+                raise ConflictError(f"{self.who} holds no copy of {format_names(unheld or ['the served weights'])}, "
+                                    "which vLLM must reload with the tensors sent; send a full update")
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
         preempted = self.session.begin(manifest)
