@@ -8,6 +8,8 @@ import pytest
 
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 
+pytest_plugins = ["vllm_shared_server"]  # fixtures: vllm_server, vllm_model_dir (the session's float32 vllm serve)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

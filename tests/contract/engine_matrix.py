@@ -11,7 +11,7 @@ filtered by the client class's declared `transports`), never listed here. Each k
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from _pytest.mark.structures import ParameterSet
 
 import vllm_support
 import weightsync as ws
+from weightsync.engines.vllm_launch import VLLMServer
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 from weightsync.transports import TRANSPORTS
@@ -28,8 +29,10 @@ Client = ws.SGLangEngine | ws.VLLMEngine
 """A client of any kind's engine (each is an `Engine`, a `probe.Generator` and reports
 `weight_version()`)."""
 VLLM_ARGS = ("--max-model-len", "1024")
-"""`vllm serve` flags of the session's vLLMs besides `--dtype` (no LoRA: the contract's
-LoRA tests run on the embedded engine; tests/integration covers vLLM's)."""
+"""`vllm serve` flags of a vLLM the pool starts itself (the bfloat16 one) besides `--dtype`.
+The float32 vLLM is the session's shared one (tests/vllm_shared_server.py), whose extra
+settings (LoRA, prefix caching, a scheduler that holds requests only when a test asks)
+leave float32 outputs as they are: every vLLM case checks parity with transformers."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,11 @@ class EnginePool:
     """The session's engines, by kind and served dtype: each is started when a test
     first asks for it and stopped by `close` (at the end of the session)."""
 
-    def __init__(self, model_dir: Path, model_root: Path, disk_root: Path) -> None:
+    def __init__(self, model_dir: Path, model_root: Path, disk_root: Path,
+                 shared_vllm: Callable[[], VLLMServer]) -> None:
         self._model_dirs = {"float32": model_dir}
+        self._shared_vllm = shared_vllm
+        """The session's float32 `vllm serve`, started when first asked for."""
         self.model_root = model_root
         """Where the tiny model is saved in other dtypes (as the embedded engine serves
         the dtype its checkpoint has)."""
@@ -134,6 +140,8 @@ class EnginePool:
             self._embedded.setdefault(dtype, []).append(server)
             return server.url
         vllm_support.require_vllm()
+        if dtype == "float32":
+            return self._shared_vllm().url
         from weightsync.engines.vllm_launch import launch_vllm_server
 
         args = ["--dtype", dtype, *VLLM_ARGS]

@@ -31,23 +31,12 @@ from weightsync.checkpoint import publish, write_bucket, write_manifest
 from weightsync.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.integrity import digest
 from weightsync.server import ServerProcess, launch_server
-from weightsync.tiny import make_tiny_model
 from weightsync.types import Manifest, TensorMeta
 from weightsync.wire import FrameHeader, encode_prefix
+from widened_model import make_widened_tiny_model as make_widened_tiny_model
+from widened_model import widen_weights as widen_weights
 
 REQUEST_TIMEOUT_S = 120.0
-
-
-def widen_weights(model: torch.nn.Module, seed: int) -> None:
-    """Redraw every non-norm weight with a larger scale (logit std around 2), so greedy
-    decoding is decisive and tokens change with the weights."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                continue
-            scale = 2.0 / param.shape[-1] ** 0.5 if param.dim() > 1 else 0.4
-            param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
 
 def load_model(model_dir: Path, weights: Mapping[str, torch.Tensor] | None = None) -> Any:
@@ -164,16 +153,6 @@ def one_torch_thread() -> Iterator[None]:
 def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The servers' --disk-root: the model lives here, update directories are written here."""
     return tmp_path_factory.mktemp("serve-root")
-
-
-def make_widened_tiny_model(model_dir: Path) -> Path:
-    """The tiny float32 Qwen2 (TinyModelConfig defaults) at `model_dir`, weights widened
-    (also the vLLM tests' model, see vllm_fixtures)."""
-    make_tiny_model(model_dir)
-    model = load_model(model_dir)
-    widen_weights(model, seed=1)
-    model.save_pretrained(model_dir)
-    return model_dir
 
 
 @pytest.fixture(scope="session")

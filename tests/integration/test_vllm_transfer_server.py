@@ -10,7 +10,7 @@ Shows: pushes over shm and disk give transformers' greedy tokens; a corrupted
 bucket, a stale version and a wrong shape leave the last good weights serving; a trainer
 SIGKILLed mid-push leaves vLLM serving and the next push takes over at once;
 an unsalted request after a push never reuses the old weights' prefix KV.
-The server is the one the server-form vLLM modules share (vllm_shared_server.py), started
+The server is the session's float32 `vllm serve` (tests/vllm_shared_server.py), started
 with the backend; each test pushes from the served version upward.
 """
 
@@ -35,7 +35,6 @@ from weightsync_tools import faults
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
-pytest_plugins = ["vllm_shared_server"]  # fixtures: vllm_server, vllm_model_dir
 
 @pytest.fixture(scope="module")
 def model_dir(vllm_model_dir: Path) -> Path:
@@ -44,7 +43,7 @@ def model_dir(vllm_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(vllm_server: VLLMServer) -> VLLMServer:
-    """The integration suite's shared `vllm serve` (vllm_shared_server.py), with the weightsync backend."""
+    """The session's float32 `vllm serve` (tests/vllm_shared_server.py), with the weightsync backend."""
     return vllm_server
 
 

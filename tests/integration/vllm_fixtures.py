@@ -14,29 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from test_server_support import make_widened_tiny_model
 
+from vllm_support import ENGINE_ARGS as ENGINE_ARGS
 from vllm_support import LOGPROB_TOLERANCE as LOGPROB_TOLERANCE
 from vllm_support import require_vllm as require_vllm
+from vllm_support import server_args as server_args
 from weightsync.shmem import SharedSlots
 from weightsync.types import BucketMeta, Delivery, Link
+from widened_model import make_widened_tiny_model
 
 PROMPTS: tuple[tuple[int, ...], ...] = ((5, 6, 7, 8), (100, 200, 300), (42, 42, 42, 42, 42, 42), (17,))
 """Fixed token-id prompts for parity checks."""
 MAX_NEW_TOKENS = 12
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 8
-ENGINE_ARGS: dict[str, Any] = dict(dtype="float32", max_model_len=1024, enable_lora=True,
-                                   max_lora_rank=16, max_loras=2)
-"""vLLM settings both forms use (the server form as flags)."""
-
-
-def server_args() -> list[str]:
-    """`ENGINE_ARGS` as `vllm serve` flags."""
-    return ["--dtype", "float32", "--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "16",
-            "--max-loras", "2"]
-
-
 def make_model_dir(root: Path) -> Path:
     """The tiny float32 Qwen2 (TinyModelConfig defaults) with widened weights, as the
     embedded-engine tests use."""
