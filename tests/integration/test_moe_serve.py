@@ -10,7 +10,10 @@ travels and is acked; a trainer without it, and one with another expert count, a
 refused before any byte moves, naming the tensor, and the engine keeps its version;
 a bfloat16 engine serves `trainer_tensor.to(bfloat16)` bit for bit and scores its own
 tokens as transformers does on those weights (the machine-independent criterion of
-tests/contract/test_sparse.py).
+tests/contract/test_sparse.py). mode="lora-merged" with PEFT LoRA on the attention layers
+serves PEFT's `merge_and_unload()` bit for bit and leaves the trainer untouched; LoRA on
+the fused experts themselves (PEFT's `target_parameters`, which PEFT 0.21 trains and
+merges) is refused before any byte moves, naming the module and the parameter.
 """
 
 from __future__ import annotations
@@ -72,6 +75,35 @@ def test_serve_takes_fused_experts_full_delta_sparse(qwen3_moe: tuple[Path, Serv
                                                    "model.layers.1.mlp.experts.down_proj"}, report.acks[0]
             assert engine.weight_version() == str(version)
             vf.assert_parity(engine, trainer)
+
+
+def test_lora_merged_on_attention_serves_the_merged_weights(qwen3_moe: tuple[Path, ServerProcess]) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model_dir, server = qwen3_moe
+    engine = ws.SGLangEngine(server.url)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft_model = get_peft_model(vf.load_trainer(model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=attention))
+    vf.set_adapter_weights(peft_model, seed=5)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    with ws.WeightSync([engine], transport="http", mode="lora-merged") as sync:
+        report = sync.push(peft_model, version=(version := next_version(engine)))
+    assert report.verified and report.mode == "lora-merged" and report.num_tensors == 25
+    served = engine.digests()
+    assert served == {n: digest(t) for n, t in merged.state_dict().items()}, "PEFT's merge, bit for bit"
+    base = vf.load_trainer(model_dir).state_dict()
+    changed = {n for n, t in merged.state_dict().items() if not torch.equal(t, base[n])}
+    assert changed == {f"model.layers.{i}.self_attn.{m}.weight" for i in (0, 1) for m in attention}
+    assert all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters()), "trainer left bit-identical"
+    vf.assert_parity(engine, merged)
+    # LoRA on the fused experts (PEFT target_parameters): PEFT trains it, weightsync refuses it by name
+    on_experts = get_peft_model(vf.load_trainer(model_dir), LoraConfig(
+        r=4, target_modules=attention, target_parameters=["mlp.experts.gate_up_proj"]))
+    with ws.WeightSync([engine], transport="http", mode="lora-merged") as sync, pytest.raises(
+            ValueError, match=r"model\.layers\.0\.mlp\.experts.*'gate_up_proj' \(PEFT target_parameters"):
+        sync.push(on_experts, version=version + 1)
+    assert engine.weight_version() == str(version) and engine.digests() == served
 
 
 def test_router_buffer_travels_and_a_trainer_without_it_is_refused(tmp_path: Path) -> None:

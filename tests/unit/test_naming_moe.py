@@ -65,3 +65,26 @@ def test_an_moe_layers_experts_reload_together_in_vllm() -> None:
               "model.layers.1.self_attn.k_proj.weight"]
     groups = layer_groups(known, moe_layers=["model.layers.1.mlp.experts"])
     assert sorted(map(sorted, groups)) == sorted([sorted(known[:6]), sorted(known[7:])])
+
+
+def test_lora_merged_per_expert_stream_and_lora_on_experts_refused() -> None:
+    """lora-merged into a per-expert engine (vLLM): attention LoRA merged, experts as views of the
+    base; LoRA on the fused experts (PEFT target_parameters) is refused by both LoRA modes."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from weightsync.lora.source import LoraSource, MergedLoraSource
+
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft_model = get_peft_model(build_model(TinyModelConfig(arch="qwen3_moe")),
+                                LoraConfig(r=4, target_modules=attention, init_lora_weights=False))
+    want = dict(ModuleSource(copy.deepcopy(peft_model).merge_and_unload()).tensors())
+    got = dict(MergedLoraSource(peft_model).tensors())
+    assert list(got) == list(want) and len(got) == 69
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    on_experts = get_peft_model(build_model(TinyModelConfig(arch="qwen3_moe")), LoraConfig(
+        r=4, target_modules=[], target_parameters=["mlp.experts.down_proj"]))
+    for stream in (LoraSource, MergedLoraSource):
+        with pytest.raises(ValueError, match=r"experts' \(ParamWrapper\): LoRA on the parameter 'down_proj'"):
+            stream(on_experts)

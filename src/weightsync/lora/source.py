@@ -15,7 +15,9 @@ Supported: PEFT LoRA (peft_type "LORA") on `nn.Linear` and transformers'
 for "lora-merged" only; rslora; any `lora_dropout` (ignored when merging);
 `lora_bias`; `modules_to_save`; `bias="none"` ("lora"; "lora-merged" takes any).
 Refused with an error naming the module: DoRA and every other LoRA variant,
-other PEFT tuner types, LoRA on conv / attention / raw parameters,
+other PEFT tuner types, LoRA on conv / attention / raw parameters (PEFT's
+`target_parameters`, e.g. a Mixture-of-Experts layer's fused `experts.gate_up_proj`:
+PEFT 0.21 trains and merges it, weightsync neither merges nor sends it),
 `trainable_token_indices`, and adapters already merged into the weights.
 """
 
@@ -32,6 +34,7 @@ from peft import PeftModel
 from peft.tuners.lora.layer import Embedding as LoraEmbedding
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraLayer
+from peft.tuners.lora.layer import ParamWrapper as LoraParamWrapper
 from peft.utils import PeftType
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
@@ -247,6 +250,12 @@ def _check_layer(found: AdapterLayer, adapter: str, mode: str) -> list[_LoraTarg
         raise ValueError(f"{where} is a non-LoRA PEFT tuner layer; mode {mode!r} supports {SUPPORTED}")
     if adapter not in layer.lora_A and adapter not in layer.lora_embedding_A:
         return []  # another adapter's layer
+    if isinstance(layer, LoraParamWrapper):
+        raise ValueError(
+            f"{where}: LoRA on the parameter {layer.parameter_name!r} (PEFT target_parameters; on a "
+            f"Mixture-of-Experts layer, its fused experts) is not supported: mode {mode!r} neither merges nor "
+            "sends it. Put the adapter on attention and dense layers (target_modules), or push mode='full'"
+        )
     if not isinstance(layer, LoraLinear | LoraEmbedding):
         raise ValueError(f"{where}: LoRA on this layer type is not supported; mode {mode!r} supports {SUPPORTED}")
     if isinstance(layer, LoraEmbedding) and mode == "lora":
@@ -379,8 +388,8 @@ class MergedLoraSource(_PeftStream):
         ]
         # Which weights each layer modifies, found by identity (a tied weight is one
         # Parameter under one hf_name; two layers on it merge in module order, as PEFT does).
+        # (LoRA on a fused expert parameter is a PEFT ParamWrapper, refused by _check_layer.)
         hf_name_of = {id(p.param): p.hf_name for p in names.params if p.expert is None}
-        fused = {id(p.param) for p in names.params if p.expert is not None}
         self._merges: dict[str, list[tuple[_LoraTarget, str]]] = {}
         for target in targets:
             base = target.layer.get_base_layer()
@@ -392,9 +401,6 @@ class MergedLoraSource(_PeftStream):
                         f"module {target.trainer_prefix!r} has lora_bias=True but its base layer has no "
                         f"{part}; PEFT cannot merge it either"
                     )
-                if id(param) in fused:
-                    raise ValueError(f"module {target.trainer_prefix!r}: LoRA on fused expert parameters is not "
-                                     "merged by weightsync; put adapters on attention and dense layers")
                 hf_name = hf_name_of.get(id(param))
                 assert hf_name is not None, f"base {part} of {target.trainer_prefix!r} was not named"
                 self._merges.setdefault(hf_name, []).append((target, part))
