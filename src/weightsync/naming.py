@@ -14,8 +14,23 @@ be a real module name. The wrappers:
 
 Parameters are visited once each (tied weights are shared Parameter objects),
 so a model with tied embeddings yields `model.embed_tokens.weight` and no
-`lm_head.weight`, exactly like its saved checkpoint. Buffers are not weights
-and are never sent.
+`lm_head.weight`, exactly like its saved checkpoint. Persistent buffers (those in
+`state_dict()`, which `save_pretrained` writes and the engines load: a router's
+`e_score_correction_bias`) are named like parameters and travel with them;
+non-persistent ones (rotary `inv_freq` caches) are derived state and never sent.
+
+Mixture-of-Experts: transformers 5 holds a layer's experts fused, as 3-D
+parameters (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`
+`[E, H, I]`), while checkpoints hold one tensor per expert and projection
+(`mlp.experts.{e}.gate_proj.weight`, ...). With `expert_layout="per-expert"` each
+fused parameter is named as those checkpoint tensors, each an `ExpertSlice` of it
+(a view: expert e on dim 0, then gate or up as a half of dim 1). Fused experts are
+recognised by what the module declares, never by its names: the layout flags
+transformers' `use_experts_implementation` sets on every experts module
+(`is_concatenated`, `is_transposed`, `has_gate`, `has_bias`), and the checkpoint
+names and the split come from transformers' own conversion mapping of the model
+(`get_model_conversion_mapping`, the table `from_pretrained` fuses with and
+`save_pretrained` splits by).
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -36,13 +52,48 @@ _TRANSPARENT_TYPES = ("DistributedDataParallel", "DataParallel", "OptimizedModul
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "base_layer", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
+ExpertLayout = Literal["per-expert", "fused"]
+"""How an engine loads a Mixture-of-Experts layer's experts: "per-expert", one checkpoint
+tensor per expert and projection (what `save_pretrained` writes, what vLLM's and SGLang's
+loaders read), or "fused", the 3-D parameters transformers 5 holds (`weightsync serve`)."""
+EXPERT_LAYOUTS: tuple[ExpertLayout, ...] = ("per-expert", "fused")
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """One checkpoint tensor of a fused 3-D expert parameter: expert `expert` (dim 0),
+    then part `part` of `parts` equal chunks of the remaining first dim (gate = 0 and
+    up = 1 of `gate_up_proj`; down_proj is one part). Always a view, contiguous where
+    the parameter is."""
+
+    expert: int
+    part: int = 0
+    parts: int = 1
+
+    def of(self, fused: torch.Tensor) -> torch.Tensor:
+        """This slice of the whole (unsharded) fused tensor, as a view."""
+        one = fused[self.expert]
+        return one if self.parts == 1 else one.chunk(self.parts, dim=0)[self.part]
+
+    def shape(self, fused_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The slice's shape, from the fused parameter's full shape."""
+        return (fused_shape[1] // self.parts, *fused_shape[2:])
+
+
 @dataclass(frozen=True)
 class ParamName:
-    """One trainer parameter and the checkpoint name it is sent under."""
+    """One trainer parameter (or persistent buffer, or one expert slice of a fused
+    parameter) and the checkpoint name it is sent under."""
 
     hf_name: str
     trainer_name: str
+    """The parameter's (or buffer's) name in the trainer's `named_parameters()`."""
     param: torch.Tensor
+    """The parameter or buffer as the tree holds it when walked (fused: the whole 3-D one)."""
+    expert: ExpertSlice | None = None
+    """Where the checkpoint tensor lies in a fused expert parameter (None: the whole tensor)."""
+    is_buffer: bool = False
+    """A persistent buffer (`module.get_buffer`), not a parameter."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +159,13 @@ def _child(module: nn.Module, attr: str) -> nn.Module:
 
 
 class _Walker:
-    def __init__(self, adapter_name: str | None) -> None:
+    def __init__(self, adapter_name: str | None, expert_layout: ExpertLayout | None) -> None:
         self.adapter_name = adapter_name
+        self.expert_layout = expert_layout
+        self.conversions: list[tuple[str, nn.Module]] = []
+        """(hf_prefix, model) of the transformers models (`PreTrainedModel`) the walk is
+        inside, innermost last: their conversion mappings name fused experts' tensors."""
+        self.converters: dict[int, list[tuple[str, tuple[str, ...]]]] = {}
         self.params: list[ParamName] = []
         self.adapter_layers: list[AdapterLayer] = []
         self.adapter_param_ids: set[int] = set()
@@ -141,16 +197,60 @@ class _Walker:
             if hasattr(module, "modules_to_save") and hasattr(module, "original_module"):
                 self._modules_to_save(module, hf_prefix, trainer_prefix)
                 return
-        for pname, param in module.named_parameters(recurse=False):
-            self.add(hf_prefix + pname, trainer_prefix + pname, param)
-        for cname, child in module.named_children():
-            self.walk(child, f"{hf_prefix}{cname}.", f"{trainer_prefix}{cname}.")
+        pretrained = _is_pretrained(module)
+        if pretrained:
+            self.conversions.append((hf_prefix, module))
+        try:
+            if self.expert_layout == "per-expert" and _holds_fused_experts(module):
+                self._fused_experts(module, hf_prefix, trainer_prefix)
+            else:
+                for pname, param in module.named_parameters(recurse=False):
+                    self.add(hf_prefix + pname, trainer_prefix + pname, param)
+            for bname, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and bname not in module._non_persistent_buffers_set:
+                    self.add(hf_prefix + bname, trainer_prefix + bname, buffer, is_buffer=True)
+            for cname, child in module.named_children():
+                self.walk(child, f"{hf_prefix}{cname}.", f"{trainer_prefix}{cname}.")
+        finally:
+            if pretrained:
+                self.conversions.pop()
 
-    def add(self, hf_name: str, trainer_name: str, param: torch.Tensor) -> None:
+    def add(self, hf_name: str, trainer_name: str, param: torch.Tensor, *, is_buffer: bool = False,
+            slices: Iterable[tuple[str, ExpertSlice]] = ()) -> None:
         if id(param) in self.seen:
             return  # tied: already emitted under its first name
         self.seen[id(param)] = trainer_name
-        self.params.append(ParamName(hf_name=hf_name, trainer_name=trainer_name, param=param))
+        slices = list(slices)
+        if not slices:
+            self.params.append(ParamName(hf_name=hf_name, trainer_name=trainer_name, param=param,
+                                         is_buffer=is_buffer))
+        for slice_name, where in slices:
+            self.params.append(ParamName(hf_name=slice_name, trainer_name=trainer_name, param=param, expert=where))
+
+    def _fused_experts(self, module: nn.Module, hf_prefix: str, trainer_prefix: str) -> None:
+        """Each fused 3-D parameter of a transformers experts module, as its per-expert
+        checkpoint tensors (names and split from the model's conversion mapping)."""
+        model_prefix, model = self.conversions[-1] if self.conversions else ("", None)
+        if model is not None and id(model) not in self.converters:
+            self.converters[id(model)] = _expert_converters(model)
+        converters = self.converters[id(model)] if model is not None else []
+        for pname, param in module.named_parameters(recurse=False):
+            hf_name = hf_prefix + pname
+            relative = hf_name[len(model_prefix):]
+            found = [c for c in converters if relative == c[0] or relative.endswith("." + c[0])]
+            if not found:
+                raise NamingError(
+                    f"{trainer_prefix}{pname} is a fused expert parameter ({type(module).__name__}) with no "
+                    "per-expert checkpoint layout in transformers' conversion mapping of this model; push it to "
+                    "an engine that takes fused experts (expert_layout='fused')")
+            target, patterns = found[0]
+            if param.dim() != 3 or param.shape[1] % len(patterns):
+                raise NamingError(f"{trainer_prefix}{pname}: shape {tuple(param.shape)} is not [experts, "
+                                  f"{len(patterns)} x rows, cols] as its conversion to {patterns} needs")
+            stem = hf_name[: len(hf_name) - len(target)]
+            slices = [(stem + pattern.replace("*", str(e)), ExpertSlice(expert=e, part=k, parts=len(patterns)))
+                      for e in range(param.shape[0]) for k, pattern in enumerate(patterns)]
+            self.add(hf_name, trainer_prefix + pname, param, slices=slices)
 
     def _tuner_layer(self, layer: nn.Module, hf_prefix: str, trainer_prefix: str) -> None:
         base = layer.get_base_layer()  # type: ignore[operator]
@@ -174,19 +274,69 @@ class _Walker:
         self.adapter_param_ids.update(id(p) for p in wrapper.original_module.parameters())  # type: ignore[union-attr]
 
 
+def _is_pretrained(module: nn.Module) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel)
+
+
+_EXPERT_FLAGS = ("is_concatenated", "is_transposed", "has_gate", "has_bias")
+
+
+def _holds_fused_experts(module: nn.Module) -> bool:
+    """A transformers experts module (its class decorated by `use_experts_implementation`,
+    which sets these layout flags on every instance) holding 3-D expert parameters."""
+    if not all(isinstance(module.__dict__.get(flag), bool) for flag in _EXPERT_FLAGS):
+        return False
+    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def _expert_converters(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """(fused target pattern, per-expert source patterns) of every conversion of `model`
+    that stacks per-expert tensors on dim 0 and, for several, concatenates them on dim 1:
+    the two transformers declares for its MoE families (its `MergeModulelist(dim=0)`,
+    then `Concatenate(dim=1)` for gate and up). Other conversions are left out, so a
+    fused parameter converted another way (transposed, interleaved) is refused by name."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    out = []
+    for conversion in get_model_conversion_mapping(model, add_legacy=False):  # type: ignore[arg-type]
+        if not isinstance(conversion, WeightConverter) or len(conversion.target_patterns) != 1:
+            continue
+        ops = list(conversion.operations)
+        sources = tuple(conversion.source_patterns)
+        stacked = len(ops) >= 1 and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+        if not stacked or any(p.count("*") != 1 for p in sources):
+            continue
+        merged = len(ops) == 1 and len(sources) == 1
+        concatenated = len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1 and len(sources) > 1
+        if merged or concatenated:
+            out.append((conversion.target_patterns[0], sources))
+    return out
+
+
 def map_names(
     model: nn.Module,
     *,
     adapter_name: str | None = None,
     expected: Collection[str] | None = None,
+    expert_layout: ExpertLayout | None = None,
 ) -> ModelNames:
-    """Walk `model` and name every base weight by its checkpoint name.
+    """Walk `model` and name every base weight (and persistent buffer) by its checkpoint name.
 
     `adapter_name` picks the PEFT adapter whose `modules_to_save` copy is sent
     (default: the first). With `expected` (the checkpoint's keys), any name not
     in it, or any expected name not produced, raises NamingError listing them.
+    `expert_layout`: "per-expert" names each fused expert parameter as its
+    per-expert checkpoint tensors (`ExpertSlice`s); "fused" or None (default)
+    leaves the experts as the model holds them.
     """
-    walker = _Walker(adapter_name)
+    if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"unknown expert_layout {expert_layout!r}; one of {list(EXPERT_LAYOUTS)}")
+    walker = _Walker(adapter_name, expert_layout)
     walker.walk(model, "", "")
     names = ModelNames(params=tuple(walker.params), adapter_layers=tuple(walker.adapter_layers))
     _check_complete(model, walker)

@@ -69,7 +69,7 @@ from weightsync.errors import (
 from weightsync.hosts import is_local_host, is_loopback, local_address_towards, url_host
 from weightsync.integrity import ack_problems, digest
 from weightsync.modes import ModeOptions, PushMode, Selection, make_mode, make_source
-from weightsync.naming import rename
+from weightsync.naming import ExpertLayout, rename
 from weightsync.owners import session_owner
 from weightsync.pipeline import Stages, stream_buckets
 from weightsync.sources import WeightSource
@@ -236,6 +236,8 @@ class WeightSync:
         self._cleanup_by: float | None = None
         """While a failed push cleans up: when every cleanup round must have answered."""
         self._caps: list[EngineCapabilities] | None = None
+        self._expert_layout: ExpertLayout = "per-expert"
+        """The expert layout of the push under way (`_layout`), which other trainer ranks read in too."""
         """What each engine can do; asked once per transport session."""
         self.owner = session_owner()
         """This trainer's identity on the engines: its sessions are never taken by another
@@ -302,7 +304,8 @@ class WeightSync:
         started = time.perf_counter()
         stages = Stages()
         planner = _Planner(self, stages)
-        source = mode.source(model)
+        self._expert_layout = self._layout(self._capabilities())
+        source = mode.source(model, expert_layout=self._expert_layout)
         mode.prepare(model, version, planner)
         while True:
             plan = self._plan(mode, source, version, planner)
@@ -382,7 +385,8 @@ class WeightSync:
             assert self._transport is not None
             self._transport.begin(manifest)
             step = plan.selection.follower_step
-            self._share_with_followers(mode=source.mode, order=plan.order, **({"step": step} if step else {}))
+            self._share_with_followers(mode=source.mode, order=plan.order, expert_layout=self._expert_layout,
+                                       **({"step": step} if step else {}))
             digests = stream_buckets(
                 plan.selection.stream or source, manifest.buckets, plan.order, plan.to_engine,
                 slot=self._transport.slot,
@@ -490,6 +494,15 @@ class WeightSync:
             raise CastError(f"engine replicas serve different dtypes ({listed}); start them with one dtype, "
                             "or pass dtype= to send one (an engine that cannot take it refuses at begin)")
         return next(iter(served.values()), None)
+
+    def _layout(self, caps: Sequence[EngineCapabilities]) -> ExpertLayout:
+        """The expert layout the engines load (`EngineCapabilities.expert_layout`); replicas must agree."""
+        layouts = {e.label: c.expert_layout for e, c in zip(self.engines, caps, strict=True)}
+        if len(set(layouts.values())) > 1:
+            listed = ", ".join(f"{label} loads {layout}" for label, layout in layouts.items())
+            raise ValueError(f"engine replicas load Mixture-of-Experts layers in different layouts ({listed}); "
+                             "push to each kind with its own WeightSync")
+        return next(iter(layouts.values()), "per-expert")
 
     def _digest_algorithm(self) -> str:
         """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`)."""
@@ -711,7 +724,7 @@ class WeightSync:
         """Digest of every tensor of `source` as the engines would hold it (cast to
         `cast_to` where floating); every trainer rank gathers along."""
         names = [m.hf_name for m in source.metas()]
-        self._share_with_followers(mode=source.mode, order=names)
+        self._share_with_followers(mode=source.mode, order=names, expert_layout=self._expert_layout)
         return {name: digest(t.to(_sent_dtype(t.dtype, cast_to)).contiguous()) for name, t in source.tensors(names)}
 
     def _served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:
@@ -756,7 +769,8 @@ class WeightSync:
                 self._mode.follow(model, message["step"], message.get("order"), self.ranks,
                                   timeout_s=self.config.timeout_s)
                 continue
-            source = make_source(model, message["mode"], adapter_name=self.config.adapter_name)
+            source = make_source(model, message["mode"], adapter_name=self.config.adapter_name,
+                                 expert_layout=message.get("expert_layout", "per-expert"))
             for _ in source.tensors(message["order"]):
                 pass
 

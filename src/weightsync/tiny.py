@@ -37,7 +37,9 @@ class TinyModelConfig:
     """Shape of a tiny model; defaults make a ~1 MB float32 model."""
 
     arch: str = "qwen2"
-    """"qwen2" or "llama"."""
+    """"qwen2", "llama", or a Mixture-of-Experts model: "qwen3_moe" (every layer MoE) or
+    "glm4_moe" (layer 0 dense, the others MoE with a shared expert and a router bias buffer,
+    `e_score_correction_bias`, as GLM-4.5 and DeepSeek-V3 hold it)."""
     num_layers: int = 2
     """Decoder layers."""
     num_heads: int = 2
@@ -46,6 +48,10 @@ class TinyModelConfig:
     """Key/value heads (grouped-query attention)."""
     intermediate_size: int = 256
     """MLP width."""
+    num_experts: int = 8
+    """MoE archs: routed experts per MoE layer."""
+    moe_intermediate_size: int = 64
+    """MoE archs: each expert's MLP width."""
     vocab_size: int = 512
     """Vocabulary (the tokenizer is trained to exactly this size)."""
     tie_word_embeddings: bool = False
@@ -85,7 +91,18 @@ def _hf_config(cfg: TinyModelConfig) -> Any:
         from transformers import LlamaConfig
 
         return LlamaConfig(**common, head_dim=HEAD_DIM)
-    raise ValueError(f"unknown arch {cfg.arch!r}; use 'qwen2' or 'llama'")
+    moe: dict[str, Any] = dict(moe_intermediate_size=cfg.moe_intermediate_size, num_experts_per_tok=2,
+                               head_dim=HEAD_DIM)
+    if cfg.arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, **moe, num_experts=cfg.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
+    if cfg.arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(**common, **moe, n_routed_experts=cfg.num_experts, n_shared_experts=1,
+                             first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=False)
+    raise ValueError(f"unknown arch {cfg.arch!r}; use 'qwen2', 'llama', 'qwen3_moe' or 'glm4_moe'")
 
 
 def build_model(cfg: TinyModelConfig) -> Any:
@@ -101,6 +118,10 @@ def build_model(cfg: TinyModelConfig) -> Any:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+        persistent = set(model.state_dict())
+        for name, b in model.named_buffers():  # router biases (glm4_moe): zeros at init
+            if name in persistent and b.is_floating_point():
+                b.add_(torch.randn(b.shape, generator=gen) * 0.02)
     return model.to(getattr(torch, cfg.dtype)).eval()
 
 

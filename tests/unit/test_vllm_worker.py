@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weightsync.engines.vllm_worker import fused_groups
+from weightsync.engines.vllm_reload import fused_groups
 
 LAYER = "model.layers.3"
 KNOWN = {f"{LAYER}.self_attn.{p}.{leaf}": None for p in ("q_proj", "k_proj", "v_proj") for leaf in ("weight", "bias")}

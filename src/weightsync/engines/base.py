@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from weightsync.naming import EXPERT_LAYOUTS, ExpertLayout
 from weightsync.types import (
     Ack,
     BucketMeta,
@@ -107,6 +108,11 @@ class EngineCapabilities:
     """Checkpoint tensors the engine only loads together (vLLM reloads a fused
     qkv_proj or gate_up_proj from all of its checkpoint tensors at once): a delta
     that changes one tensor of a group sends the whole group."""
+    expert_layout: ExpertLayout = "per-expert"
+    """How the engine loads a Mixture-of-Experts model's experts (`naming.ExpertLayout`):
+    "per-expert" checkpoint tensors (vLLM, SGLang: what `save_pretrained` writes), or
+    "fused" 3-D parameters (`weightsync serve`, which holds transformers' model). A
+    trainer's fused experts are sent as per-expert views for the first."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form an engine serves (`/weightsync/info` "capabilities")."""
@@ -118,6 +124,7 @@ class EngineCapabilities:
             "unloads_adapters": self.unloads_adapters, "rolls_back": self.rolls_back,
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
             **({"fused_groups": [list(g) for g in self.fused_groups]} if self.fused_groups else {}),
+            "expert_layout": self.expert_layout,
         }
 
     @classmethod
@@ -136,7 +143,15 @@ class EngineCapabilities:
             rolls_back=bool(d.get("rolls_back", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),
             fused_groups=tuple(tuple(str(n) for n in g) for g in d.get("fused_groups") or ()),
+            expert_layout=_expert_layout(d.get("expert_layout", "per-expert")),
         )
+
+
+def _expert_layout(value: object) -> ExpertLayout:
+    for layout in EXPERT_LAYOUTS:
+        if value == layout:
+            return layout
+    raise ValueError(f"unknown expert_layout {value!r}; one of {list(EXPERT_LAYOUTS)}")
 
 
 @runtime_checkable

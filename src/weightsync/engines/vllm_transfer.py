@@ -271,6 +271,10 @@ class _WorkerView:
     def device(self) -> torch.device:
         return self._engine.device
 
+    @property
+    def model(self) -> Any:
+        return self._engine.model
+
     def reload_weights(self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]],
                        is_checkpoint_format: bool = True) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload

@@ -48,6 +48,11 @@ Boundaries:
   a failed reload) it refuses sparse updates with 409: the coordinator then sends
   the whole model, which fills the copy.
 
+- Mixture-of-Experts: the workers take the checkpoint's per-expert tensors
+  (`EngineCapabilities.expert_layout` "per-expert", the checkpoint vLLM started from;
+  its loader also reads fused 3-D experts, docs/MOE.md), checked one by one by the dry
+  run; what reloads together and the CPU backend's MoE reload: `engines.vllm_reload`.
+
 Method names all start with `weightsync_`: vLLM refuses an extension whose
 attribute names clash with the worker's own.
 """
@@ -60,13 +65,20 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from weightsync.checkpoint import read_checkpoint_metas
+from weightsync.engines.vllm_reload import (
+    PACKED_MODULES,
+    fused_groups,
+    layer_groups,
+    moe_kernels_rebuilt,
+    moe_layer_names,
+)
 from weightsync.errors import (
     ConflictError,
     EngineError,
@@ -213,6 +225,7 @@ class WorkerSync:
         `PACKED_MODULES`)."""
         self.worker = worker
         self._packed = packed_modules
+        self._moe_layers: Sequence[str] | None = None
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
         self.dirty = False
@@ -273,6 +286,12 @@ class WorkerSync:
             raise EngineError(self.who, str(e)) from None
         if manifest.mode == "sparse":
             self.keeps_base = True
+            group = fused_groups(manifest.hf_names, self._expected_metas() or self.held, self.packed_modules,
+                                 self.moe_layers)
+            unheld = [n for n in group if n not in self.held]
+            if unheld or not self.held:  # refused now (409: the coordinator sends the whole model), not at commit
+                raise ConflictError(f"{self.who} holds no copy of {format_names(unheld or ['the served weights'])}, "
+                                    "which vLLM must reload with the tensors sent; send a full update")
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
         preempted = self.session.begin(manifest)
@@ -349,17 +368,28 @@ class WorkerSync:
     def expected(self) -> Mapping[str, TensorMeta] | None:
         return self._expected_metas()
 
+    def _model(self) -> Any:
+        """vLLM's model in this worker (None where the worker object has none to show)."""
+        return getattr(self.worker, "model", None) or getattr(getattr(self.worker, "model_runner", None), "model",
+                                                               None)
+
     @property
     def packed_modules(self) -> Mapping[str, Sequence[str]]:
         """The model's fused linears (vLLM's `packed_modules_mapping`)."""
         if self._packed is None:
-            model = getattr(getattr(self.worker, "model_runner", None), "model", None)
-            self._packed = getattr(model, "packed_modules_mapping", None) or PACKED_MODULES
+            self._packed = getattr(self._model(), "packed_modules_mapping", None) or PACKED_MODULES
         return self._packed
+
+    @property
+    def moe_layers(self) -> Sequence[str]:
+        """Checkpoint prefixes of the model's MoE layers (`moe_layer_names`)."""
+        if self._moe_layers is None:
+            self._moe_layers = moe_layer_names(self._model())
+        return self._moe_layers
 
     def fused_groups(self) -> list[tuple[str, ...]]:
         """The served checkpoint's tensors that vLLM reloads together (`layer_groups`)."""
-        return layer_groups(self._expected_metas() or self.held, self.packed_modules)
+        return layer_groups(self._expected_metas() or self.held, self.packed_modules, self.moe_layers)
 
     def base_tensor(self, hf_name: str) -> torch.Tensor | None:
         """The served tensor as this worker holds it (`held`), for a sparse update."""
@@ -370,7 +400,8 @@ class WorkerSync:
         sent = list(manifest.hf_names)
         tensors = dict(update.tensors)
         if manifest.mode == "sparse":  # the whole fused group of every touched tensor, from `held`
-            group = [n for n in fused_groups(sent, self._expected_metas() or self.held, self.packed_modules)
+            group = [n for n in fused_groups(sent, self._expected_metas() or self.held, self.packed_modules,
+                                             self.moe_layers)
                      if n not in tensors]
             unheld = [n for n in group if n not in self.held]
             if unheld:
@@ -386,7 +417,8 @@ class WorkerSync:
 
         self.dirty = True  # until reload_weights returns: a failure midway leaves a mix
         before, self.held = self.held, {}  # no copy to patch until this reload succeeds
-        self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        with moe_kernels_rebuilt(self._model()):
+            self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         if len(loaded) != len(tensors):
             raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
                                  "the weights are a mix: push a full update")
@@ -540,35 +572,6 @@ def _checkpoint_dir(model_config: Any, load_config: Any) -> Path | None:
         return None
 
 
-PACKED_MODULES: Mapping[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
-                                                 "gate_up_proj": ("gate_proj", "up_proj")}
-"""vLLM's `packed_modules_mapping` of the Llama/Qwen family: for a model that declares none."""
-
-
-def layer_groups(known: Iterable[str], packed: Mapping[str, Sequence[str]] = PACKED_MODULES) -> list[tuple[str, ...]]:
-    """Checkpoint tensors (of `known`) that load into one vLLM layer, where there are
-    several: a layer's weight and bias, and the shards of its fused linears (`packed`, the
-    model's `packed_modules_mapping`: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj).
-    A tensor's layer is its checkpoint module path with a shard's name (a whole path
-    component, never a substring) replaced by its fused layer's. vLLM's reload rebuilds a
-    layer from the tensors it is given, so these go together or not at all."""
-    fused_of = {shard: fused for fused, shards in packed.items() for shard in shards}
-    layers: dict[tuple[str, ...], list[str]] = {}
-    for hf_name in known:
-        module = hf_name.split(".")[:-1]
-        layer = (*module[:-1], fused_of.get(module[-1], module[-1])) if module else ()
-        layers.setdefault(layer, []).append(hf_name)
-    return [tuple(names) for names in layers.values() if len(names) > 1]
-
-
-def fused_groups(hf_names: Sequence[str], known: Iterable[str],
-                 packed: Mapping[str, Sequence[str]] = PACKED_MODULES) -> list[str]:
-    """`hf_names` and every other tensor of `known` in the same vLLM layer (`layer_groups`),
-    each once: what vLLM must reload together."""
-    group_of = {name: group for group in layer_groups(known, packed) for name in group}
-    return list(dict.fromkeys(member for name in hf_names for member in group_of.get(name, (name,))))
-
-
 def _remove_stale_lora_roots() -> None:
     """Delete adapter directories of worker processes that are gone (vLLM kills its
     workers at shutdown, so their atexit cleanup may never run)."""
@@ -594,5 +597,4 @@ def _lora_module(peft_name: str) -> str | None:
     return None
 
 
-__all__ = ["EXTENSION", "PACKED_MODULES", "WeightSyncWorkerExtension", "WorkerSync", "error_payload",
-           "fused_groups", "layer_groups"]
+__all__ = ["EXTENSION", "WeightSyncWorkerExtension", "WorkerSync", "error_payload"]

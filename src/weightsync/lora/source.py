@@ -15,7 +15,9 @@ Supported: PEFT LoRA (peft_type "LORA") on `nn.Linear` and transformers'
 for "lora-merged" only; rslora; any `lora_dropout` (ignored when merging);
 `lora_bias`; `modules_to_save`; `bias="none"` ("lora"; "lora-merged" takes any).
 Refused with an error naming the module: DoRA and every other LoRA variant,
-other PEFT tuner types, LoRA on conv / attention / raw parameters,
+other PEFT tuner types, LoRA on conv / attention / raw parameters (PEFT's
+`target_parameters`, e.g. a Mixture-of-Experts layer's fused `experts.gate_up_proj`:
+PEFT 0.21 trains and merges it, weightsync neither merges nor sends it),
 `trainable_token_indices`, and adapters already merged into the weights.
 """
 
@@ -32,12 +34,13 @@ from peft import PeftModel
 from peft.tuners.lora.layer import Embedding as LoraEmbedding
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.layer import LoraLayer
+from peft.tuners.lora.layer import ParamWrapper as LoraParamWrapper
 from peft.utils import PeftType
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from weightsync.lora.merge import merge_bias, merge_embedding, merge_linear
-from weightsync.naming import AdapterLayer, ModelNames, map_names
+from weightsync.naming import AdapterLayer, ExpertLayout, ModelNames, map_names
 from weightsync.sources.fsdp import full_tensor, global_shape
 from weightsync.types import TensorMeta
 
@@ -247,6 +250,12 @@ def _check_layer(found: AdapterLayer, adapter: str, mode: str) -> list[_LoraTarg
         raise ValueError(f"{where} is a non-LoRA PEFT tuner layer; mode {mode!r} supports {SUPPORTED}")
     if adapter not in layer.lora_A and adapter not in layer.lora_embedding_A:
         return []  # another adapter's layer
+    if isinstance(layer, LoraParamWrapper):
+        raise ValueError(
+            f"{where}: LoRA on the parameter {layer.parameter_name!r} (PEFT target_parameters; on a "
+            f"Mixture-of-Experts layer, its fused experts) is not supported: mode {mode!r} neither merges nor "
+            "sends it. Put the adapter on attention and dense layers (target_modules), or push mode='full'"
+        )
     if not isinstance(layer, LoraLinear | LoraEmbedding):
         raise ValueError(f"{where}: LoRA on this layer type is not supported; mode {mode!r} supports {SUPPORTED}")
     if isinstance(layer, LoraEmbedding) and mode == "lora":
@@ -285,11 +294,12 @@ class _PeftStream:
 
     mode: str
 
-    def __init__(self, model: nn.Module, *, adapter_name: str | None = None) -> None:
+    def __init__(self, model: nn.Module, *, adapter_name: str | None = None,
+                 expert_layout: ExpertLayout | None = None) -> None:
         self.model = model
         self._peft_model = find_peft_model(model)
         self.adapter_name = resolve_adapter_name(self._peft_model, adapter_name)
-        self._names = map_names(model, adapter_name=self.adapter_name)
+        self._names = map_names(model, adapter_name=self.adapter_name, expert_layout=expert_layout)
         self._targets = _lora_targets(self._names, self._peft_model, self.adapter_name, self.mode)
 
 
@@ -366,16 +376,20 @@ class MergedLoraSource(_PeftStream):
 
     mode = "lora-merged"
 
-    def __init__(self, model: nn.Module, *, adapter_name: str | None = None) -> None:
-        super().__init__(model, adapter_name=adapter_name)
+    def __init__(self, model: nn.Module, *, adapter_name: str | None = None,
+                 expert_layout: ExpertLayout = "per-expert") -> None:
+        super().__init__(model, adapter_name=adapter_name, expert_layout=expert_layout)
         names, targets = self._names, self._targets
-        self._refs = {p.hf_name: _ref(model, p.trainer_name) for p in names.params}
+        self._refs = {p.hf_name: (_ref(model, p.trainer_name), p.expert) for p in names.params}
         self._metas = [
-            TensorMeta(hf_name=p.hf_name, dtype=p.param.dtype, shape=global_shape(p.param)) for p in names.params
+            TensorMeta(hf_name=p.hf_name, dtype=p.param.dtype,
+                       shape=p.expert.shape(global_shape(p.param)) if p.expert else global_shape(p.param))
+            for p in names.params
         ]
         # Which weights each layer modifies, found by identity (a tied weight is one
         # Parameter under one hf_name; two layers on it merge in module order, as PEFT does).
-        hf_name_of = {id(p.param): p.hf_name for p in names.params}
+        # (LoRA on a fused expert parameter is a PEFT ParamWrapper, refused by _check_layer.)
+        hf_name_of = {id(p.param): p.hf_name for p in names.params if p.expert is None}
         self._merges: dict[str, list[tuple[_LoraTarget, str]]] = {}
         for target in targets:
             base = target.layer.get_base_layer()
@@ -401,14 +415,23 @@ class MergedLoraSource(_PeftStream):
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, merged weight) in the order asked; the trainer's tensors are never written."""
+        gathered: tuple[_Ref, torch.Tensor] | None = None  # a fused expert parameter, for its run of experts
         for hf_name in self._refs if hf_names is None else hf_names:
             if hf_name not in self._refs:
                 raise KeyError(f"{hf_name!r} is not a weight of this model")
-            yield hf_name, self._merged(hf_name)
+            ref, expert = self._refs[hf_name]
+            if expert is None:
+                gathered = None
+                yield hf_name, self._merged(hf_name)
+                continue
+            if gathered is None or gathered[0] != ref:
+                gathered = None
+                gathered = (ref, full_tensor(ref.get()))
+            yield hf_name, expert.of(gathered[1])
 
     @torch.no_grad()
     def _merged(self, hf_name: str) -> torch.Tensor:
-        tensor = full_tensor(self._refs[hf_name].get())
+        tensor = full_tensor(self._refs[hf_name][0].get())
         for target, part in self._merges.get(hf_name, ()):
             tensor = target.merged_weight(tensor) if part == "weight" else target.merged_bias(tensor)
         return tensor

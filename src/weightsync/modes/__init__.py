@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
+from weightsync.naming import ExpertLayout
 from weightsync.sources import WeightSource
 from weightsync.types import MODES
 
@@ -43,19 +44,21 @@ def make_mode(name: str, options: ModeOptions | None = None) -> PushMode:
 
 
 def make_source(model: nn.Module | WeightSource, mode: str = "full", *,
-                adapter_name: str | None = None) -> WeightSource:
+                adapter_name: str | None = None, expert_layout: ExpertLayout = "per-expert") -> WeightSource:
     """The stream `mode` reads from `model` ("delta" and "sparse" read like "full"); a `WeightSource`
-    that is not a module is its own stream."""
-    return make_mode(mode, ModeOptions(adapter_name=adapter_name)).source(model)
+    that is not a module is its own stream. `expert_layout`: see `naming.ExpertLayout`."""
+    return make_mode(mode, ModeOptions(adapter_name=adapter_name)).source(model, expert_layout=expert_layout)
 
 
-def named_weights(model: nn.Module, *, mode: str = "full",
-                  adapter_name: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(hf_name, tensor)` for every weight of `model` in `mode`, in module order.
+def named_weights(model: nn.Module, *, mode: str = "full", adapter_name: str | None = None,
+                  expert_layout: ExpertLayout = "per-expert") -> Iterator[tuple[str, torch.Tensor]]:
+    """`(hf_name, tensor)` for every weight and persistent buffer of `model` in `mode`, in
+    module order; Mixture-of-Experts layers in the checkpoint's per-expert layout unless
+    `expert_layout="fused"`.
 
     FSDP2 models: a collective per tensor; call on every rank.
     """
-    return make_source(model, mode, adapter_name=adapter_name).tensors()
+    return make_source(model, mode, adapter_name=adapter_name, expert_layout=expert_layout).tensors()
 
 
 __all__ = [

@@ -29,6 +29,7 @@ from torch import nn
 
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import EngineError, WeightSyncError
+from weightsync.naming import ExpertLayout
 from weightsync.pipeline import Stages
 from weightsync.sources import ModuleSource, WeightSource, as_source
 from weightsync.trainer_ranks import TrainerRanks
@@ -146,8 +147,9 @@ class PushMode(Protocol):
         """The adapter name requests should use now (lora modes), else None."""
         ...
 
-    def source(self, model: nn.Module | WeightSource) -> WeightSource:
-        """The stream this mode reads from `model`."""
+    def source(self, model: nn.Module | WeightSource, *, expert_layout: ExpertLayout = "per-expert") -> WeightSource:
+        """The stream this mode reads from `model`, Mixture-of-Experts layers in the layout
+        the engines load (`EngineCapabilities.expert_layout`)."""
         ...
 
     def prepare(self, model: Any, version: int, planner: Planner) -> None:
@@ -196,10 +198,10 @@ class ModeDefaults:
     def lora_name(self) -> str | None:
         return None
 
-    def source(self, model: nn.Module | WeightSource) -> WeightSource:
+    def source(self, model: nn.Module | WeightSource, *, expert_layout: ExpertLayout = "per-expert") -> WeightSource:
         if not isinstance(model, nn.Module):
             return as_source(model)
-        return ModuleSource(model, adapter_name=self.options.adapter_name)
+        return ModuleSource(model, adapter_name=self.options.adapter_name, expert_layout=expert_layout)
 
     def prepare(self, model: Any, version: int, planner: Planner) -> None:
         return None

@@ -40,6 +40,7 @@ from weightsync.engines.base import AdapterUnloader
 from weightsync.errors import AdapterNotLoadedError, WeightSyncError
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
 from weightsync.modes.full import FullMode
+from weightsync.naming import ExpertLayout
 from weightsync.sources import AdapterSource, WeightSource, as_source
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ class LoraMode(ModeDefaults):
     def lora_name(self) -> str | None:
         return self.rollover.current
 
-    def source(self, model: nn.Module | WeightSource) -> WeightSource:
+    def source(self, model: nn.Module | WeightSource, *, expert_layout: ExpertLayout = "per-expert") -> WeightSource:
+        """The adapter's tensors (PEFT names; `expert_layout` does not apply to them)."""
         if not isinstance(model, nn.Module):
             return as_source(model)
         from weightsync.lora.source import LoraSource  # imports peft

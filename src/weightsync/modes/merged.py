@@ -12,6 +12,7 @@ from typing import ClassVar
 from torch import nn
 
 from weightsync.modes.base import ModeDefaults
+from weightsync.naming import ExpertLayout
 from weightsync.sources import WeightSource, as_source
 
 
@@ -20,9 +21,9 @@ class MergedLoraMode(ModeDefaults):
 
     name: ClassVar[str] = "lora-merged"
 
-    def source(self, model: nn.Module | WeightSource) -> WeightSource:
+    def source(self, model: nn.Module | WeightSource, *, expert_layout: ExpertLayout = "per-expert") -> WeightSource:
         if not isinstance(model, nn.Module):
             return as_source(model)
         from weightsync.lora.source import MergedLoraSource  # imports peft
 
-        return MergedLoraSource(model, adapter_name=self.options.adapter_name)
+        return MergedLoraSource(model, adapter_name=self.options.adapter_name, expert_layout=expert_layout)

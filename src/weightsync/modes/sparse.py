@@ -108,7 +108,8 @@ class SparseMode(ModeDefaults):
         if "diff" in step:
             diff = step["diff"]
             cast_to = dtype_from_name(diff["cast_to"]) if diff["cast_to"] else None
-            shards.diff(_module_source(self.source(model)), cast_to=cast_to, sparse=diff["sparse"],
+            source = self.source(model, expert_layout=diff.get("expert_layout", "per-expert"))
+            shards.diff(_module_source(source), cast_to=cast_to, sparse=diff["sparse"],
                         allow_overflow=diff["allow_overflow"], timeout_s=timeout_s)
         elif "stream" in step and order is not None:
             for _ in shards.stream(order, {}, full=step["stream"] == "full", payloads={}, timeout_s=timeout_s):
@@ -122,7 +123,8 @@ class SparseMode(ModeDefaults):
         cast_to = planner.cast_dtype(cast=self.casts)
         sparse = base is not None
         planner.share_step({"diff": {"cast_to": dtype_name(cast_to) if cast_to else None, "sparse": sparse,
-                                     "allow_overflow": planner.allow_overflow}})
+                                     "allow_overflow": planner.allow_overflow,
+                                     "expert_layout": module.expert_layout}})
         shards = self._shards_of(planner.ranks)
         t0 = time.perf_counter()
         diff = shards.diff(module, cast_to=cast_to, sparse=sparse, allow_overflow=planner.allow_overflow,

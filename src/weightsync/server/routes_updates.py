@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from weightsync.bucketing import pack_one
-from weightsync.checkpoint import MANIFEST_FILE, confine
+from weightsync.checkpoint import MANIFEST_FILE, confine, read_manifest
 from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
@@ -38,6 +38,7 @@ from weightsync.protocol import (
 )
 from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
+from weightsync.server.experts import read_checkpoint_version
 from weightsync.server.http import (
     HTTPError,
     admin_json,
@@ -152,6 +153,8 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
             directory = confined_dir(model_path, state.config.resolved_disk_root)
             _maybe_abort_all(state, body)
             if (directory / MANIFEST_FILE).is_file():
+                if updater.experts.names_experts(read_manifest(directory).hf_names):  # a stock SGLang's push
+                    return updater.stage_named(read_checkpoint_version(directory), label=label, full=True)
                 return updater.apply_version_dir(directory, label=label)
             return updater.stage_named(ingest.read_hf_checkpoint(directory), label=label, full=True)
 
@@ -290,7 +293,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
-            unloads_adapters=lora_enabled, rolls_back=True,
+            unloads_adapters=lora_enabled, rolls_back=True, expert_layout="fused",
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,

@@ -69,6 +69,7 @@ from weightsync.server import lora
 from weightsync.server.buffers import BufferPool
 from weightsync.server.coverage import Coverage, CoverageState
 from weightsync.server.errors import NotFoundError
+from weightsync.server.experts import ExpertFuser
 from weightsync.server.requests import ServedVersion
 from weightsync.sessions import Holder, SessionBusyError, take_over
 from weightsync.types import Ack, Manifest, TensorMeta
@@ -134,6 +135,8 @@ class WeightUpdater:
         self.model = model
         self.params: dict[str, torch.Tensor] = {p.hf_name: p.param for p in map_names(model).params}
         self.metas: dict[str, TensorMeta] = {n: TensorMeta.of(n, p) for n, p in self.params.items()}
+        self.experts = ExpertFuser(model)
+        """Per-expert checkpoint names (SGLang-shaped routes) into the fused expert parameters."""
         self.served = ServedVersion(version, str(version) if label is None else label)
         """The served version and label; replaced whole, only between two steps, read lock-free."""
         self.between_steps = between_steps
@@ -403,6 +406,8 @@ class WeightUpdater:
                 if label is not None:
                     self._update_label = label
                 return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{update.version}")
+            staged = session.tensors if session is not None else {}
+            named = self.experts.fuse(named, lambda n: staged.get(n, self.params[n]), full=full)
             check_named(named, self.metas, what="the served model", full=full)
             if session is None:
                 return self._apply_sglang(copies(named), label)

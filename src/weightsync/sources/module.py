@@ -1,7 +1,10 @@
 """Base weights of a trainer's module as a stream of `(hf_name, tensor)`.
 
 Covers plain modules, DDP, torch.compile, FSDP2 and the base weights of a PEFT
-model (unmerged, LoRA tensors left out). Names come from `naming.map_names`.
+model (unmerged, LoRA tensors left out), with their persistent buffers. Names
+come from `naming.map_names`; Mixture-of-Experts models in the layout the
+engines load (`expert_layout`): one expert of a fused 3-D parameter is a view
+of it, cast and packed straight into its bucket by the pipeline.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 from torch import nn
 
-from weightsync.naming import map_names
-from weightsync.sources.fsdp import full_tensor, global_shape
+from weightsync.naming import ExpertLayout, ParamName, map_names
+from weightsync.sources.fsdp import full_tensor, global_shape, is_dtensor
 from weightsync.types import TensorMeta
 
 
@@ -23,6 +26,11 @@ class ModuleSource:
     same names in the same order (see `sources.fsdp`). Parameters are looked
     up when read, not when the source is made: FSDP2 swaps a module's
     parameters between sharded and unsharded tensors around forward passes.
+
+    `expert_layout` ("per-expert" by default, the checkpoint layout): fused expert
+    parameters are sent as one tensor per expert and projection, each a view of
+    the parameter (under FSDP2 the parameter is gathered once for the run of its
+    experts that `tensors()` is asked for in a row); "fused" sends them as held.
     """
 
     mode = "full"
@@ -33,27 +41,56 @@ class ModuleSource:
         *,
         adapter_name: str | None = None,
         expected: Collection[str] | None = None,
+        expert_layout: ExpertLayout = "per-expert",
     ) -> None:
         self.model = model
-        self._trainer_names = {
-            p.hf_name: p.trainer_name
-            for p in map_names(model, adapter_name=adapter_name, expected=expected).params
+        self.expert_layout = expert_layout
+        self._names: dict[str, ParamName] = {
+            p.hf_name: p
+            for p in map_names(model, adapter_name=adapter_name, expected=expected, expert_layout=expert_layout).params
         }
 
-    def param(self, hf_name: str) -> torch.Tensor:
-        """The parameter `hf_name` as the model holds it now (an FSDP2 DTensor: this rank's shard)."""
+    def _held(self, name: ParamName) -> torch.Tensor:
+        if name.is_buffer:
+            return self.model.get_buffer(name.trainer_name)
+        return self.model.get_parameter(name.trainer_name)
+
+    def _name(self, hf_name: str) -> ParamName:
         try:
-            return self.model.get_parameter(self._trainer_names[hf_name])
+            return self._names[hf_name]
         except KeyError:
             raise KeyError(f"{hf_name!r} is not a weight of this model") from None
 
+    def param(self, hf_name: str) -> torch.Tensor:
+        """The tensor `hf_name` as the model holds it now (an FSDP2 DTensor: this rank's shard;
+        one expert of a fused parameter: a view of it, which a sharded parameter has none of)."""
+        name = self._name(hf_name)
+        held = self._held(name)
+        if name.expert is None:
+            return held
+        if is_dtensor(held):
+            raise ValueError(f"{hf_name} is one expert of {name.trainer_name}, which FSDP2 shards by expert rows: "
+                             "this rank holds no tensor of that name alone; use tensors(), which gathers")
+        return name.expert.of(held)
+
     def metas(self) -> list[TensorMeta]:
-        return [
-            TensorMeta(hf_name=name, dtype=p.dtype, shape=global_shape(p))
-            for name in self._trainer_names
-            for p in [self.param(name)]
-        ]
+        metas = []
+        for name in self._names.values():
+            held = self._held(name)
+            shape = global_shape(held)
+            metas.append(TensorMeta(hf_name=name.hf_name, dtype=held.dtype,
+                                    shape=name.expert.shape(shape) if name.expert is not None else shape))
+        return metas
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self._trainer_names if hf_names is None else hf_names:
-            yield name, full_tensor(self.param(name))
+        gathered: tuple[str, torch.Tensor] | None = None  # the fused parameter whose experts are being read
+        for hf_name in self._names if hf_names is None else hf_names:
+            name = self._name(hf_name)
+            if name.expert is None:
+                gathered = None
+                yield hf_name, full_tensor(self._held(name))
+                continue
+            if gathered is None or gathered[0] != name.trainer_name:
+                gathered = None  # drop the last one before gathering the next
+                gathered = (name.trainer_name, full_tensor(self._held(name)))
+            yield hf_name, name.expert.of(gathered[1])

@@ -1,0 +1,104 @@
+"""Per-expert checkpoint names on SGLang's own update routes, written into the served
+model's fused expert parameters.
+
+SGLang's loaders read checkpoint names, so a trainer that pushes to a stock SGLang
+(and to `weightsync serve --sglang-only`, which stands in for one) sends a
+Mixture-of-Experts layer as per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`,
+`up_proj`, `down_proj`), and `/update_weights_from_disk` of a `save_pretrained`
+checkpoint holds the same names. This server serves transformers' model, whose experts
+are fused 3-D parameters (`experts.gate_up_proj` `[E, 2I, H]`, `down_proj`). `ExpertFuser`
+writes each received expert into a copy of its fused tensor (the copy staged earlier in
+the same update, else the served tensor), as SGLang's loader writes it into its fused
+parameter: an update may carry any subset of a layer's experts, in any number of
+requests. The split is `naming.ExpertSlice`'s (transformers' conversion mapping, the one
+the trainer's per-expert stream uses).
+
+Only the SGLang-shaped routes come here; weightsync's own routes take the fused layout
+this server declares (`EngineCapabilities.expert_layout`) and never send per-expert names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from weightsync.bucketing import unpack
+from weightsync.checkpoint import read_version
+from weightsync.errors import ManifestMismatchError, format_names
+from weightsync.naming import ExpertSlice, map_names
+from weightsync.receiving import NamedTensors
+
+REFUSED = "update refused, served weights unchanged"
+
+
+class ExpertFuser:
+    """The per-expert checkpoint names of `model`'s fused expert parameters, and the
+    fused tensor and slice each one is written into."""
+
+    def __init__(self, model: nn.Module) -> None:
+        fused_name = {p.trainer_name: p.hf_name for p in map_names(model).params}
+        self._slices: dict[str, tuple[str, ExpertSlice]] = {
+            p.hf_name: (fused_name[p.trainer_name], p.expert)
+            for p in map_names(model, expert_layout="per-expert").params if p.expert is not None
+        }
+        """per-expert checkpoint name -> (the served fused hf_name, where it lies in it)."""
+
+    def names_experts(self, hf_names: Collection[str]) -> bool:
+        """Whether any of `hf_names` is one expert of a fused parameter."""
+        return any(name in self._slices for name in hf_names)
+
+    def fuse(self, named: NamedTensors, base: Callable[[str], torch.Tensor], *, full: bool) -> NamedTensors:
+        """`named` with every per-expert tensor written into a copy of `base(fused_name)`, that
+        fused tensor listed once in its place; other names pass through. With `full` (a whole
+        checkpoint), every expert of the model must be there. Raises ValueError naming the
+        offending tensors (ManifestMismatchError for a wrong shape or dtype, or a missing expert)
+        before anything the caller serves is written."""
+        fused: dict[str, torch.Tensor] = {}
+        passed: list[tuple[str, torch.Tensor]] = []
+        seen: set[str] = set()
+        for name, tensor in named:
+            slot = self._slices.get(name)
+            if slot is None:
+                passed.append((name, tensor))
+                continue
+            if name in seen:
+                raise ValueError(f"{REFUSED}: tensor(s) sent twice in one update: {name}")
+            seen.add(name)
+            fused_name, expert = slot
+            if fused_name not in fused:
+                fused[fused_name] = base(fused_name).detach().clone()
+            view = expert.of(fused[fused_name])
+            if tensor.dtype != view.dtype or tuple(tensor.shape) != tuple(view.shape):
+                raise ManifestMismatchError(
+                    f"{REFUSED}: 1 shape/dtype mismatch(es): {name}: sent {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"the served model has {tuple(view.shape)} {view.dtype} (one expert of {fused_name})",
+                    mismatched=[name])
+            view.copy_(tensor)
+        both = [name for name, _ in passed if name in fused]
+        if both:
+            raise ValueError(f"{REFUSED}: sent both the fused tensor and per-expert tensors of {format_names(both)}")
+        missing = [name for name in self._slices if name not in seen] if full else []
+        if missing:
+            raise ManifestMismatchError(f"{REFUSED}: a whole checkpoint lacks {len(missing)} expert tensor(s): "
+                                        f"{format_names(missing)}", missing=missing)
+        return [*passed, *fused.items()]
+
+
+def read_checkpoint_version(directory: Path) -> NamedTensors:
+    """Every tensor of a disk version directory (`weightsync.checkpoint`), each bucket
+    verified against its digest, as named tensors (views of the bucket buffers): the
+    version read as the checkpoint its safetensors bucket files are. Dense entries only."""
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        _, buckets = read_version(directory)
+        for bucket, buffer in buckets:
+            sparse = [e.hf_name for e in bucket.entries if not e.is_dense]
+            if sparse:
+                raise ValueError(f"{REFUSED}: {directory} holds sparse entries {format_names(sparse)}, which "
+                                 "cannot be read as a checkpoint")
+            yield from unpack(buffer, bucket)
+
+    return list(tensors())

