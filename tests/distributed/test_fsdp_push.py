@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 from dist_util import init_gloo
@@ -31,37 +30,44 @@ def trained_model(step: int) -> torch.nn.Module:
     return model
 
 
-def _rank(rank: int, world_size: int, init_file: str, url: str, transport: str, out_dir: str) -> None:
+TRANSPORTS = ("broadcast", "http")
+"""Pushed one after the other by the same ranks (a spawn costs seconds): versions 1-2, then 3-4."""
+
+
+def _rank(rank: int, world_size: int, init_file: str, url: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     init_gloo(rank, world_size, init_file)
     mesh = init_device_mesh("cpu", (world_size,))
-    reports = []
-    with ws.WeightSync([ws.SGLangEngine(url)], transport=transport, bucket_bytes=128 << 10,
-                       process_group=dist.group.WORLD, timeout_s=60) as sync:
-        for version in (1, 2):
-            model = trained_model(version)
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            report = sync.push(model, version=version)
-            assert report.verified and report.version == version
-            reports.append(report.to_dict())
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(reports))
+    reports: dict[str, list[dict]] = {}
+    served: dict[str, dict[str, str]] = {}
+    for first, transport in zip((1, 3), TRANSPORTS, strict=True):
+        with ws.WeightSync([ws.SGLangEngine(url)], transport=transport, bucket_bytes=128 << 10,
+                           process_group=dist.group.WORLD, timeout_s=60) as sync:
+            for version in (first, first + 1):
+                model = trained_model(version)
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                report = sync.push(model, version=version)
+                assert report.verified and report.version == version
+                reports.setdefault(transport, []).append(report.to_dict())
+        served[transport] = ws.SGLangEngine(url).digests()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"reports": reports, "served": served}))
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "http"])
-def test_fsdp2_trainer_pushes_to_embedded_engine(transport: str, run_distributed, tiny_model_dir: Path,  # type: ignore[no-untyped-def]
+def test_fsdp2_trainer_pushes_to_embedded_engine(run_distributed, tiny_model_dir: Path,  # type: ignore[no-untyped-def]
                                                 tmp_path: Path) -> None:
+    """Over broadcast, then over http: after each, the engine serves the unsharded weights."""
     with launch_server(tiny_model_dir) as server:
-        run_distributed(_rank, 2, server.url, transport, str(tmp_path))
-        served = ws.SGLangEngine(server.url).digests()
-    expected = {n: digest(p.detach().contiguous()) for n, p in trained_model(2).named_parameters()}
-    assert served == expected
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert reports[0] == reports[1], "every rank returns the sender's report"
-    assert [r["version"] for r in reports[0]] == [1, 2]
+        run_distributed(_rank, 2, server.url, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["reports"] == ranks[1]["reports"], "every rank returns the sender's report"
+    for first, transport in zip((1, 3), TRANSPORTS, strict=True):
+        expected = {n: digest(p.detach().contiguous()) for n, p in trained_model(first + 1).named_parameters()}
+        assert ranks[0]["served"][transport] == expected, transport
+        assert [r["version"] for r in ranks[0]["reports"][transport]] == [first, first + 1]
 
 
 def _rank_mixed_precision(rank: int, world_size: int, init_file: str, url: str, out_dir: str) -> None:
