@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, replace
+from functools import cached_property
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
@@ -125,7 +126,7 @@ class TensorMeta:
     def numel(self) -> int:
         return _numel(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes in its bucket: the whole tensor, or its sparse payload."""
         return encoded_nbytes(self.encoding, _numel(self.shape), self.dtype.itemsize, self.num_changed)
@@ -158,7 +159,7 @@ class TensorEntry:
     def numel(self) -> int:
         return _numel(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes in the bucket: the whole tensor, or its sparse payload."""
         return encoded_nbytes(self.encoding, _numel(self.shape), self.dtype.itemsize, self.num_changed)
@@ -184,6 +185,11 @@ class TensorEntry:
                           num_changed=self.num_changed, tensor_digest=self.tensor_digest)
 
     def to_dict(self) -> dict[str, Any]:
+        return {**self._wire, "shape": list(self.shape)}
+
+    @cached_property
+    def _wire(self) -> dict[str, Any]:
+        """`to_dict`, made once per entry (a plan reused across pushes sends the same entries)."""
         d: dict[str, Any] = {
             "hf_name": self.hf_name,
             "dtype": dtype_name(self.dtype),
@@ -202,20 +208,23 @@ class TensorEntry:
     def from_dict(cls, d: Mapping[str, Any]) -> TensorEntry:
         try:
             hf_name = d["hf_name"]
-            shape = tuple(int(x) for x in d["shape"])
-            tensor_digest = d.get("tensor_digest")
-            if tensor_digest is not None and not isinstance(tensor_digest, str):
-                raise ManifestError(f"tensor {hf_name!r}: tensor_digest must be a hex string or null")
-            entry = cls(hf_name=str(hf_name), dtype=dtype_from_name(str(d["dtype"])),
-                        shape=shape, offset=int(d["offset"]), encoding=str(d.get("encoding", "dense")),
-                        num_changed=int(d.get("num_changed", 0)), tensor_digest=tensor_digest)
+            shape = tuple(map(int, d["shape"]))
+            dtype = dtype_from_name(str(d["dtype"]))
+            offset = int(d["offset"])
+            encoding = str(d.get("encoding", "dense"))
+            num_changed = int(d.get("num_changed", 0))
             nbytes = int(d["nbytes"])
+            tensor_digest = d.get("tensor_digest")
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ManifestError):
                 raise
             raise ManifestError(f"malformed tensor entry {dict(d)!r}: {e}") from None
-        if any(x < 0 for x in shape) or entry.offset < 0:
+        if tensor_digest is not None and not isinstance(tensor_digest, str):
+            raise ManifestError(f"tensor {hf_name!r}: tensor_digest must be a hex string or null")
+        if (shape and min(shape) < 0) or offset < 0:
             raise ManifestError(f"tensor {hf_name!r}: negative shape or offset")
+        entry = cls(hf_name=str(hf_name), dtype=dtype, shape=shape, offset=offset, encoding=encoding,
+                    num_changed=num_changed, tensor_digest=tensor_digest)
         _check_encoding(entry.hf_name, entry.encoding, entry.num_changed, entry.numel)
         if nbytes != entry.nbytes:
             raise ManifestError(
@@ -239,7 +248,7 @@ class BucketMeta:
     digest: str | None = None
     """xxh3_64 hex digest of the packed bytes, once known."""
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
