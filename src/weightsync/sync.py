@@ -309,7 +309,7 @@ class WeightSync:
         planner = _Planner(self, stages)
         source = mode.source(model)
         mode.prepare(model, version, planner)
-        held = {m.hf_name: m.dtype for m in source.metas()}  # as the trainer holds them (sparse: metas are cast)
+        held = {m.hf_name: m.dtype for m in planner.metas(source)}  # as the trainer holds them (sparse: metas are cast)
         while True:
             plan = self._plan(mode, source, version, planner, held)
             try:
@@ -863,9 +863,16 @@ class _Planner:
         self.timeout_s = sync.config.timeout_s
         self.allow_overflow = sync.config.allow_overflow
         self.ranks = sync.ranks
+        self._metas: tuple[WeightSource, list[TensorMeta]] | None = None
+        """The source `metas` read this push, and what it read."""
 
     def share_step(self, step: Mapping[str, Any]) -> None:
         self._sync._share_with_followers(step=dict(step))
+
+    def metas(self, source: WeightSource) -> list[TensorMeta]:
+        if self._metas is None or self._metas[0] is not source:
+            self._metas = (source, list(source.metas()))
+        return self._metas[1]
 
     @property
     def digest_algorithm(self) -> str:

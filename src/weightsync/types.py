@@ -9,15 +9,45 @@ or touches tensor data; dtypes travel as torch attribute names ("bfloat16").
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, replace
-from functools import cached_property
 from enum import StrEnum
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar, overload
 
 import torch
 
 from weightsync.errors import ManifestError
+
+R = TypeVar("R")
+
+
+class computed_once(Generic[R]):  # lower case: a decorator, like functools.cached_property
+    """A property computed on first read and kept in the instance's `__dict__`: for values
+    derived from frozen fields (a bucket's byte size). Unlike `functools.cached_property`
+    it takes no lock (Python 3.11 takes one per first read, a few microseconds, which
+    tens of thousands of manifest entries feel); two threads reading at once both compute
+    the same value."""
+
+    def __init__(self, func: Callable[[Any], R]) -> None:
+        self.func = func
+        self.name = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> computed_once[R]: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> R: ...
+
+    def __get__(self, obj: object | None, objtype: type | None = None) -> R | computed_once[R]:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
+
 
 Mode = Literal["full", "lora", "lora-merged", "delta", "sparse"]
 MODES: tuple[str, ...] = ("full", "lora", "lora-merged", "delta", "sparse")
@@ -126,7 +156,7 @@ class TensorMeta:
     def numel(self) -> int:
         return _numel(self.shape)
 
-    @cached_property
+    @computed_once
     def nbytes(self) -> int:
         """Bytes in its bucket: the whole tensor, or its sparse payload."""
         return encoded_nbytes(self.encoding, _numel(self.shape), self.dtype.itemsize, self.num_changed)
@@ -159,7 +189,7 @@ class TensorEntry:
     def numel(self) -> int:
         return _numel(self.shape)
 
-    @cached_property
+    @computed_once
     def nbytes(self) -> int:
         """Bytes in the bucket: the whole tensor, or its sparse payload."""
         return encoded_nbytes(self.encoding, _numel(self.shape), self.dtype.itemsize, self.num_changed)
@@ -187,7 +217,7 @@ class TensorEntry:
     def to_dict(self) -> dict[str, Any]:
         return {**self._wire, "shape": list(self.shape)}
 
-    @cached_property
+    @computed_once
     def _wire(self) -> dict[str, Any]:
         """`to_dict`, made once per entry (a plan reused across pushes sends the same entries)."""
         d: dict[str, Any] = {
@@ -223,13 +253,16 @@ class TensorEntry:
             raise ManifestError(f"tensor {hf_name!r}: tensor_digest must be a hex string or null")
         if (shape and min(shape) < 0) or offset < 0:
             raise ManifestError(f"tensor {hf_name!r}: negative shape or offset")
-        entry = cls(hf_name=str(hf_name), dtype=dtype, shape=shape, offset=offset, encoding=encoding,
-                    num_changed=num_changed, tensor_digest=tensor_digest)
-        _check_encoding(entry.hf_name, entry.encoding, entry.num_changed, entry.numel)
-        if nbytes != entry.nbytes:
-            raise ManifestError(
-                f"tensor {hf_name!r}: nbytes {nbytes} != {entry.nbytes} implied by shape and dtype"
-            )
+        hf_name, numel = str(hf_name), _numel(shape)
+        _check_encoding(hf_name, encoding, num_changed, numel)
+        implied = encoded_nbytes(encoding, numel, dtype.itemsize, num_changed)
+        if nbytes != implied:
+            raise ManifestError(f"tensor {hf_name!r}: nbytes {nbytes} != {implied} implied by shape and dtype")
+        # Every field checked: filled in directly, as the frozen __init__ would (it costs more
+        # than the rest of this parse, and a manifest has one entry per checkpoint tensor).
+        entry = object.__new__(cls)
+        entry.__dict__.update(hf_name=hf_name, dtype=dtype, shape=shape, offset=offset, encoding=encoding,
+                              num_changed=num_changed, tensor_digest=tensor_digest, nbytes=implied)
         return entry
 
 
@@ -248,7 +281,7 @@ class BucketMeta:
     digest: str | None = None
     """xxh3_64 hex digest of the packed bytes, once known."""
 
-    @cached_property
+    @computed_once
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 

@@ -99,6 +99,11 @@ class Planner(Protocol):
         """Have every other trainer rank run `step` (`PushMode.follow`) now."""
         ...
 
+    def metas(self, source: WeightSource) -> list[TensorMeta]:
+        """`source.metas()`, read once per push (tens of thousands of tensors cost
+        milliseconds to read); the list is shared: copy it before changing it."""
+        ...
+
     def cast_dtype(self, *, cast: bool) -> torch.dtype | None:
         """The dtype floating tensors travel in (None: as the trainer holds them)."""
         ...
@@ -215,7 +220,7 @@ class ModeDefaults:
         return None
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
-        return Selection(mode=self.name, metas=list(source.metas()))
+        return Selection(mode=self.name, metas=list(planner.metas(source)))
 
     def refused(self, selection: Selection, error: EngineError) -> bool:
         return False
