@@ -41,6 +41,8 @@ class ModuleSource:
         }
         self._paths: dict[str, list[str]] = {}
         """hf_name -> its trainer name's segments, split once."""
+        self._metas: dict[str, TensorMeta] = {}
+        """hf_name -> the meta `metas` gave last (immutable, so shared)."""
 
     def param(self, hf_name: str) -> torch.Tensor:
         """The parameter `hf_name` as the model holds it now (an FSDP2 DTensor: this rank's shard)."""
@@ -60,11 +62,19 @@ class ModuleSource:
         return self.model.get_parameter(trainer_name)  # anything unusual: its own lookup (and error)
 
     def metas(self) -> list[TensorMeta]:
-        return [
-            TensorMeta(hf_name=name, dtype=p.dtype, shape=global_shape(p))
-            for name in self._trainer_names
-            for p in [self.param(name)]
-        ]
+        """Every weight's name, dtype and shape as the model holds it now. The same meta
+        object comes back while its weight's dtype and shape stay, so that comparing two
+        pushes' metas (is the last plan still good?) is mostly identity checks."""
+        out = []
+        known = self._metas
+        for name in self._trainer_names:
+            p = self.param(name)
+            shape = global_shape(p)
+            meta = known.get(name)
+            if meta is None or meta.dtype != p.dtype or meta.shape != shape:
+                meta = known[name] = TensorMeta(hf_name=name, dtype=p.dtype, shape=shape)
+            out.append(meta)
+        return out
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self._trainer_names if hf_names is None else hf_names:
