@@ -290,7 +290,20 @@ class BucketMeta:
         return tuple(e.hf_name for e in self.entries)
 
     def with_digest(self, digest: str) -> BucketMeta:
-        return replace(self, digest=digest)
+        bucket = replace(self, digest=digest)
+        if "_tensors_json" in self.__dict__:  # the same entries: their JSON goes along
+            bucket.__dict__["_tensors_json"] = self.__dict__["_tensors_json"]
+        return bucket
+
+    def to_json(self) -> str:
+        """`to_dict` as JSON text (sorted keys, no spaces), its entries' part made once per
+        plan: a push of tens of thousands of tensors builds no dict per tensor."""
+        return (f'{{"digest":{json.dumps(self.digest)},"index":{self.index},"nbytes":{self.nbytes},'
+                f'"tensors":{self._tensors_json}}}')
+
+    @computed_once
+    def _tensors_json(self) -> str:
+        return json.dumps([e.to_dict() for e in self.entries], separators=(",", ":"), sort_keys=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -393,8 +406,9 @@ class Manifest:
     def without_digests(self) -> Manifest:
         return replace(self, buckets=tuple(replace(b, digest=None) for b in self.buckets))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, buckets: bool = True) -> dict[str, Any]:
+        """The JSON form (`buckets=False`: every field but the buckets)."""
+        d: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_FORMAT_VERSION,
             "digest_algorithm": self.digest_algorithm,
@@ -405,11 +419,19 @@ class Manifest:
             "base_version": self.base_version,
             "owner": self.owner,
             "timeout_s": self.timeout_s,
-            "buckets": [b.to_dict() for b in self.buckets],
         }
+        if buckets:
+            d["buckets"] = [b.to_dict() for b in self.buckets]
+        return d
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+        """`to_dict` as JSON text: sorted keys, no spaces; the buckets' entries as each
+        bucket made them once (`BucketMeta.to_json`), byte for byte what
+        `json.dumps(to_dict(), separators=(",", ":"), sort_keys=True)` writes."""
+        text = json.dumps({**self.to_dict(buckets=False), "buckets": None}, separators=(",", ":"), sort_keys=True)
+        # "buckets" sorts second, after "base_version" (an integer or null): the first match is ours
+        buckets = ",".join(b.to_json() for b in self.buckets)
+        return text.replace('"buckets":null', f'"buckets":[{buckets}]', 1)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
