@@ -17,7 +17,8 @@ scenario's bytes, so that the difference is what the extra tensors cost):
 ratio = push seconds / dense seconds for these bytes; us per tensor = the extra
 seconds over the extra tensors; the manifest's JSON size; the trainer's peak
 resident set beyond the model while pushing (the shm segment's pages
-included). The trainer-only and engine-only passes give the same ratio and cost
+included; read in this process, where memory an earlier scenario freed may be reused
+without showing). The trainer-only and engine-only passes give the same ratio and cost
 for each side alone (their best run: on a shared 2-core machine a slower run is
 another process's doing); a push also waits on the wire, and on 2 cores its two
 sides compete for the CPU.
@@ -117,16 +118,17 @@ def run_per_tensor_suite(*, root: Path, model_bytes: int = DEFAULT_MODEL_BYTES, 
         result.scenarios.append(scenario)
         progress(f"scenario {scenario.describe()}")
         model = trainer_model(scenario)
-        result.sides.append(trainer_pass(scenario, model, bucket_bytes=bucket_bytes, repeats=max(repeats, 7)))
-        result.sides.append(engine_pass(scenario, model, bucket_bytes=bucket_bytes, repeats=max(repeats, 7)))
         model_dir = engine_model_dir(scenario, root / "models")
-        try:
+        try:  # pushes first: the peak memory is read before the passes below have allocated anything
             with start_engine("embedded", model_dir, disk_root=root) as engine:
                 for transport in transports:
                     progress(f"{name} over {transport}: {repeats} pushes after a warm-up")
                     result.pushes.append(_pushes(scenario, model, engine, transport, bucket_bytes, repeats))
         except (RuntimeError, OSError, ValueError) as e:
             result.errors.append(f"{name}: {type(e).__name__}: {e}"[:500])
+        progress(f"{name}: each side alone")
+        result.sides.append(trainer_pass(scenario, model, bucket_bytes=bucket_bytes, repeats=max(repeats, 7)))
+        result.sides.append(engine_pass(scenario, model, bucket_bytes=bucket_bytes, repeats=max(repeats, 7)))
         del model
     return result
 
