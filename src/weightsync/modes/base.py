@@ -19,6 +19,8 @@ names loaded); the coordinator keeps none for it.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -196,8 +198,9 @@ class ModeDefaults:
 
     def __init__(self, options: ModeOptions | None = None) -> None:
         self.options = options or ModeOptions()
-        self._named: tuple[list[object], ModuleSource] | None = None
-        """The last module source made and the fingerprint of the tree it named."""
+        self._named: tuple[weakref.ref[nn.Module], list[object], ModuleSource] | None = None
+        """The model the last module source named (held weakly: a model the trainer dropped
+        is not kept alive), its tree's fingerprint, and that source without its model."""
 
     @property
     def lora_name(self) -> str | None:
@@ -210,10 +213,14 @@ class ModeDefaults:
         if not isinstance(model, nn.Module):
             return as_source(model)
         fingerprint = tree_fingerprint(model)
-        if self._named is not None and self._named[1].model is model and self._named[0] == fingerprint:
-            return self._named[1]
-        source = ModuleSource(model, adapter_name=self.options.adapter_name)
-        self._named = (fingerprint, source)
+        if self._named is not None and self._named[0]() is model and self._named[1] == fingerprint:
+            source = copy.copy(self._named[2])  # its names and caches, shared (they describe this tree)
+        else:
+            source = ModuleSource(model, adapter_name=self.options.adapter_name)
+            unbound = copy.copy(source)
+            del unbound.model
+            self._named = (weakref.ref(model), fingerprint, unbound)
+        source.model = model
         return source
 
     def prepare(self, model: Any, version: int, planner: Planner) -> None:

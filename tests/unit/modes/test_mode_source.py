@@ -24,8 +24,21 @@ def test_the_walk_is_reused_while_the_tree_is_the_same() -> None:
     first = mode.source(m)
     with torch.no_grad():
         m[0].weight.add_(1.0)  # values change every step: the walk stays valid
-    assert mode.source(m) is first
-    assert torch.equal(read(first)["0.weight"], m[0].weight)
+    again = mode.source(m)
+    assert again._trainer_names is first._trainer_names  # type: ignore[attr-defined]
+    assert torch.equal(read(again)["0.weight"], m[0].weight)
+
+
+def test_the_mode_does_not_keep_a_dropped_model_alive() -> None:
+    import gc
+    import weakref
+
+    m, mode = model(), make_mode("full")
+    mode.source(m)
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
 
 
 def test_a_changed_tree_is_walked_again_and_read_as_it_is_now() -> None:
@@ -33,14 +46,16 @@ def test_a_changed_tree_is_walked_again_and_read_as_it_is_now() -> None:
     first = mode.source(m)
     m[2] = nn.Linear(6, 3)  # a submodule replaced: new parameters under the same names
     second = mode.source(m)
-    assert second is not first
+    assert second._trainer_names is not first._trainer_names  # type: ignore[attr-defined]
     assert torch.equal(read(second)["2.weight"], m[2].weight)
     m[0].weight = nn.Parameter(torch.zeros(6, 4))  # a parameter replaced in place
     third = mode.source(m)
-    assert third is not second and torch.equal(read(third)["0.weight"], torch.zeros(6, 4))
+    assert third._trainer_names is not second._trainer_names  # type: ignore[attr-defined]
+    assert torch.equal(read(third)["0.weight"], torch.zeros(6, 4))
     m[2].weight = m[0].weight  # tied now (shapes aside): one name fewer
-    assert mode.source(m) is not third
-    assert mode.source(model()) is not mode.source(m)  # another model
+    assert len(list(mode.source(m).tensors())) == 3
+    other = model()
+    assert mode.source(other).model is other  # type: ignore[attr-defined]
 
 
 def test_fingerprints_differ_by_type_names_and_identity() -> None:
