@@ -9,6 +9,11 @@ section, or posted over HTTP unchanged.
 Planning is greedy in the order the tensors are given (the module order of the
 trainer), so every rank that plans the same metas gets the same plan. A tensor
 larger than `bucket_bytes` is never split: it gets a bucket of its own.
+
+Packing a stream (`pack_stream`) copies runs of small tensors with one
+`torch.cat` into their place in the bucket (tens of thousands of expert
+matrices cost a C++ loop, not a Python call each); the bytes are exactly those
+`pack_one` writes tensor by tensor.
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ import torch
 
 from weightsync.errors import CastError
 from weightsync.types import BucketMeta, TensorEntry, TensorMeta
+
+RUN_MAX_TENSORS = 256
+"""Tensors `pack_stream` copies with one call at most (a run)."""
+RUN_MAX_BYTES = 4 << 20
+"""Bytes of the tensors a run holds at most before they are copied: a source that
+materialises tensors (an FSDP2 gather, a LoRA merge) holds this much beyond the
+tensor in hand; a tensor at least this large is copied on its own."""
 
 
 def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> tuple[BucketMeta, ...]:
@@ -109,11 +121,7 @@ def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor, *,
                              f"{entry.nbytes} bytes, got {tuple(tensor.shape)} {tensor.dtype}")
         payload_view(buffer, entry).copy_(tensor)
         return
-    if not castable(tensor.dtype, entry.dtype) or tuple(tensor.shape) != entry.shape:
-        raise ValueError(
-            f"tensor {entry.hf_name!r} is {tuple(tensor.shape)} {tensor.dtype}, "
-            f"the plan says {entry.shape} {entry.dtype}; re-plan after changing the model"
-        )
+    _check_fits(entry, tensor)
     if not entry.nbytes:
         return
     view = entry_view(buffer, entry)
@@ -195,6 +203,55 @@ def unpack(
     return out
 
 
+def bucket_views(buffer: torch.Tensor, bucket: BucketMeta) -> list[torch.Tensor]:
+    """Every entry of `bucket` as a view of its packed `buffer` (1-d uint8 of exactly
+    `bucket.nbytes`, entries back to back as `layout_bucket` places them), in bucket
+    order: what `entry_view` gives for a dense entry, `payload_view` for a sparse one.
+
+    One `as_strided` per entry on a typed view of each run of one dtype (half the calls
+    of a slice and two views), so that staging tens of thousands of small tensors costs
+    about a microsecond each. The views alias the buffer."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != bucket.nbytes:
+        raise ValueError(f"bucket {bucket.index}: expected a 1-d uint8 buffer of {bucket.nbytes} bytes, got "
+                         f"{tuple(buffer.shape)} {buffer.dtype}")
+    views: list[torch.Tensor] = []
+    typed, dtype, itemsize, base = buffer, torch.uint8, 1, buffer.storage_offset()
+    offset = 0
+    for entry in bucket.entries:
+        if entry.offset != offset:
+            raise ValueError(f"bucket {bucket.index}: {entry.hf_name!r} at offset {entry.offset}, expected "
+                             f"{offset} (entries lie back to back)")
+        offset += entry.nbytes
+        if offset > bucket.nbytes:  # never, for a bucket's own entries: they sum to its size
+            raise ValueError(f"bucket {bucket.index}: {entry.hf_name!r} reaches past its {bucket.nbytes} bytes")
+        if entry.stored_dtype != dtype:  # a run of another dtype starts: view the rest of the bucket as it
+            dtype = entry.stored_dtype
+            itemsize = dtype.itemsize
+            end = entry.offset + (bucket.nbytes - entry.offset) // itemsize * itemsize
+            typed = buffer[entry.offset:end].view(dtype)
+            base = typed.storage_offset() - entry.offset // itemsize
+        shape = entry.stored_shape
+        views.append(typed.as_strided(shape, _contiguous_strides(shape), base + entry.offset // itemsize))
+    return views
+
+
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (in elements), computed once per shape."""
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        out, step = [], 1
+        for size in reversed(shape):
+            out.append(step)
+            step *= max(size, 1)
+        strides = tuple(reversed(out))
+        if len(_STRIDES) < 4096:
+            _STRIDES[shape] = strides
+    return strides
+
+
 def stream_order(plan: Sequence[BucketMeta]) -> list[str]:
     """The order a source must yield tensors in for `pack_stream`: bucket by
     bucket, each bucket in buffer order. Identical on every rank."""
@@ -212,20 +269,25 @@ def pack_stream(
     """Pack a tensor stream bucket by bucket, holding one bucket at a time.
 
     `tensors` must yield in `stream_order(plan)`. Each tensor is copied into its
-    bucket as it arrives and dropped, so peak memory is one bucket plus the
-    tensor in hand. With `keep=False` (a non-sending rank that only takes part
-    in gathers) nothing is packed and `None` is yielded for each bucket.
+    bucket as it arrives, or with the run of small tensors it belongs to (at most
+    RUN_MAX_TENSORS tensors and RUN_MAX_BYTES, copied with one call), and dropped,
+    so peak memory is one bucket plus the tensors in hand. With `keep=False` (a
+    non-sending rank that only takes part in gathers) nothing is packed and `None`
+    is yielded for each bucket.
     `alloc` gives each bucket its buffer (a shared-memory slot, a pinned
     buffer); the default allocates a fresh CPU tensor. When it returns None the
     bucket's tensors are consumed but not packed (a sender that failed keeps
     draining a sharded source so the other ranks' gathers complete). Floating
-    tensors are cast to their entry's dtype as they are packed (`pack_one`).
+    tensors are cast to their entry's dtype as they are packed, exactly as
+    `pack_one` casts them (`tensor.to(entry.dtype)`).
     """
     it = iter(tensors)
     for bucket in plan:
         buffer = alloc(bucket) if keep else None
+        run = None
         if buffer is not None:
             buffer = buffer[: bucket.nbytes]
+            run = _Run(buffer, allow_overflow=allow_overflow)
         for entry in bucket.entries:
             try:
                 name, tensor = next(it)
@@ -233,8 +295,67 @@ def pack_stream(
                 raise ValueError(f"tensor stream ended before {entry.hf_name!r}") from None
             if name != entry.hf_name:
                 raise ValueError(f"tensor stream out of order: got {name!r}, the plan expects {entry.hf_name!r}")
-            if buffer is not None:
-                pack_one(buffer, entry, tensor, allow_overflow=allow_overflow)
+            if run is not None:
+                run.add(entry, tensor)
             del tensor
+        if run is not None:
+            run.flush()
         yield bucket, buffer
-        buffer = None  # the consumer decides how long the bucket lives
+        buffer = run = None  # the consumer decides how long the bucket lives
+
+
+class _Run:
+    """Consecutive entries of one bucket whose tensors are packed with one `torch.cat`:
+    dense, contiguous, on the buffer's device, all of one dtype cast to one entry dtype.
+    Anything else is packed on its own by `pack_one` (after the run so far)."""
+
+    def __init__(self, buffer: torch.Tensor, *, allow_overflow: bool) -> None:
+        self.buffer = buffer
+        self.allow_overflow = allow_overflow
+        self.entries: list[TensorEntry] = []
+        self.tensors: list[torch.Tensor] = []
+        self.nbytes = 0
+        self.key: tuple[torch.dtype, torch.dtype] | None = None
+
+    def add(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
+        nbytes = entry.nbytes
+        if (nbytes >= RUN_MAX_BYTES or entry.encoding != "dense" or tensor.device != self.buffer.device
+                or not tensor.is_contiguous()):
+            self.flush()
+            pack_one(self.buffer, entry, tensor, allow_overflow=self.allow_overflow)
+            return
+        key = (tensor.dtype, entry.dtype)
+        if (key != self.key or len(self.tensors) >= RUN_MAX_TENSORS or self.nbytes + nbytes > RUN_MAX_BYTES
+                or (self.entries and entry.offset != self.entries[0].offset + self.nbytes)):
+            self.flush()
+            self.key = key
+        _check_fits(entry, tensor)
+        self.entries.append(entry)
+        self.tensors.append(tensor)
+        self.nbytes += nbytes
+
+    def flush(self) -> None:
+        entries, tensors = self.entries, self.tensors
+        if len(entries) == 1:
+            pack_one(self.buffer, entries[0], tensors[0], allow_overflow=self.allow_overflow)
+        elif entries:
+            first, dtype = entries[0], entries[0].dtype
+            out = self.buffer[first.offset : first.offset + self.nbytes].view(dtype)
+            with torch.no_grad():  # casts into `out`'s dtype, as .to() does
+                torch.cat([t.view(-1) for t in tensors], out=out)
+            if tensors[0].dtype != dtype and not self.allow_overflow \
+                    and torch.finfo(dtype).max < torch.finfo(tensors[0].dtype).max:
+                low, high = torch.aminmax(out)  # one reduction for the run; per tensor only to name one
+                if not (torch.isfinite(low) and torch.isfinite(high)):
+                    for entry, tensor in zip(entries, tensors, strict=True):
+                        check_cast(entry.hf_name, tensor, entry_view(self.buffer, entry))
+        self.entries, self.tensors, self.nbytes, self.key = [], [], 0, None
+
+
+def _check_fits(entry: TensorEntry, tensor: torch.Tensor) -> None:
+    """`tensor` may be packed as `entry`: its shape, and a dtype that may travel as the entry's."""
+    if tensor.shape != entry.shape or not castable(tensor.dtype, entry.dtype):
+        raise ValueError(
+            f"tensor {entry.hf_name!r} is {tuple(tensor.shape)} {tensor.dtype}, "
+            f"the plan says {entry.shape} {entry.dtype}; re-plan after changing the model"
+        )

@@ -18,7 +18,7 @@ from weightsync.digests import XXH3_64, Hasher, hasher
 from weightsync.digests import byte_view as byte_view  # re-exported: callers import them from here
 from weightsync.digests import digest as digest
 from weightsync.errors import IntegrityError, ManifestMismatchError, format_names
-from weightsync.types import Ack, BucketMeta, Manifest, TensorMeta
+from weightsync.types import Ack, BucketMeta, Manifest, TensorEntry, TensorMeta
 
 
 class BucketHasher:
@@ -75,22 +75,22 @@ def check_manifest_fits(
     naming every offender; nothing is loaded.
     """
     check_fits(
-        [e.meta for e in manifest.entries()], expected, partial=partial,
+        manifest.entries(), expected, partial=partial,
         refused=f"update v{manifest.version} refused before any byte moved",
     )
 
 
 def check_fits(
-    sent: Iterable[TensorMeta],
+    sent: Iterable[TensorMeta | TensorEntry],
     expected: Mapping[str, TensorMeta],
     *,
     partial: bool,
     refused: str = "update refused",
     holder: str = "engine",
 ) -> None:
-    """Every sent name known to `expected` with an equal shape and dtype (and,
-    unless `partial`, every expected name sent). Raises ManifestMismatchError
-    starting with `refused` and naming every offender."""
+    """Every sent name (a tensor's meta or manifest entry) known to `expected` with an
+    equal shape and dtype (and, unless `partial`, every expected name sent). Raises
+    ManifestMismatchError starting with `refused` and naming every offender."""
     by_name = {m.hf_name: m for m in sent}
     unexpected = sorted(set(by_name) - set(expected))
     missing = [] if partial else sorted(set(expected) - set(by_name))

@@ -62,6 +62,10 @@ class BeginRequest:
     def to_json(self) -> dict[str, Any]:
         return {"manifest": self.manifest.to_dict()}
 
+    def to_json_text(self) -> str:
+        """`to_json()` as JSON text, the manifest's part from `Manifest.to_json` (no dict per tensor)."""
+        return f'{{"manifest":{self.manifest.to_json()}}}'
+
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> BeginRequest:
         manifest = body.get("manifest")

@@ -44,7 +44,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from weightsync.bucketing import entry_view, payload_view
+from weightsync.bucketing import bucket_views
 from weightsync.digests import ALGORITHMS
 from weightsync.digests import digest as digest_of
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
@@ -227,9 +227,7 @@ class UpdateSession:
         with self._lock:
             if self._open is not update:
                 raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
-            for entry in bucket.entries:
-                update.tensors[entry.hf_name] = (entry_view(buffer, entry) if entry.is_dense
-                                                 else payload_view(buffer, entry))
+            update.tensors.update(zip(bucket.hf_names, bucket_views(buffer, bucket), strict=True))
             update.buffers.append(buffer)
             update.digests[index] = got
             update.touched = time.monotonic()

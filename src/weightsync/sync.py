@@ -83,6 +83,7 @@ from weightsync.types import (
     BucketMeta,
     Manifest,
     SyncReport,
+    TensorMeta,
     dtype_from_name,
     dtype_name,
 )
@@ -243,6 +244,10 @@ class WeightSync:
         """This trainer's identity on the engines: its sessions are never taken by another
         live trainer, and it takes over those of a dead one (see `weightsync.sessions`)."""
         self._closed = False
+        self._last_plan: tuple[_PlanKey, dict[str, str], tuple[BucketMeta, ...], list[str]] | None = None
+        """The last push's plan (key, hf -> engine names, buckets, stream order): reused while
+        a push selects the same tensors (names, dtypes, shapes, encodings), as an RL loop's
+        full pushes do step after step. Never shared by callers: plans are immutable."""
 
     # -- public ------------------------------------------------------------
 
@@ -307,8 +312,9 @@ class WeightSync:
         self._expert_layout = self._layout(self._capabilities())
         source = mode.source(model, expert_layout=self._expert_layout)
         mode.prepare(model, version, planner)
+        held = {m.hf_name: m.dtype for m in planner.metas(source)}  # as the trainer holds them (sparse: metas are cast)
         while True:
-            plan = self._plan(mode, source, version, planner)
+            plan = self._plan(mode, source, version, planner, held)
             try:
                 manifest, acks, begin_notes = self._transfer(mode, plan, source, stages)
             except _Refused:
@@ -319,7 +325,6 @@ class WeightSync:
         metas = plan.selection.metas
         entries = list(manifest.entries())
         encodings = Counter(e.encoding for e in entries)
-        held = {m.hf_name: m.dtype for m in source.metas()}  # as the trainer holds them (sparse: metas are cast)
         sent = [held.get(m.hf_name, m.dtype) for m in metas]
         cast = sorted({dtype_name(d) for d in sent if _sent_dtype(d, plan.cast_to) != d})
         if plan.cast_to is not None and cast:
@@ -334,27 +339,36 @@ class WeightSync:
             encodings={k: encodings[k] for k in ENCODINGS if k in encodings},
         )
 
-    def _plan(self, mode: PushMode, source: WeightSource, version: int, planner: _Planner) -> _PushPlan:
-        """What the mode selects, renamed, cast and cut into buckets; checked before a byte moves."""
+    def _plan(self, mode: PushMode, source: WeightSource, version: int, planner: _Planner,
+              held: Mapping[str, torch.dtype]) -> _PushPlan:
+        """What the mode selects, renamed, cast and cut into buckets; checked before a byte moves.
+        `held`: every tensor of `source` -> its dtype."""
         cast_to = self._cast_dtype(self._capabilities(), cast=mode.casts)
         selection = mode.select(source, version, planner)
-        # renamed for the whole source, so a rename entry of a tensor left out is not stale
-        to_engine = rename([m.hf_name for m in source.metas()], self.config.rename or {})
-        engine_metas = [replace(m, hf_name=to_engine[m.hf_name], dtype=_sent_dtype(m.dtype, cast_to))
-                        for m in selection.metas]
-        bucket_bytes = self.config.bucket_bytes
-        if selection.lora_config is not None and self._make_transport().adapter_in_one_bucket:
-            bucket_bytes = max(1, sum(m.nbytes for m in engine_metas))
-        buckets = plan_buckets(engine_metas, bucket_bytes)
+        in_one_bucket = selection.lora_config is not None and self._make_transport().adapter_in_one_bucket
+        key = _PlanKey(hf_names=list(held), metas=list(selection.metas), cast_to=cast_to, in_one_bucket=in_one_bucket)
+        if self._last_plan is not None and self._last_plan[0] == key:
+            _, to_engine, buckets, order = self._last_plan  # the same tensors as the last push: its plan
+        else:
+            # renamed for the whole source, so a rename entry of a tensor left out is not stale
+            to_engine = rename(held, self.config.rename or {})
+            engine_metas = [replace(m, hf_name=to_engine[m.hf_name], dtype=_sent_dtype(m.dtype, cast_to))
+                            for m in selection.metas]
+            bucket_bytes = self.config.bucket_bytes
+            if in_one_bucket:
+                bucket_bytes = max(1, sum(m.nbytes for m in engine_metas))
+            buckets = plan_buckets(engine_metas, bucket_bytes)
+            to_hf = {v: k for k, v in to_engine.items()}
+            order = [to_hf[n] for n in stream_order(buckets)]
+            self._last_plan = (key, to_engine, buckets, order)
         manifest = Manifest(
             version=version, mode=selection.mode, buckets=buckets,
             lora_config=selection.lora_config, lora_name=selection.lora_name,
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
             digest_algorithm=selection.digest_algorithm or self._digest_algorithm(),
         )
-        to_hf = {v: k for k, v in to_engine.items()}
         return _PushPlan(selection=selection, manifest=manifest, cast_to=cast_to, to_engine=to_engine,
-                         order=[to_hf[n] for n in stream_order(buckets)])
+                         order=order)
 
     def _transfer(self, mode: PushMode, plan: _PushPlan, source: WeightSource,
                   stages: Stages) -> tuple[Manifest, list[Ack], list[str]]:
@@ -826,6 +840,18 @@ class _Refused(Exception):
     """An engine refused the manifest at begin and the mode chose to plan again."""
 
 
+@dataclass(frozen=True)
+class _PlanKey:
+    """What a bucket plan depends on besides the config: equal keys, equal plans."""
+
+    hf_names: list[str]
+    """Every tensor of the source (the rename covers them all)."""
+    metas: list[TensorMeta]
+    """The tensors selected, as the trainer holds them."""
+    cast_to: torch.dtype | None
+    in_one_bucket: bool
+
+
 @dataclass
 class _PushPlan:
     """One push, planned: what the mode selected, as the engines will receive it."""
@@ -851,9 +877,16 @@ class _Planner:
         self.timeout_s = sync.config.timeout_s
         self.allow_overflow = sync.config.allow_overflow
         self.ranks = sync.ranks
+        self._metas: tuple[WeightSource, list[TensorMeta]] | None = None
+        """The source `metas` read this push, and what it read."""
 
     def share_step(self, step: Mapping[str, Any]) -> None:
         self._sync._share_with_followers(step=dict(step))
+
+    def metas(self, source: WeightSource) -> list[TensorMeta]:
+        if self._metas is None or self._metas[0] is not source:
+            self._metas = (source, list(source.metas()))
+        return self._metas[1]
 
     @property
     def digest_algorithm(self) -> str:

@@ -9,14 +9,45 @@ or touches tensor data; dtypes travel as torch attribute names ("bfloat16").
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, replace
 from enum import StrEnum
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar, overload
 
 import torch
 
 from weightsync.errors import ManifestError
+
+R = TypeVar("R")
+
+
+class computed_once(Generic[R]):  # lower case: a decorator, like functools.cached_property
+    """A property computed on first read and kept in the instance's `__dict__`: for values
+    derived from frozen fields (a bucket's byte size). Unlike `functools.cached_property`
+    it takes no lock (Python 3.11 takes one per first read, a few microseconds, which
+    tens of thousands of manifest entries feel); two threads reading at once both compute
+    the same value."""
+
+    def __init__(self, func: Callable[[Any], R]) -> None:
+        self.func = func
+        self.name = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> computed_once[R]: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> R: ...
+
+    def __get__(self, obj: object | None, objtype: type | None = None) -> R | computed_once[R]:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
+
 
 Mode = Literal["full", "lora", "lora-merged", "delta", "sparse"]
 MODES: tuple[str, ...] = ("full", "lora", "lora-merged", "delta", "sparse")
@@ -125,7 +156,7 @@ class TensorMeta:
     def numel(self) -> int:
         return _numel(self.shape)
 
-    @property
+    @computed_once
     def nbytes(self) -> int:
         """Bytes in its bucket: the whole tensor, or its sparse payload."""
         return encoded_nbytes(self.encoding, _numel(self.shape), self.dtype.itemsize, self.num_changed)
@@ -158,7 +189,7 @@ class TensorEntry:
     def numel(self) -> int:
         return _numel(self.shape)
 
-    @property
+    @computed_once
     def nbytes(self) -> int:
         """Bytes in the bucket: the whole tensor, or its sparse payload."""
         return encoded_nbytes(self.encoding, _numel(self.shape), self.dtype.itemsize, self.num_changed)
@@ -184,6 +215,11 @@ class TensorEntry:
                           num_changed=self.num_changed, tensor_digest=self.tensor_digest)
 
     def to_dict(self) -> dict[str, Any]:
+        return {**self._wire, "shape": list(self.shape)}
+
+    @computed_once
+    def _wire(self) -> dict[str, Any]:
+        """`to_dict`, made once per entry (a plan reused across pushes sends the same entries)."""
         d: dict[str, Any] = {
             "hf_name": self.hf_name,
             "dtype": dtype_name(self.dtype),
@@ -202,25 +238,31 @@ class TensorEntry:
     def from_dict(cls, d: Mapping[str, Any]) -> TensorEntry:
         try:
             hf_name = d["hf_name"]
-            shape = tuple(int(x) for x in d["shape"])
-            tensor_digest = d.get("tensor_digest")
-            if tensor_digest is not None and not isinstance(tensor_digest, str):
-                raise ManifestError(f"tensor {hf_name!r}: tensor_digest must be a hex string or null")
-            entry = cls(hf_name=str(hf_name), dtype=dtype_from_name(str(d["dtype"])),
-                        shape=shape, offset=int(d["offset"]), encoding=str(d.get("encoding", "dense")),
-                        num_changed=int(d.get("num_changed", 0)), tensor_digest=tensor_digest)
+            shape = tuple(map(int, d["shape"]))
+            dtype = dtype_from_name(str(d["dtype"]))
+            offset = int(d["offset"])
+            encoding = str(d.get("encoding", "dense"))
+            num_changed = int(d.get("num_changed", 0))
             nbytes = int(d["nbytes"])
+            tensor_digest = d.get("tensor_digest")
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ManifestError):
                 raise
             raise ManifestError(f"malformed tensor entry {dict(d)!r}: {e}") from None
-        if any(x < 0 for x in shape) or entry.offset < 0:
+        if tensor_digest is not None and not isinstance(tensor_digest, str):
+            raise ManifestError(f"tensor {hf_name!r}: tensor_digest must be a hex string or null")
+        if (shape and min(shape) < 0) or offset < 0:
             raise ManifestError(f"tensor {hf_name!r}: negative shape or offset")
-        _check_encoding(entry.hf_name, entry.encoding, entry.num_changed, entry.numel)
-        if nbytes != entry.nbytes:
-            raise ManifestError(
-                f"tensor {hf_name!r}: nbytes {nbytes} != {entry.nbytes} implied by shape and dtype"
-            )
+        hf_name, numel = str(hf_name), _numel(shape)
+        _check_encoding(hf_name, encoding, num_changed, numel)
+        implied = encoded_nbytes(encoding, numel, dtype.itemsize, num_changed)
+        if nbytes != implied:
+            raise ManifestError(f"tensor {hf_name!r}: nbytes {nbytes} != {implied} implied by shape and dtype")
+        # Every field checked: filled in directly, as the frozen __init__ would (it costs more
+        # than the rest of this parse, and a manifest has one entry per checkpoint tensor).
+        entry = object.__new__(cls)
+        entry.__dict__.update(hf_name=hf_name, dtype=dtype, shape=shape, offset=offset, encoding=encoding,
+                              num_changed=num_changed, tensor_digest=tensor_digest, nbytes=implied)
         return entry
 
 
@@ -239,7 +281,7 @@ class BucketMeta:
     digest: str | None = None
     """xxh3_64 hex digest of the packed bytes, once known."""
 
-    @property
+    @computed_once
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
@@ -248,7 +290,20 @@ class BucketMeta:
         return tuple(e.hf_name for e in self.entries)
 
     def with_digest(self, digest: str) -> BucketMeta:
-        return replace(self, digest=digest)
+        bucket = replace(self, digest=digest)
+        if "_tensors_json" in self.__dict__:  # the same entries: their JSON goes along
+            bucket.__dict__["_tensors_json"] = self.__dict__["_tensors_json"]
+        return bucket
+
+    def to_json(self) -> str:
+        """`to_dict` as JSON text (sorted keys, no spaces), its entries' part made once per
+        plan: a push of tens of thousands of tensors builds no dict per tensor."""
+        return (f'{{"digest":{json.dumps(self.digest)},"index":{self.index},"nbytes":{self.nbytes},'
+                f'"tensors":{self._tensors_json}}}')
+
+    @computed_once
+    def _tensors_json(self) -> str:
+        return json.dumps([e.to_dict() for e in self.entries], separators=(",", ":"), sort_keys=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -351,8 +406,9 @@ class Manifest:
     def without_digests(self) -> Manifest:
         return replace(self, buckets=tuple(replace(b, digest=None) for b in self.buckets))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, *, buckets: bool = True) -> dict[str, Any]:
+        """The JSON form (`buckets=False`: every field but the buckets)."""
+        d: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_FORMAT_VERSION,
             "digest_algorithm": self.digest_algorithm,
@@ -363,11 +419,19 @@ class Manifest:
             "base_version": self.base_version,
             "owner": self.owner,
             "timeout_s": self.timeout_s,
-            "buckets": [b.to_dict() for b in self.buckets],
         }
+        if buckets:
+            d["buckets"] = [b.to_dict() for b in self.buckets]
+        return d
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+        """`to_dict` as JSON text: sorted keys, no spaces; the buckets' entries as each
+        bucket made them once (`BucketMeta.to_json`), byte for byte what
+        `json.dumps(to_dict(), separators=(",", ":"), sort_keys=True)` writes."""
+        text = json.dumps({**self.to_dict(buckets=False), "buckets": None}, separators=(",", ":"), sort_keys=True)
+        # "buckets" sorts second, after "base_version" (an integer or null): the first match is ours
+        buckets = ",".join(b.to_json() for b in self.buckets)
+        return text.replace('"buckets":null', f'"buckets":[{buckets}]', 1)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Manifest:

@@ -200,3 +200,110 @@ def test_a_cast_that_overflows_names_the_tensor_unless_allowed() -> None:
     # infinities the trainer already had are not an overflow
     (_, buffer), = pack_stream(plan, [("model.norm.weight", torch.tensor([1.0, float("-inf"), float("nan")]))])
     assert buffer is not None
+
+
+def _pack_one_by_one(plan: list, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The reference: every tensor through `pack_one`, one call each."""
+    from weightsync.bucketing import allocate, pack_one
+
+    out = []
+    for bucket in plan:
+        buffer = allocate(bucket)
+        for entry in bucket.entries:
+            pack_one(buffer, entry, tensors[entry.hf_name], allow_overflow=True)
+        out.append(buffer)
+    return out
+
+
+def _moe_like(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Experts sliced out of fused 3-D tensors (`w[e]`, `w[e, :I]`, `w[e, I:]`: contiguous
+    views at an offset), a transposed one, mixed dtypes, 0-d, empty, and one larger than a run."""
+    from weightsync.bucketing import RUN_MAX_BYTES
+
+    gen = torch.Generator().manual_seed(seed)
+    experts, inter, hidden = 6, 8, 12
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    down = torch.randn(experts, hidden, inter, generator=gen)
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(10, hidden, generator=gen)}
+    for e in range(experts):
+        tensors[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
+        tensors[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = gate_up[e, inter:]
+        tensors[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = down[e]
+    tensors["model.layers.0.mlp.gate.weight"] = torch.randn(hidden, experts, generator=gen).t()  # non-contiguous
+    tensors["model.layers.0.mlp.gate.e_score_correction_bias"] = torch.randn(experts, generator=gen).to(torch.bfloat16)
+    tensors["model.layers.0.input_layernorm.weight"] = torch.randn(hidden, generator=gen).to(torch.bfloat16)
+    tensors["model.layers.0.step"] = torch.tensor(7, dtype=torch.int64)
+    tensors["model.layers.0.mask"] = torch.tensor([True, False, True])
+    tensors["model.layers.0.empty"] = torch.zeros(0, 4)
+    tensors["model.layers.0.scale"] = torch.tensor(0.5)
+    tensors["lm_head.weight"] = torch.randn(RUN_MAX_BYTES // 4 + 3, generator=gen)  # copied on its own
+    return tensors
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, 4096, 1 << 30])
+@pytest.mark.parametrize("cast", [None, torch.bfloat16, torch.float16])
+def test_runs_pack_exactly_what_pack_one_packs(bucket_bytes: int, cast: torch.dtype | None) -> None:
+    """pack_stream copies runs of small tensors with one call; the bytes are pack_one's,
+    bit for bit, at every bucket boundary, for views of fused expert tensors, mixed
+    dtypes and a float32 -> bfloat16/float16 cast in the stream."""
+    tensors = _moe_like()
+    metas = [TensorMeta(hf_name=n, dtype=cast if cast is not None and t.is_floating_point() else t.dtype,
+                        shape=tuple(t.shape)) for n, t in tensors.items()]
+    plan = list(plan_buckets(metas, bucket_bytes))
+    got = [buf for _, buf in pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan)), allow_overflow=True)]
+    want = _pack_one_by_one(plan, tensors)
+    assert len(got) == len(want) == len(plan)
+    for g, w in zip(got, want, strict=True):
+        assert g is not None and torch.equal(g, w)
+
+
+def test_runs_respect_their_limits_and_the_buffer_given() -> None:
+    """Thousands of tiny tensors (more than a run holds) land in place in a buffer that is
+    larger than the bucket (a shared-memory slot), and nothing past the bucket is written."""
+    from weightsync.bucketing import RUN_MAX_TENSORS
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = {f"model.layers.{i // 128}.mlp.experts.{i % 128}.w": torch.randn(3, 2, generator=gen)
+               for i in range(3 * RUN_MAX_TENSORS + 5)}
+    plan = list(plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20))
+    slot = torch.full((plan[0].nbytes + 16,), 0xAB, dtype=torch.uint8)
+    (bucket, buffer), = pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan)), alloc=lambda _: slot)
+    assert buffer is not None and torch.equal(buffer, _pack_one_by_one(plan, tensors)[0])
+    assert bool((slot[bucket.nbytes:] == 0xAB).all())
+
+
+def test_a_run_checks_every_tensor_against_the_plan() -> None:
+    tensors = {f"e{i}": torch.randn(4) for i in range(6)}
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20)
+    tensors["e3"] = torch.randn(5)
+    with pytest.raises(ValueError, match=r"'e3' is \(5,\) torch.float32, the plan says \(4,\)"):
+        list(pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan))))
+
+
+def test_an_overflow_inside_a_run_names_its_tensor() -> None:
+    from weightsync.errors import CastError
+
+    tensors = {f"e{i}": torch.ones(4) for i in range(6)}
+    tensors["e4"] = torch.tensor([1.0, 2.0, 1e6, 3.0])
+    plan = plan_buckets([TensorMeta(hf_name=n, dtype=torch.float16, shape=(4,)) for n in tensors], 1 << 20)
+    with pytest.raises(CastError, match=r"'e4' from torch.float32 to torch.float16 overflows"):
+        list(pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan))))
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1 << 30])
+def test_bucket_views_are_the_entry_views(bucket_bytes: int) -> None:
+    from weightsync.bucketing import bucket_views, entry_view
+
+    tensors = _moe_like(seed=2)
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()], bucket_bytes)
+    for bucket, buffer in pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan))):
+        assert buffer is not None
+        views = bucket_views(buffer, bucket)
+        assert len(views) == len(bucket.entries)
+        for view, entry in zip(views, bucket.entries, strict=True):
+            want = entry_view(buffer, entry)
+            assert view.dtype == want.dtype and view.shape == want.shape
+            assert view.data_ptr() == want.data_ptr() and torch.equal(view, want)
+            assert torch.equal(view, tensors[entry.hf_name])
+    with pytest.raises(ValueError, match="expected a 1-d uint8 buffer"):
+        bucket_views(torch.zeros(3, dtype=torch.uint8), plan[0])

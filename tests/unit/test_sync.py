@@ -631,3 +631,26 @@ def test_sparse_to_an_engine_that_does_not_apply_it_goes_full() -> None:
 def test_an_unknown_snapshot_place_is_refused_naming_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"sparse_snapshot must be one of \('trainer', 'host'\), got 'gpu'"):
         ws.WeightSync([engine_for(tiny())], transport="http", mode="sparse", sparse_snapshot="gpu")
+
+
+def test_a_plan_is_reused_while_the_tensors_stay_the_same() -> None:
+    """An RL loop pushes one model step after step: the second push plans nothing new, and a
+    push after the model changed (a module swapped for a new one) sends what it holds now."""
+    model = tiny()
+    engine = engine_for(model)
+    with ws.WeightSync([engine], transport="http", bucket_bytes=600) as sync:
+        sync.push(model, version=1)
+        planned = sync._last_plan
+        with torch.no_grad():
+            model[0].weight.mul_(2.0)
+        report = sync.push(model, version=2)
+        assert report.verified and same(model, engine)
+        assert planned is not None and sync._last_plan is planned
+        model[2] = nn.Linear(32, 8)  # new parameters, same names and shapes
+        report = sync.push(model, version=3)
+        assert report.verified and same(model, engine)
+        assert sync._last_plan is planned  # the same tensors: the same plan
+        model[3] = nn.LayerNorm(8).double()  # other dtypes: planned again, and refused by the engine
+        with pytest.raises(ManifestMismatchError, match=r"3\.weight: sent \(8,\) torch\.float64"):
+            sync.push(model, version=4)
+        assert sync._last_plan is not planned

@@ -132,3 +132,26 @@ def test_report_round_trip() -> None:
     assert report.gbps == pytest.approx(1.0)
     again = SyncReport.from_dict(json.loads(json.dumps(report.to_dict())))
     assert again == report
+
+
+def test_manifest_json_text_is_json_dumps_of_its_dict_byte_for_byte() -> None:
+    """`Manifest.to_json` assembles the buckets' JSON made once per plan; the text is what
+    json.dumps of `to_dict()` writes, whatever the names (quotes, non-ASCII) or a lora_config
+    holding a "buckets" key, and the begin request carries it unchanged."""
+    from weightsync.protocol import BeginRequest
+
+    metas = [TensorMeta(hf_name=f'model.layers.{i}.experts.é"{i}', dtype=(torch.bfloat16, torch.int64)[i % 2],
+                        shape=(i % 3, 4)) for i in range(40)]
+    plan = plan_buckets(metas, 100)
+    manifests = [
+        Manifest(version=3, buckets=plan),
+        Manifest(version=3, buckets=plan).with_digests(["ab" * 8] * len(plan)),
+        Manifest(version=4, mode="lora", buckets=plan, lora_config={"buckets": None, "r": 2}, lora_name="p-v4",
+                 owner="trainer", timeout_s=5.0),
+        Manifest(version=5, mode="delta", base_version=4),
+    ]
+    for manifest in manifests:
+        text = manifest.to_json()
+        assert text == json.dumps(manifest.to_dict(), separators=(",", ":"), sort_keys=True)
+        assert Manifest.from_json(text) == manifest
+        assert json.loads(BeginRequest(manifest=manifest).to_json_text()) == BeginRequest(manifest=manifest).to_json()

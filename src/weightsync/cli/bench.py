@@ -11,6 +11,9 @@ trainer's peak memory for merged LoRA.
 --suite faults: fault injection and load under pushes (`weightsync_tools.faults`).
 --suite sparse: mode="sparse" on real RL steps against full pushes of the same weights.
 --suite sparse-fsdp: the same from 2 FSDP2 ranks (each diffs its own shard).
+--suite per-tensor: models of many small tensors (many-small; moe-30k, 30,003
+tensors) against a dense model of the same bytes: push time ratio, microseconds
+per tensor, manifest size, the trainer's peak memory beyond the model.
 
 Prints a table and ends with one JSON line (with --json: only the JSON line on
 stdout, the table on stderr). Timings are only as good as the machine is
@@ -36,6 +39,7 @@ EPILOG = """examples:
   weightsync bench --suite faults --quick
   weightsync bench --suite sparse                   # fp32 AdamW steps at lr 1e-6, 1e-5 into a bf16 engine
   weightsync bench --suite sparse-fsdp              # the same from 2 FSDP2 ranks (128 MiB bf16 by default)
+  weightsync bench --suite per-tensor               # many small tensors vs dense, same bytes (shm, broadcast)
   weightsync bench --quick --json > bench.json
 """
 
@@ -73,10 +77,11 @@ def _sizes(text: str) -> tuple[int, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark syncs against the machine's limits and today's baselines",
                        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["sync", "faults", "sparse", "sparse-fsdp"], default="sync",
+    p.add_argument("--suite", choices=["sync", "faults", "sparse", "sparse-fsdp", "per-tensor"], default="sync",
                    help="what to run (default sync; sparse: mode='sparse' on real RL steps against full pushes, "
                         "--model-bytes then sizes the bf16 engine, default 512MiB; sparse-fsdp: the same from 2 "
-                        "FSDP2 ranks, default 128MiB)")
+                        "FSDP2 ranks, default 128MiB; per-tensor: many small tensors against dense, same bytes, "
+                        "default scenarios many-small,moe-30k over shm,broadcast, 64MiB buckets)")
     p.add_argument("--quick", action="store_true",
                    help="about a minute: 64 MiB models, one 16 MiB bucket size, 2 pushes per cell, no vLLM")
     p.add_argument("--model-bytes", type=_size, default=None, help="weights per model (default 512MiB)")
@@ -88,8 +93,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated (default {','.join(BENCH_MODES)})")
     p.add_argument("--engines", type=_list(("embedded", "vllm")), default=None,
                    help="comma-separated (default embedded, plus vllm when installed, except with --quick)")
-    p.add_argument("--scenarios", type=_list(("dense", "many-small")), default=None,
-                   help="comma-separated (default dense,many-small)")
+    p.add_argument("--scenarios", type=_list(("dense", "many-small", "moe-30k")), default=None,
+                   help="comma-separated (default dense,many-small; moe-30k: 30,003 tensors of ~18 KB)")
     p.add_argument("--repeats", type=int, default=None, help="measured pushes per cell (default 3, --quick 2)")
     p.add_argument("--engine-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the dtype engines serve; the trainer keeps float32 weights, cast in the stream "

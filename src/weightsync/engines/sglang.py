@@ -204,7 +204,10 @@ class SGLangEngine:
         if manifest.is_adapter and not receiver.reads_at_commit:
             self._require_native(f"a LoRA adapter over {link.transport!r}", timeout_s)
         if self._is_native(timeout_s):
-            answer = self._send(BeginRequest(manifest=manifest), timeout_s)
+            # the manifest's JSON text as its buckets made it once: no dict per tensor per push
+            answer = decode(self._http.request("POST", BeginRequest.ROUTE, timeout_s=timeout_s,
+                                               content=BeginRequest(manifest=manifest).to_json_text().encode(),
+                                               headers={"content-type": "application/json"}))
             note = answer.get("preempted")
         self._open = (manifest.version, link)
         self._owner = manifest.owner

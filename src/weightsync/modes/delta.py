@@ -40,7 +40,7 @@ class DeltaMode(ModeDefaults):
         self._pending = None  # digests are taken afresh for every push
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
-        metas = list(source.metas())
+        metas = list(planner.metas(source))
         if not all(c.supports_delta for c in planner.capabilities()):
             return Selection(mode="full", metas=metas)  # an engine that cannot apply a part gets the whole
         if self._pending is None:  # asked again after a refusal: the same digests

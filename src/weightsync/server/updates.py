@@ -153,6 +153,10 @@ class WeightUpdater:
         self.buffers = BufferPool(max_bytes=sum(m.nbytes for m in self.metas.values()))
         """Receive buffers reused across updates (take one per bucket received)."""
         self._backing: dict[str, torch.Tensor] = {}
+        self._data: dict[str, torch.Tensor] = {n: p.detach() for n, p in self.params.items()}
+        """hf_name -> the tensor its parameter's `.data` was last set to (the same storage, shape
+        and strides): an undo record copies this dict instead of making an alias of every
+        parameter. Every assignment to a parameter's `.data` below records it here."""
         """hf_name -> the received bucket buffer its served parameter views."""
         self.coverage = Coverage(self.params)
         """Whether the served weights are one update's (see `coverage`)."""
@@ -295,6 +299,7 @@ class WeightUpdater:
             with self.between_steps():
                 for name, tensor in last.params.items():
                     self.params[name].data = tensor
+                self._data.update(last.params)
                 self.served = last.served
                 self._backing = last.backing
                 self.coverage.restore(last.coverage)
@@ -362,7 +367,7 @@ class WeightUpdater:
         """What a commit of `update` is about to replace (`rollback`); the previous commit is final."""
         self._make_final()
         return LastCommit(version=update.version, owner=update.owner, served=self.served,
-                          params={n: p.data for n, p in self.params.items()}, backing=dict(self._backing),
+                          params=dict(self._data), backing=dict(self._backing),
                           coverage=self.coverage.saved())
 
     def _make_final(self) -> None:
@@ -485,8 +490,8 @@ class WeightUpdater:
                             for p in self.params.values()}
                 storages.update({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
                                  for b in self._backing.values()})
-                for param in self.params.values():
-                    param.data = torch.empty(0, dtype=param.dtype)
+                for name, param in self.params.items():
+                    param.data = self._data[name] = torch.empty(0, dtype=param.dtype)
                 self._last = None
                 self._backing.clear()
                 self.coverage.released()
@@ -514,7 +519,7 @@ class WeightUpdater:
         with self._lock, self.between_steps():
             self._last = None
             for name, param in self.params.items():
-                param.data = torch.zeros(self.metas[name].shape, dtype=self.metas[name].dtype)
+                param.data = self._data[name] = torch.zeros(self.metas[name].shape, dtype=self.metas[name].dtype)
             self.coverage.resumed()
             return sum(m.nbytes for m in self.metas.values())
 
@@ -536,6 +541,7 @@ class WeightUpdater:
         with self.between_steps():
             for name, tensor in staged.items():
                 self.params[name].data = tensor
+            self._data.update(staged)
             self.served = served
             released = self._rebind_backing(staged, owners)
         log.info("v%d (%r) committed (%d tensor(s))", served.version, served.label, len(staged))
@@ -553,7 +559,7 @@ class WeightUpdater:
                 self._backing[name] = owners[name]
         for name, buffer in list(self._backing.items()):
             if id(buffer) in replaced:
-                self.params[name].data = self.params[name].detach().clone()
+                self.params[name].data = self._data[name] = self.params[name].detach().clone()
                 del self._backing[name]
         return list(replaced.values())
 

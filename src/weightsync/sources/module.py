@@ -49,11 +49,27 @@ class ModuleSource:
             p.hf_name: p
             for p in map_names(model, adapter_name=adapter_name, expected=expected, expert_layout=expert_layout).params
         }
+        self._paths: dict[str, list[str]] = {}
+        """trainer name -> its segments, split once."""
+        self._metas: dict[str, TensorMeta] = {}
+        """hf_name -> the meta `metas` gave last (immutable, so shared)."""
 
     def _held(self, name: ParamName) -> torch.Tensor:
+        """The parameter or buffer as the model holds it now, through the module tree's own
+        dicts, one lookup per path segment: what get_parameter finds, at a fraction of its
+        cost (it goes through getattr on every segment)."""
+        trainer_name = name.trainer_name
+        module: nn.Module | None = self.model
+        *path, leaf = self._paths.get(trainer_name) or self._paths.setdefault(trainer_name, trainer_name.split("."))
+        for segment in path:
+            module = module._modules.get(segment) if module is not None else None
         if name.is_buffer:
-            return self.model.get_buffer(name.trainer_name)
-        return self.model.get_parameter(name.trainer_name)
+            buffer = module._buffers.get(leaf) if module is not None else None
+            return buffer if buffer is not None else self.model.get_buffer(trainer_name)
+        param = module._parameters.get(leaf) if module is not None else None
+        if isinstance(param, nn.Parameter):
+            return param
+        return self.model.get_parameter(trainer_name)  # anything unusual: its own lookup (and error)
 
     def _name(self, hf_name: str) -> ParamName:
         try:
@@ -74,13 +90,21 @@ class ModuleSource:
         return name.expert.of(held)
 
     def metas(self) -> list[TensorMeta]:
-        metas = []
-        for name in self._names.values():
+        """Every weight's name, dtype and shape as the model holds it now. The same meta
+        object comes back while its weight's dtype and shape stay, so that comparing two
+        pushes' metas (is the last plan still good?) is mostly identity checks."""
+        out = []
+        known = self._metas
+        for hf_name, name in self._names.items():
             held = self._held(name)
             shape = global_shape(held)
-            metas.append(TensorMeta(hf_name=name.hf_name, dtype=held.dtype,
-                                    shape=name.expert.shape(shape) if name.expert is not None else shape))
-        return metas
+            if name.expert is not None:
+                shape = name.expert.shape(shape)
+            meta = known.get(hf_name)
+            if meta is None or meta.dtype != held.dtype or meta.shape != shape:
+                meta = known[hf_name] = TensorMeta(hf_name=hf_name, dtype=held.dtype, shape=shape)
+            out.append(meta)
+        return out
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         gathered: tuple[str, torch.Tensor] | None = None  # the fused parameter whose experts are being read

@@ -1,5 +1,5 @@
 """What `weightsync bench` runs once `weightsync.cli.bench` parsed its arguments:
-the sync suite (table, chart, JSON), the faults suite or the sparse suite."""
+the sync suite (table, chart, JSON), the faults, sparse or per-tensor suite."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_sparse(args)
     if args.suite == "sparse-fsdp":
         return _run_sparse_fsdp(args)
+    if args.suite == "per-tensor":
+        return _run_per_tensor(args)
     from weightsync_tools.bench.report import format_report, to_json, write_chart
     from weightsync_tools.bench.suite import run_sync_suite
 
@@ -126,3 +128,30 @@ def _run_sparse_fsdp(args: argparse.Namespace) -> int:
     print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     print(json.dumps(result.to_dict()), flush=True)
     return 0 if all(s["verified"] for s in result.steps) else 1
+
+
+def _run_per_tensor(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from weightsync_tools.bench.per_tensor import (
+        BUCKET_BYTES,
+        SCENARIOS,
+        TRANSPORTS,
+        format_table,
+        run_per_tensor_suite,
+    )
+
+    def progress(message: str) -> None:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+    hf_logging.disable_progress_bar()
+    root = args.out / "per-tensor"
+    root.mkdir(parents=True, exist_ok=True)
+    result = run_per_tensor_suite(
+        root=root, model_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else 512 << 20),
+        bucket_bytes=args.bucket_bytes[0] if args.bucket_bytes else BUCKET_BYTES,
+        transports=args.transports or TRANSPORTS, scenarios=args.scenarios or SCENARIOS,
+        repeats=args.repeats or (2 if args.quick else 5), progress=progress)
+    print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
+    print(json.dumps(result.to_dict()), flush=True)
+    return 0 if not result.errors and all(p.verified for p in result.pushes) else 1

@@ -1,6 +1,6 @@
 """Benchmark scenarios: which model shape the bench moves, sized by bytes.
 
-Two shapes, both plain Qwen2 configs (`weightsync.tiny`) so that the embedded
+Three shapes, all plain Qwen2 configs (`weightsync.tiny`) so that the embedded
 engine and vLLM load them and every run is end to end:
 
 - "dense": a few wide layers, a few MB per tensor (the shape of a dense LLM).
@@ -11,6 +11,10 @@ engine and vLLM load them and every run is end to end:
   HF-loadable MoE has FEW tensors; per-tensor request overhead, which is
   what the scenario is about, shows with many small tensors whatever their
   names are.
+- "moe-30k": 2,500 layers of hidden 64, 30,003 checkpoint tensors of ~18 KB
+  on average: the tensor count of an MoE checkpoint with its experts one
+  tensor each (Qwen3-235B-A22B has about 37,000, DeepSeek-V3 about 90,000),
+  for the per-tensor cost (`bench.per_tensor`).
 
 Boundaries: this module only decides shapes and builds models (trainer copy
 in memory, engine copy on disk); it moves no weights and times nothing.
@@ -26,6 +30,10 @@ from typing import Any
 from weightsync.tiny import HEAD_DIM, TinyModelConfig
 
 SCENARIOS = ("dense", "many-small")
+"""What the sync suite runs by default."""
+ALL_SCENARIOS = (*SCENARIOS, "moe-30k")
+MOE_LAYERS = 2500
+"""Layers of "moe-30k": 12 tensors each, 30,003 in all."""
 MANY_SMALL_NOTE = ("many-small stands in for a MoE (thousands of small expert matrices) with a loadable "
                    "thin, deep Qwen2: transformers 5 fuses each layer's experts into one 3-D tensor, so an "
                    "HF-loadable MoE has few tensors")
@@ -39,7 +47,7 @@ class Scenario:
     """A named model shape of a given size."""
 
     name: str
-    """"dense" or "many-small"."""
+    """One of ALL_SCENARIOS."""
     model: TinyModelConfig
     """The Qwen2 config built for it."""
 
@@ -110,6 +118,15 @@ def many_small_config(model_bytes: int) -> TinyModelConfig:
     return _fit_layers(base, model_bytes)
 
 
+def moe_30k_config(model_bytes: int) -> TinyModelConfig:
+    """MOE_LAYERS layers of hidden 64, the MLP as wide as `model_bytes` allows (at least 64)."""
+    base = TinyModelConfig(num_layers=MOE_LAYERS, num_heads=1, num_kv_heads=1, intermediate_size=64,
+                           vocab_size=1024)
+    per_unit = MOE_LAYERS * 3 * base.hidden_size * _itemsize(base.dtype)  # bytes per unit of intermediate
+    room = model_bytes - qwen2_num_bytes(replace(base, intermediate_size=0))
+    return replace(base, intermediate_size=max(64, room // per_unit))
+
+
 def _round64(x: float) -> int:
     return max(64, round(x / 64) * 64)
 
@@ -122,7 +139,9 @@ def make_scenario(name: str, model_bytes: int = DEFAULT_MODEL_BYTES) -> Scenario
         return Scenario(name=name, model=dense_config(model_bytes))
     if name == "many-small":
         return Scenario(name=name, model=many_small_config(model_bytes))
-    raise ValueError(f"unknown scenario {name!r}; one of {SCENARIOS}")
+    if name == "moe-30k":
+        return Scenario(name=name, model=moe_30k_config(model_bytes))
+    raise ValueError(f"unknown scenario {name!r}; one of {ALL_SCENARIOS}")
 
 
 def engine_model_dir(scenario: Scenario, root: Path) -> Path:
