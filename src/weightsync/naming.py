@@ -293,6 +293,12 @@ def _holds_fused_experts(module: nn.Module) -> bool:
     return any(p.dim() == 3 for p in module.parameters(recurse=False))
 
 
+def has_fused_experts(model: nn.Module) -> bool:
+    """Whether `model` holds a transformers experts module with fused 3-D parameters (then
+    the expert layout an engine loads decides the names sent)."""
+    return any(_holds_fused_experts(module) for module in model.modules())
+
+
 def _expert_converters(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
     """(fused target pattern, per-expert source patterns) of every conversion of `model`
     that stacks per-expert tensors on dim 0 and, for several, concatenates them on dim 1:

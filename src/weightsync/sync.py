@@ -69,7 +69,7 @@ from weightsync.errors import (
 from weightsync.hosts import is_local_host, is_loopback, local_address_towards, url_host
 from weightsync.integrity import ack_problems, digest
 from weightsync.modes import ModeOptions, PushMode, Selection, make_mode, make_source
-from weightsync.naming import ExpertLayout, rename
+from weightsync.naming import ExpertLayout, has_fused_experts, rename
 from weightsync.owners import session_owner
 from weightsync.pipeline import Stages, stream_buckets
 from weightsync.sources import WeightSource
@@ -309,7 +309,7 @@ class WeightSync:
         started = time.perf_counter()
         stages = Stages()
         planner = _Planner(self, stages)
-        self._expert_layout = self._layout(self._capabilities())
+        self._expert_layout = self._layout(self._capabilities(), model)
         source = mode.source(model, expert_layout=self._expert_layout)
         mode.prepare(model, version, planner)
         held = {m.hf_name: m.dtype for m in planner.metas(source)}  # as the trainer holds them (sparse: metas are cast)
@@ -509,10 +509,11 @@ class WeightSync:
                             "or pass dtype= to send one (an engine that cannot take it refuses at begin)")
         return next(iter(served.values()), None)
 
-    def _layout(self, caps: Sequence[EngineCapabilities]) -> ExpertLayout:
-        """The expert layout the engines load (`EngineCapabilities.expert_layout`); replicas must agree."""
+    def _layout(self, caps: Sequence[EngineCapabilities], model: Any) -> ExpertLayout:
+        """The expert layout the engines load (`EngineCapabilities.expert_layout`); replicas must
+        agree where the model holds fused experts (elsewhere the layout names nothing)."""
         layouts = {e.label: c.expert_layout for e, c in zip(self.engines, caps, strict=True)}
-        if len(set(layouts.values())) > 1:
+        if len(set(layouts.values())) > 1 and isinstance(model, nn.Module) and has_fused_experts(model):
             listed = ", ".join(f"{label} loads {layout}" for label, layout in layouts.items())
             raise ValueError(f"engine replicas load Mixture-of-Experts layers in different layouts ({listed}); "
                              "push to each kind with its own WeightSync")

@@ -654,3 +654,38 @@ def test_a_plan_is_reused_while_the_tensors_stay_the_same() -> None:
         with pytest.raises(ManifestMismatchError, match=r"3\.weight: sent \(8,\) torch\.float64"):
             sync.push(model, version=4)
         assert sync._last_plan is not planned
+
+
+class PerExpertEngine(MemoryEngine):
+    """Declares that it loads Mixture-of-Experts layers one tensor per expert (as vLLM does)."""
+
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        return EngineCapabilities(stages_updates=True, expert_layout="per-expert")
+
+
+class FusedExpertsEngine(MemoryEngine):
+    """Declares that it loads fused 3-D experts (as `weightsync serve` does)."""
+
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        return EngineCapabilities(stages_updates=True, expert_layout="fused")
+
+
+def test_replicas_of_both_expert_layouts_take_a_dense_model_and_refuse_an_moe_one() -> None:
+    """The layout names only fused experts: a dense model goes to a vLLM-like and a serve-like
+    replica in one push; a model with fused experts is refused before any byte moves."""
+    from weightsync.tiny import TinyModelConfig, build_model
+
+    model = tiny()
+    base = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    engines = [PerExpertEngine(base, label="vllm-like"), FusedExpertsEngine(base, label="serve-like")]
+    with ws.WeightSync(engines, transport="http") as sync:
+        assert sync.push(model, version=1).verified
+    assert all(same(model, e) and e.version == 1 for e in engines)
+
+    moe = build_model(TinyModelConfig(arch="qwen3_moe"))
+    held = {k: torch.zeros_like(v) for k, v in moe.state_dict().items()}
+    engines = [PerExpertEngine(held, label="vllm-like"), FusedExpertsEngine(held, label="serve-like")]
+    with ws.WeightSync(engines, transport="http") as sync, \
+            pytest.raises(ValueError, match=r"vllm-like loads per-expert, serve-like loads fused"):
+        sync.push(moe, version=1)
+    assert all(e.version == 0 and "begin" not in " ".join(e.calls) for e in engines)
