@@ -142,14 +142,16 @@ def test_engines_bound_to_loopback_fail_within_the_timeout(trainer: Trainer, eng
     `groups._mesh_hint` when gloo gives up at once (connection refused), but gloo may also
     retry past the engine's group timeout, and then the trainer's wait for the join ends first."""
     try:
-        engines.restart_all(env={"GLOO_SOCKET_IFNAME": "lo"}, args=["--group-timeout", "1"])
+        for index in range(len(engines.servers)):
+            engines.restart(index, env={"GLOO_SOCKET_IFNAME": "lo"}, args=["--group-timeout", "1"])
         failed = trainer.call("push", sync="loopback", transport="broadcast", mode="full", version=next(_versions),
                               timeout_s=FAULT_TIMEOUT_S)
         assert not failed["ok"]
         assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed
         assert "joining" in failed["error"], failed["error"]
     finally:
-        engines.restart_all()
+        for index in range(len(engines.servers)):
+            engines.restart(index)
     following = next(_versions)
     assert_served_exactly(trainer.call("push", sync="loopback", transport="broadcast", mode="full",
                                        version=following, timeout_s=FAULT_TIMEOUT_S), following)
