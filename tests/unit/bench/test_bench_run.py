@@ -17,7 +17,7 @@ from weightsync_tools.bench.engines import RunningEngine, start_engine
 from weightsync_tools.bench.fixed_cost import SCENARIO as FIXED_COST
 from weightsync_tools.bench.fixed_cost import run_fixed_cost
 from weightsync_tools.bench.matrix import STAGES, Cell, engine_cells, run_cell
-from weightsync_tools.bench.memory import measure_memory
+from weightsync_tools.bench.memory import measure_all
 from weightsync_tools.bench.scenarios import (
     engine_model_dir,
     make_scenario,
@@ -108,8 +108,7 @@ def test_baselines_move_every_tensor(engine: RunningEngine, root: Path) -> None:
 @pytest.mark.slow
 def test_layer_by_layer_merge_needs_less_memory_than_the_whole_model() -> None:
     config = make_scenario("dense", 24 * MiB).model.__dict__
-    stream = measure_memory("layer-by-layer", dict(config))
-    whole = measure_memory("whole-model", dict(config))
+    stream, whole = measure_all(dict(config), ("layer-by-layer", "whole-model"))
     assert stream.model_bytes == whole.model_bytes > 16 * MiB
     assert stream.peak_extra_bytes < whole.peak_extra_bytes
     assert whole.peak_extra_bytes > stream.model_bytes // 2  # the merged weights all exist at once
