@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -138,9 +139,12 @@ def test_engines_bound_to_loopback_fail_within_the_timeout(trainer: Trainer, eng
     """Engines whose gloo device is on loopback (GLOO_SOCKET_IFNAME=lo, as a stock engine whose
     host name resolves to 127.0.1.1 would be) cannot reach each other: the push fails within
     its bound, and the next push, with the engines restarted without it, succeeds. Which
-    error the trainer sees depends on gloo: the engine's join answers with the hint of
-    `groups._mesh_hint` when gloo gives up at once (connection refused), but gloo may also
-    retry past the engine's group timeout, and then the trainer's wait for the join ends first."""
+    of the group's ends reports the failure first depends on gloo's timing, so the test
+    accepts each, all of them a group that did not form: the engine's join answers with
+    the hint of `groups._mesh_hint` when gloo gives up at once (connection refused); gloo
+    may retry past the engine's group timeout, and then the trainer's wait for the join
+    ends first ("joining"); or an engine that gave up (its group timeout, 1 s) closes its
+    side, and the trainer's own end of the mesh fails ("did not form", with the hint)."""
     try:
         for index in range(len(engines.servers)):
             engines.restart(index, env={"GLOO_SOCKET_IFNAME": "lo"}, args=["--group-timeout", "1"])
@@ -148,7 +152,7 @@ def test_engines_bound_to_loopback_fail_within_the_timeout(trainer: Trainer, eng
                               timeout_s=FAULT_TIMEOUT_S)
         assert not failed["ok"]
         assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed
-        assert "joining" in failed["error"], failed["error"]
+        assert re.search(r"joining|did not form", failed["error"]), failed["error"]
     finally:
         for index in range(len(engines.servers)):
             engines.restart(index)
