@@ -27,6 +27,7 @@ replica commits.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Iterator
@@ -76,21 +77,15 @@ def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[A
 @pytest.fixture(scope="module")
 def engine(llm: Any) -> Iterator[VLLMEngine]:
     """The worker extension's client."""
-    engine = VLLMEngine.from_llm(llm)
-    try:
+    with contextlib.closing(VLLMEngine.from_llm(llm)) as engine:
         yield engine
-    finally:
-        engine.close()
 
 
 @pytest.fixture(scope="module")
 def backend(llm: Any) -> Iterator[VLLMTransferEngine]:
     """The weight-transfer backend's client."""
-    backend = VLLMTransferEngine.from_llm(llm)
-    try:
+    with contextlib.closing(VLLMTransferEngine.from_llm(llm)) as backend:
         yield backend
-    finally:
-        backend.close()
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "shm", "disk"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 QUICK_MODEL_BYTES = 64 << 20
@@ -58,18 +59,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     table_out = sys.stderr if args.json else sys.stdout
 
-    def progress(message: str) -> None:
-        print(f"[bench] {message}", file=sys.stderr, flush=True)
-
     def on_cell(result: Any) -> None:
         c = result.cell
         what = f"{c.scenario} {c.mode} {c.transport} {c.engine} {c.bucket_bytes >> 20}MiB"
         figure = f"{result.seconds:.3f} s, {result.gbps:.2f} GB/s" if result.ok else f"FAILED: {result.error}"
         progress(f"{what}: {figure}")
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress lines only
+    quiet_transformers()
     result = run_sync_suite(config, progress=progress, on_cell=on_cell)
     chart = write_chart(result, config.out_dir / "bench.png")
     document = to_json(result)
@@ -79,6 +75,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"chart: {chart}\nreport: {config.out_dir / 'bench.json'}", file=table_out, flush=True)
     print(json.dumps(document), flush=True)
     return 0 if all(c.ok for c in [*result.cells, *result.fixed_cost]) and not result.notes else 1
+
+
+def progress(message: str) -> None:
+    """A progress line of the bench, on stderr (stdout holds the tables and the JSON line)."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def quiet_transformers() -> None:
+    """Our own progress lines only: no progress bars from transformers' loading."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def suite_root(args: argparse.Namespace, name: str) -> Path:
+    """The suite's directory under --out, made."""
+    root = Path(args.out) / name
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def _run_faults(args: argparse.Namespace) -> int:
@@ -91,14 +106,9 @@ def _run_faults(args: argparse.Namespace) -> int:
 
 
 def _run_sparse(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
     from weightsync_tools.bench.sparse import DEFAULT_ENGINE_BYTES, TRANSPORTS, format_table, run_sparse_suite
 
-    def progress(message: str) -> None:
-        print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
     options: dict[str, Any] = dict(
         root=args.out / "sparse", transports=args.transports or TRANSPORTS,
         engine_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else DEFAULT_ENGINE_BYTES),
@@ -112,16 +122,10 @@ def _run_sparse(args: argparse.Namespace) -> int:
 
 
 def _run_sparse_fsdp(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
     from weightsync_tools.bench.sparse_fsdp import DEFAULT_ENGINE_BYTES, format_table, run_sparse_fsdp_suite
 
-    def progress(message: str) -> None:
-        print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-    hf_logging.disable_progress_bar()
-    root = args.out / "sparse-fsdp"
-    root.mkdir(parents=True, exist_ok=True)
+    quiet_transformers()
+    root = suite_root(args, "sparse-fsdp")
     result = run_sparse_fsdp_suite(
         root=root, engine_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else DEFAULT_ENGINE_BYTES),
         steps_per_lr=1 if args.quick else 2, full_repeats=args.repeats or 2, progress=progress)
@@ -131,8 +135,6 @@ def _run_sparse_fsdp(args: argparse.Namespace) -> int:
 
 
 def _run_per_tensor(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
     from weightsync_tools.bench.per_tensor import (
         BUCKET_BYTES,
         SCENARIOS,
@@ -141,12 +143,8 @@ def _run_per_tensor(args: argparse.Namespace) -> int:
         run_per_tensor_suite,
     )
 
-    def progress(message: str) -> None:
-        print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-    hf_logging.disable_progress_bar()
-    root = args.out / "per-tensor"
-    root.mkdir(parents=True, exist_ok=True)
+    quiet_transformers()
+    root = suite_root(args, "per-tensor")
     result = run_per_tensor_suite(
         root=root, model_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else 512 << 20),
         bucket_bytes=args.bucket_bytes[0] if args.bucket_bytes else BUCKET_BYTES,
