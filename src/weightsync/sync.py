@@ -237,9 +237,9 @@ class WeightSync:
         self._cleanup_by: float | None = None
         """While a failed push cleans up: when every cleanup round must have answered."""
         self._caps: list[EngineCapabilities] | None = None
+        """What each engine can do; asked once per transport session."""
         self._expert_layout: ExpertLayout = "per-expert"
         """The expert layout of the push under way (`_layout`), which other trainer ranks read in too."""
-        """What each engine can do; asked once per transport session."""
         self.owner = session_owner()
         """This trainer's identity on the engines: its sessions are never taken by another
         live trainer, and it takes over those of a dead one (see `weightsync.sessions`)."""
