@@ -34,7 +34,10 @@ from weightsync.tiny import TinyModelConfig, build_model
 
 BF16_MAX_GAP = 0.05
 BF16_MEAN_GAP = 0.01
-"""The bounds of tests/contract/test_sparse.py (bf16 kernels vs transformers' bf16 eager)."""
+"""The bounds of tests/contract/test_sparse.py (bf16 kernels vs transformers' bf16 eager).
+Measured here for the bf16 MoE serve: max 0.0077, mean 0.0009 (2-core Intel Xeon), a
+margin of 6.5x and 11x; the served bytes themselves are checked exactly (digests), so a
+stale or skipped tensor fails on those, not on this bound."""
 
 
 @pytest.fixture(scope="module")
