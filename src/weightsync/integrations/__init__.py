@@ -1,0 +1,11 @@
+"""weightsync inside the RL frameworks' own plug-in points.
+
+- `weightsync.integrations.verl`: verl's checkpoint-engine backend `"weightsync"`
+  (`actor_rollout_ref.rollout.checkpoint_engine.backend=weightsync` and
+  `custom_backend_module=weightsync.integrations.verl`).
+- `weightsync.integrations.trl`: `WeightTransfer`, for TRL's
+  `AsyncGRPOTrainer(..., weight_transfer=...)`.
+
+Nothing in the library imports this package; each module imports its framework
+(`pip install 'weightsync[integrations]'`, see docs/INTEGRATIONS.md).
+"""
