@@ -28,11 +28,6 @@ from weightsync.transports import TRANSPORTS
 Client = ws.SGLangEngine | ws.VLLMEngine
 """A client of any kind's engine (each is an `Engine`, a `probe.Generator` and reports
 `weight_version()`)."""
-VLLM_ARGS = ("--max-model-len", "1024")
-"""`vllm serve` flags of a vLLM the pool starts itself (the bfloat16 one) besides `--dtype`.
-The float32 vLLM is the session's shared one (tests/vllm_shared_server.py), whose extra
-settings (LoRA, prefix caching, a scheduler that holds requests only when a test asks)
-leave float32 outputs as they are: every vLLM case checks parity with transformers."""
 
 
 @dataclass(frozen=True)
@@ -92,10 +87,10 @@ class EnginePool:
     first asks for it and stopped by `close` (at the end of the session)."""
 
     def __init__(self, model_dir: Path, model_root: Path, disk_root: Path,
-                 shared_vllm: Callable[[], VLLMServer]) -> None:
+                 shared_vllm: Callable[[str], VLLMServer]) -> None:
         self._model_dirs = {"float32": model_dir}
         self._shared_vllm = shared_vllm
-        """The session's float32 `vllm serve`, started when first asked for."""
+        """The session's `vllm serve` serving a dtype (tests/vllm_shared_server.py)."""
         self.model_root = model_root
         """Where the tiny model is saved in other dtypes (as the embedded engine serves
         the dtype its checkpoint has)."""
@@ -140,14 +135,7 @@ class EnginePool:
             self._embedded.setdefault(dtype, []).append(server)
             return server.url
         vllm_support.require_vllm()
-        if dtype == "float32":
-            return self._shared_vllm().url
-        from weightsync.engines.vllm_launch import launch_vllm_server
-
-        args = ["--dtype", dtype, *VLLM_ARGS]
-        server = self._stack.enter_context(launch_vllm_server(self.model_dir(), args=args))
-        print(f"\nvLLM ({dtype}) start for the contract suite: {server.start_seconds:.1f}s")
-        return server.url
+        return self._shared_vllm(dtype).url
 
     def close(self) -> None:
         for client in self._clients:

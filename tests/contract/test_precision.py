@@ -36,6 +36,8 @@ eager ones (measured: vLLM's CPU kernels max 0.10, mean 0.02 on the widened mode
 tests/integration; here embedded and vLLM alike max 0.016, mean 0.005; against the
 weights before the push: 2.2-2.5)."""
 
+pytestmark = pytest.mark.engine_dtype("bfloat16")  # the session starts its bf16 vllm serve early
+
 
 def fp32_trainer(pool: EnginePool, seed: int) -> torch.nn.Module:
     """fp32 master weights: the bf16 checkpoint loaded in float32, then a training step."""

