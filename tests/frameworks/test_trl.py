@@ -1,11 +1,15 @@
-"""TRL's own `AsyncGRPOTrainer.train()` with `weight_transfer=WeightTransfer(...)`, on CPU,
-into a real bfloat16 `weightsync serve` (a float32 trainer, as TRL trains by default).
+"""TRL's own `AsyncGRPOTrainer.train()` with `weight_transfer=WeightTransfer(...)`, on CPU.
 
 What runs is TRL 1.16.0's trainer, loss, packing, tree attention, collator, staleness
 filter and sync loop (`_sync_weight_merged`: pause, merge_adapter, send_weights,
-unmerge_adapter, resume). Two things are not TRL's: the rollout worker
-(`trl_fixtures.EngineRolloutWorker`: TRL's posts vLLM's `/v1/completions`) and the
-FlashAttention-3 kernel under TRL's tree attention (GPU only; a torch stand-in).
+unmerge_adapter, resume). Not TRL's: the FlashAttention-3 kernel under its tree
+attention and its MFU device query (both CUDA only; `trl_on_cpu`).
+
+Into a real bfloat16 `weightsync serve` (a float32 trainer, as TRL trains by default), with
+`trl_fixtures.EngineRolloutWorker`, which tags every rollout with the version the engine
+reports it generated with: TRL's own worker posts vLLM's `/v1/completions`, which
+`weightsync serve` does not serve. And into the session's float32 `vllm serve` with TRL's
+own `AsyncRolloutWorker` (`test_trls_own_rollout_worker_on_vllm_serve`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from transformers import TrainerCallback
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import async_grpo_trainer as trl_trainer
 from trl.experimental.async_grpo import packing as trl_packing
-from trl_fixtures import CPU_FLASH_ATTN, EngineRolloutWorker
+from trl_fixtures import CPU_FLASH_ATTN, VOCAB, EngineRolloutWorker, low_token_reward, low_token_rewards
 
 import weightsync as ws
 from serve_check import checked
@@ -31,15 +35,8 @@ from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 from weightsync_tools.faults.inject import faulty
 
-VOCAB = 512
 STEPS = 12
 PROMPTS = [[5, 17, 42, 99], [3, 8, 120, 7], [64, 2, 33, 250], [11, 300, 4, 90]]
-
-
-def low_token_reward(completion_ids: list[int]) -> float:
-    """The share of completion tokens in the lower half of the vocabulary (about 0.5 for the
-    untrained tiny model, with spread within a group, so GRPO's advantages are not zero)."""
-    return sum(t < VOCAB // 2 for t in completion_ids) / max(len(completion_ids), 1)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +182,39 @@ def test_peft_base_weights_stay_exact(model_dir: Path, tmp_path: Path, server: S
     # the engine serves base + PEFT's delta, cast to bf16: what merge_adapter sent
     assert engine.digests() == served_digests(trainer.model)
     assert "lm_head.weight" in engine.digests() and not any("lora" in n for n in engine.digests())
+
+
+@pytest.mark.vllm
+def test_trls_own_rollout_worker_on_vllm_serve(vllm_server: Any, vllm_model_dir: Path, tmp_path: Path) -> None:
+    """TRL's `AsyncRolloutWorker` (a spawned child posting `/v1/completions`) samples from the
+    session's float32 `vllm serve` while `WeightTransfer` pushes into it over shared memory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    engine = ws.VLLMEngine(vllm_server.url, timeout_s=120)
+    first = int(engine.info()["version"]) + 1
+    transfer = WeightTransfer(engines=[engine], transport="shm", first_version=first)
+    tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
+    tokenizer.chat_template = qwen2_5_chat_template  # TRL's worker needs a chat template it knows (tool parsing)
+    prompts = [[{"role": "system", "content": "go"}, {"role": "user", "content": text}]
+               for text in ("the quick brown fox", "one two three", "hello world", "red green")]
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"), max_steps=2, learning_rate=0.02, per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=8, token_budget=0, max_staleness=1, queue_maxsize=16,
+        use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+        vllm_server_base_url=vllm_server.url)
+    trainer = AsyncGRPOTrainer(model=str(vllm_model_dir), reward_funcs=[low_token_rewards], args=args,
+                               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                               weight_transfer=transfer)
+    trainer.train()
+
+    assert [r.version for r in transfer.reports] == [first, first + 1, first + 2]
+    assert all(r.verified and r.acks[0].version == r.version for r in transfer.reports)
+    assert engine.info()["version"] == first + 2 and trainer.model_version == 3
+    # vLLM serves the trained weights: its greedy tokens, scored by transformers on them (float32 both sides)
+    trained = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    trained.load_state_dict(trainer.model.state_dict())
+    probe_prompts = [tokenizer.encode(text) for text in ("the quick brown fox", "numbers: 1 2 3")]
+    served = ws.probe_logprobs(trained, engine, probe_prompts)
+    untrained = ws.probe_logprobs(AutoModelForCausalLM.from_pretrained(vllm_model_dir), engine, probe_prompts)
+    assert served.max_gap < 1e-3 < untrained.max_gap, (served, untrained)

@@ -56,6 +56,21 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
+VOCAB = 512
+"""The tiny models' vocabulary."""
+
+
+def low_token_reward(completion_ids: list[int]) -> float:
+    """The share of completion tokens in the lower half of the vocabulary (about 0.5 for an
+    untrained tiny model, with spread within a group, so GRPO's advantages are not zero)."""
+    return sum(t < VOCAB // 2 for t in completion_ids) / max(len(completion_ids), 1)
+
+
+def low_token_rewards(completion_ids: list[list[int]], **_: Any) -> list[float]:
+    """`low_token_reward` as a TRL reward function (module level: TRL's worker pickles it)."""
+    return [low_token_reward(ids) for ids in completion_ids]
+
+
 CPU_FLASH_ATTN = SimpleNamespace(flash_attn_varlen_func=varlen_attention)
 """What `trl.experimental.async_grpo.packing._flash_attn()` returns on a GPU (the kernel module)."""
 
