@@ -75,9 +75,6 @@ class HeldTensors:
                 raise ValueError(f"the weight iterator yielded {name!r} twice; each weight must come once")
             self._held[name] = tensor
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(hf_name=name, dtype=t.dtype, shape=tuple(t.shape)) for name, t in self._held.items()]
 
