@@ -134,6 +134,43 @@ def test_unsalted_requests_never_reuse_old_weight_kv(engine: VLLMTransferEngine,
     assert greedy() == vf.reference_greedy(new, prompt, 8)[0] != vf.reference_greedy(old, prompt, 8)[0]
 
 
+def test_vllm_trainer_api_takes_a_vllm_033_weight_source(server: VLLMServer, model_dir: Path) -> None:
+    """vLLM 0.32's trainer factory (the installed one) with a source of vLLM 0.33's shape
+    (`vllm033_weight_source`: cached_property metadata, iter_full); 0.33's runtime is not run."""
+    from functools import cached_property
+
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from vllm033_weight_source import ParamMeta, WeightSource
+    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
+
+    class Parameters(WeightSource):  # not vLLM's ModuleSource: read through the source adapter
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model = model
+
+        @cached_property
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+            yield from ((n, p.detach()) for n, p in self.model.named_parameters())
+
+    model = vf.load_trainer(model_dir)
+    vf.perturb(model, seed=351)
+    trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),
+                                                        client=HTTPVLLMWeightSyncClient(server.url),
+                                                        source=Parameters(model))
+    try:
+        trainer.send_weights()
+        report = trainer.last_report
+        assert report is not None and report.verified
+        assert report.num_tensors == len(list(model.named_parameters()))
+        vf.assert_parity(trainer.engine, model)
+    finally:
+        trainer.shutdown()
+
+
 def test_vllm_trainer_api_over_vllms_own_http_client(server: VLLMServer, model_dir: Path) -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient

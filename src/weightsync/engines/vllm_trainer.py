@@ -10,6 +10,9 @@ For code written against vLLM's weight-transfer API:
         WeightSyncTrainerInitInfo(rank=0, transport="shm"), client=llm, source=ModuleSource(model))
     trainer.send_weights()          # every step; trainer.last_report holds the SyncReport
 
+`source` is a vLLM `WeightSource` of either shape, vLLM <= 0.32's (`metadata()`,
+`__iter__`) or vLLM 0.33's (`metadata` a cached_property, `iter_full()`,
+`owned_names(rank)`); vLLM's `ModuleSource` of either is pushed as its module.
 `client` is the in-process `vllm.LLM`, vLLM's `HTTPVLLMWeightSyncClient` (its
 `base_url` is used), or a `VLLMTransferEngine`. Each `send_weights` is one
 `ws.WeightSync.push` (verified, acked, prefix cache reset) of the next version
@@ -18,6 +21,8 @@ For code written against vLLM's weight-transfer API:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -110,31 +115,72 @@ def _engine_for(client: Any, info: WeightSyncTrainerInitInfo) -> VLLMTransferEng
 
 
 class _VLLMSource:
-    """A vLLM `WeightSource` as a weightsync one (names as the source gives them)."""
+    """A vLLM `WeightSource` as a weightsync one (names as the source gives them), in either
+    of vLLM's two shapes, read from what the source's class declares (never vLLM's version):
+
+    - vLLM <= 0.32: `metadata()` is a method; iterating the source (`__iter__`) yields
+      every parameter as a full tensor.
+    - vLLM 0.33: `metadata` is a `functools.cached_property` (a list); `iter_full()`
+      yields the full tensor of each name `owned_names(rank)` gives, in metadata order
+      (`iter_local()`, a rank's shard, is for M2N backends and not read here).
+
+    The weightsync backend sends from one rank, `rank`, which must own every parameter.
+    """
 
     mode = "full"
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Any, *, rank: int = 0) -> None:
         self.source = source
+        self.rank = rank
+        cls = type(source)
+        self._full_iterator = callable(getattr(cls, "iter_full", None))
+        """vLLM 0.33's shape: the tensors come from `iter_full()`."""
+        if not self._full_iterator and not callable(getattr(cls, "__iter__", None)):
+            raise TypeError(f"{cls.__name__} is no vLLM WeightSource: it has neither iter_full() (vLLM 0.33) nor "
+                            "__iter__ (vLLM <= 0.32)")
+        implements = getattr(source, "implements_iter_full", None)
+        if self._full_iterator and callable(implements) and not implements():
+            raise ValueError(f"{cls.__name__} implements only iter_local() (each rank's shard); the weightsync "
+                             "backend sends full tensors: implement iter_full()")
+        declared = inspect.getattr_static(cls, "metadata", None)
+        self._metadata_is_attribute = isinstance(declared, (functools.cached_property, property))
+        """vLLM 0.33 declares `metadata` a cached_property; earlier vLLMs a method."""
+
+    def _metadata(self) -> list[Any]:
+        metadata = self.source.metadata if self._metadata_is_attribute else self.source.metadata()
+        return list(metadata)
 
     def metas(self) -> Sequence[TensorMeta]:
-        return [TensorMeta(hf_name=m.name, shape=tuple(m.shape), dtype=m.dtype) for m in self.source.metadata()]
+        metadata = self._metadata()
+        if self._full_iterator:
+            owned = set(self.source.owned_names(self.rank))
+            orphans = [m.name for m in metadata if m.name not in owned]
+            if orphans:
+                raise ValueError(f"trainer rank {self.rank} does not own {orphans[0]!r} "
+                                 f"({len(orphans)} parameters in all), so it cannot send it: the weightsync vLLM "
+                                 "backend sends every parameter from one rank; for sharded trainers use "
+                                 "ws.WeightSync(..., process_group=...) on every rank")
+        return [TensorMeta(hf_name=m.name, shape=tuple(m.shape), dtype=m.dtype) for m in metadata]
+
+    def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One fresh pass over the source, in its own order."""
+        return iter(self.source.iter_full() if self._full_iterator else self.source)
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        wanted = None if hf_names is None else list(hf_names)
-        if wanted is None:
-            yield from iter(self.source)
+        if hf_names is None:
+            yield from self._stream()
             return
+        wanted = list(hf_names)
         held: dict[str, torch.Tensor] = {}  # the source's order is its own: hold until asked
         want = set(wanted)
-        it = iter(self.source)
+        it = self._stream()
         for hf_name in wanted:
             while hf_name not in held:
                 try:
                     name, tensor = next(it)
                 except StopIteration:
-                    raise ValueError(f"the vLLM WeightSource yielded no {hf_name!r}, which its metadata() "
-                                     "declares; metadata() and iteration must agree") from None
+                    raise ValueError(f"the vLLM WeightSource yielded no {hf_name!r}, which its metadata "
+                                     "declares; metadata and iteration must agree") from None
                 if name in want:
                     held[name] = tensor
             yield hf_name, held.pop(hf_name)

@@ -1,0 +1,194 @@
+"""TRL's `AsyncGRPOTrainer` weight-transfer backend: `weight_transfer=WeightTransfer(engines=...)`.
+
+The boundary: TRL's `WeightTransferProtocol` (trl 1.16.0,
+`trl/experimental/async_grpo/async_grpo_trainer.py`: `init_weight_transfer`,
+`pause`, `send_weights(iterator)`, `resume`, `destroy`) on one side, one
+`WeightSync` on the other. This module never imports TRL; TRL never imports it.
+
+    from weightsync.integrations.trl import WeightTransfer
+
+    transfer = WeightTransfer(engines=[ws.SGLangEngine(url)], transport="http")
+    trainer = AsyncGRPOTrainer(model=path, ..., weight_transfer=transfer)
+    trainer.train()        # every sync is a verified push of version 1, 2, 3, ...
+
+What TRL does around the protocol (`AsyncGRPOTrainer._sync_weight_merged`), on
+the main process only: `pause()`, `model.merge_adapter()` for a PEFT model,
+`send_weights(iterator)`, `model.unmerge_adapter()` (in a `finally`),
+`resume()`, then `model_version += 1`. The other FSDP2 ranks iterate the same
+iterator for its `full_tensor()` collectives and never call the transfer.
+
+- `send_weights` is one `WeightSync.push` of the next version (`first_version`,
+  then one more per call: TRL's n-th sync is its `model_version` n when
+  `first_version` is 1). It raises unless every engine acked the version, every
+  bucket digest and every name, so TRL's training loop stops instead of training
+  on rollouts of weights that did not land; the engines keep their last good
+  version. TRL then skips `resume()` and calls `destroy()`.
+- The iterator yields `(name, tensor)` once, in TRL's order: checkpoint names
+  (PEFT's `base_model.model.` and `.base_layer` removed by TRL), each tensor the
+  parameter itself (`param.detach()`, no copy) or, under FSDP2, a gathered
+  `full_tensor()`. A push needs every name, dtype and shape before its first byte
+  (the engines check the manifest), so `send_weights` first holds the whole
+  iterator in a dict of references: no extra memory for an unsharded model, a
+  whole unsharded copy of the model on the main process under FSDP2.
+- `pause()` and `resume()` move nothing: the push pauses each engine by its
+  `pause` policy around its own commit (engines that stage updates keep
+  generating while the bytes stream), and resumes them whatever happened.
+- `keep_base_exact(model)`: TRL's in-place `merge_adapter()` /
+  `unmerge_adapter()` does not give the base weights back bit for bit in
+  float32 (W + d - d != W for some elements). With it, `pause()` copies the
+  base weights of every LoRA layer to host memory and `resume()` / `destroy()`
+  write them back, so the frozen base stays the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weightsync.engines.base import Engine
+from weightsync.errors import IntegrityError, WeightSyncError
+from weightsync.sync import WeightSync
+from weightsync.transports.base import Transport
+from weightsync.types import SyncReport, TensorMeta
+
+log = logging.getLogger(__name__)
+
+
+class HeldTensors:
+    """A `WeightSource` over named tensors already in hand (TRL's iterator, held), in their order.
+
+    The tensors are references to what the iterator yielded: reading them during a
+    push reads the trainer's parameters as they are at that moment.
+    """
+
+    mode = "full"
+
+    def __init__(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._held: dict[str, torch.Tensor] = {}
+        for name, tensor in named:
+            if name in self._held:
+                raise ValueError(f"the weight iterator yielded {name!r} twice; each weight must come once")
+            self._held[name] = tensor
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(hf_name=name, dtype=t.dtype, shape=tuple(t.shape)) for name, t in self._held.items()]
+
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for hf_name in self._held if hf_names is None else hf_names:
+            try:
+                yield hf_name, self._held[hf_name]
+            except KeyError:
+                raise KeyError(f"{hf_name!r} is not among the {len(self._held)} weights TRL sent") from None
+
+
+class WeightTransfer:
+    """TRL's `WeightTransferProtocol` over a `WeightSync`: each `send_weights` is one verified push.
+
+    `engines`, `transport` and `**options` are `WeightSync`'s (`pause`, `timeout_s`,
+    `bucket_bytes`, `disk_root`, ...; `mode` is always "full": TRL sends whole,
+    merged weights). The `WeightSync` is made by `init_weight_transfer`, which TRL
+    calls on its main process only, so building this object on every rank is free.
+    """
+
+    def __init__(self, engines: Sequence[Engine], *, transport: str | Transport = "http",
+                 first_version: int = 1, **options: Any) -> None:
+        if "mode" in options:
+            raise ValueError("TRL sends whole (for PEFT: merged) weights, so the mode is 'full'; "
+                             "leave `mode` out")
+        if isinstance(first_version, bool) or not isinstance(first_version, int) or first_version < 0:
+            raise ValueError(f"first_version must be a non-negative integer, got {first_version!r}")
+        self.engines = list(engines)
+        self.transport = transport
+        self.options = options
+        self.sync: WeightSync | None = None
+        """Made by `init_weight_transfer`, closed by `destroy`."""
+        self.next_version = first_version
+        """The version the next `send_weights` pushes."""
+        self.reports: list[SyncReport] = []
+        """One verified report per `send_weights`, in order."""
+        self._exact_model: nn.Module | None = None
+        self._saved_base: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        """(parameter, its host copy) for every LoRA layer's base weight, between pause and resume."""
+
+    # -- TRL's protocol ------------------------------------------------------
+
+    def init_weight_transfer(self) -> None:
+        """Make the `WeightSync` (its transport and engine checks). Called once, on train begin."""
+        if self.sync is None:
+            self.sync = WeightSync(self.engines, transport=self.transport, **self.options)
+
+    def pause(self) -> None:
+        """Nothing to pause: the push pauses each engine by its policy around the commit.
+        With `keep_base_exact`, copy the base weights before TRL merges the adapter into them."""
+        if self._exact_model is not None:
+            self._save_base(self._exact_model)
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Push what `iterator` yields as the next version; raise unless every engine acked it."""
+        if self.sync is None:
+            raise WeightSyncError("send_weights before init_weight_transfer: TRL calls init_weight_transfer on "
+                                  "train begin; outside TRL, call it first")
+        source = HeldTensors(iterator)
+        version = self.next_version
+        report = self.sync.push(source, version=version)
+        if not report.verified:  # push raises on every refusal; an unverified report is still no sync
+            raise IntegrityError(f"the push of v{version} was not verified by every engine: {report.notes}")
+        self.next_version = version + 1
+        self.reports.append(report)
+        log.info("TRL sync: v%d verified, %d tensors, %d bytes in %.3f s", version, report.num_tensors,
+                 report.num_bytes, report.seconds)
+
+    def resume(self) -> None:
+        """Nothing to resume (the push did); with `keep_base_exact`, write the base weights back."""
+        self._restore_base()
+
+    def destroy(self) -> None:
+        """Write back the base weights if a failed sync left them merged-then-unmerged, close the push session."""
+        self._restore_base()
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+
+    # -- exact base weights under PEFT -------------------------------------------
+
+    def keep_base_exact(self, model: nn.Module) -> None:
+        """Keep the base weights of `model` (TRL's PEFT model, `trainer.model`) bit-identical
+        across TRL's in-place merge/unmerge. Costs a host copy of every LoRA layer's base
+        weights during each sync. One process only: TRL calls the transfer on its main
+        process alone, so the other ranks' shards would not be restored."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("keep_base_exact needs a single training process: TRL calls the weight transfer on "
+                             f"the main process only, so the other {dist.get_world_size() - 1} ranks' base "
+                             "weights would still change")
+        if not any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+            raise ValueError(f"{type(model).__name__} has no LoRA layer: pass the trainer's PEFT model "
+                             "(`trainer.model`) built from a `peft_config`")
+        self._exact_model = model
+
+    def _save_base(self, model: nn.Module) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                for param in module.get_base_layer().parameters(recurse=False):
+                    saved.append((param, param.detach().to("cpu", copy=True)))
+        self._saved_base = saved
+
+    def _restore_base(self) -> None:
+        if self._saved_base is None:
+            return
+        saved, self._saved_base = self._saved_base, None
+        with torch.no_grad():
+            for param, copy in saved:
+                param.copy_(copy)
+
+
+__all__ = ["HeldTensors", "WeightTransfer"]

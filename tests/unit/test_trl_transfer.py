@@ -1,0 +1,149 @@
+"""`weightsync.integrations.trl` without TRL's trainer: the held source, the protocol's
+order as `AsyncGRPOTrainer._sync_weight_merged` calls it, and what TRL's in-place
+`merge_adapter()` / `unmerge_adapter()` does to float32 base weights (and how
+`keep_base_exact` undoes it). TRL's trainer itself runs in tests/frameworks/test_trl.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_sync import MemoryEngine
+
+import weightsync as ws
+from weightsync.integrations.trl import HeldTensors, WeightTransfer
+from weightsync.tiny import TinyModelConfig, build_model
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_model() -> torch.nn.Module:
+    """A float32 tiny Qwen2 with a real LoRA on every linear layer of its blocks (B non-zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(build_model(TinyModelConfig()), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.02)
+    return model
+
+
+def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+
+
+def changed(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> tuple[int, float]:
+    """(elements that differ from `before`, their largest absolute difference)."""
+    now = dict(model.named_parameters())
+    diffs = [(now[n].detach() - w).abs() for n, w in before.items()]
+    return sum(int((d > 0).sum()) for d in diffs), max(float(d.max()) for d in diffs)
+
+
+def test_trl_merge_unmerge_round_trip_is_not_exact_in_float32() -> None:
+    """What TRL does around every sync of a PEFT model, measured: the frozen base weights come
+    back changed. Here 56,412 of 295,424 elements (19.1%), by at most 7.45e-9 (about one ulp of
+    weights of magnitude up to 0.088), after one round trip; on a model whose adapter changes
+    between syncs, as in training, the changes accumulate (100 syncs: 56.6% of elements, up to
+    6.3e-8)."""
+    model = peft_model()
+    before = base_weights(model)
+    inputs = torch.tensor([[5, 17, 42, 99, 3]])
+    with torch.no_grad():
+        adapted = model(inputs).logits
+        with model.disable_adapter():
+            base = model(inputs).logits
+    assert not torch.allclose(adapted, base, atol=1e-4), "the LoRA changes the model"
+    model.merge_adapter()
+    with torch.no_grad():
+        merged = model(inputs).logits
+    assert torch.allclose(merged, adapted, atol=1e-5), "merged == unmerged, as PEFT promises"
+    model.unmerge_adapter()
+    num_changed, max_abs = changed(model, before)
+    assert num_changed > 0 and 0 < max_abs < 1e-6, (num_changed, max_abs)
+
+
+def test_keep_base_exact_restores_the_base_bit_for_bit() -> None:
+    model = peft_model()
+    before = base_weights(model)
+    transfer = WeightTransfer(engines=[])
+    transfer.keep_base_exact(model)
+    for _ in range(3):  # as AsyncGRPOTrainer._sync_weight_merged calls it (send_weights left out)
+        transfer.pause()
+        model.merge_adapter()
+        model.unmerge_adapter()
+        transfer.resume()
+        assert changed(model, before)[0] == 0
+    # a failed sync: TRL skips resume() and calls destroy()
+    transfer.pause()
+    model.merge_adapter()
+    model.unmerge_adapter()
+    assert changed(model, before)[0] > 0
+    transfer.destroy()
+    assert changed(model, before)[0] == 0
+
+
+def test_keep_base_exact_needs_a_lora_model() -> None:
+    with pytest.raises(ValueError, match="has no LoRA layer"):
+        WeightTransfer(engines=[]).keep_base_exact(build_model(TinyModelConfig()))
+
+
+def named(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return {"model.embed_tokens.weight": torch.randn(6, 4, generator=g), "model.norm.weight": torch.randn(4),
+            "lm_head.weight": torch.randn(4, 6, generator=g).t()}
+
+
+def test_held_tensors_keep_references_in_trls_order() -> None:
+    weights = named(1)
+    source = HeldTensors(iter(weights.items()))
+    assert [m.hf_name for m in source.metas()] == list(weights)
+    assert all(t is weights[n] for n, t in source.tensors(["lm_head.weight", "model.norm.weight"]))
+    with pytest.raises(KeyError, match="'model.other' is not among the 3 weights TRL sent"):
+        list(source.tensors(["model.other"]))
+    with pytest.raises(ValueError, match="yielded 'a' twice"):
+        HeldTensors(iter([("a", torch.zeros(1)), ("a", torch.zeros(1))]))
+
+
+def test_each_send_is_a_verified_push_of_the_next_version() -> None:
+    weights = named(1)
+    engine = MemoryEngine({n: torch.zeros_like(t) for n, t in weights.items()})
+    transfer = WeightTransfer(engines=[engine], transport="http", first_version=3)
+    with pytest.raises(ws.WeightSyncError, match="send_weights before init_weight_transfer"):
+        transfer.send_weights(iter(weights.items()))
+    transfer.init_weight_transfer()
+    for k in (1, 2):
+        weights = named(k)
+        transfer.pause()
+        transfer.send_weights(iter(weights.items()))
+        transfer.resume()
+        assert engine.version == 2 + k
+        assert all(torch.equal(engine.weights[n], t) for n, t in weights.items())
+    assert [r.version for r in transfer.reports] == [3, 4] and transfer.next_version == 5
+    transfer.destroy()
+
+
+def test_a_refused_send_raises_and_the_version_is_not_spent() -> None:
+    weights = named(1)
+    engine = MemoryEngine({n: torch.zeros_like(t) for n, t in weights.items()})
+    transfer = WeightTransfer(engines=[engine], transport="http")
+    transfer.init_weight_transfer()
+    engine.fail_receive_at = 0
+
+    def trl_iterator() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from named(2).items()
+
+    with pytest.raises(ws.EngineError, match="injected failure at bucket 0"):
+        transfer.send_weights(trl_iterator())
+    assert engine.version == 0 and transfer.next_version == 1 and transfer.reports == []
+    engine.fail_receive_at = None
+    transfer.send_weights(trl_iterator())
+    assert engine.version == 1
+    transfer.destroy()
+
+
+def test_mode_is_not_an_option() -> None:
+    with pytest.raises(ValueError, match="the mode is 'full'"):
+        WeightTransfer(engines=[], mode="lora")
