@@ -153,16 +153,16 @@ def send_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]], *
     except WeightSyncError as e:  # a collective failed: a peer died or timed out
         plan.drain()
         problems = [f"the weightsync group broke, a rank was lost: {e}"]
-        board.post(session.updates, {"ok": False, "problems": problems})
+        board.post(session.updates, {"ok": False, "version": version, "problems": problems})
         session.tear_down()
         raise UpdateRefusedError(_refusal(version, problems)) from e
     problems = _problems(manifest, records)
-    verdict = {"ok": not problems, "problems": problems}
+    verdict = {"ok": not problems, "version": version, "problems": problems}
     try:
         channel.announce({"kind": "verdict", **verdict})
     except WeightSyncError as e:
         problems.append(f"the verdict did not reach every rollout rank: {e}")
-        verdict = {"ok": False, "problems": problems}
+        verdict = {"ok": False, "version": version, "problems": problems}
         session.tear_down()
     metrics = _metrics(manifest, stages, time.perf_counter() - started) if manifest is not None else {}
     board.post(session.updates, {**verdict, "metrics": metrics})
@@ -181,7 +181,7 @@ def follow_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]])
         pass
     verdict = board.wait(session.updates, timeout_s=session.timeout_s)
     if not verdict.get("ok"):
-        raise UpdateRefusedError(_refusal(None, [str(p) for p in verdict.get("problems", ())]))
+        raise UpdateRefusedError(_refusal(verdict.get("version"), [str(p) for p in verdict.get("problems", ())]))
     metrics: dict[str, Any] = verdict.get("metrics") or {}
     return metrics
 
