@@ -44,6 +44,8 @@ HERE = Path(__file__).resolve().parent
 BUCKET_MB = 1
 """verl's update_weights_bucket_megabytes: the tiny model (3.6 MB in bfloat16) goes in 5 buckets."""
 MODEL = TinyModelConfig(intermediate_size=2048)
+ENGINE_KWARGS: dict[str, Any] = {"timeout_s": 60.0}
+"""checkpoint_engine.engine_kwargs.weightsync: the defaults (broadcast, bfloat16, hold_update)."""
 
 
 def _free_port() -> int:
@@ -115,6 +117,19 @@ class Fleet:
 
         ray.get(self.rollout(index).execute_checkpoint_engine.remote("__setattr__", "receiver", receiver))
 
+    def rebuild_engines(self, **engine_kwargs: Any) -> None:
+        """Build every worker's checkpoint engine again with `engine_kwargs`: the constructor
+        verl calls with the arguments verl passes, run through verl's own
+        `execute_checkpoint_engine` (as a new `engine_kwargs.weightsync` config would build them)."""
+        import ray
+
+        bucket_size = BUCKET_MB << 20
+        ray.get(self.actor_wg.execute_checkpoint_engine(
+            ["__init__"] * 2, [bucket_size] * 2, is_master=[True, False],
+            **{key: [value] * 2 for key, value in engine_kwargs.items()}))
+        ray.get([self.rollout(i).execute_checkpoint_engine.remote("__init__", bucket_size, **engine_kwargs)
+                 for i in range(2)])
+
     def start_rollout(self, index: int) -> Any:
         """A new CheckpointEngineWorker for replica `index` (its engine stays)."""
         import ray
@@ -150,7 +165,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         config = CheckpointEngineConfig(
             backend="weightsync", update_weights_bucket_megabytes=BUCKET_MB,
-            custom_backend_module="weightsync.integrations.verl", engine_kwargs={"weightsync": {"timeout_s": 60.0}})
+            custom_backend_module="weightsync.integrations.verl", engine_kwargs={"weightsync": ENGINE_KWARGS})
         rollout_config = RolloutConfig(name="sglang", checkpoint_engine=config)
         model_config = HFModelConfig(path=str(engine_dir))
         actor_cls = ray.remote(FsdpActorWorker)
@@ -190,6 +205,21 @@ def test_update_through_verls_manager_serves_the_trainers_weights(fleet: Fleet) 
                  for n, t in trainer_weights(str(fleet.trainer_dir), step).items()]
         assert metrics["weightsync/buckets"] == len(plan_buckets(metas, BUCKET_MB << 20)) > 1
         assert metrics["weightsync/bytes"] == sum(m.nbytes for m in metas)
+
+
+@pytest.mark.parametrize("transport", ["shm", "disk"])
+def test_shm_and_disk_transports(fleet: Fleet, transport: str, tmp_path: Path) -> None:
+    from verl_fixtures import bf16_digests, trainer_weights
+
+    fleet.rebuild_engines(transport=transport, disk_root=str(tmp_path), timeout_s=ENGINE_KWARGS["timeout_s"])
+    try:
+        step = fleet.next_step()
+        metrics = fleet.manager.update_weights(global_steps=step)
+        assert metrics["weightsync/verified"] == 1
+        want = bf16_digests(trainer_weights(str(fleet.trainer_dir), step))
+        assert [served for _, served in fleet.served()] == [want, want]
+    finally:
+        fleet.rebuild_engines(**ENGINE_KWARGS)
 
 
 @pytest.mark.parametrize(("fault", "reason"), [
