@@ -239,9 +239,10 @@ def receive_update(session: Session, *, global_steps: int | None, loaded_version
         if isinstance(e, (IntegrityError, ManifestError)):
             raise
         session.tear_down()
+        kept = ("nothing of this update was handed to verl's server adapter" if hold else
+                "the buckets already yielded to verl's server adapter stay loaded (hold_update=False)")
         raise UpdateRefusedError(f"rollout rank {session.rank}: the weightsync group broke mid-update ({e}); "
-                                 "nothing of this update was handed to the engine" + ("" if hold else
-                                 " after the buckets already streamed (hold_update=False)")) from e
+                                 f"{kept}") from e
     if not verdict.get("ok"):
         raise UpdateRefusedError(_refusal(version, [str(p) for p in verdict.get("problems", ())]))
     for bucket, buffer, _ in staged:  # with hold: every bucket; without: what was not streamed (disk)
