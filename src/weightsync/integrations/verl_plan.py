@@ -16,6 +16,7 @@ bfloat16) are held until packed, beside the pipeline's two bucket slots.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -50,6 +51,8 @@ class StreamPlan:
         """The tensor read but not yet placed (the first of the next bucket), with its meta."""
         self._held: dict[str, torch.Tensor] = {}
         self._seen: set[str] = set()
+        self.read_s = 0.0
+        """Seconds spent reading the stream (verl's gathers), which the pipeline counts as packing."""
 
     def buckets(self) -> Iterator[BucketMeta]:
         """The plan: bucket k is laid out once its tensors (and the first of bucket k+1) are read."""
@@ -58,7 +61,9 @@ class StreamPlan:
             nbytes = 0
             while True:
                 if self._next is None:
+                    started = time.perf_counter()
                     item = next(self._it, None)
+                    self.read_s += time.perf_counter() - started
                     if item is None:
                         break
                     self._next = (item[0], item[1], self._meta(*item))

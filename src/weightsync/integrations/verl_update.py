@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,7 +71,6 @@ class Session:
     """Updates begun in this session (the verdict board's key)."""
     broken: bool = False
     """A collective failed: the groups are torn down and the session takes no more updates."""
-    stages: Stages = field(default_factory=Stages)
 
     @property
     def channel(self) -> Channel:
@@ -134,6 +133,7 @@ def send_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]], *
         try:
             digests = stream_buckets(plan, plan.buckets(), (), None, slot=transport.slot, deliver=deliver,
                                      stages=stages, drain=True, digest_algorithm=algorithm)
+            stages.gather, stages.pack = plan.read_s, max(0.0, stages.pack - plan.read_s)
             manifest = Manifest(version=version, buckets=tuple(plan.planned),
                                 digest_algorithm=algorithm).with_digests(digests)
             transport.finish(manifest)
