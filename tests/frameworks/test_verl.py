@@ -162,26 +162,27 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("verl")
     trainer_dir = make_tiny_model(root / "trainer", MODEL)
     engine_dir = make_tiny_model(root / "engine", TinyModelConfig(intermediate_size=2048, dtype="bfloat16"))
-    with ThreadPoolExecutor(2) as pool:
-        starting = [pool.submit(launch_server, engine_dir, args=["--num-threads", "1"]) for _ in range(2)]
+    config = CheckpointEngineConfig(
+        backend="weightsync", update_weights_bucket_megabytes=BUCKET_MB,
+        custom_backend_module="weightsync.integrations.verl", engine_kwargs={"weightsync": ENGINE_KWARGS})
+    servers: list[ServerProcess] = []
+    pool = ThreadPoolExecutor(2)
+    starting = [pool.submit(launch_server, engine_dir, args=["--num-threads", "1"]) for _ in range(2)]
+    try:
         ray.init(num_cpus=2, include_dashboard=False, runtime_env=_env(), logging_level="WARNING",
                  log_to_driver=False)
-        servers = [s.result() for s in starting]
-    try:
-        config = CheckpointEngineConfig(
-            backend="weightsync", update_weights_bucket_megabytes=BUCKET_MB,
-            custom_backend_module="weightsync.integrations.verl", engine_kwargs={"weightsync": ENGINE_KWARGS})
-        rollout_config = RolloutConfig(name="sglang", checkpoint_engine=config)
-        model_config = HFModelConfig(path=str(engine_dir))
+        # the actor ranks start (import verl, build the FSDP2 model) while the engines start
         actor_cls = ray.remote(FsdpActorWorker)
         port = str(_free_port())
         actors = [actor_cls.options(runtime_env=_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                                                      MASTER_PORT=port)).remote(config, str(trainer_dir))
                   for rank in range(2)]
         actor_wg = RayWorkerGroup(worker_handles=actors, ray_cls_with_init=RayClassWithInitArgs(cls=actor_cls))
+        servers = [s.result() for s in starting]
         fleet = Fleet(manager=None, actor_wg=actor_wg, actors=actors, replicas=[FakeReplica([]), FakeReplica([])],
-                      servers=servers, trainer_dir=trainer_dir, rollout_config=rollout_config,
-                      model_config=model_config, clients=[Client(s.url) for s in servers])
+                      servers=servers, trainer_dir=trainer_dir,
+                      rollout_config=RolloutConfig(name="sglang", checkpoint_engine=config),
+                      model_config=HFModelConfig(path=str(engine_dir)), clients=[Client(s.url) for s in servers])
         for index in range(2):
             fleet.start_rollout(index)
         fleet.manager = CheckpointEngineManager(config=config, actor_wg=actor_wg, replicas=fleet.replicas)
@@ -190,7 +191,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             client.close()
     finally:
         ray.shutdown()
-        for server in servers:
+        pool.shutdown()
+        for server in servers or [s.result() for s in starting if s.exception() is None]:
             server.close()
 
 
