@@ -29,7 +29,7 @@ import torch
 
 from weightsync.bucketing import unpack
 from weightsync.digests import for_device
-from weightsync.errors import IntegrityError, ManifestError, SyncTimeoutError, WeightSyncError
+from weightsync.errors import IntegrityError, ManifestError, WeightSyncError
 from weightsync.groups import UpdateGroup
 from weightsync.integrations.verl_channel import Channel, VerdictBoard
 from weightsync.integrations.verl_plan import StreamPlan
@@ -103,6 +103,14 @@ class _Refused(Exception):
     """A rollout rank refused a bucket: stop sending, and decide on the records."""
 
 
+class _GroupBroken(Exception):
+    """A collective of the update failed (a peer died or timed out): no more messages."""
+
+    def __init__(self, error: WeightSyncError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def send_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]], *, version: int,
                 bucket_bytes: int, dtype: torch.dtype | None, max_tensor_bytes: int | None) -> dict[str, Any]:
     """The sending actor rank's update; returns verl's sync metrics. `max_tensor_bytes`:
@@ -116,6 +124,7 @@ def send_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]], *
     stages = Stages()
     manifest: Manifest | None = None
     reason: str | None = None
+    failure: Exception | None = None
     try:
         channel = session.channel
         channel.announce({"kind": "begin", "version": version, "digest_algorithm": algorithm})
@@ -125,9 +134,13 @@ def send_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]], *
             delivery = transport.deliver(bucket, buffer)
             if not transport.per_bucket_delivery:
                 return
-            channel.announce({"kind": "bucket", "bucket": bucket.to_dict(), "delivery": delivery.to_dict()})
-            transport.send(bucket, buffer)
-            if channel.took_bucket(refused=False):
+            try:
+                channel.announce({"kind": "bucket", "bucket": bucket.to_dict(), "delivery": delivery.to_dict()})
+                transport.send(bucket, buffer)
+                refused = channel.took_bucket(refused=False)
+            except WeightSyncError as e:
+                raise _GroupBroken(e) from e
+            if refused:
                 raise _Refused(f"a rollout rank refused bucket {bucket.index}")
 
         try:
@@ -139,10 +152,11 @@ def send_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]], *
             transport.finish(manifest)
         except _Refused:
             reason = None  # the refusing ranks give their reasons in their records
-        except SyncTimeoutError:
-            raise  # a collective: the group is unusable
-        except (ValueError, OSError, IntegrityError) as e:  # the weights or the sender's own I/O
-            reason = f"the sending actor rank failed: {type(e).__name__}: {e}"
+        except _GroupBroken as e:
+            raise e.error from e
+        except Exception as e:  # the weights, a cast, the sender's own I/O: the rollout
+            # ranks wait on this rank, so they hear why before it is raised (chained below)
+            reason, failure = f"the sending actor rank failed: {type(e).__name__}: {e}", e
         plan.drain()  # whatever stopped the stream, the other actor ranks finish their gathers
         if manifest is None:
             transport.discard(version)
@@ -167,7 +181,7 @@ def send_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]], *
     metrics = _metrics(manifest, stages, time.perf_counter() - started) if manifest is not None else {}
     board.post(session.updates, {**verdict, "metrics": metrics})
     if problems:
-        raise UpdateRefusedError(_refusal(version, problems))
+        raise UpdateRefusedError(_refusal(version, problems)) from failure
     return metrics
 
 
