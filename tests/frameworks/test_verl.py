@@ -264,6 +264,36 @@ def test_a_bad_bucket_or_a_lost_rollout_worker_fails_every_sender(fleet: Fleet, 
     assert all(version > before[0][0] for version, _ in fleet.served())
 
 
+def test_streaming_option_yields_checked_buckets_but_is_not_all_or_nothing(fleet: Fleet) -> None:
+    """hold_update=False: the update arrives whole when nothing fails; a bad last bucket
+    still makes every actor rank raise, but the batches verl's adapter loaded before it stay
+    loaded (what docs/INTEGRATIONS.md says the option costs)."""
+    import ray
+    from verl_fixtures import FaultyReceiver, bf16_digests, trainer_weights
+
+    fleet.rebuild_engines(**ENGINE_KWARGS, hold_update=False)
+    try:
+        step = fleet.next_step()
+        fleet.manager.update_weights(global_steps=step)
+        good = bf16_digests(trainer_weights(str(fleet.trainer_dir), step))
+        assert [served for _, served in fleet.served()] == [good, good]
+
+        step = fleet.next_step()
+        last = len(plan_buckets(bf16_metas(trainer_weights(str(fleet.trainer_dir), step)), BUCKET_MB << 20)) - 1
+        fleet.set_receiver(1, FaultyReceiver("broadcast", "corrupt", last))
+        with pytest.raises(ray.exceptions.RayTaskError):
+            fleet.manager.update_weights(global_steps=step)
+        outcomes = ray.get([actor.last_outcome.remote() for actor in fleet.actors])
+        assert all(o["error"] == "UpdateRefusedError" and "corrupted in transit" in o["message"] for o in outcomes)
+        new = bf16_digests(trainer_weights(str(fleet.trainer_dir), step))
+        for _, served in fleet.served():  # part of the refused update is served: earlier batches, not the last
+            changed = {name for name in served if served[name] != good[name]}
+            assert changed and changed < set(served) and all(served[name] == new[name] for name in changed)
+    finally:
+        fleet.set_receiver(1, make_receiver("broadcast"))
+        fleet.rebuild_engines(**ENGINE_KWARGS)
+
+
 def test_stream_plan_is_weightsyncs_plan_and_bytes() -> None:
     """verl's generator planned as it is read gives the buckets `plan_buckets` gives for
     the same metas, and the pipeline packs the bytes `pack` packs (cast to bfloat16)."""
