@@ -259,7 +259,7 @@ def stream_order(plan: Sequence[BucketMeta]) -> list[str]:
 
 
 def pack_stream(
-    plan: Sequence[BucketMeta],
+    plan: Iterable[BucketMeta],
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     keep: bool = True,

@@ -65,6 +65,26 @@ class UpdateGroup:
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         _wait(work, timeout_s, f"broadcast in group {self.group_name!r}")
 
+    def all_gather(self, tensor: torch.Tensor, *, timeout_s: float) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape and dtype on every rank), in rank order."""
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work = dist.all_gather(out, tensor, group=self.group, async_op=True)
+        _wait(work, timeout_s, f"all_gather in group {self.group_name!r}")
+        return out
+
+    def gather(self, tensor: torch.Tensor, *, dst: int = 0, timeout_s: float) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape and dtype on every rank) on rank `dst`, in
+        rank order; an empty list on the other ranks."""
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == dst else None
+        work = dist.gather(tensor, out, dst=dst, group=self.group, async_op=True)
+        _wait(work, timeout_s, f"gather in group {self.group_name!r}")
+        return out or []
+
+    def all_reduce_max(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
+        """`tensor` becomes the elementwise maximum over every rank's, in place."""
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        _wait(work, timeout_s, f"all_reduce in group {self.group_name!r}")
+
     def barrier(self, *, timeout_s: float) -> None:
         flag = torch.zeros(1, dtype=torch.uint8)
         self.broadcast(flag, src=0, timeout_s=timeout_s)

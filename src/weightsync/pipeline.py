@@ -16,7 +16,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,8 @@ class Stages:
                             diff=self.diff)
 
 
-def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequence[str],
-                   to_engine: Mapping[str, str], *, slot: Callable[[int, int], torch.Tensor],
+def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequence[str],
+                   to_engine: Mapping[str, str] | None, *, slot: Callable[[int, int], torch.Tensor],
                    deliver: Callable[[BucketMeta, torch.Tensor], None], stages: Stages,
                    allow_overflow: bool = False, drain: bool = False,
                    digest_algorithm: str = XXH3_64) -> list[str]:
@@ -55,7 +55,10 @@ def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequ
     `digest_algorithm` on the device of the slot: wsmix64 hashes a CUDA slot in place).
 
     `order` holds the source's (hf) names in stream order; the plan holds engine
-    names (`to_engine` maps them). `slot(index, nbytes)` is the buffer bucket `index` is packed into.
+    names (`to_engine` maps them; None: the source's names are the engine's). The plan
+    may be laid out as the stream is read (`integrations.verl_plan`): it is iterated once,
+    each bucket before its tensors are asked for. `slot(index, nbytes)` is the buffer
+    bucket `index` is packed into.
     """
     ready: queue.Queue[Any] = queue.Queue(maxsize=1)
     free_slots = threading.Semaphore(NUM_SLOTS)
@@ -75,7 +78,9 @@ def stream_buckets(source: WeightSource, plan: Sequence[BucketMeta], order: Sequ
 
     def produce() -> None:
         try:
-            tensors = ((to_engine[n], t) for n, t in _timed(source.tensors(order), stages, "gather"))
+            tensors = _timed(source.tensors(order), stages, "gather")
+            if to_engine is not None:
+                tensors = ((to_engine[n], t) for n, t in tensors)
             t_prev = time.perf_counter()
             for bucket, buffer in pack_stream(plan, tensors, alloc=alloc, allow_overflow=allow_overflow):
                 if buffer is None:

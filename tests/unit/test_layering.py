@@ -121,6 +121,18 @@ def test_transports_import_neither_engines_nor_server() -> None:
 
 
 
+def test_the_library_never_imports_the_integrations() -> None:
+    """`weightsync.integrations` plugs weightsync into RL frameworks (verl, TRL) and imports
+    them; no module outside it imports it, not even inside a function, so the library
+    never needs a framework installed."""
+    integrations = PACKAGE / "integrations"
+    found = [f"{path.relative_to(SRC)}: {module}"
+             for path in sorted(PACKAGE.rglob("*.py")) if integrations not in path.parents
+             for module, _ in _imports(path)
+             if _is_under(module, ("weightsync.integrations",))]
+    assert not found, found
+
+
 def test_engines_and_server_compare_no_transport_names() -> None:
     """The engine clients, the vLLM worker and the embedded server read the traits a
     transport's receiver declares (`joins_session`, `collective`, ...), never its name:
