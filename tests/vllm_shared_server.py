@@ -234,9 +234,20 @@ def _engines(config: pytest.Config) -> SessionEngines:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the servers the collected tests will use, in the background."""
+    """Start the servers the collected tests will use, in the background (their checkpoints
+    are written here, before the first test, with transformers' progress bars off)."""
     if session.config.option.collectonly or importlib.util.find_spec("vllm") is None:
         return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        _start_used(session)
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def _start_used(session: pytest.Session) -> None:
     users = [item for item in session.items if uses_shared_vllm(item)]
     if users:
         _engines(session.config).start_float32()
