@@ -51,6 +51,7 @@ from weightsync.bucketing import castable, plan_buckets, stream_order
 from weightsync.cleanup import Backlog
 from weightsync.digests import ALGORITHMS, XXH3_64, for_device
 from weightsync.engines.base import (
+    CLEANUP_TIMEOUT_S,
     AdapterUnloader,
     DigestReader,
     Engine,
@@ -93,10 +94,6 @@ T = TypeVar("T")
 
 TRANSPORT_OPTIONS = frozenset({"disk_root", "keep_versions", "master_address", "backend"})
 """`SyncConfig` fields that only configure a transport made by name."""
-
-CLEANUP_TIMEOUT_S = 10.0
-"""Upper bound of all cleanup rounds of a failed push together (never more than timeout_s)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:

@@ -42,8 +42,14 @@ from weightsync.types import (
     dtype_name,
 )
 
-__all__ = ["AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine", "EngineCapabilities", "Link",
-           "PausePolicy"]
+__all__ = ["CLEANUP_TIMEOUT_S", "AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine",
+           "EngineCapabilities", "Link", "PausePolicy"]
+
+CLEANUP_TIMEOUT_S = 10.0
+"""Upper bound of a failed push's cleanup (abort, rollback, leaving the session, resume),
+never more than the push's `timeout_s`: the coordinator's cleanup rounds together, and each
+engine client's abort and teardown call. They run after a failure, often against a peer
+that already stopped answering."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Link, PausePolicy
+from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient, decode
 from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import byte_view
@@ -53,10 +53,6 @@ from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
 
 log = logging.getLogger(__name__)
-
-CLEANUP_TIMEOUT_S = 10.0
-"""Upper limit for abort and group teardown calls (never more than the push's timeout_s):
-they run after a failure, often against a peer that already stopped answering."""
 
 
 def _stock_routes(name: str) -> bool:

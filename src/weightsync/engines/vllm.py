@@ -70,7 +70,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from weightsync.engines.base import Completion, Delivery, EngineCapabilities, Link, PausePolicy
+from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient
 from weightsync.engines.vllm_worker import EXTENSION
 from weightsync.errors import (
@@ -94,9 +94,6 @@ MAX_GENERATE_ATTEMPTS = 3
 """Rounds of requests one `generate` call makes at most (see `generate`)."""
 RPC_MARGIN_S = 10.0
 """Added to a verb's own timeout for the RPC carrying it, so the worker's error comes first."""
-CLEANUP_TIMEOUT_S = 10.0
-"""Upper limit for abort and teardown calls (never more than the client's timeout_s):
-they run after a failure, often against an engine that already stopped answering."""
 
 
 class _FetchedByWorkers:

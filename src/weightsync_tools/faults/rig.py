@@ -23,10 +23,11 @@ import httpx
 import torch
 
 from weightsync.checkpoint import MANIFEST_FILE, bucket_file_name
+from weightsync.engines.base import CLEANUP_TIMEOUT_S
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
-from weightsync.sync import CLEANUP_TIMEOUT_S, WeightSync
+from weightsync.sync import WeightSync
 from weightsync.transports import make_transport
 from weightsync.transports.base import Transport
 from weightsync.types import Manifest, TensorMeta
