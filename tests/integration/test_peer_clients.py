@@ -35,15 +35,15 @@ from test_server_torn_updates import PROMPT, halves
 from weightsync.integrity import digest
 from weightsync.types import dtype_name
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
+def server(tiny_model: Path, kit: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
     # AReaL's LoRA flow needs --enable-lora (its launcher passes it with use_lora).
-    yield from ws.start_server(tiny_model, "--enable-lora")
+    yield from kit.start_server(tiny_model, "--enable-lora")
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +63,12 @@ def plain(obj: Any) -> str:
     return b64(pickle.dumps(obj))
 
 
-def assert_serves(client: Any, ws: SimpleNamespace, tiny_model: Path, weights: dict[str, torch.Tensor],
+def assert_serves(client: Any, kit: SimpleNamespace, tiny_model: Path, weights: dict[str, torch.Tensor],
                   label: str | None = None) -> None:
     """The engine serves exactly `weights`: digests and transformers' greedy tokens."""
     served = client.digests()
     assert {n: served[n] for n in weights} == {n: digest(t) for n, t in weights.items()}
-    want, _ = ws.reference_greedy(ws.load_model(tiny_model, weights), PROMPT, 8)
+    want, _ = kit.reference_greedy(kit.load_model(tiny_model, weights), PROMPT, 8)
     got = client.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}).json()
     assert got["output_ids"] == want
     if label is not None:
@@ -82,7 +82,7 @@ def assert_shared_memory_refused(response: Any, client: Any, before: dict[str, s
     assert client.digests() == before
 
 
-def test_slime_external_engine_training_step(client: Any, ws: SimpleNamespace, tiny_model: Path,
+def test_slime_external_engine_training_step(client: Any, kit: SimpleNamespace, tiny_model: Path,
                                              sglang: SimpleNamespace) -> None:
     # THUDM/slime @ 624b824a: slime/backends/sglang_utils/external.py get_server_info (tries /server_info,
     # then /get_server_info) and discover_external_engines (tp/pp sizes, num_gpus).
@@ -94,7 +94,7 @@ def test_slime_external_engine_training_step(client: Any, ws: SimpleNamespace, t
     # pause -> flush -> buckets (same weight_version on each) -> continue; bodies from
     # slime/backends/sglang_utils/sglang_engine.py (SGLangEngine.pause_generation, flush_cache,
     # update_weights_from_tensor, continue_generation).
-    weights = ws.perturbed(tiny_model, seed=60)
+    weights = kit.perturbed(tiny_model, seed=60)
 
     def send_buckets(label: str) -> None:
         for names in halves(client):
@@ -111,7 +111,7 @@ def test_slime_external_engine_training_step(client: Any, ws: SimpleNamespace, t
 
     # slime's CI mode: SGLangEngine.get_weight_version (GET, reads "weight_version").
     assert client.http.get("/get_weight_version").json()["weight_version"] == "1"
-    want, _ = ws.reference_greedy(ws.load_model(tiny_model, weights), PROMPT, 8)
+    want, _ = kit.reference_greedy(kit.load_model(tiny_model, weights), PROMPT, 8)
     got = client.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {
         "temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}).json()
     assert got["output_ids"] == want and got["meta_info"]["weight_version"] == "1"
@@ -141,13 +141,13 @@ def test_sglang_weight_version_test_reads_new_version(client: Any) -> None:
         assert client.http.get(route).json()["weight_version"] == "v2.0"
 
 
-def test_verl_rollout_weight_sync(client: Any, ws: SimpleNamespace, tiny_model: Path, sglang: SimpleNamespace) -> None:
+def test_verl_rollout_weight_sync(client: Any, kit: SimpleNamespace, tiny_model: Path, sglang: SimpleNamespace) -> None:
     # volcengine/verl @ b178a3cd: verl/workers/fsdp_workers.py rollout_mode (resume(["weights"]) ->
     # update_weights -> resume(["kv_cache"])); verl/workers/rollout/sglang_rollout/sglang_rollout.py
     # (release: tags ["kv_cache", "weights"]; update_weights: buckets through SGLang's
     # weight_sync/utils.py update_weights, then flush_cache); http_server_engine.py
     # AsyncHttpServerAdapter (bodies; base64 of each serialized entry; GET /flush_cache).
-    weights = ws.perturbed(tiny_model, seed=61)
+    weights = kit.perturbed(tiny_model, seed=61)
     before = client.digests()
 
     def update_request(serialize_tensor: Any) -> dict[str, Any]:
@@ -170,31 +170,31 @@ def test_verl_rollout_weight_sync(client: Any, ws: SimpleNamespace, tiny_model: 
     assert client.http.get("/flush_cache").status_code == 200
     assert client.http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     assert client.digests() != before
-    assert_serves(client, ws, tiny_model, weights)
+    assert_serves(client, kit, tiny_model, weights)
     # AsyncHttpServerAdapter.abort_request defaults.
     assert client.http.post("/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
 
 
-def test_verl_colocated_payload_changes_nothing(client: Any, sglang: SimpleNamespace, ws: SimpleNamespace,
+def test_verl_colocated_payload_changes_nothing(client: Any, sglang: SimpleNamespace, kit: SimpleNamespace,
                                                 tiny_model: Path) -> None:
     # The verbatim verl payload alone (see above): refused with the reason, served weights unchanged.
     before = client.digests()
     named_tensors = [(name, sglang.LocalSerializedTensor(values=[sglang.MultiprocessingSerializer.serialize(t)]))
-                     for name, t in ws.perturbed(tiny_model, seed=62).items()]
+                     for name, t in kit.perturbed(tiny_model, seed=62).items()]
     response = client.http.post("/update_weights_from_tensor", json={
         "serialized_named_tensors": [b64(sglang.MultiprocessingSerializer.serialize(named_tensors))],
         "load_format": None, "flush_cache": True})
     assert_shared_memory_refused(response, client, before)
 
 
-def test_xtuner_offload_pause_and_flattened_update(client: Any, ws: SimpleNamespace, tiny_model: Path,
+def test_xtuner_offload_pause_and_flattened_update(client: Any, kit: SimpleNamespace, tiny_model: Path,
                                                    sglang: SimpleNamespace) -> None:
     # InternLM/xtuner @ b934f462: xtuner/v1/rl/rollout/sglang.py (offload: GET /flush_cache then
     # release_memory_occupation with json={}; onload_weights / onload_kvcache; pause_generation
     # {"mode": "abort"}; continue_generation {}), xtuner/v1/rl/weight_update/transport.py
     # (serialize: FlattenedTensorBucket -> MultiprocessingSerializer.serialize(..., output_str=True);
     # build_request: serialized_named_tensors, flush_cache False, load_format "flattened_bucket").
-    weights = ws.perturbed(tiny_model, seed=63)
+    weights = kit.perturbed(tiny_model, seed=63)
     assert client.http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
     assert client.http.get("/flush_cache").status_code == 200
     assert client.http.post("/release_memory_occupation", json={}).status_code == 200
@@ -213,7 +213,7 @@ def test_xtuner_offload_pause_and_flattened_update(client: Any, ws: SimpleNamesp
         assert response.status_code == 200, response.text
     assert client.http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     assert client.http.post("/continue_generation", json={}).status_code == 200
-    assert_serves(client, ws, tiny_model, weights)
+    assert_serves(client, kit, tiny_model, weights)
 
 
 def areal_generate(client: Any, lora_name: str | None = None) -> dict[str, Any]:
@@ -233,33 +233,33 @@ def areal_generate(client: Any, lora_name: str | None = None) -> dict[str, Any]:
             "logprobs": [x[0] for x in meta_info["output_token_logprobs"]], "meta_info": meta_info}
 
 
-def test_areal_disk_update(client: Any, ws: SimpleNamespace, tiny_model: Path, model_root: Path) -> None:
+def test_areal_disk_update(client: Any, kit: SimpleNamespace, tiny_model: Path, model_root: Path) -> None:
     # inclusionAI/AReaL @ 4aef98d8: areal/engine/sglang_remote.py get_pause_request,
     # build_disk_weight_update_requests (full model), get_resume_request.
-    weights = ws.perturbed(tiny_model, seed=64)
+    weights = kit.perturbed(tiny_model, seed=64)
     saved = model_root / "areal-step-1"
-    ws.load_model(tiny_model, weights).save_pretrained(saved)
+    kit.load_model(tiny_model, weights).save_pretrained(saved)
     assert client.http.post("/pause_generation", json={}).status_code == 200
     response = client.http.post("/update_weights_from_disk", json={"model_path": str(saved),
                                                                    "abort_all_requests": True})
     assert response.status_code == 200, response.text
     assert client.http.post("/continue_generation", json={}).status_code == 200
-    want, _ = ws.reference_greedy(ws.load_model(tiny_model, weights), PROMPT, 8)
+    want, _ = kit.reference_greedy(kit.load_model(tiny_model, weights), PROMPT, 8)
     assert areal_generate(client)["tokens"] == want
-    assert_serves(client, ws, tiny_model, weights)
+    assert_serves(client, kit, tiny_model, weights)
 
 
-def test_areal_distributed_update(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_areal_distributed_update(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     # inclusionAI/AReaL @ 4aef98d8: areal/engine/sglang_remote.py build_init_weights_group_request
     # (pp_size 1: master_port as a string, rank_offset 1, world_size 1 + engine ranks) and
     # build_distributed_weight_update_requests (dtypes as strings, no load_format: one broadcast
     # per tensor, in the listed order), between pause and continue.
     group_name = "update_weight_group"
-    group = ws.joined_group(lambda body: client.http.post("/init_weights_update_group", json=body), group_name,
+    group = kit.joined_group(lambda body: client.http.post("/init_weights_update_group", json=body), group_name,
                             lambda port: {"master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1,
                                           "world_size": 2, "backend": "gloo", "group_name": group_name})
     try:
-        weights = ws.perturbed(tiny_model, seed=65)
+        weights = kit.perturbed(tiny_model, seed=65)
         assert client.http.post("/pause_generation", json={}).status_code == 200
         for names in halves(client):
             with ThreadPoolExecutor(1) as pool:
@@ -271,13 +271,13 @@ def test_areal_distributed_update(client: Any, ws: SimpleNamespace, tiny_model: 
                     group.broadcast(weights[name], src=0, timeout_s=60)
                 assert receiving.result().status_code == 200, receiving.result().text
         assert client.http.post("/continue_generation", json={}).status_code == 200
-        assert_serves(client, ws, tiny_model, weights)
+        assert_serves(client, kit, tiny_model, weights)
     finally:
         assert client.http.post("/destroy_weights_update_group", json={"group_name": group_name}).status_code == 200
         group.destroy()
 
 
-def test_areal_versioned_lora_from_disk(client: Any, ws: SimpleNamespace, tiny_model: Path,
+def test_areal_versioned_lora_from_disk(client: Any, kit: SimpleNamespace, tiny_model: Path,
                                         model_root: Path) -> None:
     # inclusionAI/AReaL @ 4aef98d8: build_disk_weight_update_requests with use_lora loads
     # get_versioned_lora_name(name, version) = f"{name}-v{version}" (areal/api/io_struct.py) and never
@@ -293,8 +293,8 @@ def test_areal_versioned_lora_from_disk(client: Any, ws: SimpleNamespace, tiny_m
         response = client.http.post("/load_lora_adapter", json={"lora_name": f"policy-v{version}",
                                                                "lora_path": str(adapter_dir)})
         assert response.status_code == 200, response.text
-        peft_model = PeftModel.from_pretrained(ws.load_model(tiny_model), adapter_dir).eval()
-        tokens, logprobs = ws.reference_greedy(peft_model, PROMPT, 8)
+        peft_model = PeftModel.from_pretrained(kit.load_model(tiny_model), adapter_dir).eval()
+        tokens, logprobs = kit.reference_greedy(peft_model, PROMPT, 8)
         got = areal_generate(client, f"policy-v{version}")
         assert got["tokens"] == tokens and tokens != base
         assert max(abs(a - b) for a, b in zip(got["logprobs"], logprobs, strict=True)) < 1e-4
@@ -303,11 +303,11 @@ def test_areal_versioned_lora_from_disk(client: Any, ws: SimpleNamespace, tiny_m
         assert client.http.post("/unload_lora_adapter", json={"lora_name": f"policy-v{version}"}).status_code == 200
 
 
-def launch_weights(ws: SimpleNamespace, tiny_model: Path) -> dict[str, torch.Tensor]:
+def launch_weights(kit: SimpleNamespace, tiny_model: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's own weights, by served (HF) name: what a trainer resumed from it holds."""
     from weightsync.naming import map_names
 
-    return {p.hf_name: p.param.detach().contiguous() for p in map_names(ws.load_model(tiny_model)).params}
+    return {p.hf_name: p.param.detach().contiguous() for p in map_names(kit.load_model(tiny_model)).params}
 
 
 def miles_weights_checker(client: Any, action: str) -> Any:
@@ -340,7 +340,7 @@ def miles_distributed_update(client: Any, group: Any, group_name: str, weights: 
     assert client.http.post("/continue_generation", json={}).status_code == 200
 
 
-def test_miles_check_weight_update_equal(client: Any, ws: SimpleNamespace, tiny_model: Path,
+def test_miles_check_weight_update_equal(client: Any, kit: SimpleNamespace, tiny_model: Path,
                                         sglang: SimpleNamespace) -> None:
     # radixark/miles: train.py with --check-weight-update-equal: the rollout manager's engines
     # snapshot the weights they loaded, reset them, the actor pushes its weights, and
@@ -349,7 +349,7 @@ def test_miles_check_weight_update_equal(client: Any, ws: SimpleNamespace, tiny_
     info = client.http.get("/get_server_info").json()
     assert (info["tp_size"], info["dp_size"], info["pp_size"]) == (1, 1, 1)
     assert client.http.post("/update_weights_from_disk", json={"model_path": str(tiny_model)}).status_code == 200
-    weights = launch_weights(ws, tiny_model)
+    weights = launch_weights(kit, tiny_model)
 
     # broadcast.py connect_rollout_engines_from_distributed: destroy the group first (an engine
     # without it answers an error, which miles ignores), then init it. miles asks for "nccl"; this
@@ -360,7 +360,7 @@ def test_miles_check_weight_update_equal(client: Any, ws: SimpleNamespace, tiny_
         "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
         "group_name": group_name, "backend": "nccl"})
     assert refused.status_code == 400 and "'gloo'" in refused.json()["message"]
-    group = ws.joined_group(lambda body: client.http.post("/init_weights_update_group", json=body), group_name,
+    group = kit.joined_group(lambda body: client.http.post("/init_weights_update_group", json=body), group_name,
                             lambda port: {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
                                           "world_size": 2, "group_name": group_name, "backend": "gloo"})
     try:
@@ -375,7 +375,7 @@ def test_miles_check_weight_update_equal(client: Any, ws: SimpleNamespace, tiny_
         assert compared.status_code == 200, compared.text
         # sglang_api_client.py get_weight_version: /model_info first.
         assert client.http.get("/model_info").json()["weight_version"] == "1"
-        assert_serves(client, ws, tiny_model, weights, label="1")
+        assert_serves(client, kit, tiny_model, weights, label="1")
         # The checksum action (sglang weight_checker.py), computed by SGLang's own functions here.
         checksum = miles_weights_checker(client, "checksum").json()
         sums = {n: sglang.hash_tensor(t) for n, t in weights.items()}
@@ -391,7 +391,7 @@ def test_miles_check_weight_update_equal(client: Any, ws: SimpleNamespace, tiny_
         assert client.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}).status_code == 503
         # A revert from disk serves the checkpoint again.
         assert client.http.post("/update_weights_from_disk", json={"model_path": str(tiny_model)}).status_code == 200
-        assert_serves(client, ws, tiny_model, weights)
+        assert_serves(client, kit, tiny_model, weights)
     finally:
         assert client.http.post("/destroy_weights_update_group", json={"group_name": group_name}).status_code == 200
         group.destroy()

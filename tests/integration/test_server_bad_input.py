@@ -20,7 +20,7 @@ import torch
 
 from weightsync.checkpoint import bucket_file_name
 
-pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, ws, one_torch_thread
+pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, kit, one_torch_thread
 
 KEY = "s3cret-admin-key"
 MUTATING = [
@@ -48,13 +48,13 @@ MUTATING = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
-    yield from ws.start_server(tiny_model, "--admin-api-key", KEY)
+def server(tiny_model: Path, kit: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
+    yield from kit.start_server(tiny_model, "--admin-api-key", KEY)
 
 
 @pytest.fixture(scope="module")
-def client(server: Any, ws: SimpleNamespace) -> Iterator[Any]:
-    client = ws.Client(server.url, admin_key=KEY)
+def client(server: Any, kit: SimpleNamespace) -> Iterator[Any]:
+    client = kit.Client(server.url, admin_key=KEY)
     yield client
     client.close()
 
@@ -85,8 +85,8 @@ def serialized(obj: Any) -> str:
     return base64.b64encode(pickle.dumps(obj)).decode()
 
 
-def test_admin_key_is_required_on_mutating_routes(server: Any, ws: SimpleNamespace) -> None:
-    anonymous, wrong = ws.Client(server.url), ws.Client(server.url, admin_key="wrong")
+def test_admin_key_is_required_on_mutating_routes(server: Any, kit: SimpleNamespace) -> None:
+    anonymous, wrong = kit.Client(server.url), kit.Client(server.url, admin_key="wrong")
     try:
         for route in MUTATING:
             refused(anonymous.post(route, {}), 401, "admin key")
@@ -101,8 +101,9 @@ def test_admin_key_is_required_on_mutating_routes(server: Any, ws: SimpleNamespa
         wrong.close()
 
 
-def test_unknown_name_shape_and_dtype_mismatch_over_tensors(client: Any, tiny_model: Path, ws: SimpleNamespace) -> None:
-    good = ws.perturbed(tiny_model, seed=60, names=["model.norm.weight"])
+def test_unknown_name_shape_and_dtype_mismatch_over_tensors(client: Any, tiny_model: Path,
+                                                            kit: SimpleNamespace) -> None:
+    good = kit.perturbed(tiny_model, seed=60, names=["model.norm.weight"])
     norm = good["model.norm.weight"]
     cases = [
         ([("model.norm.weight", norm), ("model.no_such.weight", norm)], "model.no_such.weight"),
@@ -114,28 +115,28 @@ def test_unknown_name_shape_and_dtype_mismatch_over_tensors(client: Any, tiny_mo
                 400, needle)
 
 
-def test_manifest_mismatches_are_refused_at_begin(client: Any, tiny_model: Path, ws: SimpleNamespace) -> None:
-    weights = ws.perturbed(tiny_model, seed=61)
+def test_manifest_mismatches_are_refused_at_begin(client: Any, tiny_model: Path, kit: SimpleNamespace) -> None:
+    weights = kit.perturbed(tiny_model, seed=61)
     version = client.version() + 1
     partial = {n: t for n, t in weights.items() if n != "lm_head.weight"}
-    manifest, _ = ws.make_update(partial, version=version)
+    manifest, _ = kit.make_update(partial, version=version)
     body = refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 400, "lm_head.weight")
     assert body["missing"] == ["lm_head.weight"]
 
     wrong = dict(weights)
     wrong["model.norm.weight"] = weights["model.norm.weight"].double()
     wrong["model.extra.weight"] = torch.zeros(3)
-    manifest, _ = ws.make_update(wrong, version=version)
+    manifest, _ = kit.make_update(wrong, version=version)
     body = refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 400, "model.extra.weight")
     assert body["unexpected"] == ["model.extra.weight"] and body["mismatched"] == ["model.norm.weight"]
 
     refused(client.post("/weightsync/begin", {"manifest": {"format": "nope"}}), 400, "manifest")
 
 
-def test_versions_must_increase(client: Any, tiny_model: Path, ws: SimpleNamespace) -> None:
+def test_versions_must_increase(client: Any, tiny_model: Path, kit: SimpleNamespace) -> None:
     current = client.version()
-    weights = ws.perturbed(tiny_model, seed=62)
-    manifest, _ = ws.make_update(weights, version=current)
+    weights = kit.perturbed(tiny_model, seed=62)
+    manifest, _ = kit.make_update(weights, version=current)
     refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 409, "not newer")
     # SGLang's weight_version is a label (any string), never a version to compare; only its type is checked.
     pairs = [("model.norm.weight", weights["model.norm.weight"])]
@@ -143,18 +144,18 @@ def test_versions_must_increase(client: Any, tiny_model: Path, ws: SimpleNamespa
                                                         "weight_version": ["v7"]}), 400, "'weight_version'", "string")
     refused(client.post("/update_weight_version", {"new_version": 7.5}), 400, "'new_version'", "string")
     refused(client.post("/update_weight_version", {}), 400, "new_version")
-    delta, _ = ws.make_update({"model.norm.weight": weights["model.norm.weight"]}, version=current + 1,
+    delta, _ = kit.make_update({"model.norm.weight": weights["model.norm.weight"]}, version=current + 1,
                               mode="delta", base_version=current + 100)
     refused(client.post("/weightsync/begin", {"manifest": delta.to_dict()}), 409, "full update")
 
 
-def test_bad_bucket_frames(client: Any, tiny_model: Path, ws: SimpleNamespace) -> None:
-    weights = ws.perturbed(tiny_model, seed=63)
+def test_bad_bucket_frames(client: Any, tiny_model: Path, kit: SimpleNamespace) -> None:
+    weights = kit.perturbed(tiny_model, seed=63)
     version = client.version() + 1
-    manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=300_000)
+    manifest, buffers = kit.make_update(weights, version=version, bucket_bytes=300_000)
     client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
     refused(client.post("/weightsync/begin", {"manifest": manifest.to_dict()}), 409, "is held by")
-    good = ws.frame(manifest, 0, buffers[0])
+    good = kit.frame(manifest, 0, buffers[0])
 
     def post(frame: bytes) -> Any:
         return client.http.post("/weightsync/bucket", content=frame)
@@ -164,9 +165,9 @@ def test_bad_bucket_frames(client: Any, tiny_model: Path, ws: SimpleNamespace) -
     corrupt[-1] ^= 0xFF
     refused(post(bytes(corrupt)), 400, "digest")
     refused(post(b"XXXX" + good[4:]), 400, "magic")
-    other_version = ws.make_update(weights, version=version + 1, bucket_bytes=300_000)[0]
-    refused(post(ws.frame(other_version, 0, buffers[0])), 409, f"v{version}")
-    too_big = ws.frame(manifest, 0, buffers[0]) + b"\0" * (max(b.nbytes for b in manifest.buckets) + 70_000)
+    other_version = kit.make_update(weights, version=version + 1, bucket_bytes=300_000)[0]
+    refused(post(kit.frame(other_version, 0, buffers[0])), 409, f"v{version}")
+    too_big = kit.frame(manifest, 0, buffers[0]) + b"\0" * (max(b.nbytes for b in manifest.buckets) + 70_000)
     refused(post(too_big), 413, "limit")
     # One good bucket is not an update: commit refuses, naming what never arrived.
     assert post(good).status_code == 200
@@ -176,11 +177,11 @@ def test_bad_bucket_frames(client: Any, tiny_model: Path, ws: SimpleNamespace) -
 
 
 def test_disk_paths_outside_the_root(client: Any, model_root: Path, tmp_path_factory: pytest.TempPathFactory,
-                                     tiny_model: Path, ws: SimpleNamespace) -> None:
+                                     tiny_model: Path, kit: SimpleNamespace) -> None:
     outside = tmp_path_factory.mktemp("outside")
-    weights = ws.perturbed(tiny_model, seed=64)
-    manifest, buffers = ws.make_update(weights, version=client.version() + 1)
-    escaped = ws.write_version_dir(outside, manifest, buffers)
+    weights = kit.perturbed(tiny_model, seed=64)
+    manifest, buffers = kit.make_update(weights, version=client.version() + 1)
+    escaped = kit.write_version_dir(outside, manifest, buffers)
     (model_root / "escape-link").symlink_to(escaped, target_is_directory=True)
     inner = model_root / "inner-link-dir"
     inner.mkdir()
@@ -192,11 +193,11 @@ def test_disk_paths_outside_the_root(client: Any, model_root: Path, tmp_path_fac
     refused(client.post("/update_weights_from_disk", {"model_path": str(model_root / "missing")}), 400, "missing")
 
 
-def test_corrupt_disk_bucket_rolls_back(client: Any, model_root: Path, tiny_model: Path, ws: SimpleNamespace) -> None:
-    weights = ws.perturbed(tiny_model, seed=65)
-    manifest, buffers = ws.make_update(weights, version=client.version() + 1, bucket_bytes=300_000)
+def test_corrupt_disk_bucket_rolls_back(client: Any, model_root: Path, tiny_model: Path, kit: SimpleNamespace) -> None:
+    weights = kit.perturbed(tiny_model, seed=65)
+    manifest, buffers = kit.make_update(weights, version=client.version() + 1, bucket_bytes=300_000)
     (model_root / "corrupt").mkdir()
-    directory = ws.write_version_dir(model_root / "corrupt", manifest, buffers)
+    directory = kit.write_version_dir(model_root / "corrupt", manifest, buffers)
     last = directory / bucket_file_name(len(buffers) - 1)
     data = bytearray(last.read_bytes())
     data[-1] ^= 0xFF

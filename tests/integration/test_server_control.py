@@ -15,7 +15,7 @@ import pytest
 
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 
 PROMPT = [5, 17, 42]
 POLL_LIMIT = 10_000
@@ -72,7 +72,7 @@ def test_abort_request_by_rid_and_all(client: Any) -> None:
     assert refused.status_code == 400 and "abort_all" in refused.json()["message"]
 
 
-def test_release_and_resume_weights_and_kv_cache(client: Any, server: Any, ws: SimpleNamespace,
+def test_release_and_resume_weights_and_kv_cache(client: Any, server: Any, kit: SimpleNamespace,
                                                  tiny_model: Path, model_root: Path) -> None:
     params = client.info()["params"]
     model_bytes = sum(4 * _numel(p["shape"]) for p in params.values())  # float32 model
@@ -98,16 +98,16 @@ def test_release_and_resume_weights_and_kv_cache(client: Any, server: Any, ws: S
     assert response.status_code == 503 and "not restored" in response.json()["message"]
     assert client.digests() != before  # re-allocated empty: the weights are gone until an update
 
-    weights = ws.perturbed(tiny_model, seed=50)
+    weights = kit.perturbed(tiny_model, seed=50)
     directory = model_root / "hf-checkpoint-after-resume"
-    ws.load_model(tiny_model, weights).save_pretrained(directory)
+    kit.load_model(tiny_model, weights).save_pretrained(directory)
     client.ok("/update_weights_from_disk", {"model_path": str(directory), "weight_version": "after-resume"})
     assert client.digests() == {n: digest(t) for n, t in weights.items()}
     response = client.post("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     assert response.status_code == 503 and "KV cache" in response.json()["message"]
     client.ok("/resume_memory_occupation", {"tags": ["kv_cache"]})
     client.ok("/resume_memory_occupation", {})  # the rest (cuda_graph)
-    want, _ = ws.reference_greedy(ws.load_model(tiny_model, weights), PROMPT, 8)
+    want, _ = kit.reference_greedy(kit.load_model(tiny_model, weights), PROMPT, 8)
     assert client.generate(PROMPT, sampling_params={"max_new_tokens": 8, "ignore_eos": True})["output_ids"] == want
 
     # A subset: the KV cache only; the weights stay as they are.

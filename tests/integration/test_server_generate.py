@@ -13,20 +13,20 @@ import torch
 
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9], [100, 200, 300, 400, 500, 11, 12], [42]]
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model: Path, ws: SimpleNamespace) -> Any:
-    return ws.load_model(tiny_model)
+def hf_model(tiny_model: Path, kit: SimpleNamespace) -> Any:
+    return kit.load_model(tiny_model)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_tokens_and_logprobs_equal_transformers(client: Any, hf_model: Any, ws: SimpleNamespace,
+def test_greedy_tokens_and_logprobs_equal_transformers(client: Any, hf_model: Any, kit: SimpleNamespace,
                                                        prompt: list[int]) -> None:
-    want_tokens, want_logprobs = ws.reference_greedy(hf_model, prompt, 12)
+    want_tokens, want_logprobs = kit.reference_greedy(hf_model, prompt, 12)
     got = client.generate(prompt, sampling_params={"max_new_tokens": 12, "ignore_eos": True}, return_logprob=True)
     assert got["output_ids"] == want_tokens
     logprobs = got["meta_info"]["output_token_logprobs"]
@@ -48,27 +48,27 @@ def test_answer_has_sglang_shape_and_weight_version(client: Any) -> None:
     assert "output_token_logprobs" not in meta
 
 
-def test_batch_of_prompts_answers_a_list_in_order(client: Any, hf_model: Any, ws: SimpleNamespace) -> None:
+def test_batch_of_prompts_answers_a_list_in_order(client: Any, hf_model: Any, kit: SimpleNamespace) -> None:
     # Two prompts of equal length run as one batched forward pass.
     prompts = [[5, 17, 42, 99, 3], [9, 8, 7, 6, 5], [1, 2, 3]]
     got = client.ok("/generate", {"input_ids": prompts, "return_logprob": True,
                                   "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
     assert isinstance(got, list) and len(got) == 3
     for prompt, answer in zip(prompts, got, strict=True):
-        want_tokens, want_logprobs = ws.reference_greedy(hf_model, prompt, 6)
+        want_tokens, want_logprobs = kit.reference_greedy(hf_model, prompt, 6)
         assert answer["output_ids"] == want_tokens
         got_logprobs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got_logprobs, want_logprobs, strict=True)) < 1e-4
 
 
-def test_text_input_is_tokenized_and_decoded(client: Any, hf_model: Any, ws: SimpleNamespace,
+def test_text_input_is_tokenized_and_decoded(client: Any, hf_model: Any, kit: SimpleNamespace,
                                              tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     prompt = "the quick brown fox"
     ids = tokenizer.encode(prompt)
-    want_tokens, _ = ws.reference_greedy(hf_model, ids, 5)
+    want_tokens, _ = kit.reference_greedy(hf_model, ids, 5)
     got = client.ok("/generate", {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 5,
                                                                        "ignore_eos": True}})
     assert got["output_ids"] == want_tokens
@@ -88,9 +88,9 @@ def test_input_token_logprobs_equal_transformers(client: Any, hf_model: Any) -> 
     assert max(abs(e[0] - w) for e, w in zip(entries[1:], want[1:], strict=True)) < 1e-4
 
 
-def test_stop_token_ids_and_stop_strings(client: Any, hf_model: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_stop_token_ids_and_stop_strings(client: Any, hf_model: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     prompt = [5, 17, 42, 99, 3]
-    want_tokens, _ = ws.reference_greedy(hf_model, prompt, 10)
+    want_tokens, _ = kit.reference_greedy(hf_model, prompt, 10)
     stop_at = want_tokens[3]
     got = client.generate(
         prompt, sampling_params={"max_new_tokens": 10, "stop_token_ids": [stop_at], "ignore_eos": True}

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 
 PROMPT = [5, 17, 42, 99, 3]
 MAX_NEW = 10
@@ -44,11 +44,11 @@ def make_adapter(base_dir: Path, out_dir: Path, *, seed: int, **config: Any) -> 
     return out_dir
 
 
-def peft_reference(base_dir: Path, adapter_dir: Path, ws: SimpleNamespace) -> tuple[list[int], list[float]]:
+def peft_reference(base_dir: Path, adapter_dir: Path, kit: SimpleNamespace) -> tuple[list[int], list[float]]:
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(ws.load_model(base_dir), adapter_dir).eval()
-    return ws.reference_greedy(model, PROMPT, MAX_NEW)
+    model = PeftModel.from_pretrained(kit.load_model(base_dir), adapter_dir).eval()
+    return kit.reference_greedy(model, PROMPT, MAX_NEW)
 
 
 def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
@@ -58,8 +58,8 @@ def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, ws: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
-    yield from ws.start_server(tiny_model, "--enable-lora", "--max-loaded-loras", "2")
+def server(tiny_model: Path, kit: SimpleNamespace, one_torch_thread: None) -> Iterator[Any]:
+    yield from kit.start_server(tiny_model, "--enable-lora", "--max-loaded-loras", "2")
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +94,9 @@ def assert_matches(answer: dict[str, Any], reference: tuple[list[int], list[floa
 
 @pytest.mark.parametrize("kind", ["plain", "rslora", "other"])
 def test_adapter_from_directory_equals_peft(client: Any, adapters: dict[str, Path], tiny_model: Path,
-                                            ws: SimpleNamespace, kind: str) -> None:
-    base = ws.reference_greedy(ws.load_model(tiny_model), PROMPT, MAX_NEW)
-    reference = peft_reference(tiny_model, adapters[kind], ws)
+                                            kit: SimpleNamespace, kind: str) -> None:
+    base = kit.reference_greedy(kit.load_model(tiny_model), PROMPT, MAX_NEW)
+    reference = peft_reference(tiny_model, adapters[kind], kit)
     assert reference[0] != base[0] or reference[1] != base[1]  # the adapter changes the output
     client.ok("/load_lora_adapter", {"lora_name": kind, "lora_path": str(adapters[kind])})
     answer = generate(client, kind)
@@ -106,7 +106,7 @@ def test_adapter_from_directory_equals_peft(client: Any, adapters: dict[str, Pat
 
 
 def test_adapter_from_tensors_equals_peft(client: Any, adapters: dict[str, Path], tiny_model: Path,
-                                          ws: SimpleNamespace) -> None:
+                                          kit: SimpleNamespace) -> None:
     tensors = adapter_tensors(adapters["plain"])
     config = json.loads((adapters["plain"] / "adapter_config.json").read_text())
     checksums = {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in tensors.items()}
@@ -119,20 +119,20 @@ def test_adapter_from_tensors_equals_peft(client: Any, adapters: dict[str, Path]
     response = client.post("/load_lora_adapter_from_tensors", {**body, "expected_checksums": bad})
     assert response.status_code == 400 and first in response.json()["message"]
     client.ok("/load_lora_adapter_from_tensors", body)
-    assert_matches(generate(client, "from-tensors"), peft_reference(tiny_model, adapters["plain"], ws))
+    assert_matches(generate(client, "from-tensors"), peft_reference(tiny_model, adapters["plain"], kit))
 
 
 def test_requests_are_routed_per_adapter(client: Any, adapters: dict[str, Path], tiny_model: Path,
-                                         ws: SimpleNamespace) -> None:
+                                         kit: SimpleNamespace) -> None:
     client.ok("/load_lora_adapter", {"lora_name": "plain", "lora_path": str(adapters["plain"])})
     client.ok("/load_lora_adapter", {"lora_name": "rslora", "lora_path": str(adapters["rslora"])})
     names = ["plain", None, "rslora", "plain", None]
     answers = client.ok("/generate", {"input_ids": [PROMPT] * len(names), "lora_path": names, "return_logprob": True,
                                       "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW,
                                                           "ignore_eos": True}})
-    references = {"plain": peft_reference(tiny_model, adapters["plain"], ws),
-                  "rslora": peft_reference(tiny_model, adapters["rslora"], ws),
-                  None: ws.reference_greedy(ws.load_model(tiny_model), PROMPT, MAX_NEW)}
+    references = {"plain": peft_reference(tiny_model, adapters["plain"], kit),
+                  "rslora": peft_reference(tiny_model, adapters["rslora"], kit),
+                  None: kit.reference_greedy(kit.load_model(tiny_model), PROMPT, MAX_NEW)}
     for name, answer in zip(names, answers, strict=True):
         assert answer["meta_info"]["lora_path"] == name
         assert_matches(answer, references[name])
@@ -174,21 +174,21 @@ def test_unload_waits_for_in_flight_requests(client: Any, adapters: dict[str, Pa
 
 
 def test_lora_session_over_http_frames(client: Any, adapters: dict[str, Path], tiny_model: Path,
-                                       ws: SimpleNamespace) -> None:
+                                       kit: SimpleNamespace) -> None:
     version = client.version() + 1
     tensors = adapter_tensors(adapters["rslora"])
     config = json.loads((adapters["rslora"] / "adapter_config.json").read_text())
-    manifest, buffers = ws.make_update(tensors, version=version, bucket_bytes=8_000, mode="lora")
+    manifest, buffers = kit.make_update(tensors, version=version, bucket_bytes=8_000, mode="lora")
     manifest = type(manifest)(version=version, mode="lora", buckets=manifest.buckets, lora_config=config,
                               lora_name=f"policy-v{version}")
     client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
     for index, buffer in enumerate(buffers):
-        client.ok("/weightsync/bucket", content=ws.frame(manifest, index, buffer))
+        client.ok("/weightsync/bucket", content=kit.frame(manifest, index, buffer))
     ack = client.ok("/weightsync/commit", {"version": version})["ack"]
     assert ack["version"] == version and ack["loaded_names"] == sorted(tensors)
     assert ack["digests"] == list(manifest.digests)
     assert client.version() == version
-    assert_matches(generate(client, f"policy-v{version}"), peft_reference(tiny_model, adapters["rslora"], ws))
+    assert_matches(generate(client, f"policy-v{version}"), peft_reference(tiny_model, adapters["rslora"], kit))
 
 
 def test_unsupported_adapters_are_refused(client: Any, adapters: dict[str, Path], tiny_model: Path,
@@ -212,12 +212,12 @@ def test_unsupported_adapters_are_refused(client: Any, adapters: dict[str, Path]
 
 @pytest.mark.parametrize("transport", ["disk", "http", "shm", "broadcast"])
 def test_weightsync_lora_push_with_the_sglang_client(client: Any, adapters: dict[str, Path], tiny_model: Path,
-                                                     model_root: Path, ws: SimpleNamespace, transport: str) -> None:
+                                                     model_root: Path, kit: SimpleNamespace, transport: str) -> None:
     from peft import PeftModel
 
     import weightsync as wsync
 
-    trainer = PeftModel.from_pretrained(ws.load_model(tiny_model), adapters["plain"]).eval()
+    trainer = PeftModel.from_pretrained(kit.load_model(tiny_model), adapters["plain"]).eval()
     engine = wsync.SGLangEngine(client.url)
     version = client.version() + 1
     try:
@@ -230,4 +230,4 @@ def test_weightsync_lora_push_with_the_sglang_client(client: Any, adapters: dict
             assert probe.token_agreement == 1.0 and probe.max_gap < 1e-4, probe
     finally:
         engine.close()
-    assert_matches(generate(client, f"policy-v{version}"), peft_reference(tiny_model, adapters["plain"], ws))
+    assert_matches(generate(client, f"policy-v{version}"), peft_reference(tiny_model, adapters["plain"], kit))

@@ -21,7 +21,7 @@ import torch
 from serve_check import wait_until
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 
 MAX_NEW_TOKENS = 160
 # Distinct prompt lengths: requests never share a batch, so each is comparable with
@@ -85,9 +85,9 @@ def split_point(output: list[int], old_tokens: list[int]) -> int:
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
-def test_update_under_pause(client: Any, ws: SimpleNamespace, tiny_model: Path, mode: str) -> None:
+def test_update_under_pause(client: Any, kit: SimpleNamespace, tiny_model: Path, mode: str) -> None:
     seed = {"abort": 30, "retract": 40, "in_place": 50}[mode]
-    old_weights, new_weights = ws.perturbed(tiny_model, seed=seed), ws.perturbed(tiny_model, seed=seed + 1)
+    old_weights, new_weights = kit.perturbed(tiny_model, seed=seed), kit.perturbed(tiny_model, seed=seed + 1)
     old = client.version() + 1
     push_tensors(client, old_weights, old)
 
@@ -116,7 +116,7 @@ def test_update_under_pause(client: Any, ws: SimpleNamespace, tiny_model: Path, 
             assert versions_of(answer) == [old]
             assert 0 < answer["meta_info"]["completion_tokens"] < MAX_NEW_TOKENS
         return
-    old_model, new_model = ws.load_model(tiny_model, old_weights), ws.load_model(tiny_model, new_weights)
+    old_model, new_model = kit.load_model(tiny_model, old_weights), kit.load_model(tiny_model, new_weights)
     for prompt, answer in zip(IN_FLIGHT, results, strict=True):
         meta = answer["meta_info"]
         assert meta["finish_reason"] == {"type": "length", "length": MAX_NEW_TOKENS}
@@ -126,13 +126,13 @@ def test_update_under_pause(client: Any, ws: SimpleNamespace, tiny_model: Path, 
         j = first["end"]
         assert (first["start"], second["start"], second["end"]) == (0, j, MAX_NEW_TOKENS)
         output = answer["output_ids"]
-        old_tokens, _ = ws.reference_greedy(old_model, prompt, MAX_NEW_TOKENS)
+        old_tokens, _ = kit.reference_greedy(old_model, prompt, MAX_NEW_TOKENS)
         k = split_point(output, old_tokens)
         assert 0 < j <= k < MAX_NEW_TOKENS, "the request must span the update"
         if mode == "retract":
             # KV dropped at pause and recomputed with the new weights: from the split on,
             # the output is exactly the new model's continuation of prompt + old tokens.
-            assert output[j:] == ws.reference_greedy(new_model, prompt + output[:j], MAX_NEW_TOKENS - j)[0], \
+            assert output[j:] == kit.reference_greedy(new_model, prompt + output[:j], MAX_NEW_TOKENS - j)[0], \
                 f"retracted request did not continue from a recomputed KV (split at {j})"
         else:
             # KV kept from the old weights; only the new tokens use the new weights.
@@ -156,17 +156,17 @@ def continue_with_kept_cache(old_model: Any, new_model: Any, prefix: list[int], 
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract"])
-def test_push_pauses_inside_its_commit(client: Any, ws: SimpleNamespace, tiny_model: Path, mode: str) -> None:
+def test_push_pauses_inside_its_commit(client: Any, kit: SimpleNamespace, tiny_model: Path, mode: str) -> None:
     """A push to `weightsync serve` holds generation for the commit alone, in the commit
     request itself: begin, the bucket, commit (3 round trips, no pause or continue), and
     requests in flight see the pause mode exactly as with a separate pause."""
     import weightsync
 
     seed = {"abort": 60, "retract": 70}[mode]
-    old_weights, new_weights = ws.perturbed(tiny_model, seed=seed), ws.perturbed(tiny_model, seed=seed + 1)
+    old_weights, new_weights = kit.perturbed(tiny_model, seed=seed), kit.perturbed(tiny_model, seed=seed + 1)
     old = client.version() + 1
     push_tensors(client, old_weights, old)
-    trainer = ws.load_model(tiny_model, new_weights)
+    trainer = kit.load_model(tiny_model, new_weights)
     engine = weightsync.SGLangEngine(client.url)
     with ThreadPoolExecutor(len(IN_FLIGHT)) as pool, \
             weightsync.WeightSync([engine], transport="shm", pause=mode) as sync:
@@ -188,9 +188,9 @@ def test_push_pauses_inside_its_commit(client: Any, ws: SimpleNamespace, tiny_mo
             assert versions_of(answer) == [old, old + 1]
 
 
-def test_failed_commit_resumes_generation(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_failed_commit_resumes_generation(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     """A commit that names a pause mode and fails (a bucket never arrived) still resumes."""
-    manifest, _ = ws.make_update(ws.perturbed(tiny_model, seed=80), version=client.version() + 1)
+    manifest, _ = kit.make_update(kit.perturbed(tiny_model, seed=80), version=client.version() + 1)
     client.ok("/weightsync/begin", {"manifest": manifest.to_dict()})
     refused = client.post("/weightsync/commit", {"version": manifest.version, "pause": "retract"})
     assert refused.status_code == 400 and "never arrived" in refused.json()["message"]

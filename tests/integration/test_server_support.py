@@ -10,7 +10,7 @@ One tiny model directory per session (weights re-drawn wider than the tiny
 default so greedy decoding is not a near-tie and outputs vary with the
 weights); servers are started per test module: the `server` and `client`
 fixtures give a plain one, a module needing other flags overrides `server`
-(with `ws.start_server`).
+(with `kit.start_server`).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def tiny_model(model_root: Path) -> Path:
 
 
 def start_server(model_dir: Path, *args: str) -> Iterator[ServerProcess]:
-    """A server for a module fixture (`yield from ws.start_server(...)`): yields it, stops it,
+    """A server for a module fixture (`yield from kit.start_server(...)`): yields it, stops it,
     and fails if the server logged a traceback (an unanticipated error, a 500)."""
     yield from checked(launch_server(model_dir, args=["--num-threads", "1", *args]))
 
@@ -194,7 +194,7 @@ def joined_group(post: Callable[[dict[str, Any]], httpx.Response], group_name: s
 
 
 @pytest.fixture(scope="session")
-def ws() -> SimpleNamespace:
+def kit() -> SimpleNamespace:
     """The helpers above, as one fixture."""
     return SimpleNamespace(Client=Client, load_model=load_model, perturbed=perturbed,
                            reference_greedy=reference_greedy, start_server=start_server,

@@ -19,7 +19,7 @@ from weightsync.groups import UpdateGroup
 from weightsync.integrity import digest
 from weightsync.types import dtype_name
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 
 PROMPT = [5, 17, 42]
 
@@ -49,9 +49,9 @@ def halves(client: Any) -> tuple[list[str], list[str]]:
     return names[: len(names) // 2], names[len(names) // 2 :]
 
 
-def assert_generates(client: Any, ws: SimpleNamespace, tiny_model: Path, weights: dict[str, torch.Tensor]) -> None:
+def assert_generates(client: Any, kit: SimpleNamespace, tiny_model: Path, weights: dict[str, torch.Tensor]) -> None:
     """Generation is served again, with exactly `weights` (greedy tokens equal transformers')."""
-    want, _ = ws.reference_greedy(ws.load_model(tiny_model, weights), PROMPT, 8)
+    want, _ = kit.reference_greedy(kit.load_model(tiny_model, weights), PROMPT, 8)
     got = client.generate(PROMPT, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
     assert got["output_ids"] == want
 
@@ -65,10 +65,10 @@ def assert_torn(client: Any, route: str) -> None:
         assert route in response.json()["message"] and "resend the refused request" in response.json()["message"]
 
 
-def test_slime_buckets_refused_halfway_tear_until_completed(client: Any, ws: SimpleNamespace,
+def test_slime_buckets_refused_halfway_tear_until_completed(client: Any, kit: SimpleNamespace,
                                                             tiny_model: Path) -> None:
     first, second = halves(client)
-    weights = ws.perturbed(tiny_model, seed=40)
+    weights = kit.perturbed(tiny_model, seed=40)
     client.ok("/pause_generation", {})  # slime: pause, flush, buckets, continue
     client.ok("/flush_cache", {})
     assert send_bucket(client, weights, first, "1").status_code == 200
@@ -93,27 +93,27 @@ def test_slime_buckets_refused_halfway_tear_until_completed(client: Any, ws: Sim
     info = client.info()
     assert (info["dirty"], info["torn"], info["partial_update"], info["label"]) == (False, None, None, "1")
     assert client.digests() == {n: digest(t) for n, t in weights.items()}
-    assert_generates(client, ws, tiny_model, weights)
+    assert_generates(client, kit, tiny_model, weights)
 
 
-def test_a_torn_engine_is_reverted_from_disk(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_a_torn_engine_is_reverted_from_disk(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     first, _ = halves(client)
-    weights = ws.perturbed(tiny_model, seed=41)
+    weights = kit.perturbed(tiny_model, seed=41)
     assert send_bucket(client, weights, first, "2").status_code == 200
     assert client.post("/update_weights_from_tensor", {  # unparseable bucket 2, no label given
         "serialized_named_tensors": ["bm90IGEgcGlja2xl"], "load_format": "flattened_bucket"}).status_code == 400
     assert_torn(client, "/update_weights_from_tensor")
     client.ok("/update_weights_from_disk", {"model_path": str(tiny_model), "weight_version": "base"})
     assert client.info()["torn"] is None and client.info()["dirty"] is False
-    assert_generates(client, ws, tiny_model, {})
+    assert_generates(client, kit, tiny_model, {})
 
 
-def test_an_unauthenticated_refusal_does_not_tear(ws: SimpleNamespace, tiny_model: Path) -> None:
-    for server in ws.start_server(tiny_model, "--admin-api-key", "k"):
-        admin, stranger = ws.Client(server.url, admin_key="k"), ws.Client(server.url)
+def test_an_unauthenticated_refusal_does_not_tear(kit: SimpleNamespace, tiny_model: Path) -> None:
+    for server in kit.start_server(tiny_model, "--admin-api-key", "k"):
+        admin, stranger = kit.Client(server.url, admin_key="k"), kit.Client(server.url)
         try:
             first, _ = halves(admin)
-            weights = ws.perturbed(tiny_model, seed=42)
+            weights = kit.perturbed(tiny_model, seed=42)
             assert send_bucket(admin, weights, first, "1").status_code == 200
             assert send_bucket(stranger, weights, first, "1").status_code == 401
             assert admin.info()["torn"] is None
@@ -123,10 +123,10 @@ def test_an_unauthenticated_refusal_does_not_tear(ws: SimpleNamespace, tiny_mode
             stranger.close()
 
 
-def test_a_refusal_inside_a_begin_end_session_tears_at_end(client: Any, ws: SimpleNamespace,
+def test_a_refusal_inside_a_begin_end_session_tears_at_end(client: Any, kit: SimpleNamespace,
                                                            tiny_model: Path) -> None:
     first, second = halves(client)
-    weights = ws.perturbed(tiny_model, seed=43)
+    weights = kit.perturbed(tiny_model, seed=43)
     client.ok("/begin_weight_update", {})
     assert send_bucket(client, weights, first, "3").status_code == 200
     bad = {**weights, second[0]: weights[second[0]][..., :1].clone()}
@@ -136,20 +136,20 @@ def test_a_refusal_inside_a_begin_end_session_tears_at_end(client: Any, ws: Simp
     assert_torn(client, "/update_weights_from_tensor")
     assert send_bucket(client, weights, second, "3").status_code == 200
     assert client.info()["torn"] is None
-    assert_generates(client, ws, tiny_model, weights)
+    assert_generates(client, kit, tiny_model, weights)
 
 
-def test_slime_distributed_buckets_refused_halfway(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_slime_distributed_buckets_refused_halfway(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     # slime's update_weights_from_distributed body: names, dtypes, shapes, group_name, flush_cache,
     # weight_version, load_format (slime/backends/sglang_utils/sglang_engine.py).
     group_name = "slime-torn"
-    group: UpdateGroup = ws.joined_group(
+    group: UpdateGroup = kit.joined_group(
         lambda body: client.post("/init_weights_update_group", body), group_name,
         lambda port: {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                       "group_name": group_name, "backend": "gloo"})
     try:
         first, second = halves(client)
-        weights = ws.perturbed(tiny_model, seed=44)
+        weights = kit.perturbed(tiny_model, seed=44)
 
         def spec(names: list[str], shapes: list[list[int]] | None = None) -> dict[str, Any]:
             return {"names": names, "dtypes": [dtype_name(weights[n].dtype) for n in names],
@@ -172,20 +172,20 @@ def test_slime_distributed_buckets_refused_halfway(client: Any, ws: SimpleNamesp
                             timeout_s=60)
             assert receiving.result().status_code == 200
         assert client.info()["torn"] is None
-        assert_generates(client, ws, tiny_model, weights)
+        assert_generates(client, kit, tiny_model, weights)
     finally:
         client.ok("/destroy_weights_update_group", {"group_name": group_name})
         group.destroy()
 
 
-def test_a_delta_is_not_applied_on_released_weights(server: Any, client: Any, ws: SimpleNamespace,
+def test_a_delta_is_not_applied_on_released_weights(server: Any, client: Any, kit: SimpleNamespace,
                                                     tiny_model: Path) -> None:
     # verl's colocated step with a delta-mode trainer: release the engine's weights while training
     # (/release_memory_occupation), resume them (zeros, same version), push. The version the
     # engine names is no longer what it holds, so the delta must go out whole, and be served.
     import weightsync
 
-    model = ws.load_model(tiny_model, ws.perturbed(tiny_model, seed=43))
+    model = kit.load_model(tiny_model, kit.perturbed(tiny_model, seed=43))
     sync = weightsync.WeightSync(engines=[weightsync.SGLangEngine(server.url)], transport="http", mode="delta")
     try:
         first = sync.push(model, version=client.version() + 1)
@@ -197,6 +197,6 @@ def test_a_delta_is_not_applied_on_released_weights(server: Any, client: Any, ws
         second = sync.push(model, version=first.version + 1)
         assert second.verified and second.mode == "full", second
         assert client.info()["dirty"] is False and client.info()["torn"] is None
-        assert_generates(client, ws, tiny_model, {n: p.detach() for n, p in model.named_parameters()})
+        assert_generates(client, kit, tiny_model, {n: p.detach() for n, p in model.named_parameters()})
     finally:
         sync.close()

@@ -23,7 +23,7 @@ from weightsync.integrity import digest
 from weightsync.shmem import SharedSlots
 from weightsync.types import dtype_name
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, ws
+pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 
 SOME = ["model.norm.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
 
@@ -35,20 +35,20 @@ def assert_served(client: Any, weights: dict[str, torch.Tensor], version: int) -
     assert {n: served[n] for n in weights} == {n: digest(t) for n, t in weights.items()}
 
 
-def test_disk_manifest_dir_applies_and_generation_follows(client: Any, ws: SimpleNamespace, tiny_model: Path,
+def test_disk_manifest_dir_applies_and_generation_follows(client: Any, kit: SimpleNamespace, tiny_model: Path,
                                                           model_root: Path) -> None:
     version = client.version() + 1
-    weights = ws.perturbed(tiny_model, seed=10)
-    manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=200_000)
+    weights = kit.perturbed(tiny_model, seed=10)
+    manifest, buffers = kit.make_update(weights, version=version, bucket_bytes=200_000)
     assert len(manifest.buckets) > 1
-    directory = ws.write_version_dir(model_root, manifest, buffers)
+    directory = kit.write_version_dir(model_root, manifest, buffers)
     got = client.ok("/update_weights_from_disk", {"model_path": str(directory)})
     assert got["ack"] == {"version": version, "digests": list(manifest.digests),
                           "loaded_names": sorted(weights)}
     assert_served(client, weights, version)
 
-    reference = ws.load_model(tiny_model, weights)
-    want_tokens, want_logprobs = ws.reference_greedy(reference, [5, 17, 42], 8)
+    reference = kit.load_model(tiny_model, weights)
+    want_tokens, want_logprobs = kit.reference_greedy(reference, [5, 17, 42], 8)
     answer = client.generate([5, 17, 42], sampling_params={"max_new_tokens": 8, "ignore_eos": True},
                              return_logprob=True)
     assert answer["output_ids"] == want_tokens
@@ -57,11 +57,11 @@ def test_disk_manifest_dir_applies_and_generation_follows(client: Any, ws: Simpl
     assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
 
 
-def test_disk_plain_hf_checkpoint_is_a_full_update(client: Any, ws: SimpleNamespace, tiny_model: Path,
+def test_disk_plain_hf_checkpoint_is_a_full_update(client: Any, kit: SimpleNamespace, tiny_model: Path,
                                                    model_root: Path) -> None:
     version = client.version() + 1
-    weights = ws.perturbed(tiny_model, seed=11)
-    model = ws.load_model(tiny_model, weights)
+    weights = kit.perturbed(tiny_model, seed=11)
+    model = kit.load_model(tiny_model, weights)
     directory = model_root / f"hf-checkpoint-{version}"
     model.save_pretrained(directory)
     got = client.ok("/update_weights_from_disk", {"model_path": str(directory), "weight_version": str(version)})
@@ -69,13 +69,13 @@ def test_disk_plain_hf_checkpoint_is_a_full_update(client: Any, ws: SimpleNamesp
     assert_served(client, weights, version)
 
 
-def test_http_frames_begin_bucket_commit(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_http_frames_begin_bucket_commit(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     version = client.version() + 1
-    weights = ws.perturbed(tiny_model, seed=12)
-    manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=100_000)
+    weights = kit.perturbed(tiny_model, seed=12)
+    manifest, buffers = kit.make_update(weights, version=version, bucket_bytes=100_000)
     client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
     for index, buffer in enumerate(buffers):
-        got = client.http.post("/weightsync/bucket", content=ws.frame(manifest, index, buffer),
+        got = client.http.post("/weightsync/bucket", content=kit.frame(manifest, index, buffer),
                                headers={"Content-Type": "application/octet-stream"})
         assert got.status_code == 200, got.text
         assert got.json()["digest"] == manifest.buckets[index].digest
@@ -85,24 +85,24 @@ def test_http_frames_begin_bucket_commit(client: Any, ws: SimpleNamespace, tiny_
     assert_served(client, weights, version)
 
 
-def test_delta_update_changes_only_the_sent_tensors(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_delta_update_changes_only_the_sent_tensors(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     base = client.version()
     before = client.digests()
-    delta = ws.perturbed(tiny_model, seed=13, names=SOME)
-    manifest, buffers = ws.make_update(delta, version=base + 1, mode="delta", base_version=base)
+    delta = kit.perturbed(tiny_model, seed=13, names=SOME)
+    manifest, buffers = kit.make_update(delta, version=base + 1, mode="delta", base_version=base)
     client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
     for index, buffer in enumerate(buffers):
-        client.ok("/weightsync/bucket", content=ws.frame(manifest, index, buffer))
+        client.ok("/weightsync/bucket", content=kit.frame(manifest, index, buffer))
     client.ok("/weightsync/commit", {"version": base + 1})
     after = client.digests()
     assert_served(client, delta, base + 1)
     assert {n for n in after if after[n] != before[n]} == set(SOME)
 
 
-def test_shared_memory_slots(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_shared_memory_slots(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     version = client.version() + 1
-    weights = ws.perturbed(tiny_model, seed=14)
-    manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=150_000)
+    weights = kit.perturbed(tiny_model, seed=14)
+    manifest, buffers = kit.make_update(weights, version=version, bucket_bytes=150_000)
     slots = SharedSlots.create(slot_bytes=max(b.numel() for b in buffers), num_slots=2)
     try:
         client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
@@ -125,9 +125,9 @@ def serialized(obj: Any) -> str:
     return base64.b64encode(pickle.dumps(obj)).decode()
 
 
-def test_update_weights_from_tensor_list(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_update_weights_from_tensor_list(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     version = client.version() + 1
-    weights = ws.perturbed(tiny_model, seed=15, names=SOME)
+    weights = kit.perturbed(tiny_model, seed=15, names=SOME)
     # A non-contiguous tensor travels too.
     pairs = [(n, t.t().contiguous().t() if t.dim() == 2 else t) for n, t in weights.items()]
     got = client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(pairs)],
@@ -152,7 +152,7 @@ _Meta.__module__ = SGLANG_BUCKET_MODULE
 _Meta.__qualname__ = "FlattenedTensorMetadata"
 
 
-def test_update_weights_from_tensor_flattened_bucket_in_sglang_format(client: Any, ws: SimpleNamespace,
+def test_update_weights_from_tensor_flattened_bucket_in_sglang_format(client: Any, kit: SimpleNamespace,
                                                                       tiny_model: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # Pickle metadata exactly as SGLang's FlattenedTensorBucket does: instances of
@@ -164,7 +164,7 @@ def test_update_weights_from_tensor_flattened_bucket_in_sglang_format(client: An
     monkeypatch.setitem(sys.modules, module.__name__, module)
 
     version = client.version() + 1
-    weights = ws.perturbed(tiny_model, seed=16, names=SOME)
+    weights = kit.perturbed(tiny_model, seed=16, names=SOME)
     flat, metadata, offset = [], [], 0
     for name, tensor in weights.items():
         raw = tensor.flatten().view(torch.uint8)
@@ -177,9 +177,9 @@ def test_update_weights_from_tensor_flattened_bucket_in_sglang_format(client: An
     assert_served(client, weights, version)
 
 
-def test_sglang_session_applies_at_end(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_sglang_session_applies_at_end(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     version = client.version() + 1
-    weights = ws.perturbed(tiny_model, seed=17, names=SOME)
+    weights = kit.perturbed(tiny_model, seed=17, names=SOME)
     before = client.digests()
     client.ok("/begin_weight_update", {"selector": "all"})
     for name, tensor in weights.items():
@@ -214,11 +214,11 @@ def assert_labelled(client: Any, label: str, version: int) -> None:
     assert meta["weight_versions"] == [{"version": label, "start": 0, "end": 2, "weightsync_version": version}]
 
 
-def test_sglang_labels_are_free_strings_on_tensor_and_disk_updates(client: Any, ws: SimpleNamespace,
+def test_sglang_labels_are_free_strings_on_tensor_and_disk_updates(client: Any, kit: SimpleNamespace,
                                                                    tiny_model: Path, model_root: Path) -> None:
     # Each SGLang-shaped update is applied on arrival as weightsync's next version, under its label.
     version = client.version()
-    weights = ws.perturbed(tiny_model, seed=21, names=SOME)
+    weights = kit.perturbed(tiny_model, seed=21, names=SOME)
     got = client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(list(weights.items()))],
                                                     "weight_version": "v1", "flush_cache": False})
     assert got["ack"]["version"] == version + 1
@@ -226,23 +226,23 @@ def test_sglang_labels_are_free_strings_on_tensor_and_disk_updates(client: Any, 
     assert_labelled(client, "v1", version + 1)
 
     # No label: SGLang keeps the current one (the weights still move on).
-    weights = ws.perturbed(tiny_model, seed=22, names=SOME)
+    weights = kit.perturbed(tiny_model, seed=22, names=SOME)
     client.ok("/update_weights_from_tensor", {"serialized_named_tensors": [serialized(list(weights.items()))]})
     assert_served(client, weights, version + 2)
     assert_labelled(client, "v1", version + 2)
 
     # A plain Hugging Face checkpoint from disk, labelled.
-    weights = ws.perturbed(tiny_model, seed=23)
+    weights = kit.perturbed(tiny_model, seed=23)
     directory = model_root / "hf-checkpoint-step_10"
-    ws.load_model(tiny_model, weights).save_pretrained(directory)
+    kit.load_model(tiny_model, weights).save_pretrained(directory)
     client.ok("/update_weights_from_disk", {"model_path": str(directory), "weight_version": "step_10"})
     assert_served(client, weights, version + 3)
     assert_labelled(client, "step_10", version + 3)
 
     # A weightsync version directory keeps its own integer version; the label is the request's.
-    weights = ws.perturbed(tiny_model, seed=24)
-    manifest, buffers = ws.make_update(weights, version=version + 10, bucket_bytes=200_000)
-    directory = ws.write_version_dir(model_root, manifest, buffers)
+    weights = kit.perturbed(tiny_model, seed=24)
+    manifest, buffers = kit.make_update(weights, version=version + 10, bucket_bytes=200_000)
+    directory = kit.write_version_dir(model_root, manifest, buffers)
     got = client.ok("/update_weights_from_disk", {"model_path": str(directory), "weight_version": "ckpt-a"})
     assert got["ack"]["version"] == version + 10
     assert_served(client, weights, version + 10)
@@ -250,33 +250,33 @@ def test_sglang_labels_are_free_strings_on_tensor_and_disk_updates(client: Any, 
 
     # weightsync's own order is untouched by labels: an older push is refused, a newer one
     # is labelled with its version.
-    stale, _ = ws.make_update(weights, version=version + 9)
+    stale, _ = kit.make_update(weights, version=version + 9)
     refused = client.post("/weightsync/begin", {"manifest": stale.to_dict()})
     assert refused.status_code == 409 and "not newer" in refused.json()["message"]
-    weights = ws.perturbed(tiny_model, seed=25)
-    manifest, buffers = ws.make_update(weights, version=version + 11, bucket_bytes=200_000)
+    weights = kit.perturbed(tiny_model, seed=25)
+    manifest, buffers = kit.make_update(weights, version=version + 11, bucket_bytes=200_000)
     client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
     for index, buffer in enumerate(buffers):
-        client.ok("/weightsync/bucket", content=ws.frame(manifest, index, buffer))
+        client.ok("/weightsync/bucket", content=kit.frame(manifest, index, buffer))
     client.ok("/weightsync/commit", {"version": version + 11})
     assert_labelled(client, str(version + 11), version + 11)
 
 
-def test_a_server_started_with_a_label(tiny_model: Path, ws: SimpleNamespace) -> None:
-    for server in ws.start_server(tiny_model, "--weight-version", "step_0"):  # SGLang's --weight-version
-        client = ws.Client(server.url)
+def test_a_server_started_with_a_label(tiny_model: Path, kit: SimpleNamespace) -> None:
+    for server in kit.start_server(tiny_model, "--weight-version", "step_0"):  # SGLang's --weight-version
+        client = kit.Client(server.url)
         try:
             assert_labelled(client, "step_0", 0)
         finally:
             client.close()
 
 
-def test_model_info_names_the_last_disk_update(client: Any, ws: SimpleNamespace, tiny_model: Path,
+def test_model_info_names_the_last_disk_update(client: Any, kit: SimpleNamespace, tiny_model: Path,
                                                model_root: Path) -> None:
     # SGLang's test: model_path follows a successful load and stays put after a failed one.
-    weights = ws.perturbed(tiny_model, seed=26)
+    weights = kit.perturbed(tiny_model, seed=26)
     directory = model_root / "hf-checkpoint-model-path"
-    ws.load_model(tiny_model, weights).save_pretrained(directory)
+    kit.load_model(tiny_model, weights).save_pretrained(directory)
     client.ok("/update_weights_from_disk", {"model_path": str(directory)})
     version = client.version()
     broken = model_root / "hf-checkpoint-broken"
@@ -313,13 +313,13 @@ def _broadcast(client: Any, group: UpdateGroup, body: dict[str, Any], tensors: l
     return response.json()
 
 
-def test_broadcast_from_a_gloo_group(client: Any, ws: SimpleNamespace, tiny_model: Path) -> None:
+def test_broadcast_from_a_gloo_group(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
     group_name = "test-broadcast"
     group = _join(client, group_name)
     try:
         # 1. SGLang's default: one broadcast per tensor, applied by the call itself.
         version = client.version() + 1
-        weights = ws.perturbed(tiny_model, seed=18, names=SOME)
+        weights = kit.perturbed(tiny_model, seed=18, names=SOME)
         names = list(weights)
         spec = {"names": names, "dtypes": [dtype_name(weights[n].dtype) for n in names],
                 "shapes": [list(weights[n].shape) for n in names], "group_name": group_name}
@@ -328,15 +328,15 @@ def test_broadcast_from_a_gloo_group(client: Any, ws: SimpleNamespace, tiny_mode
 
         # 2. flattened_bucket: one uint8 buffer, tensors back to back in listed order.
         version += 1
-        weights = ws.perturbed(tiny_model, seed=19, names=SOME)
+        weights = kit.perturbed(tiny_model, seed=19, names=SOME)
         flat = torch.cat([weights[n].flatten().view(torch.uint8) for n in names])
         _broadcast(client, group, {**spec, "weight_version": str(version), "load_format": "flattened_bucket"}, [flat])
         assert_served(client, weights, version)
 
         # 3. Inside a weightsync session: buckets checked against the manifest and its digests.
         version += 1
-        weights = ws.perturbed(tiny_model, seed=20)
-        manifest, buffers = ws.make_update(weights, version=version, bucket_bytes=120_000)
+        weights = kit.perturbed(tiny_model, seed=20)
+        manifest, buffers = kit.make_update(weights, version=version, bucket_bytes=120_000)
         client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
         for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
             entries = bucket.entries
@@ -352,7 +352,7 @@ def test_broadcast_from_a_gloo_group(client: Any, ws: SimpleNamespace, tiny_mode
 
         # 4. slime: every bucket of one update carries the same label; each is applied on
         # arrival (as SGLang does), so between the two the engine serves bucket 1 only.
-        weights = ws.perturbed(tiny_model, seed=27, names=SOME)
+        weights = kit.perturbed(tiny_model, seed=27, names=SOME)
         before = client.digests()
         sent: set[str] = set()
         for count, bucket in enumerate((names[:1], names[1:]), start=1):
