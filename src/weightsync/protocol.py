@@ -4,7 +4,7 @@ One record per request, used by both sides: the client (`engines.sglang`) builds
 it and sends `to_json()` to its `ROUTE`; the server (`server.routes_updates`)
 parses the body with `from_json`, which raises `ValueError` naming the field
 (an HTTP 400). Answers carry SGLang's `success`/`message` plus the fields below.
-SGLang's own routes are SGLang's contract (ENGINES.md) and are not typed here.
+SGLang's own routes are SGLang's contract (docs/ENGINES.md) and are not typed here.
 The bucket bytes of `/weightsync/bucket` travel in the binary frame of `wire`.
 """
 

@@ -47,7 +47,7 @@ pytest_plugins = ["fault_fixtures"]  # fixtures: fault_model (vllm_server: tests
 pytestmark = [pytest.mark.faults, pytest.mark.vllm]
 
 if importlib.util.find_spec("vllm") is None:
-    _MESSAGE = "vllm is not installed: install it with `bash scripts/setup.sh dev,vllm` (see ENGINES.md)"
+    _MESSAGE = "vllm is not installed: install it with `bash scripts/setup.sh dev,vllm` (see docs/ENGINES.md)"
     if os.environ.get("WEIGHTSYNC_REQUIRE_VLLM") == "1":
         pytest.fail(f"WEIGHTSYNC_REQUIRE_VLLM=1 but {_MESSAGE}", pytrace=False)
     warnings.warn(_MESSAGE, stacklevel=1)

@@ -1,6 +1,6 @@
 """Client for SGLang's HTTP API, and for `weightsync serve`, which speaks it.
 
-Maps the weightsync protocol onto SGLang's routes (ENGINES.md), by the traits
+Maps the weightsync protocol onto SGLang's routes (docs/ENGINES.md), by the traits
 each transport's receiver declares (`weightsync.transports.base.Receiver`),
 never by its name: a collective transport (broadcast) goes through SGLang's
 group routes, one read at commit (disk) through its disk routes; the others
@@ -165,7 +165,7 @@ class SGLangEngine:
         update is swapped in at commit, so generating until then is safe)."""
         mode = policy.sglang_mode
         # An update that flushes the cache while requests still run reports failure
-        # even though the weights changed (ENGINES.md): keep the cache with in_place.
+        # even though the weights changed (docs/ENGINES.md): keep the cache with in_place.
         self._flush_cache = policy in (PausePolicy.ABORT, PausePolicy.RETRACT)
         self._resumed_by_commit = False
         if mode is None:
