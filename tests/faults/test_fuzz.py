@@ -255,7 +255,10 @@ def still_serving(admin: httpx.Client, initial: dict[str, str], restore: str) ->
         # released or reset weights are gone, as on SGLang; the next update brings them back
         assert admin.post("/update_weights_from_disk", json={"model_path": restore}).status_code == 200
     assert admin.get("/health").status_code == 200
-    answer = admin.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    # greedy and past EOS: an engine that serves answers exactly two tokens (sampled at the default
+    # temperature 1, an EOS drawn first ended one answer after one token)
+    answer = admin.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
     assert answer.status_code == 200 and answer.json()["meta_info"]["completion_tokens"] == 2
     assert admin.post("/weightsync/digests", json={}).json()["digests"] == initial, "served weights changed"
 
