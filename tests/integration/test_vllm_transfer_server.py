@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 import weightsync as ws
 from weightsync.engines.vllm_launch import VLLMServer
 from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+from weightsync.types import SyncReport
 from weightsync_tools import faults
 
 vf.require_vllm()
@@ -139,11 +140,7 @@ def test_vllm_trainer_api_takes_a_vllm_033_weight_source(server: VLLMServer, mod
     (`vllm033_weight_source`: cached_property metadata, iter_full); 0.33's runtime is not run."""
     from functools import cached_property
 
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
     from vllm033_weight_source import ParamMeta, WeightSource
-    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
 
     class Parameters(WeightSource):  # not vLLM's ModuleSource: read through the source adapter
         def __init__(self, model: torch.nn.Module) -> None:
@@ -158,34 +155,33 @@ def test_vllm_trainer_api_takes_a_vllm_033_weight_source(server: VLLMServer, mod
 
     model = vf.load_trainer(model_dir)
     vf.perturb(model, seed=351)
+    report = _send_through_vllms_client(server, model, Parameters(model))
+    assert report.num_tensors == len(list(model.named_parameters()))
+
+
+def _send_through_vllms_client(server: VLLMServer, model: torch.nn.Module, source: Any) -> SyncReport:
+    """One `send_weights` of vLLM's trainer factory with the "weightsync" backend, through vLLM's own
+    `HTTPVLLMWeightSyncClient`: verified, and the engine then serves `model` as transformers does."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
+
     trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),
-                                                        client=HTTPVLLMWeightSyncClient(server.url),
-                                                        source=Parameters(model))
+                                                        client=HTTPVLLMWeightSyncClient(server.url), source=source)
     try:
         trainer.send_weights()
         report = trainer.last_report
         assert report is not None and report.verified
-        assert report.num_tensors == len(list(model.named_parameters()))
         vf.assert_parity(trainer.engine, model)
+        return report
     finally:
         trainer.shutdown()
 
 
 def test_vllm_trainer_api_over_vllms_own_http_client(server: VLLMServer, model_dir: Path) -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
 
     model = vf.load_trainer(model_dir)
     vf.perturb(model, seed=341)
-    trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),
-                                                        client=HTTPVLLMWeightSyncClient(server.url),
-                                                        source=ModuleSource(model))
-    try:
-        trainer.send_weights()
-        assert trainer.last_report is not None and trainer.last_report.verified
-        vf.assert_parity(trainer.engine, model)
-    finally:
-        trainer.shutdown()
+    _send_through_vllms_client(server, model, ModuleSource(model))
