@@ -275,6 +275,8 @@ def reference_wsmix64(data: bytes) -> str:
 
 ALGORITHMS: dict[str, Callable[[], Hasher]] = {XXH3_64: Xxh3, WSMIX64: Wsmix64}
 """Every digest algorithm a manifest may name -> a new incremental hasher."""
+COMBINABLE = frozenset({WSMIX64})
+"""Algorithms whose digest of a whole tensor combines from digests of its parts (`combine_wsmix64`)."""
 
 
 def hasher(algorithm: str) -> Hasher:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 _ROUTE_PROBE_PORT = 9
@@ -72,3 +73,37 @@ def is_local_host(host: str) -> bool:
 def url_host(url: str) -> str | None:
     """The host part of `url` ("http://10.0.0.2:30000" -> "10.0.0.2"), None if it has none."""
     return urlsplit(url).hostname
+
+
+def check_reachable(engines: Sequence[tuple[str, str | None, Sequence[str]]], *, transport: str,
+                    same_host_only: bool, trainer_address: str | None) -> None:
+    """Refuse, naming what works, an engine on another host where `transport` works on one
+    host only (`same_host_only`: shm) or engines reach the trainer at `trainer_address`, a
+    loopback address (a broadcast group's store).
+
+    `engines`: (label, url or None where it runs in this process, the transports it takes
+    that work across hosts). An engine whose host does not resolve is left to fail when
+    contacted.
+    """
+    on_loopback = trainer_address is not None and is_loopback(trainer_address)
+    if not (same_host_only or on_loopback):
+        return
+    for label, url, across_hosts in engines:
+        host = url_host(url) if url is not None else None
+        try:
+            if host is None or is_local_host(host):
+                continue
+        except ValueError:
+            continue
+        if same_host_only:
+            raise ValueError(
+                f"{label} is on another host ({host} is not an address of this host), and "
+                f"transport={transport!r} reaches engines on the trainer's host only; use one "
+                f"of {', '.join(across_hosts)} (disk: a directory both hosts see; broadcast: master_address= an "
+                "address of this host the engine reaches)")
+        try:
+            towards = f"master_address={local_address_towards(host)!r} (this host's address on the route to {host})"
+        except ValueError:
+            towards = "master_address= an address of this host"  # no route from here: name none
+        raise ValueError(f"{label} is on another host and cannot reach master_address={trainer_address!r}, this "
+                         f"host's loopback: pass {towards} or another address of this host the engine reaches")

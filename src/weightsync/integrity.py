@@ -116,6 +116,11 @@ def check_fits(
     )
 
 
+def digest_checked(ack: Ack) -> bool:
+    """Whether `ack` carries the digests to check: a stock SGLang's reports none."""
+    return not (ack.digests and all(d is None for d in ack.digests))
+
+
 def ack_problems(manifest: Manifest, ack: Ack, *, engine_names: Iterable[str] | None = None) -> list[str]:
     """Compare an engine's ack with what was sent; an empty list means verified.
 

@@ -613,6 +613,10 @@ class SyncReport:
     """How many tensors went in each encoding (`ENCODINGS`; a full push: all "dense")."""
     notes: tuple[str, ...] = ()
     """Anything a reader should know: why verification was partial, what was skipped."""
+    phases: tuple[SyncReport, ...] = ()
+    """The pushes of this version that went first, as phases of this one, each with its own
+    bytes, tensors and stages ("lora": the base weights, where an engine did not serve the
+    trainer's); the fields above are this mode's own, `seconds` spans them all."""
 
     @property
     def gbps(self) -> float:
@@ -636,6 +640,7 @@ class SyncReport:
             "verified": self.verified,
             "acks": [a.to_dict() for a in self.acks],
             "notes": list(self.notes),
+            **({"phases": [p.to_dict() for p in self.phases]} if self.phases else {}),
         }
 
     @classmethod
@@ -655,6 +660,7 @@ class SyncReport:
             verified=bool(d["verified"]),
             acks=tuple(Ack.from_dict(a) for a in d.get("acks", ())),
             notes=tuple(d.get("notes", ())),
+            phases=tuple(SyncReport.from_dict(p) for p in d.get("phases", ())),
         )
 
 

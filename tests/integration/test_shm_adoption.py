@@ -129,11 +129,11 @@ def test_a_replica_that_cannot_commit_rolls_the_other_back_onto_its_slots(
     def drop_update() -> None:
         httpx.post(f"{servers[0].url}/weightsync/abort", json={"version": version + 1}).raise_for_status()
 
-    sync.engines = fail_in_commit_round(engines, 0, 1, drop_update)
+    sync._replicas.engines = fail_in_commit_round(engines, 0, 1, drop_update)
     with pytest.raises(EngineError, match="no update session is open") as info:
         sync.push(_trainer(tiny_model_dir, seed=21), version=version + 1)
     assert any("rolled back to the last version" in note for note in info.value.__notes__)
-    sync.engines = engines
+    sync._replicas.engines = engines
     for engine in engines:
         assert engine.weight_version() == str(version)
         assert engine.digests() == _as_served(good)

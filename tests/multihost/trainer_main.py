@@ -105,11 +105,11 @@ class Trainer:
         transport = sync._make_transport()
         if isinstance(transport, FaultyTransport):  # the last push's fault is spent
             transport = sync._transport = transport.inner
-        sync.engines = list(self.engines)
+        sync._replicas.engines = list(self.engines)
         fault = cmd.get("fault")
         if fault is not None and "in_commit" in fault:
             victim = int(fault["in_commit"])
-            sync.engines = fail_in_commit_round(self.engines, victim, 1 - victim, _action(fault))
+            sync._replicas.engines = fail_in_commit_round(self.engines, victim, 1 - victim, _action(fault))
         elif fault is not None:
             sync._transport = FaultyTransport(transport, "call", at_bucket=fault["at_bucket"],  # type: ignore[assignment]
                                               on_fire=_action(fault))

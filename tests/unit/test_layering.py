@@ -193,3 +193,28 @@ def test_no_import_cycle_not_even_a_lazy_one() -> None:
         if module not in state:
             visit(module, [module])
     assert not cycles, cycles
+
+
+COORDINATOR = ("sync.py", "replicas.py", "planning.py", "followers.py")
+
+
+def test_the_coordinator_reads_declared_capabilities_only() -> None:
+    """The coordinator (CONTRIBUTING.md) asks engines, transports and modes what they declare
+    (`EngineCapabilities`, `Transport.same_host_only`, `PushMode.digests_from_parts`, ...): it
+    never probes with `getattr`/`hasattr`, and never compares a value with a mode's or a
+    transport's name."""
+    from weightsync.transports import TRANSPORTS
+    from weightsync.types import MODES
+
+    names = {*TRANSPORTS, *MODES}
+    found = []
+    for filename in COORDINATOR:
+        path = PACKAGE / filename
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+                found.append(f"{filename}:{node.lineno}: {node.func.id}(...)")
+            if isinstance(node, ast.Compare):
+                for operand in (node.left, *node.comparators):
+                    if isinstance(operand, ast.Constant) and operand.value in names:
+                        found.append(f"{filename}:{node.lineno}: compares with {operand.value!r}")
+    assert not found, "\n".join(found)

@@ -41,6 +41,8 @@ class MemoryEngine:
 
     transports: ClassVar[frozenset[str]] = frozenset({"http", "shm", "disk"})
     lora_transports: ClassVar[frozenset[str]] = frozenset({"http"})
+    url: str | None = None  # in this process
+    transports_note: str | None = None
 
     def __init__(self, weights: dict[str, torch.Tensor], label: str = "memory", *, rolls_back: bool = False) -> None:
         self.label = label
@@ -640,20 +642,20 @@ def test_a_plan_is_reused_while_the_tensors_stay_the_same() -> None:
     engine = engine_for(model)
     with ws.WeightSync([engine], transport="http", bucket_bytes=600) as sync:
         sync.push(model, version=1)
-        planned = sync._last_plan
+        planned = sync._buckets.last
         with torch.no_grad():
             model[0].weight.mul_(2.0)
         report = sync.push(model, version=2)
         assert report.verified and same(model, engine)
-        assert planned is not None and sync._last_plan is planned
+        assert planned is not None and sync._buckets.last is planned
         model[2] = nn.Linear(32, 8)  # new parameters, same names and shapes
         report = sync.push(model, version=3)
         assert report.verified and same(model, engine)
-        assert sync._last_plan is planned  # the same tensors: the same plan
+        assert sync._buckets.last is planned  # the same tensors: the same plan
         model[3] = nn.LayerNorm(8).double()  # other dtypes: planned again, and refused by the engine
         with pytest.raises(ManifestMismatchError, match=r"3\.weight: sent \(8,\) torch\.float64"):
             sync.push(model, version=4)
-        assert sync._last_plan is not planned
+        assert sync._buckets.last is not planned
 
 
 class PerExpertEngine(MemoryEngine):

@@ -170,6 +170,10 @@ class Engine(Protocol):
     """Transports this engine can receive a LoRA adapter over ("disk" = PEFT directory)."""
     label: str
     """How the engine is named in reports and errors (its URL)."""
+    url: str | None
+    """Where the engine answers (None: in the trainer's process)."""
+    transports_note: str | None
+    """Why `transports` leaves some out, for the error that refuses one (None: nothing to say)."""
 
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
         """What the engine can do; may ask the engine (within `timeout_s`)."""

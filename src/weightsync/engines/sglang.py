@@ -75,6 +75,7 @@ class SGLangEngine:
 
     transports: ClassVar[frozenset[str]] = frozenset(TRANSPORTS)
     lora_transports: ClassVar[frozenset[str]] = frozenset(TRANSPORTS)
+    transports_note: str | None = None
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  num_ranks: int = 1, label: str | None = None) -> None:

@@ -5,7 +5,8 @@ HOW: bucket plan, begin, stream, commit, verify. For every push the coordinator
 asks the mode, in this order:
 
     source(model)                 the (hf_name, tensor) stream of this mode
-    prepare(model, version, planner)    before planning (lora: check the base weights)
+    prepare(model, version, planner)    before planning: -> modes to push first, as phases of
+                                  this push (lora: the base weights, where an engine lacks them)
     select(source, version, planner)    -> Selection: tensors and manifest fields
       ... begin on every engine ...
     refused(selection, error)     an engine refused at begin: True = select again
@@ -35,7 +36,7 @@ from weightsync.naming import ExpertLayout
 from weightsync.pipeline import Stages
 from weightsync.sources import ModuleSource, WeightSource, as_source
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.types import SyncReport, TensorMeta
+from weightsync.types import TensorMeta
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,10 +129,6 @@ class Planner(Protocol):
         """The process id (`DigestReader.instance`) of each engine that reports digests."""
         ...
 
-    def push(self, mode: PushMode, model: Any, version: int) -> SyncReport:
-        """A whole push in another mode (lora: the base weights first)."""
-        ...
-
     def unloaders(self) -> Sequence[AdapterUnloader]:
         """The engines that unload LoRA adapters by name."""
         ...
@@ -148,6 +145,9 @@ class PushMode(Protocol):
     sends_adapter: ClassVar[bool]
     """Pushes carry a LoRA adapter (engines load it by name), so they go over the
     engines' `lora_transports`; otherwise over their `transports`."""
+    digests_from_parts: ClassVar[bool]
+    """With a `process_group`, the digest of each whole tensor is combined from its ranks'
+    parts ("sparse"), which only `digests.COMBINABLE` algorithms can."""
 
     @property
     def lora_name(self) -> str | None:
@@ -159,8 +159,10 @@ class PushMode(Protocol):
         the engines load (`EngineCapabilities.expert_layout`)."""
         ...
 
-    def prepare(self, model: Any, version: int, planner: Planner) -> None:
-        """Before planning `version`."""
+    def prepare(self, model: Any, version: int, planner: Planner) -> Sequence[PushMode]:
+        """Before planning `version`: the modes whose pushes of `version` go first, as phases
+        of this push that the report lists (lora: the base weights where an engine does not
+        serve the trainer's); usually none."""
         ...
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
@@ -197,6 +199,7 @@ class ModeDefaults:
     name: ClassVar[str]
     casts: ClassVar[bool] = True
     sends_adapter: ClassVar[bool] = False
+    digests_from_parts: ClassVar[bool] = False
 
     def __init__(self, options: ModeOptions | None = None) -> None:
         self.options = options or ModeOptions()
@@ -227,8 +230,8 @@ class ModeDefaults:
         source.model = model
         return source
 
-    def prepare(self, model: Any, version: int, planner: Planner) -> None:
-        return None
+    def prepare(self, model: Any, version: int, planner: Planner) -> Sequence[PushMode]:
+        return ()
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
         return Selection(mode=self.name, metas=list(planner.metas(source)))

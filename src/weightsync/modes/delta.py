@@ -13,10 +13,11 @@ engine that does not apply partial updates (`supports_delta`), pushes go out who
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from weightsync.errors import EngineError
-from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
+from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
 from weightsync.sources import WeightSource
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,9 @@ class DeltaMode(ModeDefaults):
         self._pending: tuple[int, dict[str, str]] | None = None
         """(version, digests) of the push under way, kept for a retry after a refusal."""
 
-    def prepare(self, model: Any, version: int, planner: Planner) -> None:
+    def prepare(self, model: Any, version: int, planner: Planner) -> Sequence[PushMode]:
         self._pending = None  # digests are taken afresh for every push
+        return ()
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
         metas = list(planner.metas(source))

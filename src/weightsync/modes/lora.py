@@ -38,7 +38,7 @@ from torch import nn
 
 from weightsync.engines.base import AdapterUnloader
 from weightsync.errors import AdapterNotLoadedError, WeightSyncError
-from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
+from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
 from weightsync.modes.full import FullMode
 from weightsync.naming import ExpertLayout
 from weightsync.sources import AdapterSource, WeightSource, as_source
@@ -153,22 +153,22 @@ class LoraMode(ModeDefaults):
 
         return LoraSource(model, adapter_name=self.options.adapter_name)
 
-    def prepare(self, model: Any, version: int, planner: Planner) -> None:
+    def prepare(self, model: Any, version: int, planner: Planner) -> Sequence[PushMode]:
         """First push, and after a failure or an engine restart: make sure each engine that
-        reports digests serves the trainer's base weights; push them as `version` where one
-        does not."""
+        reports digests serves the trainer's base weights; where one does not, a full push
+        of them as `version` goes first."""
         if not any(c.reads_digests for c in planner.capabilities()):
-            return
+            return ()
         instances = planner.served_instances()
         if self._base_checked and instances == self._instances:
-            return
+            return ()
         self._base_checked, self._instances = True, instances
         base = FullMode(self.options)
         trainer = planner.hash_tensors(base.source(model), cast=base.casts)
         if all(served == trainer for served in planner.served_digests(list(trainer))):
-            return
+            return ()
         log.info("engine base weights differ from the trainer's: syncing them before the adapter")
-        planner.push(base, model, version)
+        return (base,)
 
     def failed(self, version: int) -> None:
         self._base_checked = False

@@ -39,7 +39,7 @@ import torch
 from weightsync.bucketing import castable, check_cast
 from weightsync.digests import WSMIX64, digest
 from weightsync.errors import EngineError
-from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
+from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
 from weightsync.modes.sparse_shards import ShardedSnapshot, SnapshotMemory
 from weightsync.sources import ModuleSource, WeightSource
 from weightsync.sparse import encode
@@ -55,6 +55,7 @@ class SparseMode(ModeDefaults):
     """Changed elements on top of the last acked version, whole-tensor digests acked."""
 
     name: ClassVar[str] = "sparse"
+    digests_from_parts: ClassVar[bool] = True
 
     def __init__(self, options: ModeOptions | None = None) -> None:
         super().__init__(options)
@@ -72,8 +73,9 @@ class SparseMode(ModeDefaults):
         self._shards: ShardedSnapshot | None = None
         """A sharded trainer's: this rank's rows of the snapshot (instead of `snapshot`)."""
 
-    def prepare(self, model: Any, version: int, planner: Planner) -> None:
+    def prepare(self, model: Any, version: int, planner: Planner) -> Sequence[PushMode]:
         self._full = None
+        return ()
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
         if self._full is not None and self._full[0] == version:

@@ -60,6 +60,11 @@ def transport_class(name: str) -> Callable[..., Transport]:
     return cls
 
 
+def same_host_only(name: str) -> bool:
+    """Whether transport `name` reaches engines on the trainer's host only (`Transport.same_host_only`)."""
+    return bool(_registered(name).same_host_only)
+
+
 def parse_link(d: Mapping[str, Any]) -> Link:
     """The link `d` (a `Link.to_dict()`) describes, as its transport's own record
     (`ShmLink`, ...); the transport's module is imported first. ValueError for an

@@ -73,6 +73,17 @@ class Transport(Protocol):
         (whose buckets are then hashed there, with a device digest)."""
         ...
 
+    @property
+    def same_host_only(self) -> bool:
+        """Engines must run on the trainer's host (shm); `WeightSync` refuses others when built."""
+        ...
+
+    @property
+    def trainer_address(self) -> str | None:
+        """The address of the trainer's host that engines connect to (broadcast: the group's
+        `master_address`); None where they connect to nothing of the trainer's."""
+        ...
+
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
         """Prepare a session for engines with these rank counts; one Link each.
         `leased_buckets` > 0: the engines keep serving from the buffers a push's buckets
@@ -301,6 +312,11 @@ class TransportDefaults:
 
     same_host_only: ClassVar[bool] = False
     """Engines must run on the trainer's host (shm); `WeightSync` refuses others when built."""
+
+    @property
+    def trainer_address(self) -> str | None:
+        """Engines connect to nothing of the trainer's (see `Transport.trainer_address`)."""
+        return None
 
     @property
     def buffer_device(self) -> torch.device:

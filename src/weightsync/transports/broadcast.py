@@ -108,6 +108,11 @@ class BroadcastTransport(TransportDefaults):
     def buffer_device(self) -> torch.device:
         return self.device
 
+    @property
+    def trainer_address(self) -> str:
+        """Engines join the group at the trainer's `master_address`."""
+        return self.master_address
+
     def __init__(
         self,
         *,

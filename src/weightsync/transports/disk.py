@@ -103,6 +103,8 @@ class DiskTransport:
     per_bucket_delivery: ClassVar[bool] = False
     adapter_in_one_bucket: ClassVar[bool] = True
     survives_failure: ClassVar[bool] = True
+    same_host_only: ClassVar[bool] = False
+    trainer_address: ClassVar[str | None] = None
 
     @property
     def buffer_device(self) -> torch.device:

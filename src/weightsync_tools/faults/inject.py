@@ -65,6 +65,8 @@ class FaultyTransport:
         self.adapter_in_one_bucket = inner.adapter_in_one_bucket
         self.survives_failure = inner.survives_failure
         self.buffer_device = inner.buffer_device
+        self.same_host_only = inner.same_host_only
+        self.trainer_address = inner.trainer_address
         self.fault = fault
         self.at_bucket = at_bucket
         self.at_push = at_push

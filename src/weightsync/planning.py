@@ -1,0 +1,184 @@
+"""The plan of a push, before any byte moves: the dtype floating tensors travel in, the
+expert layout the engines load, the buckets (reused while a push selects the same
+tensors), and what a mode may ask of the coordinator while it chooses (`PushPlanner`,
+the `modes.base.Planner` of one phase of a push)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from weightsync.bucketing import castable, plan_buckets, stream_order
+from weightsync.engines.base import AdapterUnloader, EngineCapabilities
+from weightsync.errors import CastError
+from weightsync.integrity import digest
+from weightsync.modes import Selection
+from weightsync.naming import ExpertLayout, has_fused_experts, rename
+from weightsync.pipeline import Stages
+from weightsync.replicas import Replicas
+from weightsync.sources import WeightSource
+from weightsync.trainer_ranks import TrainerRanks
+from weightsync.types import BucketMeta, Manifest, TensorMeta, dtype_name
+
+
+def sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
+    """What a tensor of `dtype` travels as: `cast_to` if both are floating (bucketing.castable)."""
+    return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
+
+
+def cast_dtype(forced: torch.dtype | None, served: Callable[[], Mapping[str, torch.dtype | None]], *,
+               cast: bool) -> torch.dtype | None:
+    """The dtype floating tensors travel in: `forced` (`SyncConfig.dtype`), else with `cast` the
+    one dtype the engines serve (`served()`: engine label -> its dtype); checked before any byte moves."""
+    if forced is not None:
+        return forced
+    if not cast:
+        return None
+    known = {label: d for label, d in served().items() if d is not None}
+    if len(set(known.values())) > 1:
+        listed = ", ".join(f"{label} serves {dtype_name(d)}" for label, d in known.items())
+        raise CastError(f"engine replicas serve different dtypes ({listed}); start them with one dtype, "
+                        "or pass dtype= to send one (an engine that cannot take it refuses at begin)")
+    return next(iter(known.values()), None)
+
+
+def expert_layout(layouts: Mapping[str, ExpertLayout], model: Any) -> ExpertLayout:
+    """The expert layout the engines load (engine label -> `EngineCapabilities.expert_layout`);
+    replicas must agree where the model holds fused experts (elsewhere it names nothing)."""
+    if len(set(layouts.values())) > 1 and isinstance(model, nn.Module) and has_fused_experts(model):
+        listed = ", ".join(f"{label} loads {layout}" for label, layout in layouts.items())
+        raise ValueError(f"engine replicas load Mixture-of-Experts layers in different layouts ({listed}); "
+                         "push to each kind with its own WeightSync")
+    return next(iter(layouts.values()), "per-expert")
+
+
+@dataclass(frozen=True)
+class _PlanKey:
+    """What a bucket plan depends on besides the config: equal keys, equal plans."""
+
+    hf_names: list[str]
+    """Every tensor of the source (the rename covers them all)."""
+    metas: list[TensorMeta]
+    """The tensors selected, as the trainer holds them."""
+    cast_to: torch.dtype | None
+    bucket_bytes: int
+    in_one_bucket: bool
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The selected tensors as the engines receive them, cut into buckets."""
+
+    to_engine: dict[str, str]
+    """hf_name -> engine name, for the whole source."""
+    buckets: tuple[BucketMeta, ...]
+    order: list[str]
+    """hf_names in stream order."""
+
+
+class BucketPlanner:
+    """Cuts a selection into buckets, and reuses the last plan while a push selects the same
+    tensors (names, dtypes, shapes, encodings), as an RL loop's full pushes do step after step."""
+
+    def __init__(self, rename: Mapping[str, str] | None) -> None:
+        self._rename = dict(rename or {})
+        self.last: tuple[_PlanKey, BucketPlan] | None = None
+        """The last plan and its key; plans are immutable, never changed by callers."""
+
+    def plan(self, held: Mapping[str, torch.dtype], metas: Sequence[TensorMeta], *, cast_to: torch.dtype | None,
+             bucket_bytes: int, in_one_bucket: bool) -> BucketPlan:
+        """`metas` (the selection, trainer names and dtypes) renamed and cast for the engines and
+        cut into buckets of `bucket_bytes` (one bucket with `in_one_bucket`); `held`: every
+        tensor of the source -> its dtype as the trainer holds it."""
+        key = _PlanKey(hf_names=list(held), metas=list(metas), cast_to=cast_to, bucket_bytes=bucket_bytes,
+                       in_one_bucket=in_one_bucket)
+        if self.last is not None and self.last[0] == key:
+            return self.last[1]
+        # renamed for the whole source, so a rename entry of a tensor left out is not stale
+        to_engine = rename(held, self._rename)
+        engine_metas = [replace(m, hf_name=to_engine[m.hf_name], dtype=sent_dtype(m.dtype, cast_to)) for m in metas]
+        if in_one_bucket:
+            bucket_bytes = max(1, sum(m.nbytes for m in engine_metas))
+        buckets = plan_buckets(engine_metas, bucket_bytes)
+        to_hf = {v: k for k, v in to_engine.items()}
+        plan = BucketPlan(to_engine=to_engine, buckets=tuple(buckets), order=[to_hf[n] for n in stream_order(buckets)])
+        self.last = (key, plan)
+        return plan
+
+
+class PushPlanner:
+    """What a mode may ask of the coordinator (`modes.base.Planner`) in one phase of a push."""
+
+    def __init__(self, replicas: Replicas, ranks: TrainerRanks, *, stages: Stages, allow_overflow: bool,
+                 digest_algorithm: Callable[[], str], cast_dtype: Callable[[bool], torch.dtype | None],
+                 expert_layout: ExpertLayout) -> None:
+        self._replicas = replicas
+        self.ranks = ranks
+        self.stages = stages
+        self.pool: Executor = replicas.pool
+        self.timeout_s = replicas.timeout_s
+        self.allow_overflow = allow_overflow
+        self._digest_algorithm = digest_algorithm
+        self._cast_dtype = cast_dtype
+        self.expert_layout = expert_layout
+        self._metas: tuple[WeightSource, list[TensorMeta]] | None = None
+        """The source `metas` read this push, and what it read."""
+
+    def share_step(self, step: Mapping[str, Any]) -> None:
+        self.ranks.share({"step": dict(step)}, timeout_s=self.timeout_s)
+
+    def metas(self, source: WeightSource) -> list[TensorMeta]:
+        if self._metas is None or self._metas[0] is not source:
+            self._metas = (source, list(source.metas()))
+        return self._metas[1]
+
+    @property
+    def digest_algorithm(self) -> str:
+        return self._digest_algorithm()
+
+    def cast_dtype(self, *, cast: bool) -> torch.dtype | None:
+        return self._cast_dtype(cast)
+
+    def capabilities(self) -> Sequence[EngineCapabilities]:
+        return self._replicas.capabilities()
+
+    def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:
+        """Digest of every tensor of `source` as the engines would hold it (cast where floating,
+        with `cast`); every trainer rank gathers along."""
+        t0 = time.perf_counter()
+        cast_to = self._cast_dtype(cast)
+        names = [m.hf_name for m in source.metas()]
+        self.ranks.share({"mode": source.mode, "order": names, "expert_layout": self.expert_layout},
+                         timeout_s=self.timeout_s)
+        digests = {name: digest(t.to(sent_dtype(t.dtype, cast_to)).contiguous()) for name, t in source.tensors(names)}
+        self.stages.hash += time.perf_counter() - t0
+        return digests
+
+    def served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:
+        timeout_s = self.timeout_s
+        return self._replicas.ask_digest_readers(lambda e: e.digests(hf_names, timeout_s=timeout_s), "reading digests")
+
+    def served_instances(self) -> list[str | None]:
+        timeout_s = self.timeout_s
+        return self._replicas.ask_digest_readers(lambda e: e.instance(timeout_s=timeout_s), "asking its instance")
+
+    def unloaders(self) -> Sequence[AdapterUnloader]:
+        return self._replicas.unloaders()
+
+
+@dataclass
+class PushPlan:
+    """One phase of a push, planned: what the mode selected, as the engines will receive it."""
+
+    selection: Selection
+    buckets: BucketPlan
+    cast_to: torch.dtype | None
+    """The dtype floating tensors travel in (None: as the trainer holds them)."""
+    manifest: Manifest
+    """Without digests (they are known once the buckets are packed)."""

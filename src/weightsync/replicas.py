@@ -1,0 +1,385 @@
+"""Calls across engine replicas: each round of a push's engine calls goes to every
+engine at once and is bounded by the push's `timeout_s`, whatever the engine clients
+were built with.
+
+The rounds of one push, in the order the coordinator (`weightsync.sync`) makes them:
+capabilities (once per transport session), connect, pause, begin (asked again while
+another live trainer's session holds an engine), receive (per bucket, beside the
+transport's own send), ready, commit (engines that can undo a commit first), resume.
+After a failure the cleanup rounds (abort, rollback, leaving the session, resume)
+share one bound, min(timeout_s, 10 s), and skip an engine that timed out in this push:
+its cleanup goes to its backlog (`weightsync.cleanup`) and runs in the background.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import torch
+
+from weightsync.cleanup import Backlog
+from weightsync.engines.base import (
+    AdapterUnloader,
+    DigestReader,
+    Engine,
+    EngineCapabilities,
+    Link,
+    PausePolicy,
+    Rollbacker,
+)
+from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
+from weightsync.hosts import check_reachable
+from weightsync.integrity import ack_problems, digest_checked
+from weightsync.naming import ExpertLayout
+from weightsync.transports import same_host_only
+from weightsync.transports.base import Transport
+from weightsync.types import Ack, BucketMeta, Delivery, Manifest
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Replicas:
+    """The engines of one `WeightSync`, called together.
+
+    `timeout_s` bounds every round of a push; `cleanup_timeout_s` the cleanup rounds of a
+    failed push together (`failing`) and each cleanup call that runs in the background.
+    Pushes go over `transport` in `mode`, which carries a LoRA adapter where `sends_adapter`.
+    """
+
+    def __init__(self, engines: Sequence[Engine], *, timeout_s: float, cleanup_timeout_s: float,
+                 transport: str, mode: str, sends_adapter: bool) -> None:
+        self.engines = list(engines)
+        self.transport, self.mode, self.sends_adapter = transport, mode, sends_adapter
+        self.timeout_s = timeout_s
+        self.cleanup_timeout_s = cleanup_timeout_s
+        # per engine: a call of the push and a background cleanup task (which waits for that call)
+        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.engines) + 2, thread_name_prefix="weightsync")
+        self.backlog = Backlog(self.pool, settle_s=cleanup_timeout_s)
+        """Engines that timed out in this push and the cleanup they are owed."""
+        self.links: list[Link] | None = None
+        """Each engine's link in the transport session it joined (None: no session)."""
+        self._caps: list[EngineCapabilities] | None = None
+        self._cleanup_by: float | None = None
+        """While a failed push cleans up: when every cleanup round must have answered."""
+
+    # -- what the engines declare --------------------------------------------
+
+    def capabilities(self) -> list[EngineCapabilities]:
+        """Every engine's declared capabilities, asked once per transport session; an engine
+        that declares it cannot take the transport in this mode is refused, naming it."""
+        if self._caps is None:
+            timeout_s = self.timeout_s
+            caps = self.all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
+            for engine, c in zip(self.engines, caps, strict=True):
+                declared = c.lora_transports if self.sends_adapter else c.transports
+                if declared and self.transport not in declared:
+                    raise EngineError(engine.label, f"this engine takes mode={self.mode!r} over "
+                                      f"{sorted(declared)}, not transport={self.transport!r}")
+            self._caps = caps
+        return self._caps
+
+    def served_dtypes(self) -> dict[str, torch.dtype | None]:
+        """Engine label -> the dtype it serves (`EngineCapabilities.dtype`)."""
+        return {e.label: c.dtype for e, c in zip(self.engines, self.capabilities(), strict=True)}
+
+    def expert_layouts(self) -> dict[str, ExpertLayout]:
+        """Engine label -> the layout it loads Mixture-of-Experts layers in (`EngineCapabilities.expert_layout`)."""
+        return {e.label: c.expert_layout for e, c in zip(self.engines, self.capabilities(), strict=True)}
+
+    def rollbackers(self) -> list[Rollbacker | None]:
+        """Per engine: itself where it can undo its last commit (`EngineCapabilities.rolls_back`), else None."""
+        return [e if c.rolls_back and isinstance(e, Rollbacker) else None
+                for e, c in zip(self.engines, self.capabilities(), strict=True)]
+
+    def unloaders(self) -> list[AdapterUnloader]:
+        """The engines that unload LoRA adapters by name (`EngineCapabilities.unloads_adapters`)."""
+        return [e for e, c in zip(self.engines, self.capabilities(), strict=True)
+                if c.unloads_adapters and isinstance(e, AdapterUnloader)]
+
+    def refuse_unfit(self, transport: Transport) -> None:
+        """When the `WeightSync` is built: refuse, naming what works, an engine that cannot take
+        `transport` in this mode, or that is on another host where the transport reaches one
+        host only (shm) or engines reach the trainer at a loopback address (broadcast)."""
+        if not self.engines:
+            raise ValueError("WeightSync needs at least one engine")
+        for e in self.engines:
+            allowed = self._allowed(e)
+            if self.transport not in allowed:
+                note = e.transports_note
+                raise ValueError(f"{e.label} cannot take mode={self.mode!r} over transport={self.transport!r}; "
+                                 f"it supports {sorted(allowed)}" + (f": {note}" if note else ""))
+        check_reachable(
+            [(e.label, e.url, [t for t in sorted(self._allowed(e)) if not same_host_only(t)]) for e in self.engines],
+            transport=self.transport, same_host_only=transport.same_host_only,
+            trainer_address=transport.trainer_address)
+
+    def _allowed(self, engine: Engine) -> frozenset[str]:
+        return engine.lora_transports if self.sends_adapter else engine.transports
+
+    # -- the session ---------------------------------------------------------
+
+    def join(self, transport: Transport, *, max_bucket_bytes: int, leased_buckets: int = 0) -> None:
+        """Have every engine in `transport`'s session (kept while the transport keeps it: the
+        same links), all joined within timeout_s; a session that cannot form is ended."""
+        links = transport.open([c.num_ranks for c in self.capabilities()], max_bucket_bytes=max_bucket_bytes,
+                               leased_buckets=leased_buckets)
+        if self.links is not None and links == self.links:
+            return  # the same session: engines stay connected
+        if self.links is not None:
+            self.disconnect(self.links)  # e.g. a new group or a bigger segment replaces the old
+        try:
+            self.connect(links, establish=transport.establish, what=f"joining the {self.transport} session")
+        except BaseException:
+            transport.close()
+            self.disconnect(links)
+            self.forget_capabilities()
+            raise
+
+    def leave(self, transport: Transport | None) -> None:
+        """End the session: the transport closes, every engine leaves, and the next session
+        asks every engine's capabilities again (an engine may have been restarted)."""
+        if transport is not None:
+            transport.close()
+        if self.links is not None:
+            self.disconnect(self.links)
+        self.forget_capabilities()
+
+    def connect(self, links: Sequence[Link], *, establish: Callable[[], None], what: str) -> None:
+        """Every engine joins the session `links` describe while `establish` runs here (a
+        broadcast group forms), all within timeout_s. On a failure, the joins still under
+        way are owed their leaving (the caller ends the session)."""
+        connects = [self.pool.submit(e.connect, link) for e, link in zip(self.engines, links, strict=True)]
+        deadline = time.monotonic() + self.timeout_s  # forming a group included
+        try:
+            establish()
+            for i, future in enumerate(connects):
+                self.wait(future, f"{self.engines[i].label}: {what}", index=i, deadline=deadline)
+        except BaseException:
+            for i, future in enumerate(connects):
+                if not future.done():  # it leaves once its join has answered
+                    self.backlog.mark(i, self.engines[i].label, future)
+            raise
+        self.links = list(links)
+
+    def disconnect(self, links: Sequence[Link]) -> None:
+        """Every engine leaves the session at once; the links carry the cleanup bound. Its
+        capabilities are asked again in the next session (an engine may have restarted)."""
+        def leave(engine: Engine, link: Link) -> None:
+            engine.disconnect(replace(link, timeout_s=self.cleanup_timeout_s))
+
+        self.cleanup(lambda e, i: leave(e, links[i]), "leaving the session")
+        self.links = None
+
+    def forget_capabilities(self) -> None:
+        self._caps = None
+
+    # -- the rounds of a push --------------------------------------------------
+
+    def pause(self, policy: PausePolicy) -> None:
+        """Pause every engine per `policy`. The caller resumes every engine even when this
+        raises: a pause that failed may have taken effect on some engine, or still take effect
+        (vLLM 0.32 applies a `/pause` it read after the client gave up on the answer), and
+        an engine left paused would hold every request forever."""
+        if policy is not PausePolicy.NONE:
+            timeout_s = self.timeout_s
+            self.all(lambda e, _: e.pause(policy, timeout_s=timeout_s), "pause")
+
+    def resume(self, policy: PausePolicy, timeout_s: float) -> None:
+        if policy is not PausePolicy.NONE:
+            self.cleanup(lambda e, _: e.resume(timeout_s=timeout_s), "resuming generation", timeout_s=timeout_s)
+
+    def begin(self, manifest: Manifest) -> list[str]:
+        """Every engine's dry run. An engine busy with another live trainer's session says
+        when that session would expire: ask again until it ends or expires, within
+        timeout_s. Returns notes for the report (a dead trainer's session discarded)."""
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        backoff, busy = 0.05, 0
+        while True:
+            try:
+                # each attempt has timeout_s of its own: an engine that answers 409 is alive
+                answers = self.all(lambda e, link: e.begin(manifest, link), "begin")
+            except EngineError as e:
+                expires = e.retry_after_s
+                if e.status != 409 or expires is None or time.monotonic() + expires > deadline:
+                    raise
+                log.info("%s", e)
+                busy += 1
+                # ask again soon (the other push may just finish) and at the latest when it expires
+                time.sleep(min(backoff, expires + 0.05))
+                backoff = min(2 * backoff, 1.0)
+                continue
+            notes = [f"{e.label}: {a}" for e, a in zip(self.engines, answers, strict=True) if a]
+            if busy:
+                notes.append(f"waited {time.monotonic() - started:.1f}s ({busy} busy answer(s)) for another "
+                             "trainer's update session to end or expire")
+            return notes
+
+    def receive(self, bucket: BucketMeta, delivery: Delivery, send: Callable[[], None]) -> None:
+        """Every engine takes `bucket` while `send` (the transport's side of it) runs here,
+        all within timeout_s."""
+        deadline = time.monotonic() + self.timeout_s  # the collective is bounded by timeout_s too
+        futures = [self.pool.submit(e.receive, bucket, delivery) for e in self.engines]
+        try:
+            send()
+        except SyncTimeoutError:  # the engines that have not answered did not take the bucket in time either
+            for i, future in enumerate(futures):
+                if not future.done():
+                    self.backlog.mark(i, self.engines[i].label, future)
+            raise
+        for i, future in enumerate(futures):
+            self.wait(future, f"{self.engines[i].label}: receiving bucket {bucket.index}", index=i,
+                      deadline=deadline)
+
+    def ready(self, manifest: Manifest) -> None:
+        """With several replicas, find an engine that cannot commit before any does."""
+        if len(self.engines) > 1:
+            self.all(lambda e, link: e.ready(manifest, link), "checking it can commit")
+
+    def commit(self, manifest: Manifest) -> list[Ack]:
+        """Commit on every engine and check every ack against what was sent (where it carries
+        digests: `integrity.digest_checked`). Engines that can undo a commit
+        (`EngineCapabilities.rolls_back`) commit first, all at once; the others only once
+        every one of those acked what was sent. On a failure the caller rolls back the
+        engines that committed (`roll_back`), so a push is all or nothing across replicas
+        when at most one engine cannot undo its commit."""
+        undoable = [r is not None for r in self.rollbackers()]
+        acks: dict[int, Ack] = {}
+        for first in (True, False):
+            among = [i for i, u in enumerate(undoable) if u is first]
+            if not among:
+                continue
+            # every answer is awaited: a rollback must not overtake a commit still under way
+            acks.update(zip(among, self.all(lambda e, link: e.commit(manifest, link), "commit",
+                                            among=among, settle=True), strict=True))
+            problems = [p for i in among if digest_checked(acks[i]) for p in ack_problems(manifest, acks[i])]
+            if problems:
+                raise IntegrityError("engines acked something other than what was sent: " + "; ".join(problems))
+        return [acks[i] for i in range(len(self.engines))]
+
+    def ask_digest_readers(self, call: Callable[[DigestReader], T], what: str) -> list[T]:
+        """`call` on every engine that reports digests of its served weights (`DigestReader`), at once."""
+        readers = [(i, e) for i, (e, c) in enumerate(zip(self.engines, self.capabilities(), strict=True))
+                   if c.reads_digests and isinstance(e, DigestReader)]
+        deadline = time.monotonic() + self.timeout_s
+        futures = [(i, e, self.pool.submit(call, e)) for i, e in readers]
+        return [self.wait(f, f"{e.label}: {what}", index=i, deadline=deadline) for i, e, f in futures]
+
+    # -- after a failure -----------------------------------------------------
+
+    def failing(self) -> None:
+        """A push failed: the cleanup rounds from now on share one bound, until `settled`."""
+        self._cleanup_by = time.monotonic() + self.cleanup_timeout_s
+
+    def settled(self) -> None:
+        self._cleanup_by = None
+
+    def abort(self, version: int) -> None:
+        cleanup_s = self.cleanup_timeout_s
+        self.cleanup(lambda e, _: e.abort(version, timeout_s=cleanup_s), f"abort of v{version}")
+
+    def roll_back(self, version: int, error: BaseException) -> None:
+        """After a failed commit round: undo `version` on every engine that committed it and
+        can (a no-op where it did not commit); says what it did in a note on `error`. An
+        engine that timed out in this push is rolled back in the background."""
+        cleanup_s = self.cleanup_timeout_s
+        deadline = self._cleanup_deadline(cleanup_s)
+        futures = []
+        for i, engine in enumerate(self.rollbackers()):
+            if engine is None:
+                continue
+            future = self._cleanup_call(i, f"rollback of v{version}",
+                                        functools.partial(engine.rollback, version, timeout_s=cleanup_s))
+            if future is None:
+                error.add_note(f"{engine.label} did not answer: its rollback of v{version} goes out in the "
+                               f"background (if its commit landed, it serves v{version} until then)")
+            else:
+                futures.append((i, engine, future))
+        undone = []
+        for i, engine, future in futures:
+            try:
+                if self.wait(future, f"{engine.label}: rollback of v{version}", index=i, deadline=deadline,
+                             limit_s=cleanup_s):
+                    undone.append(engine.label)
+            except WeightSyncError as e:
+                log.warning("%s", e)
+                error.add_note(f"{engine.label} was not rolled back (if its commit landed, it serves v{version}): {e}")
+        if undone:
+            log.warning("v%d rolled back on %s", version, ", ".join(undone))
+            error.add_note(f"v{version} had committed on {', '.join(undone)}: rolled back to the last version")
+
+    # -- bounded calls -------------------------------------------------------
+
+    def all(self, call: Callable[[Any, Link | None], T], what: str, *, among: Sequence[int] | None = None,
+            settle: bool = False, deadline: float | None = None) -> list[T]:
+        """`call(engine, link)` on every engine (those at the indices `among`) at once, all
+        answered by `deadline` (default: timeout_s from now); the first error wins, raised
+        at once or, with `settle`, once every call answered or timed out."""
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        links: Sequence[Link | None] = self.links or [None] * len(self.engines)
+        chosen = range(len(self.engines)) if among is None else among
+        futures = [(i, self.pool.submit(call, self.engines[i], links[i])) for i in chosen]
+        results: list[T] = []
+        first: BaseException | None = None
+        for i, future in futures:
+            try:
+                results.append(self.wait(future, f"{self.engines[i].label}: {what}", index=i, deadline=deadline))
+            except BaseException as e:
+                if not settle:
+                    raise
+                first = first or e
+        if first is not None:
+            raise first
+        return results
+
+    def cleanup(self, call: Callable[[Any, int], object], what: str, *, timeout_s: float | None = None) -> None:
+        """`call(engine, index)` on every engine at once, answered within `timeout_s` (the
+        cleanup bound by default; while a failed push cleans up, what is left of its shared
+        bound); errors are logged, never raised. An engine that timed out in this push is not
+        waited on: the call joins its backlog (`weightsync.cleanup`), as does every later one."""
+        limit_s = self.cleanup_timeout_s if timeout_s is None else timeout_s
+        deadline = self._cleanup_deadline(limit_s)
+        futures = [(i, self._cleanup_call(i, what, functools.partial(call, engine, i)))
+                   for i, engine in enumerate(self.engines)]
+        for i, future in futures:
+            if future is None:
+                continue
+            try:
+                self.wait(future, f"{self.engines[i].label}: {what}", index=i, deadline=deadline, limit_s=limit_s)
+            except WeightSyncError as e:
+                log.warning("%s", e)
+
+    def wait(self, future: Future[T], what: str, *, index: int, deadline: float, limit_s: float | None = None) -> T:
+        """The answer of engine `index`'s call `future` by `deadline` (whichever fires first:
+        this or the engine client's own timeout). A call that times out marks the engine as
+        stalled for the rest of the push; `limit_s` is the bound the error names."""
+        limit_s = self.timeout_s if limit_s is None else limit_s
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            self.backlog.mark(index, self.engines[index].label, future)
+            raise SyncTimeoutError(f"{what}: no answer within {limit_s:.0f}s") from None
+        except SyncTimeoutError:
+            self.backlog.mark(index, self.engines[index].label)
+            raise
+
+    def _cleanup_call(self, index: int, what: str, call: Callable[[], object]) -> Future[Any] | None:
+        """Start a cleanup call to engine `index` now, or, where it timed out in this push,
+        add it to its backlog (None): it is not waited on twice."""
+        if self.backlog.stalled(index):
+            self.backlog.owe(index, what, call)
+            return None
+        return self.pool.submit(call)
+
+    def _cleanup_deadline(self, limit_s: float) -> float:
+        """When a cleanup round must have answered: the shared bound of a failed push's
+        cleanup while it runs, else `limit_s` from now."""
+        return self._cleanup_by if self._cleanup_by is not None else time.monotonic() + limit_s
