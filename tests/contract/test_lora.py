@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 from contract_helpers import next_version
+from safetensors.torch import load_file
 
 import weightsync as ws
 from weightsync.server.launch import ServerProcess, launch_server
@@ -207,6 +208,10 @@ def test_first_lora_push_syncs_a_different_base(tiny_model_dir: Path, disk_root:
         with ws.WeightSync([client], transport="http", mode="lora", timeout_s=30) as sync:
             first = sync.push(model, version=1)
             assert client.weight_version() == "1" and first.mode == "lora"
+            checkpoint = load_file(tiny_model_dir / "model.safetensors")
+            assert [p.mode for p in first.phases] == ["full"] and first.phases[0].verified
+            assert first.phases[0].num_bytes == sum(t.numel() * t.element_size() for t in checkpoint.values()), \
+                "the report counts the base weights re-synced as the push's first phase"
             with model.disable_adapter():
                 assert ws.probe_logprobs(model, client, PROMPTS).max_gap < 1e-4, "base weights were synced"
             adapted = ws.probe_logprobs(model, client, PROMPTS, lora_name=sync.lora_name)
