@@ -21,7 +21,7 @@ malformed request (`ManifestError` for a digest algorithm this side does not
 compute). A refused or aborted update leaves the served weights as
 they were.
 
-"sparse" updates (`weightsync.sparse`) are rebuilt here at commit, before the
+"sparse" updates (`weightsync.change_encoding`) are rebuilt here at commit, before the
 applier sees them: each sparse payload is applied to a copy of the served tensor
 (the applier's `SparseBase.base_tensor`), then every touched tensor is digested
 WHOLE and compared with the manifest's `tensor_digest`; a mismatch refuses the
@@ -45,12 +45,12 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from weightsync.bucketing import bucket_views
+from weightsync.change_encoding import apply_payload
 from weightsync.digests import ALGORITHMS
 from weightsync.digests import digest as digest_of
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
 from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
 from weightsync.sessions import Holder, SessionBusyError, take_over
-from weightsync.sparse import apply_payload
 from weightsync.types import PARTIAL_MODES, Ack, BucketMeta, Manifest, TensorMeta
 
 log = logging.getLogger(__name__)

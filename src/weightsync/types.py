@@ -55,7 +55,7 @@ PARTIAL_MODES = frozenset({"delta", "sparse"})
 """Modes whose manifest applies on top of a `base_version` and may leave tensors out."""
 
 ENCODINGS: tuple[str, ...] = ("dense", "positions16", "positions32", "bitmap")
-"""How one tensor's bytes sit in its bucket (`weightsync.sparse` holds the layouts):
+"""How one tensor's bytes sit in its bucket (`weightsync.change_encoding` holds the layouts):
 "dense" is the tensor itself; the others, in "sparse" manifests only, carry the
 elements that changed since the base version."""
 PAYLOAD_ALIGN = 8
@@ -107,7 +107,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 def encoded_nbytes(encoding: str, numel: int, itemsize: int, num_changed: int) -> int:
     """Bytes one tensor of `numel` elements takes in its bucket under `encoding`
-    (`num_changed`: the elements a sparse encoding carries). See `weightsync.sparse`."""
+    (`num_changed`: the elements a sparse encoding carries). See `weightsync.change_encoding`."""
     if encoding == "dense":
         return numel * itemsize
     if encoding == "positions16":
