@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from weightsync.errors import CastError
-from weightsync.types import BucketMeta, TensorEntry, TensorMeta
+from weightsync.manifest import BucketMeta, TensorEntry, TensorMeta
 
 RUN_MAX_TENSORS = 256
 """Tensors `pack_stream` copies with one call at most (a run)."""

@@ -30,7 +30,7 @@ import torch
 from weightsync.digests import XXH3_64
 from weightsync.errors import IntegrityError, ManifestError
 from weightsync.integrity import check_bucket, digest
-from weightsync.types import BucketMeta, Manifest, TensorMeta
+from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 
 MANIFEST_FILE = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20

@@ -4,7 +4,7 @@
 `commit` or `abort`: who holds the engine (`weightsync.sessions`), whether a
 version may follow the served one, the dry run of the manifest, the checks of
 every bucket that arrives (index, size, digest), the staging of its tensors,
-"every tensor arrived" at commit, and the ack (`types.Ack`, sent on the wire
+"every tensor arrived" at commit, and the ack (`reports.Ack`, sent on the wire
 as `Ack.to_wire()`). It moves no bytes (transports deliver buffers to it) and
 changes no weight: what an engine does with a checked update goes through its
 `Applier` (the embedded engine swaps bucket-buffer views in between two
@@ -50,8 +50,9 @@ from weightsync.digests import ALGORITHMS
 from weightsync.digests import digest as digest_of
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
 from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
+from weightsync.manifest import PARTIAL_MODES, BucketMeta, Manifest, TensorMeta
+from weightsync.reports import Ack
 from weightsync.sessions import Holder, SessionBusyError, take_over
-from weightsync.types import PARTIAL_MODES, Ack, BucketMeta, Manifest, TensorMeta
 
 log = logging.getLogger(__name__)
 

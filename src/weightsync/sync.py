@@ -48,8 +48,10 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync.bucketing import castable, plan_buckets, stream_order
+from weightsync.change_encoding import ENCODINGS
 from weightsync.cleanup import Backlog
 from weightsync.digests import ALGORITHMS, XXH3_64, for_device
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.engines.base import (
     CLEANUP_TIMEOUT_S,
     AdapterUnloader,
@@ -69,25 +71,16 @@ from weightsync.errors import (
 )
 from weightsync.hosts import is_local_host, is_loopback, local_address_towards, url_host
 from weightsync.integrity import ack_problems, digest
+from weightsync.manifest import MODES, BucketMeta, Manifest, TensorMeta
 from weightsync.modes import ModeOptions, PushMode, Selection, make_mode, make_source
 from weightsync.naming import ExpertLayout, has_fused_experts, rename
 from weightsync.owners import session_owner
 from weightsync.pipeline import Stages, stream_buckets
+from weightsync.reports import Ack, SyncReport
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import TRANSPORTS, make_transport, transport_class
 from weightsync.transports.base import Transport
-from weightsync.types import (
-    ENCODINGS,
-    MODES,
-    Ack,
-    BucketMeta,
-    Manifest,
-    SyncReport,
-    TensorMeta,
-    dtype_from_name,
-    dtype_name,
-)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.change_encoding import Changes, apply_payload, encode, encode_positions
+from weightsync.change_encoding import Changes, apply_payload, encode, encode_positions, encoded_nbytes
 from weightsync.errors import IntegrityError, ManifestError
-from weightsync.types import BucketMeta, Manifest, TensorEntry, encoded_nbytes
+from weightsync.manifest import BucketMeta, Manifest, TensorEntry
 
 
 def _changed(base: torch.Tensor, positions: list[int]) -> torch.Tensor:

@@ -17,9 +17,10 @@ from weightsync.bucketing import pack, plan_buckets
 from weightsync.change_encoding import encode
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, ManifestMismatchError
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.owners import session_owner
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
-from weightsync.types import Ack, Manifest, TensorMeta
+from weightsync.reports import Ack
 
 
 class DictApplier:

@@ -39,12 +39,13 @@ import torch
 from weightsync.bucketing import castable, check_cast
 from weightsync.change_encoding import encode
 from weightsync.digests import WSMIX64, digest
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import EngineError
+from weightsync.manifest import TensorMeta
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, Selection
 from weightsync.modes.sparse_shards import ShardedSnapshot, SnapshotMemory
 from weightsync.sources import ModuleSource, WeightSource
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.types import TensorMeta, dtype_from_name, dtype_name
 
 log = logging.getLogger(__name__)
 
