@@ -110,6 +110,23 @@ def test_matplotlib_and_tqdm_are_the_tools_extra() -> None:
     assert names(project["optional-dependencies"]["tools"]) >= {"matplotlib", "tqdm"}
 
 
+RECORD_MODULES = ("weightsync.manifest", "weightsync.reports", "weightsync.links", "weightsync.dtypes",
+                  "weightsync.change_encoding", "weightsync.errors")
+"""The bottom layer: the records every layer passes (manifest, acks and reports, links,
+dtype names, the encodings of a tensor's bytes in its bucket) and the error types."""
+
+
+def test_the_records_import_only_each_other() -> None:
+    """Every layer imports the records, so they import no weightsync module but each other,
+    not even inside a function (nor the package root, whose `__init__` imports everything)."""
+    found = [f"{path.relative_to(SRC)}: {module}"
+             for record in RECORD_MODULES
+             for path in [SRC.joinpath(*record.split(".")).with_suffix(".py")]
+             for module, _ in _imports(path)
+             if _is_under(module, ("weightsync",)) and not _is_under(module, RECORD_MODULES)]
+    assert not found, found
+
+
 def test_transports_import_neither_engines_nor_server() -> None:
     """Each transport module holds both its ends (trainer and engine side): engines and
     the server import transports, never the other way round, not even inside a function."""
