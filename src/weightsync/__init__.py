@@ -9,7 +9,7 @@ modules that need them.
 """
 
 from weightsync.bucketing import pack, plan_buckets, unpack
-from weightsync.engines.base import Engine, EngineCapabilities
+from weightsync.engines.base import Engine, EngineCapabilities, PausePolicy
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.engines.vllm import VLLMEngine
 from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
@@ -25,20 +25,12 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.lora.export import export_lora_adapter
+from weightsync.manifest import BucketMeta, Manifest, TensorEntry, TensorMeta
 from weightsync.modes import named_weights
 from weightsync.probe import ProbeResult, probe_logprobs
+from weightsync.reports import Ack, StageSeconds, SyncReport
 from weightsync.sources import WeightSource
 from weightsync.sync import SyncConfig, WeightSync
-from weightsync.types import (
-    Ack,
-    BucketMeta,
-    Manifest,
-    PausePolicy,
-    StageSeconds,
-    SyncReport,
-    TensorEntry,
-    TensorMeta,
-)
 
 __all__ = [
     "Ack",

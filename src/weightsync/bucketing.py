@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from weightsync.errors import CastError
-from weightsync.types import BucketMeta, TensorEntry, TensorMeta
+from weightsync.manifest import BucketMeta, TensorEntry, TensorMeta
 
 RUN_MAX_TENSORS = 256
 """Tensors `pack_stream` copies with one call at most (a run)."""
@@ -79,7 +79,7 @@ def entry_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     """
     if not entry.is_dense:
         raise ValueError(f"{entry.hf_name!r} is {entry.encoding}-encoded; read its payload (payload_view) "
-                         "and apply it on top of the base version (weightsync.sparse.apply_payload)")
+                         "and apply it on top of the base version (weightsync.change_encoding.apply_payload)")
     return payload_view(buffer, entry).view(entry.dtype).view(entry.shape)
 
 

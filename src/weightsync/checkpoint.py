@@ -9,7 +9,7 @@ bucket, byte for byte (safetensors allows any back-to-back layout), so writing
 costs no copy and any safetensors reader (SGLang's and vLLM's loaders,
 `safetensors.torch.load_file`) can read it. The bucket digest is kept in the
 file's `__metadata__` and in manifest.json. A sparse entry ("sparse" mode) is
-listed as the 1-d U8 tensor its payload is (`weightsync.sparse`); only weightsync
+listed as the 1-d U8 tensor its payload is (`weightsync.change_encoding`); only weightsync
 engines, which read its encoding from manifest.json, can apply it.
 
 A version directory is written under a temporary name, fsynced and renamed
@@ -30,7 +30,7 @@ import torch
 from weightsync.digests import XXH3_64
 from weightsync.errors import IntegrityError, ManifestError
 from weightsync.integrity import check_bucket, digest
-from weightsync.types import BucketMeta, Manifest, TensorMeta
+from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 
 MANIFEST_FILE = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20

@@ -10,9 +10,9 @@ from torch import nn
 
 from weightsync.errors import WeightSyncError
 from weightsync.modes import PushMode, make_source
+from weightsync.reports import SyncReport
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.types import SyncReport
 
 
 def follow(model: nn.Module | WeightSource, mode: PushMode, ranks: TrainerRanks, *, adapter_name: str | None,

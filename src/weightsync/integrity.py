@@ -18,7 +18,8 @@ from weightsync.digests import XXH3_64, Hasher, hasher
 from weightsync.digests import byte_view as byte_view  # re-exported: callers import them from here
 from weightsync.digests import digest as digest
 from weightsync.errors import IntegrityError, ManifestMismatchError, format_names
-from weightsync.types import Ack, BucketMeta, Manifest, TensorEntry, TensorMeta
+from weightsync.manifest import BucketMeta, Manifest, TensorEntry, TensorMeta
+from weightsync.reports import Ack
 
 
 class BucketHasher:

@@ -24,14 +24,15 @@ import torch
 
 from weightsync.bucketing import pack_stream
 from weightsync.digests import XXH3_64, digest
+from weightsync.manifest import BucketMeta
+from weightsync.reports import StageSeconds
 from weightsync.sources import WeightSource
 from weightsync.transports.base import NUM_SLOTS
-from weightsync.types import BucketMeta, StageSeconds
 
 
 @dataclass
 class Stages:
-    """Seconds spent per stage of one push (see `types.StageSeconds`)."""
+    """Seconds spent per stage of one push (see `reports.StageSeconds`)."""
 
     gather: float = 0.0
     pack: float = 0.0

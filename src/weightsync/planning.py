@@ -15,16 +15,17 @@ import torch
 from torch import nn
 
 from weightsync.bucketing import castable, plan_buckets, stream_order
+from weightsync.dtypes import dtype_name
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import CastError
 from weightsync.integrity import digest
+from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.modes import Selection
 from weightsync.naming import ExpertLayout, has_fused_experts, rename
 from weightsync.pipeline import Stages
 from weightsync.replicas import Replicas
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.types import BucketMeta, Manifest, TensorMeta, dtype_name
 
 
 def sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:

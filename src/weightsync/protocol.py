@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from weightsync.links import Delivery, Link
+from weightsync.manifest import Manifest
 from weightsync.transports import parse_link
-from weightsync.types import Delivery, Link, Manifest
 
 
 def _optional(body: Mapping[str, Any], key: str, kind: type, what: str) -> Any:

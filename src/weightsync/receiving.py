@@ -4,7 +4,7 @@
 `commit` or `abort`: who holds the engine (`weightsync.sessions`), whether a
 version may follow the served one, the dry run of the manifest, the checks of
 every bucket that arrives (index, size, digest), the staging of its tensors,
-"every tensor arrived" at commit, and the ack (`types.Ack`, sent on the wire
+"every tensor arrived" at commit, and the ack (`reports.Ack`, sent on the wire
 as `Ack.to_wire()`). It moves no bytes (transports deliver buffers to it) and
 changes no weight: what an engine does with a checked update goes through its
 `Applier` (the embedded engine swaps bucket-buffer views in between two
@@ -21,7 +21,7 @@ malformed request (`ManifestError` for a digest algorithm this side does not
 compute). A refused or aborted update leaves the served weights as
 they were.
 
-"sparse" updates (`weightsync.sparse`) are rebuilt here at commit, before the
+"sparse" updates (`weightsync.change_encoding`) are rebuilt here at commit, before the
 applier sees them: each sparse payload is applied to a copy of the served tensor
 (the applier's `SparseBase.base_tensor`), then every touched tensor is digested
 WHOLE and compared with the manifest's `tensor_digest`; a mismatch refuses the
@@ -45,13 +45,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from weightsync.bucketing import bucket_views
+from weightsync.change_encoding import apply_payload
 from weightsync.digests import ALGORITHMS
 from weightsync.digests import digest as digest_of
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
 from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
+from weightsync.manifest import PARTIAL_MODES, BucketMeta, Manifest, TensorMeta
+from weightsync.reports import Ack
 from weightsync.sessions import Holder, SessionBusyError, take_over
-from weightsync.sparse import apply_payload
-from weightsync.types import PARTIAL_MODES, Ack, BucketMeta, Manifest, TensorMeta
 
 log = logging.getLogger(__name__)
 

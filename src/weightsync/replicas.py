@@ -37,10 +37,12 @@ from weightsync.engines.base import (
 from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
 from weightsync.hosts import check_reachable
 from weightsync.integrity import ack_problems, digest_checked
+from weightsync.links import Delivery
+from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import ExpertLayout
+from weightsync.reports import Ack
 from weightsync.transports import same_host_only
 from weightsync.transports.base import Transport
-from weightsync.types import Ack, BucketMeta, Delivery, Manifest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -44,22 +44,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weightsync.change_encoding import ENCODINGS
 from weightsync.digests import ALGORITHMS, COMBINABLE, for_device
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.followers import follow
 from weightsync.integrity import digest_checked
+from weightsync.manifest import MODES, BucketMeta, Manifest
 from weightsync.modes import ModeOptions, PushMode, make_mode
 from weightsync.naming import ExpertLayout
 from weightsync.owners import session_owner
 from weightsync.pipeline import Stages, stream_buckets
 from weightsync.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, expert_layout, sent_dtype
 from weightsync.replicas import Replicas
+from weightsync.reports import Ack, SyncReport
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import TRANSPORTS, make_transport
 from weightsync.transports.base import Transport
-from weightsync.types import ENCODINGS, MODES, Ack, BucketMeta, Manifest, SyncReport, dtype_from_name, dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import weightsync as ws
 from weightsync.bucketing import pack_stream, plan_buckets, stream_order
 from weightsync.engines.base import DigestReader
 from weightsync.integrity import digest
-from weightsync.types import TensorMeta
+from weightsync.manifest import TensorMeta
 
 BUCKET_BYTES = 256 << 10
 BF16_MAX_GAP = 0.5

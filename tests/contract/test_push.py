@@ -29,10 +29,10 @@ import weightsync as ws
 from weightsync.bucketing import plan_buckets
 from weightsync.errors import EngineError
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest
 from weightsync.naming import map_names
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.sources import ModuleSource
-from weightsync.types import Manifest
 
 BUCKET_BYTES = 200 << 10  # several buckets for the ~1.7 MB tiny model
 TIMEOUT_S = 30.0

@@ -30,10 +30,10 @@ from engine_matrix import EMBEDDED, KINDS_BY_NAME, VLLM, EnginePool, engine_para
 
 import weightsync as ws
 import weightsync.modes.sparse as sparse_mode
+from weightsync.change_encoding import Encoded
 from weightsync.errors import EngineError
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
-from weightsync.sparse import Encoded
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 
 BUCKET_BYTES = 64 << 10

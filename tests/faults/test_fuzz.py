@@ -225,7 +225,8 @@ def ctx(admin: httpx.Client, keyed_root: Path, fault_model: Path) -> dict[str, A
     import socket
 
     from weightsync.bucketing import plan_buckets
-    from weightsync.types import Manifest, TensorMeta, dtype_from_name
+    from weightsync.dtypes import dtype_from_name
+    from weightsync.manifest import Manifest, TensorMeta
 
     params = admin.get("/weightsync/info").json()["params"]
     metas = [TensorMeta(hf_name=n, dtype=dtype_from_name(p["dtype"]), shape=tuple(p["shape"]))

@@ -252,7 +252,8 @@ def test_lora_paths_are_confined_to_the_disk_root(admin: httpx.Client, keyed_roo
 def test_shm_names_are_confined_to_the_weightsync_namespace(admin: httpx.Client) -> None:
     info = admin.get("/weightsync/info").json()
     from weightsync.bucketing import plan_buckets
-    from weightsync.types import Manifest, TensorMeta, dtype_from_name
+    from weightsync.dtypes import dtype_from_name
+    from weightsync.manifest import Manifest, TensorMeta
 
     metas = [TensorMeta(hf_name=n, dtype=dtype_from_name(p["dtype"]), shape=tuple(p["shape"]))
              for n, p in info["params"].items()]
@@ -310,7 +311,8 @@ def test_oversized_manifest_and_bucket_header_on_disk_are_refused(admin: httpx.C
     info = admin.get("/weightsync/info").json()
     from weightsync.bucketing import plan_buckets
     from weightsync.checkpoint import write_manifest
-    from weightsync.types import Manifest, TensorMeta, dtype_from_name
+    from weightsync.dtypes import dtype_from_name
+    from weightsync.manifest import Manifest, TensorMeta
 
     metas = [TensorMeta(hf_name=n, dtype=dtype_from_name(p["dtype"]), shape=tuple(p["shape"]))
              for n, p in info["params"].items()]

@@ -35,8 +35,9 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
 from weightsync.integrity import digest
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta
 from weightsync.transports import make_receiver
-from weightsync.types import BucketMeta, Delivery, Link
 
 
 def trainer_weights(model_dir: str, step: int) -> dict[str, torch.Tensor]:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from weightsync.manifest import TensorMeta
 from weightsync.sources import ModuleSource
 from weightsync.tiny import TinyModelConfig, make_tiny_model
-from weightsync.types import TensorMeta
 
 
 def make_moe_dir(root: Path, arch: str, dtype: str = "float32") -> Path:

@@ -32,8 +32,8 @@ from sglang_wheel import b64
 from test_server_lora import make_adapter
 from test_server_torn_updates import PROMPT, halves
 
+from weightsync.dtypes import dtype_name
 from weightsync.integrity import digest
-from weightsync.types import dtype_name
 
 pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 

@@ -30,8 +30,8 @@ from weightsync.bucketing import pack, plan_buckets
 from weightsync.checkpoint import publish, write_bucket, write_manifest
 from weightsync.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.server import ServerProcess, launch_server
-from weightsync.types import Manifest, TensorMeta
 from weightsync.wire import FrameHeader, encode_prefix
 from widened_model import make_widened_tiny_model as make_widened_tiny_model
 from widened_model import widen_weights as widen_weights

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from weightsync.dtypes import dtype_name
 from weightsync.groups import UpdateGroup
 from weightsync.integrity import digest
-from weightsync.types import dtype_name
 
 pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from weightsync.dtypes import dtype_name
 from weightsync.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.integrity import digest
 from weightsync.shmem import SharedSlots
-from weightsync.types import dtype_name
 
 pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
 

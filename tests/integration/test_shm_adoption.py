@@ -18,12 +18,13 @@ from transformers import AutoModelForCausalLM
 import weightsync as ws
 from weightsync.errors import EngineError
 from weightsync.integrity import digest
+from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import map_names
+from weightsync.reports import Ack
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 from weightsync.transports.base import typed
 from weightsync.transports.shm import ShmLink, ShmTransport
-from weightsync.types import Ack, BucketMeta, Manifest
 from weightsync_tools.faults import faulty
 from weightsync_tools.faults.inject import fail_in_commit_round
 

@@ -96,8 +96,8 @@ def test_full_push_matches_transformers(engine: VLLMEngine, model_dir: Path, tmp
 def test_ready_names_a_rank_without_the_open_update(engine: VLLMEngine, tmp_path: Path) -> None:
     """The round before the commit round of several replicas (`Engine.ready`) asks every rank."""
     from weightsync.errors import EngineError
+    from weightsync.manifest import Manifest
     from weightsync.transports.disk import DiskLink
-    from weightsync.types import Manifest
 
     with pytest.raises(EngineError, match=r"update v12345 is no longer open on rank 0 \(open: None\)"):
         engine.ready(Manifest(version=12345, mode="full", buckets=()),

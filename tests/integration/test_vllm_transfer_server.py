@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 import weightsync as ws
 from weightsync.engines.vllm_launch import VLLMServer
 from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
-from weightsync.types import SyncReport
+from weightsync.reports import SyncReport
 from weightsync_tools import faults
 
 vf.require_vllm()

@@ -19,8 +19,9 @@ from vllm_support import ENGINE_ARGS as ENGINE_ARGS
 from vllm_support import LOGPROB_TOLERANCE as LOGPROB_TOLERANCE
 from vllm_support import require_vllm as require_vllm
 from vllm_support import server_args as server_args
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta
 from weightsync.shmem import SharedSlots
-from weightsync.types import BucketMeta, Delivery, Link
 from widened_model import make_widened_tiny_model
 
 PROMPTS: tuple[tuple[int, ...], ...] = ((5, 6, 7, 8), (100, 200, 300), (42, 42, 42, 42, 42, 42), (17,))

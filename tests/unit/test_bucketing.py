@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from weightsync.bucketing import pack, pack_stream, plan_buckets, stream_order, unpack
 from weightsync.integrity import byte_view
-from weightsync.types import TensorMeta
+from weightsync.manifest import TensorMeta
 
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16,

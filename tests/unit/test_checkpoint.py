@@ -23,7 +23,7 @@ from weightsync.checkpoint import (
 )
 from weightsync.errors import IntegrityError
 from weightsync.integrity import digest
-from weightsync.types import Manifest, TensorMeta
+from weightsync.manifest import Manifest, TensorMeta
 
 TENSORS = {
     "model.embed.weight": torch.randn(6, 4),

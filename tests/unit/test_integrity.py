@@ -16,7 +16,8 @@ from weightsync.integrity import (
     check_manifest_fits,
     digest,
 )
-from weightsync.types import Ack, Manifest, TensorMeta
+from weightsync.manifest import Manifest, TensorMeta
+from weightsync.reports import Ack
 
 
 def test_digest_is_xxh3_64_of_the_raw_bytes_without_copying() -> None:

@@ -110,6 +110,23 @@ def test_matplotlib_and_tqdm_are_the_tools_extra() -> None:
     assert names(project["optional-dependencies"]["tools"]) >= {"matplotlib", "tqdm"}
 
 
+RECORD_MODULES = ("weightsync.manifest", "weightsync.reports", "weightsync.links", "weightsync.dtypes",
+                  "weightsync.change_encoding", "weightsync.errors")
+"""The bottom layer: the records every layer passes (manifest, acks and reports, links,
+dtype names, the encodings of a tensor's bytes in its bucket) and the error types."""
+
+
+def test_the_records_import_only_each_other() -> None:
+    """Every layer imports the records, so they import no weightsync module but each other,
+    not even inside a function (nor the package root, whose `__init__` imports everything)."""
+    found = [f"{path.relative_to(SRC)}: {module}"
+             for record in RECORD_MODULES
+             for path in [SRC.joinpath(*record.split(".")).with_suffix(".py")]
+             for module, _ in _imports(path)
+             if _is_under(module, ("weightsync",)) and not _is_under(module, RECORD_MODULES)]
+    assert not found, found
+
+
 def test_transports_import_neither_engines_nor_server() -> None:
     """Each transport module holds both its ends (trainer and engine side): engines and
     the server import transports, never the other way round, not even inside a function."""
@@ -203,15 +220,16 @@ def test_the_coordinator_reads_declared_capabilities_only() -> None:
     (`EngineCapabilities`, `Transport.same_host_only`, `PushMode.digests_from_parts`, ...): it
     never probes with `getattr`/`hasattr`, and never compares a value with a mode's or a
     transport's name."""
+    from weightsync.manifest import MODES
     from weightsync.transports import TRANSPORTS
-    from weightsync.types import MODES
 
     names = {*TRANSPORTS, *MODES}
     found = []
     for filename in COORDINATOR:
         path = PACKAGE / filename
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            probe = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            if probe and node.func.id in ("getattr", "hasattr"):
                 found.append(f"{filename}:{node.lineno}: {node.func.id}(...)")
             if isinstance(node, ast.Compare):
                 for operand in (node.left, *node.comparators):

@@ -16,9 +16,9 @@ import torch
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import IntegrityError
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.transports import TRANSPORTS, make_receiver, make_transport, receiver_class
 from weightsync.transports.base import Joined
-from weightsync.types import Manifest, TensorMeta
 
 TENSORS = {
     "a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),

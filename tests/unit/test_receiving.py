@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from weightsync.bucketing import pack, plan_buckets
+from weightsync.change_encoding import encode
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, ManifestMismatchError
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.owners import session_owner
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
-from weightsync.sparse import encode
-from weightsync.types import Ack, Manifest, TensorMeta
+from weightsync.reports import Ack
 
 
 class DictApplier:
@@ -313,7 +314,7 @@ class SparseDictApplier(DictApplier):
 
 def sparse_update(new: dict[str, torch.Tensor], base: dict[str, torch.Tensor], version: int, *,
                   base_version: int = 3, lie_about: str | None = None) -> tuple[Manifest, list[torch.Tensor]]:
-    """A "sparse" update from `base` to `new`, every tensor encoded as `sparse.encode` picks;
+    """A "sparse" update from `base` to `new`, every tensor encoded as `change_encoding.encode` picks;
     `lie_about`: that tensor's whole-tensor digest is announced wrong (the payload is right)."""
     metas, tensors = [], {}
     for name, tensor in new.items():

@@ -22,7 +22,7 @@ from torch import nn
 
 import weightsync as ws
 from weightsync.checkpoint import read_version
-from weightsync.engines.base import EngineCapabilities
+from weightsync.engines.base import EngineCapabilities, PausePolicy
 from weightsync.errors import (
     ConflictError,
     EngineError,
@@ -31,9 +31,11 @@ from weightsync.errors import (
     SyncTimeoutError,
 )
 from weightsync.integrity import digest
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.receiving import OpenUpdate, UpdateSession
+from weightsync.reports import Ack
 from weightsync.shmem import SharedSlots
-from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest, PausePolicy, TensorMeta
 
 
 class MemoryEngine:

@@ -69,11 +69,11 @@ def test_weightsync_takes_a_transport_object(tmp_path: Path) -> None:
 
 
 def test_each_transport_has_its_own_typed_link_that_round_trips(tmp_path: Path) -> None:
+    from weightsync.links import Link
     from weightsync.transports import parse_link
     from weightsync.transports.broadcast import BroadcastLink
     from weightsync.transports.disk import DiskLink
     from weightsync.transports.shm import ShmLink
-    from weightsync.types import Link
 
     links = [Link(transport="http", timeout_s=5.0), DiskLink(transport="disk", root=str(tmp_path)),
              ShmLink(transport="shm", shm_name="weightsync-x", slot_bytes=64, num_slots=2),

@@ -8,16 +8,10 @@ import pytest
 import torch
 
 from weightsync.bucketing import plan_buckets
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import ManifestError
-from weightsync.types import (
-    Ack,
-    Manifest,
-    StageSeconds,
-    SyncReport,
-    TensorMeta,
-    dtype_from_name,
-    dtype_name,
-)
+from weightsync.manifest import Manifest, TensorMeta
+from weightsync.reports import Ack, StageSeconds, SyncReport
 
 GOLDEN_MANIFEST = (
     '{"base_version":null,"buckets":[{"digest":"0123456789abcdef","index":0,"nbytes":26,'

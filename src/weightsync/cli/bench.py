@@ -28,8 +28,8 @@ from typing import Any
 
 from weightsync.cli.inspect import parse_bytes
 from weightsync.cli.tools import tools_installed
+from weightsync.manifest import MODES
 from weightsync.transports import TRANSPORTS
-from weightsync.types import MODES
 
 EPILOG = """examples:
   weightsync bench --quick                          # about a minute: 64 MiB models, one bucket size

@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 
 from weightsync.cli.tools import tools_installed
+from weightsync.manifest import MODES
 from weightsync.transports import TRANSPORTS
-from weightsync.types import MODES
 
 EPILOG = """examples:
   weightsync demo                                  # LoRA tensors over HTTP to the embedded engine

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     from weightsync.bucketing import plan_buckets
     from weightsync.checkpoint import read_checkpoint_metas
-    from weightsync.types import Manifest
+    from weightsync.manifest import Manifest
 
     directory = Path(args.dir)
     try:

@@ -19,28 +19,23 @@ whatever the engine client was built with: verbs that take a `Link` use
 `timeout_s` applies only to calls a user makes directly (generate, info).
 
 Engines never import transports; what a transport tells an engine travels in
-the plain `Link` and `Delivery` records of `weightsync.types`.
+the plain `Link` and `Delivery` records of `weightsync.links`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from weightsync.dtypes import dtype_from_name, dtype_name
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import EXPERT_LAYOUTS, ExpertLayout
-from weightsync.types import (
-    Ack,
-    BucketMeta,
-    Delivery,
-    Link,
-    Manifest,
-    PausePolicy,
-    dtype_from_name,
-    dtype_name,
-)
+from weightsync.reports import Ack
 
 __all__ = ["CLEANUP_TIMEOUT_S", "AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine",
            "EngineCapabilities", "Link", "PausePolicy"]
@@ -50,6 +45,47 @@ CLEANUP_TIMEOUT_S = 10.0
 never more than the push's `timeout_s`: the coordinator's cleanup rounds together, and each
 engine client's abort and teardown call. They run after a failure, often against a peer
 that already stopped answering."""
+
+
+class PausePolicy(StrEnum):
+    """What happens to in-flight requests while weights change.
+
+    One policy maps onto both engines' own modes:
+
+    | policy   | SGLang `pause_generation` | vLLM `/pause?mode=` |
+    |----------|---------------------------|---------------------|
+    | none     | (no pause)                | (no pause)          |
+    | abort    | abort                     | abort               |
+    | retract  | retract                   | wait                |
+    | in_place | in_place                  | keep                |
+
+    retract/wait never lose a request; in_place/keep keep the KV cache too.
+    """
+
+    NONE = "none"
+    ABORT = "abort"
+    RETRACT = "retract"
+    IN_PLACE = "in_place"
+
+    @property
+    def sglang_mode(self) -> str | None:
+        return None if self is PausePolicy.NONE else self.value
+
+    @property
+    def vllm_mode(self) -> str | None:
+        return {
+            PausePolicy.NONE: None,
+            PausePolicy.ABORT: "abort",
+            PausePolicy.RETRACT: "wait",
+            PausePolicy.IN_PLACE: "keep",
+        }[self]
+
+    @classmethod
+    def parse(cls, value: str | PausePolicy) -> PausePolicy:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown pause policy {value!r}; one of {[p.value for p in cls]}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,10 +206,14 @@ class Engine(Protocol):
     """Transports this engine can receive a LoRA adapter over ("disk" = PEFT directory)."""
     label: str
     """How the engine is named in reports and errors (its URL)."""
-    url: str | None
-    """Where the engine answers (None: in the trainer's process)."""
-    transports_note: str | None
-    """Why `transports` leaves some out, for the error that refuses one (None: nothing to say)."""
+
+    @property
+    def url(self) -> str | None:
+        """Where the engine answers (None: in the trainer's process)."""
+
+    @property
+    def transports_note(self) -> str | None:
+        """Why `transports` leaves some out, for the error that refuses one (None: nothing to say)."""
 
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
         """What the engine can do; may ask the engine (within `timeout_s`)."""

@@ -32,10 +32,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
+from weightsync.dtypes import dtype_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient, decode
 from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import byte_view
+from weightsync.manifest import BucketMeta, Manifest
 from weightsync.protocol import (
     BUCKET_ROUTE,
     INFO_ROUTE,
@@ -47,9 +49,9 @@ from weightsync.protocol import (
     RollbackRequest,
     WeightsyncRequest,
 )
+from weightsync.reports import Ack
 from weightsync.transports import TRANSPORTS, receiver_class
 from weightsync.transports.base import typed
-from weightsync.types import Ack, BucketMeta, Manifest, dtype_name
 from weightsync.wire import FrameHeader, encode_prefix
 
 log = logging.getLogger(__name__)

@@ -70,6 +70,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from weightsync.dtypes import dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient
 from weightsync.engines.vllm_worker import EXTENSION
@@ -82,8 +83,9 @@ from weightsync.errors import (
     SyncTimeoutError,
     WeightSyncError,
 )
+from weightsync.manifest import BucketMeta, Manifest
+from weightsync.reports import Ack
 from weightsync.transports import TRANSPORTS, receiver_class
-from weightsync.types import Ack, BucketMeta, Manifest, dtype_from_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -33,7 +33,8 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from weightsync.engines.vllm_plugin import BACKEND, register
 from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
-from weightsync.types import SyncReport, TensorMeta
+from weightsync.manifest import TensorMeta
+from weightsync.reports import SyncReport
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ from weightsync.engines.vllm_acks import AnswerWriter
 from weightsync.engines.vllm_plugin import BACKEND
 from weightsync.engines.vllm_worker import WorkerSync, error_payload
 from weightsync.errors import ConflictError, EngineError, IntegrityError, ManifestMismatchError, format_names
-from weightsync.types import Manifest
+from weightsync.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

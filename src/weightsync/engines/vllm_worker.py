@@ -72,6 +72,7 @@ from typing import Any
 import torch
 
 from weightsync.checkpoint import read_checkpoint_metas
+from weightsync.dtypes import dtype_name
 from weightsync.engines.vllm_reload import (
     PACKED_MODULES,
     fused_groups,
@@ -87,9 +88,10 @@ from weightsync.errors import (
     WeightSyncError,
     format_names,
 )
+from weightsync.links import Delivery, Link
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
 from weightsync.transports import Receiver, make_receiver, parse_link
-from weightsync.types import Delivery, Link, Manifest, TensorMeta, dtype_name
 
 log = logging.getLogger(__name__)
 

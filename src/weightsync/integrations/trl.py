@@ -52,9 +52,10 @@ from torch import nn
 
 from weightsync.engines.base import Engine
 from weightsync.errors import IntegrityError, WeightSyncError
+from weightsync.manifest import TensorMeta
+from weightsync.reports import SyncReport
 from weightsync.sync import WeightSync
 from weightsync.transports.base import Transport
-from weightsync.types import SyncReport, TensorMeta
 
 log = logging.getLogger(__name__)
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
+from weightsync.dtypes import dtype_from_name
 from weightsync.groups import UpdateGroup, finish_hosting, host_group, join_group
 from weightsync.integrations.verl_channel import VerdictBoard
 from weightsync.integrations.verl_update import (
@@ -52,7 +53,6 @@ from weightsync.integrations.verl_update import (
 )
 from weightsync.transports import make_receiver, make_transport, parse_link
 from weightsync.transports.base import Receiver
-from weightsync.types import dtype_from_name
 
 BACKEND = "weightsync"
 """The name verl's `checkpoint_engine.backend` selects."""

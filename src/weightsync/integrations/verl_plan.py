@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from weightsync.bucketing import layout_bucket
-from weightsync.types import BucketMeta, TensorMeta
+from weightsync.manifest import BucketMeta, TensorMeta
 
 
 class StreamPlan:

@@ -34,9 +34,11 @@ from weightsync.groups import UpdateGroup
 from weightsync.integrations.verl_channel import Channel, VerdictBoard
 from weightsync.integrations.verl_plan import StreamPlan
 from weightsync.integrity import ack_problems, check_bucket
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta, Manifest
 from weightsync.pipeline import Stages, stream_buckets
+from weightsync.reports import Ack
 from weightsync.transports.base import Receiver, Transport
-from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest
 
 log = logging.getLogger(__name__)
 

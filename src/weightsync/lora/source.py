@@ -40,9 +40,9 @@ from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from weightsync.lora.merge import merge_bias, merge_embedding, merge_linear
+from weightsync.manifest import TensorMeta
 from weightsync.naming import AdapterLayer, ExpertLayout, ModelNames, map_names
 from weightsync.sources.fsdp import full_tensor, global_shape
-from weightsync.types import TensorMeta
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
     sparse       only the elements that changed, whole-tensor digests acked (modes/sparse.py)
 
 To add a mode: a module with a `PushMode` class, a line in `_MODES` below, and
-its name in `weightsync.types.MODES` (the manifest's mode field).
+its name in `weightsync.manifest.MODES` (the manifest's mode field).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from weightsync.manifest import MODES
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
 from weightsync.naming import ExpertLayout
 from weightsync.sources import WeightSource
-from weightsync.types import MODES
 
 _MODES: dict[str, str] = {
     "full": "weightsync.modes.full:FullMode",

@@ -32,11 +32,11 @@ from torch import nn
 
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import EngineError, WeightSyncError
+from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertLayout
 from weightsync.pipeline import Stages
 from weightsync.sources import ModuleSource, WeightSource, as_source
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.types import TensorMeta
 
 
 @dataclass(frozen=True, kw_only=True)

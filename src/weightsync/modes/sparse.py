@@ -11,7 +11,7 @@ memory stays free, the diff runs on the CPU).
 
 Each push reads the model once, casts every tensor, compares it bitwise with the
 snapshot and encodes each changed tensor in the cheapest of positions, bitmap or
-dense (`weightsync.sparse`); unchanged tensors are left out. The cast tensors
+dense (`weightsync.change_encoding`); unchanged tensors are left out. The cast tensors
 are written into the snapshot once compared (no second copy), and the pipeline
 streams the payloads (or, for a full push, the cast tensors) from here instead of
 reading the model again. Every sent tensor carries the digest of its whole cast
@@ -37,14 +37,15 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.bucketing import castable, check_cast
+from weightsync.change_encoding import encode
 from weightsync.digests import WSMIX64, digest
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import EngineError
+from weightsync.manifest import TensorMeta
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
 from weightsync.modes.sparse_shards import ShardedSnapshot, SnapshotMemory
 from weightsync.sources import ModuleSource, WeightSource
-from weightsync.sparse import encode
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.types import TensorMeta, dtype_from_name, dtype_name
 
 log = logging.getLogger(__name__)
 

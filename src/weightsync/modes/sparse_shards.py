@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 
 from weightsync.bucketing import castable, check_cast
+from weightsync.change_encoding import INT_OF_SIZE, Changes, encode_positions, smallest_encoding
 from weightsync.digests import MASK64, Wsmix64Part, combine_wsmix64, wsmix64_part
+from weightsync.dtypes import dtype_name
 from weightsync.errors import CastError
+from weightsync.manifest import TensorMeta
 from weightsync.sources.fsdp import local_shard
 from weightsync.sources.module import ModuleSource
-from weightsync.sparse import INT_OF_SIZE, Changes, encode_positions, smallest_encoding
 from weightsync.trainer_ranks import TrainerRanks
-from weightsync.types import TensorMeta, dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ManifestError
 from weightsync.groups import UpdateGroup
+from weightsync.manifest import TensorEntry
 from weightsync.server.unpickle import LocalSerializedTensor, safe_loads
-from weightsync.types import TensorEntry, dtype_from_name
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20

@@ -38,8 +38,8 @@ from torch import nn
 from weightsync.bucketing import layout_bucket
 from weightsync.errors import ManifestMismatchError, SyncTimeoutError
 from weightsync.integrity import check_manifest_fits
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.server.errors import ConflictError, NotFoundError
-from weightsync.types import Manifest, TensorMeta
 
 log = logging.getLogger(__name__)
 

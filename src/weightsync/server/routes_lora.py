@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from weightsync.errors import IntegrityError, format_names
+from weightsync.manifest import Manifest
 from weightsync.server import ingest, lora
 from weightsync.server.http import (
     HTTPError,
@@ -21,7 +22,6 @@ from weightsync.server.http import (
 )
 from weightsync.server.routes_updates import confined_dir
 from weightsync.server.state import ServerState
-from weightsync.types import Manifest
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -117,7 +117,7 @@ def _stage_into_session(state: ServerState, name: str, config: dict[str, Any],
 
 def _check_shapes_first(state: ServerState, name: str, config: dict[str, Any], tensors: dict[str, Any]) -> None:
     """Shapes against the model before any hashing (a hostile shape must not cost memory)."""
-    from weightsync.types import TensorMeta
+    from weightsync.manifest import TensorMeta
 
     lora.check_adapter(state.runner.model, lora.parse_config(config),
                        {n: TensorMeta.of(n, t) for n, t in tensors.items()}, lora_name=name)

@@ -22,9 +22,12 @@ from starlette.requests import ClientDisconnect
 from weightsync.bucketing import pack_one
 from weightsync.checkpoint import MANIFEST_FILE, confine, read_manifest
 from weightsync.digests import bytes_tensor, copy_hashed
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
+from weightsync.links import Delivery, Link
+from weightsync.manifest import TensorEntry, TensorMeta
 from weightsync.protocol import (
     BUCKET_ROUTE,
     INFO_ROUTE,
@@ -36,6 +39,7 @@ from weightsync.protocol import (
     RollbackRequest,
     ShmBucketRequest,
 )
+from weightsync.reports import Ack
 from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
 from weightsync.server.experts import read_checkpoint_version
@@ -57,15 +61,6 @@ from weightsync.server.updates import StageResult
 from weightsync.transports import TRANSPORTS
 from weightsync.transports.base import Receiver
 from weightsync.transports.shm import ShmLink, ShmTransport
-from weightsync.types import (
-    Ack,
-    Delivery,
-    Link,
-    TensorEntry,
-    TensorMeta,
-    dtype_from_name,
-    dtype_name,
-)
 from weightsync.wire import MAX_HEADER_BYTES, decode_frame
 
 FRAME_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES

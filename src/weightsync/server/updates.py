@@ -56,6 +56,7 @@ from weightsync.bucketing import pack_one
 from weightsync.checkpoint import read_version
 from weightsync.errors import ConflictError, format_names
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.naming import map_names
 from weightsync.receiving import (
     NamedTensors,
@@ -65,6 +66,7 @@ from weightsync.receiving import (
     check_named,
     copies,
 )
+from weightsync.reports import Ack
 from weightsync.server import lora
 from weightsync.server.buffers import BufferPool
 from weightsync.server.coverage import Coverage, CoverageState
@@ -72,7 +74,6 @@ from weightsync.server.errors import NotFoundError
 from weightsync.server.experts import ExpertFuser
 from weightsync.server.requests import ServedVersion
 from weightsync.sessions import Holder, SessionBusyError, take_over
-from weightsync.types import Ack, Manifest, TensorMeta
 
 log = logging.getLogger(__name__)
 

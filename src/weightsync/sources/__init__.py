@@ -14,8 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from weightsync.manifest import TensorMeta
 from weightsync.sources.module import ModuleSource
-from weightsync.types import TensorMeta
 
 
 @runtime_checkable

@@ -14,9 +14,9 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 from torch import nn
 
+from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertLayout, ParamName, map_names
 from weightsync.sources.fsdp import full_tensor, global_shape, is_dtensor
-from weightsync.types import TensorMeta
 
 
 class ModuleSource:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.links import Link
 from weightsync.transports.base import Receiver, Transport
-from weightsync.types import Link
 
 if TYPE_CHECKING:
     from weightsync.transports.broadcast import BroadcastTransport

@@ -34,7 +34,9 @@ from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta, Manifest
+from weightsync.reports import Ack
 
 NUM_SLOTS = 2
 T = TypeVar("T")

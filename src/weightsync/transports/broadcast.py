@@ -19,6 +19,8 @@ from typing import ClassVar
 import torch
 
 from weightsync.groups import UpdateGroup, finish_hosting, host_group, join_group
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta
 from weightsync.transports.base import (
     Joined,
     Receiver,
@@ -27,7 +29,6 @@ from weightsync.transports.base import (
     TransportDefaults,
     typed,
 )
-from weightsync.types import BucketMeta, Delivery, Link
 
 
 @dataclass(frozen=True, kw_only=True)

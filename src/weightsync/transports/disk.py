@@ -30,9 +30,11 @@ import torch
 
 from weightsync.checkpoint import publish, read_version, write_bucket, write_manifest
 from weightsync.errors import IntegrityError, WeightSyncError
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta, Manifest
 from weightsync.owners import TAG_PATTERN, orphans, owner_tag
+from weightsync.reports import Ack
 from weightsync.transports.base import Receiver, ReceiverDefaults, SlotBuffers, typed
-from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from weightsync.integrity import byte_view
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta
 from weightsync.transports.base import Receiver, ReceiverDefaults, SlotBuffers, TransportDefaults
-from weightsync.types import BucketMeta, Delivery, Link
 
 
 class HttpReceiver(ReceiverDefaults):

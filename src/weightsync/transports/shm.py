@@ -41,6 +41,9 @@ from typing import ClassVar
 import torch
 
 from weightsync.digests import copy_hashed
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta, Manifest
+from weightsync.reports import Ack
 from weightsync.shmem import SharedSlots
 from weightsync.transports.base import (
     NUM_SLOTS,
@@ -50,7 +53,6 @@ from weightsync.transports.base import (
     TransportDefaults,
     typed,
 )
-from weightsync.types import Ack, BucketMeta, Delivery, Link, Manifest
 
 
 class ShmReceiver(ReceiverDefaults):

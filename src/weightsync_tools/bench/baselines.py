@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightsync.dtypes import dtype_name
 from weightsync.engines.http import JsonClient
 from weightsync.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.modes import named_weights
-from weightsync.types import dtype_name
 
 BASELINES = ("per-tensor-broadcast", "per-tensor-http", "checkpoint-reload")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.errors import WeightSyncError
-from weightsync.types import MODES as ALL_MODES
+from weightsync.manifest import MODES as ALL_MODES
 from weightsync_tools.bench.engines import RunningEngine
 
 log = logging.getLogger(__name__)

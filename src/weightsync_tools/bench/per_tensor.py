@@ -161,8 +161,8 @@ def trainer_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: 
 
     from weightsync.bucketing import pack_stream, plan_buckets, stream_order
     from weightsync.digests import digest
+    from weightsync.manifest import Manifest
     from weightsync.modes import make_mode
-    from weightsync.types import Manifest
 
     mode = make_mode("full")
     slots: dict[int, torch.Tensor] = {}
@@ -205,10 +205,10 @@ def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: i
 
     from weightsync.bucketing import pack_stream, plan_buckets, stream_order
     from weightsync.digests import digest
+    from weightsync.manifest import Manifest
     from weightsync.modes import make_mode
     from weightsync.protocol import BeginRequest
     from weightsync.server.updates import WeightUpdater
-    from weightsync.types import Manifest
 
     updater = WeightUpdater(copy.deepcopy(model), version=0, between_steps=contextlib.nullcontext,
                             session_timeout_s=300.0)

@@ -31,11 +31,12 @@ from weightsync.checkpoint import bucket_file_name
 from weightsync.engines.base import Delivery, Link
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.errors import WeightSyncError
+from weightsync.manifest import BucketMeta, Manifest
+from weightsync.reports import Ack
 from weightsync.sync import WeightSync
 from weightsync.transports import make_transport
 from weightsync.transports.base import Transport, typed
 from weightsync.transports.shm import ShmLink
-from weightsync.types import Ack, BucketMeta, Manifest
 from weightsync.wire import FrameHeader, encode_prefix
 from weightsync_tools.faults.rig import DictSource
 

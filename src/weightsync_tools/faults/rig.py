@@ -26,11 +26,11 @@ from weightsync.checkpoint import MANIFEST_FILE, bucket_file_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.sync import WeightSync
 from weightsync.transports import make_transport
 from weightsync.transports.base import Transport
-from weightsync.types import Manifest, TensorMeta
 
 POLICIES = ("none", "abort", "retract", "in_place")
 BUCKET_BYTES = 64 << 10

@@ -17,9 +17,9 @@ from torch import nn
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import ConflictError
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.server.buffers import BufferPool
 from weightsync.server.updates import WeightUpdater
-from weightsync.types import Manifest, TensorMeta
 
 
 def test_take_reuses_only_returned_buffers_of_the_same_size() -> None:

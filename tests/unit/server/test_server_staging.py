@@ -14,10 +14,10 @@ from torch import nn
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import IntegrityError, ManifestMismatchError
 from weightsync.integrity import digest
+from weightsync.manifest import Manifest, TensorMeta
 from weightsync.server.errors import ConflictError
 from weightsync.server.requests import ServedVersion
 from weightsync.server.updates import WeightUpdater
-from weightsync.types import Manifest, TensorMeta
 
 
 class Tiny(nn.Module):

@@ -1,13 +1,15 @@
-"""Sparse encodings of one tensor's change between two versions. Pure: tensors in,
-tensors out, no I/O; used by `mode="sparse"` on the trainer (`encode`) and by every
-engine that applies sparse updates (`apply_payload`).
+"""The encodings of one tensor's changed elements between two versions, and the names
+(`ENCODINGS`) and sizes (`encoded_nbytes`) of every way a tensor's bytes sit in its
+bucket. Pure: tensors in, tensors out, no I/O; used by `mode="sparse"` on the trainer
+(`encode`), by the manifest to check each entry's size, and by every engine that
+applies sparse updates (`apply_payload`).
 
 Both versions are in the engine's dtype and compared BITWISE (integer views of the
 same bytes), so -0.0 vs 0.0 and NaN payloads count as changes and the engine ends
 with exactly the trainer's bytes. A changed element is one whose bytes differ.
 
 Payload layouts (the manifest entry's `encoding`; every integer little-endian; the
-payload is zero-padded to a multiple of `types.PAYLOAD_ALIGN` bytes):
+payload is zero-padded to a multiple of `PAYLOAD_ALIGN` bytes):
 
     dense        no payload: the whole tensor, as a full push sends it
     positions16  values[k] (the tensor's dtype), then gaps[k] (uint16)
@@ -30,8 +32,32 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightsync.errors import IntegrityError
-from weightsync.types import PAYLOAD_ALIGN, encoded_nbytes
+from weightsync.errors import IntegrityError, ManifestError
+
+ENCODINGS: tuple[str, ...] = ("dense", "positions16", "positions32", "bitmap")
+"""How one tensor's bytes sit in its bucket (the layouts: this module's docstring):
+"dense" is the tensor itself; the others, in "sparse" manifests only, carry the
+elements that changed since the base version."""
+PAYLOAD_ALIGN = 8
+"""Sparse payloads are zero-padded to a multiple of this many bytes, so the entries
+after them stay aligned to their itemsize."""
+
+
+def encoded_nbytes(encoding: str, numel: int, itemsize: int, num_changed: int) -> int:
+    """Bytes one tensor of `numel` elements takes in its bucket under `encoding`
+    (`num_changed`: the elements a sparse encoding carries)."""
+    if encoding == "dense":
+        return numel * itemsize
+    if encoding == "positions16":
+        raw = num_changed * (itemsize + 2)
+    elif encoding == "positions32":
+        raw = num_changed * (itemsize + 4)
+    elif encoding == "bitmap":
+        raw = num_changed * itemsize + (numel + 7) // 8
+    else:
+        raise ManifestError(f"unknown encoding {encoding!r}; one of {ENCODINGS}")
+    return raw + (-raw % PAYLOAD_ALIGN)
+
 
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer dtype elements of each width are compared (and carried) as."""
@@ -218,5 +244,5 @@ def apply_payload(base: torch.Tensor, *, encoding: str, num_changed: int, payloa
     return out
 
 
-__all__ = ["INT_OF_SIZE", "Changes", "Encoded", "apply_payload", "bits_view", "changed", "encode", "encode_positions",
-           "smallest_encoding"]
+__all__ = ["ENCODINGS", "INT_OF_SIZE", "PAYLOAD_ALIGN", "Changes", "Encoded", "apply_payload", "bits_view",
+           "changed", "encode", "encode_positions", "encoded_nbytes", "smallest_encoding"]

@@ -1,4 +1,4 @@
-"""The sparse encodings (`weightsync.sparse`): each one chosen where it is the smallest,
+"""The sparse encodings (`weightsync.change_encoding`): each one chosen where it is the smallest,
 applied bit for bit, pinned byte for byte, and malformed payloads refused."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightsync.change_encoding import Changes, apply_payload, encode, encode_positions, encoded_nbytes
 from weightsync.errors import IntegrityError, ManifestError
-from weightsync.sparse import Changes, apply_payload, encode, encode_positions
-from weightsync.types import BucketMeta, Manifest, TensorEntry, encoded_nbytes
+from weightsync.manifest import BucketMeta, Manifest, TensorEntry
 
 
 def _changed(base: torch.Tensor, positions: list[int]) -> torch.Tensor:

@@ -1,21 +1,24 @@
-"""The data that crosses every boundary: tensor and bucket metadata, the
-manifest, acks, the sync report, the pause policy, and the `Link` / `Delivery`
-records a transport hands to an engine.
+"""The manifest: what an update holds, sent and checked before a byte moves. One
+`TensorMeta` per tensor the trainer sends, its place in a bucket (`TensorEntry`), the
+buckets (`BucketMeta`), and the `Manifest` with the modes it may carry; its JSON form is
+pinned in docs/PROTOCOL.md.
 
-Everything here is a frozen dataclass with a JSON form. Nothing here does I/O
-or touches tensor data; dtypes travel as torch attribute names ("bfloat16").
+Everything here is a frozen dataclass with a JSON form. Nothing here does I/O or touches
+tensor data; dtypes travel by name (`weightsync.dtypes`), and how a tensor's bytes sit in
+its bucket, and how many there are, is `weightsync.change_encoding`'s.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, replace
-from enum import StrEnum
-from typing import Any, ClassVar, Generic, Literal, TypeVar, overload
+from dataclasses import dataclass, replace
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 
+from weightsync.change_encoding import ENCODINGS, encoded_nbytes
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import ManifestError
 
 R = TypeVar("R")
@@ -54,48 +57,10 @@ MODES: tuple[str, ...] = ("full", "lora", "lora-merged", "delta", "sparse")
 PARTIAL_MODES = frozenset({"delta", "sparse"})
 """Modes whose manifest applies on top of a `base_version` and may leave tensors out."""
 
-ENCODINGS: tuple[str, ...] = ("dense", "positions16", "positions32", "bitmap")
-"""How one tensor's bytes sit in its bucket (`weightsync.sparse` holds the layouts):
-"dense" is the tensor itself; the others, in "sparse" manifests only, carry the
-elements that changed since the base version."""
-PAYLOAD_ALIGN = 8
-"""Sparse payloads are zero-padded to a multiple of this many bytes, so the entries
-after them stay aligned to their itemsize."""
-
 MANIFEST_FORMAT = "weightsync.manifest"
 MANIFEST_FORMAT_VERSION = 1
 DIGEST_ALGORITHM = "xxh3_64"
 """The default digest algorithm; `weightsync.digests.ALGORITHMS` holds every known one."""
-
-# Every dtype the wire formats accept. Quantized dtypes are not weights we sync.
-_DTYPES: dict[str, torch.dtype] = {
-    name: dtype
-    for name in (
-        "float64", "float32", "float16", "bfloat16",
-        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
-        "float8_e8m0fnu", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64",
-        "bool",
-    )
-    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The torch attribute name of `dtype` ("bfloat16"), as SGLang expects it."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ManifestError(f"dtype {dtype} cannot be synced; supported: {sorted(_DTYPES)}") from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of `dtype_name`; raises ManifestError for an unknown name."""
-    try:
-        return _DTYPES[name.removeprefix("torch.")]
-    except KeyError:
-        raise ManifestError(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -103,22 +68,6 @@ def _numel(shape: Sequence[int]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def encoded_nbytes(encoding: str, numel: int, itemsize: int, num_changed: int) -> int:
-    """Bytes one tensor of `numel` elements takes in its bucket under `encoding`
-    (`num_changed`: the elements a sparse encoding carries). See `weightsync.sparse`."""
-    if encoding == "dense":
-        return numel * itemsize
-    if encoding == "positions16":
-        raw = num_changed * (itemsize + 2)
-    elif encoding == "positions32":
-        raw = num_changed * (itemsize + 4)
-    elif encoding == "bitmap":
-        raw = num_changed * itemsize + (numel + 7) // 8
-    else:
-        raise ManifestError(f"unknown encoding {encoding!r}; one of {ENCODINGS}")
-    return raw + (-raw % PAYLOAD_ALIGN)
 
 
 def _check_encoding(hf_name: str, encoding: str, num_changed: int, numel: int) -> None:
@@ -507,262 +456,3 @@ class Manifest:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
         return cls.from_dict(d)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Ack:
-    """What an engine reports after committing an update."""
-
-    engine: str
-    """Which engine acked (its URL or label)."""
-    version: int
-    """The weight version the engine now serves."""
-    digests: tuple[str | None, ...] = ()
-    """Per-bucket digests the engine computed on receipt, in manifest order; None where
-    the engine cannot report one (a stock SGLang)."""
-    loaded_names: frozenset[str] = frozenset()
-    """Names the engine loaded (its checkpoint names)."""
-    tensor_digests: Mapping[str, str] = field(default_factory=dict)
-    """"sparse" updates: name -> digest of every touched tensor WHOLE, as the engine holds
-    it after applying (the manifest's digest algorithm); empty otherwise."""
-    held_slots: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    """shm segment name -> the slots of it the engine serves weights from (it adopted
-    them instead of copying their bytes out): the trainer writes none of them until an
-    ack no longer names them. Empty for an engine that copies."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, **self.to_wire()}
-
-    def to_wire(self) -> dict[str, Any]:
-        """The ack as an engine sends it in its commit answer: no `engine` (the client
-        names the engine it asked). `from_dict(d, engine=...)` reads it back."""
-        d: dict[str, Any] = {"version": self.version, "digests": list(self.digests),
-                             "loaded_names": sorted(self.loaded_names)}
-        if self.tensor_digests:
-            d["tensor_digests"] = dict(sorted(self.tensor_digests.items()))
-        if self.held_slots:
-            d["held_slots"] = {name: list(slots) for name, slots in sorted(self.held_slots.items())}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, engine: str | None = None) -> Ack:
-        return cls(
-            engine=engine or str(d.get("engine", "?")),
-            version=int(d["version"]),
-            digests=tuple(d.get("digests") or ()),
-            loaded_names=frozenset(d.get("loaded_names") or ()),
-            tensor_digests={str(k): str(v) for k, v in (d.get("tensor_digests") or {}).items()},
-            held_slots={str(k): tuple(int(s) for s in v) for k, v in (d.get("held_slots") or {}).items()},
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageSeconds:
-    """Seconds spent per stage of a push. Stages overlap when pipelined, so
-    their sum can exceed the push's wall time."""
-
-    gather: float = 0.0
-    """Reading or all-gathering tensors from the trainer (and merging LoRA)."""
-    pack: float = 0.0
-    """Copying tensors into flat bucket buffers."""
-    hash: float = 0.0
-    """Digesting buckets on the trainer."""
-    wire: float = 0.0
-    """Moving bytes to the engines (until every engine took the bucket)."""
-    load: float = 0.0
-    """Engine-side commit: applying the update and acking."""
-    diff: float = 0.0
-    """"sparse" mode: reading, casting and comparing every tensor with the acked version,
-    encoding the changes and digesting the touched tensors, before anything is sent."""
-
-    def to_dict(self) -> dict[str, float]:
-        """Every stage; "diff" only where there was one (a "sparse" push)."""
-        stages = ("gather", "pack", "hash", "wire", "load") + (("diff",) if self.diff else ())
-        return {k: round(getattr(self, k), 6) for k in stages}
-
-
-@dataclass(frozen=True, kw_only=True)
-class SyncReport:
-    """The outcome of one `WeightSync.push`."""
-
-    version: int
-    """The weight version pushed."""
-    mode: str
-    """What was sent."""
-    transport: str
-    """How it moved."""
-    num_bytes: int
-    """Bytes of tensor data sent (per engine)."""
-    num_tensors: int
-    """Tensors sent."""
-    num_buckets: int
-    """Buckets sent."""
-    seconds: float
-    """Wall time of the whole push, pause to resume."""
-    stages: StageSeconds = field(default_factory=StageSeconds)
-    """Per-stage seconds."""
-    verified: bool = False
-    """True when every engine acked this version, every bucket digest and every name sent."""
-    acks: tuple[Ack, ...] = ()
-    """One ack per engine."""
-    num_skipped: int = 0
-    """Tensors left out because they were unchanged ("delta" mode)."""
-    num_elements: int = 0
-    """Tensor elements sent: every element of a dense tensor, the changed ones of a sparse one."""
-    encodings: Mapping[str, int] = field(default_factory=dict)
-    """How many tensors went in each encoding (`ENCODINGS`; a full push: all "dense")."""
-    notes: tuple[str, ...] = ()
-    """Anything a reader should know: why verification was partial, what was skipped."""
-    phases: tuple[SyncReport, ...] = ()
-    """The pushes of this version that went first, as phases of this one, each with its own
-    bytes, tensors and stages ("lora": the base weights, where an engine did not serve the
-    trainer's); the fields above are this mode's own, `seconds` spans them all."""
-
-    @property
-    def gbps(self) -> float:
-        """Gigabytes (1e9 bytes) per second over the whole push."""
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "mode": self.mode,
-            "transport": self.transport,
-            "num_bytes": self.num_bytes,
-            "num_tensors": self.num_tensors,
-            "num_buckets": self.num_buckets,
-            "num_skipped": self.num_skipped,
-            "num_elements": self.num_elements,
-            "encodings": dict(self.encodings),
-            "seconds": round(self.seconds, 6),
-            "gbps": round(self.gbps, 4),
-            "stages": self.stages.to_dict(),
-            "verified": self.verified,
-            "acks": [a.to_dict() for a in self.acks],
-            "notes": list(self.notes),
-            **({"phases": [p.to_dict() for p in self.phases]} if self.phases else {}),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SyncReport:
-        return cls(
-            version=int(d["version"]),
-            mode=str(d["mode"]),
-            transport=str(d["transport"]),
-            num_bytes=int(d["num_bytes"]),
-            num_tensors=int(d["num_tensors"]),
-            num_buckets=int(d["num_buckets"]),
-            num_skipped=int(d.get("num_skipped", 0)),
-            num_elements=int(d.get("num_elements", 0)),
-            encodings={str(k): int(v) for k, v in (d.get("encodings") or {}).items()},
-            seconds=float(d["seconds"]),
-            stages=StageSeconds(**d.get("stages", {})),
-            verified=bool(d["verified"]),
-            acks=tuple(Ack.from_dict(a) for a in d.get("acks", ())),
-            notes=tuple(d.get("notes", ())),
-            phases=tuple(SyncReport.from_dict(p) for p in d.get("phases", ())),
-        )
-
-
-class PausePolicy(StrEnum):
-    """What happens to in-flight requests while weights change.
-
-    One policy maps onto both engines' own modes:
-
-    | policy   | SGLang `pause_generation` | vLLM `/pause?mode=` |
-    |----------|---------------------------|---------------------|
-    | none     | (no pause)                | (no pause)          |
-    | abort    | abort                     | abort               |
-    | retract  | retract                   | wait                |
-    | in_place | in_place                  | keep                |
-
-    retract/wait never lose a request; in_place/keep keep the KV cache too.
-    """
-
-    NONE = "none"
-    ABORT = "abort"
-    RETRACT = "retract"
-    IN_PLACE = "in_place"
-
-    @property
-    def sglang_mode(self) -> str | None:
-        return None if self is PausePolicy.NONE else self.value
-
-    @property
-    def vllm_mode(self) -> str | None:
-        return {
-            PausePolicy.NONE: None,
-            PausePolicy.ABORT: "abort",
-            PausePolicy.RETRACT: "wait",
-            PausePolicy.IN_PLACE: "keep",
-        }[self]
-
-    @classmethod
-    def parse(cls, value: str | PausePolicy) -> PausePolicy:
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown pause policy {value!r}; one of {[p.value for p in cls]}") from None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Link:
-    """How one engine reaches one transport session (made by the transport).
-
-    Each transport module defines its own subclass with the fields its engine end
-    needs (`transports.shm.ShmLink`, ...), declared with its name:
-    `class ShmLink(Link, transport="shm")`. `from_dict` rebuilds the subclass the
-    "transport" field names, once that module is imported
-    (`weightsync.transports.parse_link` imports it first).
-    """
-
-    transport: str
-    """The transport's name in `weightsync.transports.REGISTRY`."""
-    timeout_s: float = 60.0
-    """Timeout for the engine's side of every collective and copy."""
-
-    _KINDS: ClassVar[dict[str, type[Link]]] = {}
-
-    def __init_subclass__(cls, *, transport: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if transport is not None:
-            Link._KINDS[transport] = cls
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Link:
-        """The link `d` describes, as the subclass its "transport" declared (a plain
-        `Link` for a transport whose link has no fields of its own)."""
-        kind = Link._KINDS.get(str(d.get("transport")), Link) if cls is Link else cls
-        fields = kind.__dataclass_fields__
-        missing = sorted(n for n, f in fields.items() if n not in d and f.default is MISSING
-                         and f.default_factory is MISSING)
-        if missing:
-            raise ValueError(f"a {d.get('transport')!r} link needs {missing}; got {dict(d)}")
-        return kind(**{k: v for k, v in d.items() if k in fields})
-
-
-@dataclass(frozen=True, kw_only=True)
-class Delivery:
-    """Where an engine finds one bucket's bytes."""
-
-    transport: str
-    """"http": `data` holds the bytes; "broadcast": the engine receives them
-    from the group (its receive call runs while the trainer broadcasts);
-    "shm": in slot `slot` of the link's segment; "disk": nothing per bucket,
-    the engine loads the version directory at commit."""
-    data: Any = field(default=None, repr=False)
-    """http: a 1-d uint8 tensor or bytes-like with the packed bucket."""
-    slot: int | None = None
-    """shm: the slot index."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON form, without `data` (bytes travel in a request body of their own)."""
-        return {k: v for k, v in self.__dict__.items() if v is not None and k != "data"}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Delivery:
-        known = set(cls.__dataclass_fields__) - {"data"}
-        return cls(**{k: v for k, v in d.items() if k in known})

@@ -1,0 +1,167 @@
+"""What comes back from an update: each engine's `Ack` once it committed, and the
+trainer's `SyncReport` of one `WeightSync.push` with its per-stage `StageSeconds`.
+
+Frozen dataclasses with a JSON form (`Ack.to_wire` is what an engine sends in its
+commit answer, docs/PROTOCOL.md). No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack:
+    """What an engine reports after committing an update."""
+
+    engine: str
+    """Which engine acked (its URL or label)."""
+    version: int
+    """The weight version the engine now serves."""
+    digests: tuple[str | None, ...] = ()
+    """Per-bucket digests the engine computed on receipt, in manifest order; None where
+    the engine cannot report one (a stock SGLang)."""
+    loaded_names: frozenset[str] = frozenset()
+    """Names the engine loaded (its checkpoint names)."""
+    tensor_digests: Mapping[str, str] = field(default_factory=dict)
+    """"sparse" updates: name -> digest of every touched tensor WHOLE, as the engine holds
+    it after applying (the manifest's digest algorithm); empty otherwise."""
+    held_slots: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """shm segment name -> the slots of it the engine serves weights from (it adopted
+    them instead of copying their bytes out): the trainer writes none of them until an
+    ack no longer names them. Empty for an engine that copies."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, **self.to_wire()}
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ack as an engine sends it in its commit answer: no `engine` (the client
+        names the engine it asked). `from_dict(d, engine=...)` reads it back."""
+        d: dict[str, Any] = {"version": self.version, "digests": list(self.digests),
+                             "loaded_names": sorted(self.loaded_names)}
+        if self.tensor_digests:
+            d["tensor_digests"] = dict(sorted(self.tensor_digests.items()))
+        if self.held_slots:
+            d["held_slots"] = {name: list(slots) for name, slots in sorted(self.held_slots.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, engine: str | None = None) -> Ack:
+        return cls(
+            engine=engine or str(d.get("engine", "?")),
+            version=int(d["version"]),
+            digests=tuple(d.get("digests") or ()),
+            loaded_names=frozenset(d.get("loaded_names") or ()),
+            tensor_digests={str(k): str(v) for k, v in (d.get("tensor_digests") or {}).items()},
+            held_slots={str(k): tuple(int(s) for s in v) for k, v in (d.get("held_slots") or {}).items()},
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSeconds:
+    """Seconds spent per stage of a push. Stages overlap when pipelined, so
+    their sum can exceed the push's wall time."""
+
+    gather: float = 0.0
+    """Reading or all-gathering tensors from the trainer (and merging LoRA)."""
+    pack: float = 0.0
+    """Copying tensors into flat bucket buffers."""
+    hash: float = 0.0
+    """Digesting buckets on the trainer."""
+    wire: float = 0.0
+    """Moving bytes to the engines (until every engine took the bucket)."""
+    load: float = 0.0
+    """Engine-side commit: applying the update and acking."""
+    diff: float = 0.0
+    """"sparse" mode: reading, casting and comparing every tensor with the acked version,
+    encoding the changes and digesting the touched tensors, before anything is sent."""
+
+    def to_dict(self) -> dict[str, float]:
+        """Every stage; "diff" only where there was one (a "sparse" push)."""
+        stages = ("gather", "pack", "hash", "wire", "load") + (("diff",) if self.diff else ())
+        return {k: round(getattr(self, k), 6) for k in stages}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncReport:
+    """The outcome of one `WeightSync.push`."""
+
+    version: int
+    """The weight version pushed."""
+    mode: str
+    """What was sent."""
+    transport: str
+    """How it moved."""
+    num_bytes: int
+    """Bytes of tensor data sent (per engine)."""
+    num_tensors: int
+    """Tensors sent."""
+    num_buckets: int
+    """Buckets sent."""
+    seconds: float
+    """Wall time of the whole push, pause to resume."""
+    stages: StageSeconds = field(default_factory=StageSeconds)
+    """Per-stage seconds."""
+    verified: bool = False
+    """True when every engine acked this version, every bucket digest and every name sent."""
+    acks: tuple[Ack, ...] = ()
+    """One ack per engine."""
+    num_skipped: int = 0
+    """Tensors left out because they were unchanged ("delta" mode)."""
+    num_elements: int = 0
+    """Tensor elements sent: every element of a dense tensor, the changed ones of a sparse one."""
+    encodings: Mapping[str, int] = field(default_factory=dict)
+    """How many tensors went in each encoding (`change_encoding.ENCODINGS`; a full push: all "dense")."""
+    notes: tuple[str, ...] = ()
+    """Anything a reader should know: why verification was partial, what was skipped."""
+    phases: tuple[SyncReport, ...] = ()
+    """The pushes of this version that went first, as phases of this one, each with its own
+    bytes, tensors and stages ("lora": the base weights, where an engine did not serve the
+    trainer's); the fields above are this mode's own, `seconds` spans them all."""
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes (1e9 bytes) per second over the whole push."""
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "mode": self.mode,
+            "transport": self.transport,
+            "num_bytes": self.num_bytes,
+            "num_tensors": self.num_tensors,
+            "num_buckets": self.num_buckets,
+            "num_skipped": self.num_skipped,
+            "num_elements": self.num_elements,
+            "encodings": dict(self.encodings),
+            "seconds": round(self.seconds, 6),
+            "gbps": round(self.gbps, 4),
+            "stages": self.stages.to_dict(),
+            "verified": self.verified,
+            "acks": [a.to_dict() for a in self.acks],
+            "notes": list(self.notes),
+            **({"phases": [p.to_dict() for p in self.phases]} if self.phases else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SyncReport:
+        return cls(
+            version=int(d["version"]),
+            mode=str(d["mode"]),
+            transport=str(d["transport"]),
+            num_bytes=int(d["num_bytes"]),
+            num_tensors=int(d["num_tensors"]),
+            num_buckets=int(d["num_buckets"]),
+            num_skipped=int(d.get("num_skipped", 0)),
+            num_elements=int(d.get("num_elements", 0)),
+            encodings={str(k): int(v) for k, v in (d.get("encodings") or {}).items()},
+            seconds=float(d["seconds"]),
+            stages=StageSeconds(**d.get("stages", {})),
+            verified=bool(d["verified"]),
+            acks=tuple(Ack.from_dict(a) for a in d.get("acks", ())),
+            notes=tuple(d.get("notes", ())),
+            phases=tuple(SyncReport.from_dict(p) for p in d.get("phases", ())),
+        )
