@@ -10,7 +10,7 @@ One `VLLMEngine`, two forms:
 - server, `VLLMEngine(url)`: a `vllm serve --worker-extension-cls EXTENSION`
   started with `VLLM_SERVER_DEV_MODE=1` (and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`
   for adapters); verbs go through `POST /collective_rpc`
-  (`engines.vllm_launch` starts such a server).
+  (`engines.vllm.launch` starts such a server).
 
 | protocol | broadcast / shm / disk (worker extension)   | engine level                                   |
 |----------|---------------------------------------------|------------------------------------------------|
@@ -72,7 +72,7 @@ from typing import Any, TypeVar
 
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient
-from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.engines.vllm.worker import EXTENSION
 from weightsync.errors import (
     AdapterNotLoadedError,
     EngineError,
@@ -160,7 +160,7 @@ class VLLMEngine:
         """The workers stage every bucket and swap at commit (no pause while streaming);
         no deltas (vLLM reloads fused layers from all their checkpoint tensors, so
         "delta" pushes go out whole); sparse updates rebuilt from each worker's copy of
-        the served version, reloaded whole fused group by group (`engines.vllm_worker`);
+        the served version, reloaded whole fused group by group (`engines.vllm.worker`);
         adapters unloaded by name. Rank 0 tells (within
         `timeout_s`) the dtype vLLM serves and, unless it was given, the rank count."""
         info = self.info(timeout_s=timeout_s)

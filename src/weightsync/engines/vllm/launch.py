@@ -13,7 +13,7 @@ for the token-in/token-out `/inference/v1/generate` route that reports weight
 versions) apply unless `args` sets the same flag.
 
 Boundaries: this module starts and stops a process; it knows nothing of the
-update protocol (that is `engines.vllm`).
+update protocol (that is `engines.vllm.client`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.engines.vllm.worker import EXTENSION
 from weightsync.errors import EngineError
 
 log = logging.getLogger(__name__)

@@ -9,16 +9,16 @@ enough: the workers would refuse the backend ("Invalid weight transfer backend")
 
 `register` is idempotent (vLLM's `register_engine` raises for a name taken, and
 plugins may run more than once per process) and imports no engine code: vLLM's
-factories import `engines.vllm_transfer` (worker side) and
-`engines.vllm_trainer` (trainer side) only when the backend is used.
+factories import `engines.vllm.transfer_engine` (worker side) and
+`engines.vllm.transfer_trainer` (trainer side) only when the backend is used.
 """
 
 from __future__ import annotations
 
 BACKEND = "weightsync"
 """The backend name: `weight_transfer_config={"backend": "weightsync"}`."""
-WORKER_ENGINE = ("weightsync.engines.vllm_transfer", "WeightSyncTransferEngine")
-TRAINER_ENGINE = ("weightsync.engines.vllm_trainer", "WeightSyncTrainerEngine")
+WORKER_ENGINE = ("weightsync.engines.vllm.transfer_engine", "WeightSyncTransferEngine")
+TRAINER_ENGINE = ("weightsync.engines.vllm.transfer_trainer", "WeightSyncTrainerEngine")
 
 
 def register() -> None:

@@ -1,6 +1,6 @@
 """What one vLLM reload must carry together, and the reload of Mixture-of-Experts layers
-on the CPU backend: the parts of the worker extension (`engines.vllm_worker`) and the
-weight-transfer backend (`engines.vllm_transfer`) that follow vLLM's layers rather than
+on the CPU backend: the parts of the worker extension (`engines.vllm.worker`) and the
+weight-transfer backend (`engines.vllm.transfer_engine`) that follow vLLM's layers rather than
 the checkpoint's tensors.
 
 vLLM's in-place reload (`reload_weights(..., is_checkpoint_format=True)`) rebuilds each

@@ -8,8 +8,8 @@ and vLLM's HTTP client drops the 500 body that holds a worker's error. So every
 worker of the `"weightsync"` backend writes its answer to each call (its ack,
 or its refusal with the error's type and fields) under the name
 `rank-<engine rank>`, and the trainer reads them after the call returned.
-Both ends live here: `AnswerWriter` in the workers (`engines.vllm_transfer`),
-`AnswerBox` in the trainer (`engines.vllm_transfer_client`).
+Both ends live here: `AnswerWriter` in the workers (`engines.vllm.transfer_engine`),
+`AnswerBox` in the trainer (`engines.vllm.transfer_client`).
 
 Two channels, named in every call's info (`AnswerBox.channel`):
 - "dir": one file per worker in a directory both sides can read (written,

@@ -10,14 +10,14 @@ Two ways in, one protocol underneath:
   '{"backend":"weightsync"}'` with `VLLM_SERVER_DEV_MODE=1`. Everything above
   the workers (pause and resume, the prefix-cache reset after every push,
   vLLM's weight-version label, `generate`, the `SyncReport`) is `VLLMEngine`'s.
-- `engines.vllm_trainer.WeightSyncTrainerEngine`: vLLM's trainer API,
+- `engines.vllm.transfer_trainer.WeightSyncTrainerEngine`: vLLM's trainer API,
   `WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0,
   ...), client=llm_or_http_client, source=ModuleSource(model))` then
   `send_weights()`, which pushes through such an engine.
 
-Each weightsync verb becomes vLLM calls (see `engines.vllm_transfer` for the
+Each weightsync verb becomes vLLM calls (see `engines.vllm.transfer_engine` for the
 worker's half), and every answer is read from the data plane
-(`engines.vllm_acks`): vLLM returns none.
+(`engines.vllm.transfer_answers`): vLLM returns none.
 
     info / connect / disconnect   init_weight_transfer_engine {answers, seq, join?, leave?}
     begin                         start_weight_update + update_weights {begin}
@@ -43,8 +43,8 @@ import threading
 from typing import Any, Protocol
 
 from weightsync.engines.base import Completion, EngineCapabilities
-from weightsync.engines.vllm import RPC_MARGIN_S, VLLMEngine, _Backend, _InProcess, _Server
-from weightsync.engines.vllm_acks import AnswerBox
+from weightsync.engines.vllm.client import RPC_MARGIN_S, VLLMEngine, _Backend, _InProcess, _Server
+from weightsync.engines.vllm.transfer_answers import AnswerBox
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.hosts import is_local_host, local_address_towards, url_host
 
@@ -260,7 +260,7 @@ class VLLMTransferEngine(VLLMEngine):
     disk and broadcast, plus deltas of whole fused layers; no LoRA
     (`lora_transports` is empty).
 
-    Where the workers answer (`engines.vllm_acks`): in `answer_dir` (a directory
+    Where the workers answer (`engines.vllm.transfer_answers`): in `answer_dir` (a directory
     both sides read) if given; else in a TCP store on `answer_host` (an address
     of this host the workers reach) if given, or by default for a server on
     another host; else in a temporary directory of this host.

@@ -6,8 +6,8 @@ vLLM 0.32's own RL API (`LLM.init_weight_transfer_engine` / `start_weight_update
 every worker. This module is that engine for weightsync's transports (shm,
 disk, broadcast), selected with `weight_transfer_config={"backend": "weightsync"}`
 (`--weight-transfer-config '{"backend":"weightsync"}'`) once the plugin
-`weightsync.engines.vllm_plugin:register` has registered it in vLLM's processes.
-The trainer side is `engines.vllm_transfer_client`.
+`weightsync.engines.vllm.plugin:register` has registered it in vLLM's processes.
+The trainer side is `engines.vllm.transfer_client`.
 
 The calls of one push, and what this engine does in each:
 
@@ -35,10 +35,10 @@ exception between it and `finalize_layerwise_reload` leaves layers on the meta
 device. Verbs never raise for a refusal (an exception in `finish_weight_update`
 leaves vLLM's session flag set, and one in `update_weights` clears it on one
 worker only); each writes its answer to the data plane instead
-(`engines.vllm_acks`), which is the only way an answer reaches the trainer.
+(`engines.vllm.transfer_answers`), which is the only way an answer reaches the trainer.
 
 The update session (versions, takeover, dry run, digests, ack) is weightsync's
-`receiving.UpdateSession` inside `engines.vllm_worker.WorkerSync`, shared with
+`receiving.UpdateSession` inside `engines.vllm.worker.WorkerSync`, shared with
 the worker extension; only how the staged update reaches the model differs.
 Deltas are applied on top of the served version when they send whole fused
 layers (the worker tells the trainer its `fused_groups`; a delta that sends
@@ -50,7 +50,7 @@ update a trainer begins on, which is refused with 409 and goes out whole),
 rebuilds every touched tensor from it and reloads the whole fused group of each,
 then acks the whole-tensor digests. Not here: LoRA adapters (a
 weight-transfer engine cannot add an adapter to vLLM; use the worker
-extension, `engines.vllm_worker`).
+extension, `engines.vllm.worker`).
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.engines.vllm_acks import AnswerWriter
-from weightsync.engines.vllm_plugin import BACKEND
-from weightsync.engines.vllm_worker import WorkerSync, error_payload
+from weightsync.engines.vllm.plugin import BACKEND
+from weightsync.engines.vllm.transfer_answers import AnswerWriter
+from weightsync.engines.vllm.worker import WorkerSync, error_payload
 from weightsync.errors import ConflictError, EngineError, IntegrityError, ManifestMismatchError, format_names
 from weightsync.types import Manifest
 
@@ -87,7 +87,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     transport session; idempotent."""
 
     answers: dict[str, Any]
-    """Where this worker answers (`engines.vllm_acks.AnswerBox.channel`)."""
+    """Where this worker answers (`engines.vllm.transfer_answers.AnswerBox.channel`)."""
     seq: int
     """The trainer's number for this call; the answer carries it."""
     join: dict[str, Any] | None = None

@@ -4,7 +4,7 @@ For code written against vLLM's weight-transfer API:
 
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo   # registers the backend
+    from weightsync.engines.vllm.transfer_trainer import WeightSyncTrainerInitInfo   # registers the backend
 
     trainer = WeightTransferTrainerFactory.trainer_init(
         WeightSyncTrainerInitInfo(rank=0, transport="shm"), client=llm, source=ModuleSource(model))
@@ -31,8 +31,8 @@ from typing import Any, ClassVar, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from weightsync.engines.vllm_plugin import BACKEND, register
-from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+from weightsync.engines.vllm.plugin import BACKEND, register
+from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 from weightsync.types import SyncReport, TensorMeta
 
 log = logging.getLogger(__name__)

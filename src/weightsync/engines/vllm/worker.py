@@ -1,7 +1,7 @@
 """The engine side of weightsync inside every vLLM worker: a worker extension.
 
 vLLM mixes `WeightSyncWorkerExtension` into its worker class when started with
-`worker_extension_cls="weightsync.engines.vllm_worker.WeightSyncWorkerExtension"`
+`worker_extension_cls="weightsync.engines.vllm.worker.WeightSyncWorkerExtension"`
 (`--worker-extension-cls` for `vllm serve`). The client, `engines.vllm.VLLMEngine`,
 calls its `weightsync_*` methods on every worker at once through
 `collective_rpc` (in-process `LLM.collective_rpc`, or the server's
@@ -51,7 +51,7 @@ Boundaries:
 - Mixture-of-Experts: the workers take the checkpoint's per-expert tensors
   (`EngineCapabilities.expert_layout` "per-expert", the checkpoint vLLM started from;
   its loader also reads fused 3-D experts, docs/MOE.md), checked one by one by the dry
-  run; what reloads together and the CPU backend's MoE reload: `engines.vllm_reload`.
+  run; what reloads together and the CPU backend's MoE reload: `engines.vllm.reload`.
 
 Method names all start with `weightsync_`: vLLM refuses an extension whose
 attribute names clash with the worker's own.
@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 from weightsync.checkpoint import read_checkpoint_metas
-from weightsync.engines.vllm_reload import (
+from weightsync.engines.vllm.reload import (
     PACKED_MODULES,
     fused_groups,
     layer_groups,
@@ -93,7 +93,7 @@ from weightsync.types import Delivery, Link, Manifest, TensorMeta, dtype_name
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "weightsync.engines.vllm_worker.WeightSyncWorkerExtension"
+EXTENSION = "weightsync.engines.vllm.worker.WeightSyncWorkerExtension"
 """The qualified name to pass as vLLM's `worker_extension_cls`."""
 
 PEFT_PREFIX = "base_model.model."
@@ -185,7 +185,7 @@ def _call(worker: Any, verb: str, request: str) -> dict[str, Any]:
 
 
 def error_payload(e: BaseException) -> dict[str, Any]:
-    """A JSON form of an error that `engines.vllm` turns back into the same error type."""
+    """A JSON form of an error that `engines.vllm.client` turns back into the same error type."""
     payload: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
     if isinstance(e, ConflictError):  # a state clash, as the embedded engine's HTTP 409
         payload.update(type="EngineError", status=409, retry_after_s=e.retry_after_s)
