@@ -43,7 +43,8 @@ import threading
 from typing import Any, Protocol
 
 from weightsync.engines.base import Completion, EngineCapabilities
-from weightsync.engines.vllm.client import RPC_MARGIN_S, VLLMEngine, _Backend, _InProcess, _Server
+from weightsync.engines.vllm.backends import RPC_MARGIN_S, Backend, InProcessBackend, ServerBackend
+from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.engines.vllm.transfer_answers import AnswerBox
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.hosts import is_local_host, local_address_towards, url_host
@@ -71,15 +72,15 @@ class TransferClient(Protocol):
 
 class _LLMClient:
     """The four verbs on every worker of an in-process `vllm.LLM`, as its own RL methods
-    call them (`collective_rpc`), with a timeout, through `_InProcess` (one caller at a
+    call them (`collective_rpc`), with a timeout, through `InProcessBackend` (one caller at a
     time; vLLM's exceptions become weightsync errors)."""
 
-    def __init__(self, inner: _InProcess, timeout_s: float) -> None:
+    def __init__(self, inner: InProcessBackend, timeout_s: float) -> None:
         self.inner = inner
         self.timeout_s = timeout_s
 
     def _rpc(self, method: str, **kwargs: Any) -> None:
-        self.inner._call(method, lambda: self.inner.llm.collective_rpc(method, timeout=self.timeout_s, kwargs=kwargs))
+        self.inner.call(method, lambda: self.inner.llm.collective_rpc(method, timeout=self.timeout_s, kwargs=kwargs))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._rpc("init_weight_transfer_engine", init_info=init_info)
@@ -99,7 +100,7 @@ class _LLMClient:
 class _HttpClient:
     """The four verbs as `vllm serve`'s RL routes (VLLM_SERVER_DEV_MODE=1)."""
 
-    def __init__(self, server: _Server, timeout_s: float) -> None:
+    def __init__(self, server: ServerBackend, timeout_s: float) -> None:
         self.http = server.http
         self.timeout_s = timeout_s
 
@@ -123,11 +124,11 @@ class _HttpClient:
         self._post("/finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
 
 
-class _Transfer(_Backend):
+class _Transfer(Backend):
     """`VLLMEngine`'s backend with the worker verbs as vLLM's weight-transfer calls;
-    generation control goes to the wrapped form (`_InProcess` or `_Server`)."""
+    generation control goes to the wrapped form (`InProcessBackend` or `ServerBackend`)."""
 
-    def __init__(self, inner: _Backend, client: TransferClient, *, who: str, answers: AnswerBox) -> None:
+    def __init__(self, inner: Backend, client: TransferClient, *, who: str, answers: AnswerBox) -> None:
         self.inner = inner
         self.client = client
         self.who = who
@@ -273,7 +274,7 @@ class VLLMTransferEngine(VLLMEngine):
                  answer_host: str | None = None) -> None:
         super().__init__(url, api_key=api_key, timeout_s=timeout_s, label=label, num_ranks=num_ranks)
         server = self._backend
-        assert isinstance(server, _Server)
+        assert isinstance(server, ServerBackend)
         host = url_host(url)
         if answer_dir is None and answer_host is None and host is not None and not is_local_host(host):
             answer_host = local_address_towards(host)
@@ -296,7 +297,7 @@ class VLLMTransferEngine(VLLMEngine):
         engine = super().from_llm(llm, timeout_s=timeout_s, label=label)
         assert isinstance(engine, VLLMTransferEngine)
         inner = engine._backend
-        assert isinstance(inner, _InProcess)
+        assert isinstance(inner, InProcessBackend)
         answers = AnswerBox(directory=answer_dir, store_host=answer_host)
         engine._backend = _Transfer(inner, _LLMClient(inner, timeout_s), who=engine.label, answers=answers)
         return engine
