@@ -1,63 +1,8 @@
-"""Client for vLLM with weightsync's worker extension, in-process or over HTTP.
+"""`VLLMEngine`: the weightsync engine for vLLM running weightsync's worker extension, in process or over HTTP.
 
-One `VLLMEngine`, two forms:
-
-- in-process, `VLLMEngine.from_llm(llm)`: a `vllm.LLM` built with
-  `worker_extension_cls=EXTENSION` (colocated trainer and engine); verbs go
-  through `llm.collective_rpc`. Generation runs only inside the caller's own
-  `llm.generate`, so `pause`/`resume` have nothing to stop and do nothing;
-  do not call `llm.generate` from another thread while a push runs.
-- server, `VLLMEngine(url)`: a `vllm serve --worker-extension-cls EXTENSION`
-  started with `VLLM_SERVER_DEV_MODE=1` (and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`
-  for adapters); verbs go through `POST /collective_rpc`
-  (`engines.vllm.launch` starts such a server).
-
-| protocol | broadcast / shm / disk (worker extension)   | engine level                                   |
-|----------|---------------------------------------------|------------------------------------------------|
-| connect  | weightsync_connect (the transport's receiver joins: group, shm) | -                         |
-| pause    | -                                           | server: /pause?mode=abort/wait/keep (PausePolicy.vllm_mode) |
-| begin    | weightsync_begin (dry run, opens staging)   | -                                              |
-| receive  | weightsync_receive (receiver fetches, verify digest, stage) | -                              |
-| commit   | weightsync_commit (reload_weights, ack)     | reset the prefix cache (see below), set vLLM's |
-|          |                                             | weight version; LoRA: add_lora / load_lora_adapter |
-| abort    | weightsync_abort (drop staging)             | -                                              |
-| resume   | -                                           | server: /resume                                |
-
-Updates are staged in the workers, so generation continues while bytes
-stream (`stages_updates`); each worker call runs between two engine steps,
-so a broadcast bucket holds decoding for as long as it takes to arrive.
-
-No answer from KV computed with older weights (vLLM's prefix cache hands
-the KV blocks of one request to the next request with the same prefix):
-- pause "abort", "retract" and "none": after a full commit the prefix cache
-  is reset with running requests preempted (vLLM's
-  `reset_prefix_cache(reset_running_requests=True)`), which cannot fail:
-  requests still running (only under "none") recompute their KV with the new
-  weights and keep the tokens they already have. A request prefilled from
-  then on uses no older KV. Under "none" the engine steps between the
-  workers' reload and that reset (same commit, a few steps at most) may
-  still read older KV.
-- pause "in_place" (vLLM's "keep", sent with `clear_cache=false`: vLLM
-  0.32's default would preempt the kept requests and drop their KV): the
-  kept requests continue on their own KV (their answers span two versions
-  and say so), so the reset cannot preempt them; it is attempted without
-  preemption at every commit and fails while any request holds KV blocks.
-  Requests stay apart by salt instead: every request `generate` makes
-  carries `cache_salt()` ("weightsync-v<version>", vLLM's `cache_salt`
-  request field, which separates prefix-cache entries by salt), and an
-  answer that was prefilled under a newer version than its salt is asked
-  again. Users' own requests get the same guarantee by sending
-  `"cache_salt": engine.cache_salt()` (or `cache_salt(report.version)`),
-  read after the push returned; unsalted requests may reuse KV of older
-  versions until a reset succeeds (a commit with no request running).
-LoRA commits reset nothing: vLLM keys adapter KV by adapter name and path,
-and every adapter version has its own name.
-
-The "http" transport is not offered: on one host "shm"
-moves the same bytes without sending them through the server. vLLM's own
-GPU weight transfer (`--weight-transfer-config`) is not used: it cannot run
-on CPU, where this was built and tested (TODO: use it for NCCL on GPU).
-vLLM itself is imported only by the in-process form's methods.
+It sends the worker verbs (`worker.py`) through a `Backend` (`backends.py`) and does the
+engine-level part itself: pause and resume, the prefix-cache reset and cache salts, vLLM's
+weight-version label, LoRA registration. The design: docs/VLLM.md, "The worker extension".
 """
 
 from __future__ import annotations
@@ -116,7 +61,7 @@ class VLLMEngine:
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  label: str | None = None, num_ranks: int | None = None) -> None:
-        """The server form: `vllm serve` at `url` (see the module docstring).
+        """The server form: `vllm serve` at `url` (docs/VLLM.md).
 
         `num_ranks` (the server's TP x PP) is asked of the server when first
         needed unless given.
@@ -395,7 +340,7 @@ class VLLMEngine:
         return acks[0]
 
     def _reset_prefix_cache(self, policy: PausePolicy, *, timeout_s: float) -> None:
-        """After a full commit: drop every prefix-cache entry (see the module docstring).
+        """After a full commit: drop every prefix-cache entry (docs/VLLM.md).
 
         Only "in_place" promises the running requests their KV; under any other
         policy they are preempted (recomputed), so the reset cannot fail.

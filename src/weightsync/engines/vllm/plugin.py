@@ -1,16 +1,8 @@
-"""weightsync's vLLM plugin: registers the `"weightsync"` weight-transfer backend.
+"""weightsync's vLLM plugin (the `vllm.general_plugins` entry point `weightsync`): registers the `"weightsync"`
+weight-transfer backend in every vLLM process.
 
-Declared in pyproject.toml as a `vllm.general_plugins` entry point, so an
-installed weightsync is found by vLLM's `load_general_plugins()`, which runs
-`register` in every vLLM process (the frontend, the engine core, every worker)
-before the model loads; `VLLM_PLUGINS` (a comma-separated allow-list of plugin
-names) can leave it out. Registering in the trainer's process alone is not
-enough: the workers would refuse the backend ("Invalid weight transfer backend").
-
-`register` is idempotent (vLLM's `register_engine` raises for a name taken, and
-plugins may run more than once per process) and imports no engine code: vLLM's
-factories import `engines.vllm.transfer_engine` (worker side) and
-`engines.vllm.transfer_trainer` (trainer side) only when the backend is used.
+It imports no engine code: vLLM's factories import `transfer_engine` (worker side) and
+`transfer_trainer` (trainer side) only when the backend is used. docs/VLLM.md, "The plugin".
 """
 
 from __future__ import annotations

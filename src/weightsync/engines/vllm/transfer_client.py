@@ -1,35 +1,9 @@
-"""The trainer side of weightsync's vLLM weight-transfer backend `"weightsync"`.
+"""The trainer side of the `"weightsync"` weight-transfer backend: `VLLMTransferEngine`, a `VLLMEngine` whose
+worker verbs are vLLM's RL calls (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`), in process or over HTTP.
 
-Two ways in, one protocol underneath:
-
-- `VLLMTransferEngine`: a weightsync engine (`ws.WeightSync([engine], ...)`)
-  that drives vLLM's own RL verbs instead of the worker extension:
-  `VLLMTransferEngine.from_llm(llm)` for an in-process
-  `LLM(..., weight_transfer_config={"backend": "weightsync"})`, or
-  `VLLMTransferEngine(url)` for `vllm serve --weight-transfer-config
-  '{"backend":"weightsync"}'` with `VLLM_SERVER_DEV_MODE=1`. Everything above
-  the workers (pause and resume, the prefix-cache reset after every push,
-  vLLM's weight-version label, `generate`, the `SyncReport`) is `VLLMEngine`'s.
-- `engines.vllm.transfer_trainer.WeightSyncTrainerEngine`: vLLM's trainer API,
-  `WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0,
-  ...), client=llm_or_http_client, source=ModuleSource(model))` then
-  `send_weights()`, which pushes through such an engine.
-
-Each weightsync verb becomes vLLM calls (see `engines.vllm.transfer_engine` for the
-worker's half), and every answer is read from the data plane
-(`engines.vllm.transfer_answers`): vLLM returns none.
-
-    info / connect / disconnect   init_weight_transfer_engine {answers, seq, join?, leave?}
-    begin                         start_weight_update + update_weights {begin}
-    receive                       update_weights {bucket}
-    commit                        update_weights {commit} + finish_weight_update
-    abort                         finish_weight_update (drops what is not sealed)
-
-vLLM keeps one update session per engine: a trainer that died mid-push leaves
-it open, and the next `start_weight_update` fails with "already active"; the
-next begin then goes ahead inside that session, and the worker's update
-session decides (`sessions.take_over`: the dead trainer's staging is dropped,
-a live one's update is kept and this begin refused with 409).
+Answers are read from `transfer_answers` (vLLM returns none). How each weightsync verb maps
+to vLLM's calls: docs/VLLM.md, "The trainer side".
 """
 
 from __future__ import annotations
