@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 
 import vllm_support
-from weightsync.engines.vllm_launch import VLLMServer, launch_vllm_server
+from weightsync.engines.vllm.launch import VLLMServer, launch_vllm_server
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 from widened_model import make_widened_tiny_model
 

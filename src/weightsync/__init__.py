@@ -11,8 +11,8 @@ modules that need them.
 from weightsync.bucketing import pack, plan_buckets, unpack
 from weightsync.engines.base import Engine, EngineCapabilities, PausePolicy
 from weightsync.engines.sglang import SGLangEngine
-from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+from weightsync.engines.vllm.client import VLLMEngine
+from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 from weightsync.errors import (
     AdapterNotLoadedError,
     CastError,

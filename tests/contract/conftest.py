@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from engine_matrix import EnginePool
 
-from weightsync.engines.vllm_launch import VLLMServer
+from weightsync.engines.vllm.launch import VLLMServer
 from weightsync.server.launch import ServerProcess
 
 

@@ -20,7 +20,7 @@ from _pytest.mark.structures import ParameterSet
 
 import vllm_support
 import weightsync as ws
-from weightsync.engines.vllm_launch import VLLMServer
+from weightsync.engines.vllm.launch import VLLMServer
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 from weightsync.transports import TRANSPORTS

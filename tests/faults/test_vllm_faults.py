@@ -54,7 +54,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip(f"SKIPPED THE vLLM FAULT TESTS: {_MESSAGE}", allow_module_level=True)
 
 from vllm_shared_server import SessionVLLM  # noqa: E402
-from weightsync.engines.vllm import VLLMEngine  # noqa: E402
+from weightsync.engines.vllm.client import VLLMEngine  # noqa: E402
 
 TIMEOUT_S = 3.0
 PROMPTS = [list(p) for p in faults.PROMPTS]

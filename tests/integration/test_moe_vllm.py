@@ -24,8 +24,8 @@ from moe_models import WithoutTensors, edit_two_experts, make_moe_dir
 
 import weightsync as ws
 from vllm_shared_server import ModuleVLLM
-from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_launch import VLLMServer
+from weightsync.engines.vllm.client import VLLMEngine
+from weightsync.engines.vllm.launch import VLLMServer
 from weightsync.tiny import TinyModelConfig, build_model
 
 vf.require_vllm()

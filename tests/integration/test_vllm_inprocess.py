@@ -40,9 +40,9 @@ import vllm_fixtures as vf
 
 import vllm_support
 import weightsync as ws
-from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
-from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.engines.vllm.client import VLLMEngine
+from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
+from weightsync.engines.vllm.worker import EXTENSION
 from weightsync.integrity import digest
 from weightsync.server.launch import launch_server
 
@@ -192,10 +192,10 @@ def test_lora_push_matches_peft_and_rolls_over(engine: VLLMEngine, model_dir: Pa
 def test_the_plugin_is_declared_and_registers_once() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from weightsync.engines.vllm_plugin import register
+    from weightsync.engines.vllm.plugin import register
 
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    assert vllm_support.plugin_entry_points(pyproject) == {"weightsync": "weightsync.engines.vllm_plugin:register"}
+    assert vllm_support.plugin_entry_points(pyproject) == {"weightsync": "weightsync.engines.vllm.plugin:register"}
     register()
     register()  # plugins may run more than once per process
     assert WeightTransferEngineFactory._registry["weightsync"]().__name__ == "WeightSyncTransferEngine"
@@ -291,7 +291,7 @@ def test_vllm_trainer_api_pushes_through_the_backend(llm: Any, model_dir: Path) 
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
+    from weightsync.engines.vllm.transfer_trainer import WeightSyncTrainerInitInfo
 
     trainer_model = vf.load_trainer(model_dir)
     trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),

@@ -40,8 +40,8 @@ import pytest
 import vllm_fixtures as vf
 
 import weightsync as ws
-from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_launch import VLLMServer
+from weightsync.engines.vllm.client import VLLMEngine
+from weightsync.engines.vllm.launch import VLLMServer
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm

@@ -25,8 +25,8 @@ import vllm_fixtures as vf
 
 import weightsync as ws
 from serve_check import wait_until
-from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_launch import VLLMServer
+from weightsync.engines.vllm.client import VLLMEngine
+from weightsync.engines.vllm.launch import VLLMServer
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm

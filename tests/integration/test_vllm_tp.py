@@ -30,8 +30,8 @@ import vllm_fixtures as vf
 
 import vllm_support
 import weightsync as ws
-from weightsync.engines.vllm import VLLMEngine
-from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+from weightsync.engines.vllm.client import VLLMEngine
+from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 from weightsync.integrity import digest
 from weightsync.server.launch import launch_server
 

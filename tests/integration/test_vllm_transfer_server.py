@@ -29,8 +29,8 @@ import vllm_fixtures as vf
 from safetensors.torch import save_file
 
 import weightsync as ws
-from weightsync.engines.vllm_launch import VLLMServer
-from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+from weightsync.engines.vllm.launch import VLLMServer
+from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 from weightsync.reports import SyncReport
 from weightsync_tools import faults
 
@@ -165,7 +165,7 @@ def _send_through_vllms_client(server: VLLMServer, model: torch.nn.Module, sourc
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo
+    from weightsync.engines.vllm.transfer_trainer import WeightSyncTrainerInitInfo
 
     trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),
                                                         client=HTTPVLLMWeightSyncClient(server.url), source=source)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from weightsync.engines.vllm_worker import WeightSyncWorkerExtension, _state, error_payload
+from weightsync.engines.vllm.worker import WeightSyncWorkerExtension, _state, error_payload
 from weightsync.errors import ConflictError
 
 REFUSE_COMMIT = "_weightsync_test_refuse_commit"

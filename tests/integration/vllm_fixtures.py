@@ -168,7 +168,7 @@ def assert_next_push_takes_over(engine: Any, model_dir: Path, *, version: int, s
 @contextmanager
 def engine_of(llm: Any) -> Iterator[Any]:
     """A `VLLMEngine` over an in-process `LLM`, closed and the LLM's engine core shut down after."""
-    from weightsync.engines.vllm import VLLMEngine
+    from weightsync.engines.vllm.client import VLLMEngine
 
     engine = VLLMEngine.from_llm(llm)
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import vllm_fixtures as vf
 
 import weightsync as ws
-from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.engines.vllm.worker import EXTENSION
 
 
 def main(model_dir: Path) -> dict[str, object]:

@@ -236,3 +236,19 @@ def test_the_coordinator_reads_declared_capabilities_only() -> None:
                     if isinstance(operand, ast.Constant) and operand.value in names:
                         found.append(f"{filename}:{node.lineno}: compares with {operand.value!r}")
     assert not found, "\n".join(found)
+
+
+def test_vllm_plugin_and_package_import_no_engine_code() -> None:
+    """vLLM runs the plugin (`engines.vllm.plugin:register`) in every one of its processes, so
+    `engines/vllm/__init__.py` and `plugin.py` import nothing at module level; and only the two
+    modules vLLM's weight-transfer factories load (`transfer_engine`, `transfer_trainer`) import
+    vLLM at module level (the others import it inside the functions that need it)."""
+    package = PACKAGE / "engines" / "vllm"
+    found = [f"{path.relative_to(SRC)}: {module}"
+             for path in (package / "__init__.py", package / "plugin.py")
+             for module, top_level in _imports(path) if top_level and module != "__future__"
+             and not module.startswith("__future__.")]
+    found += [f"{path.relative_to(SRC)}: {module} (import vLLM inside the function)"
+              for path in sorted(package.glob("*.py")) if path.stem not in ("transfer_engine", "transfer_trainer")
+              for module, top_level in _imports(path) if top_level and _is_under(module, ("vllm",))]
+    assert not found, "\n".join(found)

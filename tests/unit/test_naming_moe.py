@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from weightsync.engines.base import EngineCapabilities
-from weightsync.engines.vllm_reload import layer_groups
+from weightsync.engines.vllm.reload import layer_groups
 from weightsync.naming import map_names
 from weightsync.sources import ModuleSource
 from weightsync.tiny import TinyModelConfig, build_model

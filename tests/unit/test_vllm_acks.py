@@ -1,4 +1,4 @@
-"""The answer channel of the vLLM weight-transfer backend (`engines.vllm_acks`), both kinds:
+"""The answer channel of the vLLM weight-transfer backend (`engines.vllm.transfer_answers`), both kinds:
 every worker's answer to the call it names is read back; a missing or older one is an
 error naming the rank."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.engines.vllm_acks import AnswerBox, AnswerWriter
+from weightsync.engines.vllm.transfer_answers import AnswerBox, AnswerWriter
 from weightsync.errors import EngineError
 
 

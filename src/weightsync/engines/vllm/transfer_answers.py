@@ -1,27 +1,8 @@
-"""The answer channel of weightsync's vLLM weight-transfer backend: each worker's
-answer to each call, carried beside vLLM.
+"""The answer channel of the `"weightsync"` weight-transfer backend: each worker's answer to each call,
+carried beside vLLM (whose RL calls return none to the trainer).
 
-vLLM's weight-transfer verbs (`init_weight_transfer_engine`, `start_weight_update`,
-`update_weights`, `finish_weight_update`) return nothing to the trainer: the
-in-process `LLM` methods return None, the HTTP routes return fixed messages,
-and vLLM's HTTP client drops the 500 body that holds a worker's error. So every
-worker of the `"weightsync"` backend writes its answer to each call (its ack,
-or its refusal with the error's type and fields) under the name
-`rank-<engine rank>`, and the trainer reads them after the call returned.
-Both ends live here: `AnswerWriter` in the workers (`engines.vllm_transfer`),
-`AnswerBox` in the trainer (`engines.vllm_transfer_client`).
-
-Two channels, named in every call's info (`AnswerBox.channel`):
-- "dir": one file per worker in a directory both sides can read (written,
-  fsynced, renamed into place): a temporary directory of the trainer's host
-  where vLLM runs there, a directory on a shared filesystem otherwise;
-- "store": a `torch.distributed.TCPStore` the trainer hosts (one key per
-  worker), for vLLM on another host: its workers reach the trainer's address
-  as they reach a broadcast group's store, and share no filesystem with it.
-
-Calls are numbered by the trainer (`seq`); an answer names the call it
-answers, so an answer left from an earlier call is never taken for the current
-one (each worker overwrites its own).
+Both ends: `AnswerWriter` in the workers, `AnswerBox` in the trainer; a directory both can read,
+or a TCP store the trainer hosts. Why and how: docs/VLLM.md, "The answer channel".
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
-"""The trainer side of weightsync's vLLM weight-transfer backend `"weightsync"`.
+"""The trainer side of the `"weightsync"` weight-transfer backend: `VLLMTransferEngine`, a `VLLMEngine` whose
+worker verbs are vLLM's RL calls (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`), in process or over HTTP.
 
-Two ways in, one protocol underneath:
-
-- `VLLMTransferEngine`: a weightsync engine (`ws.WeightSync([engine], ...)`)
-  that drives vLLM's own RL verbs instead of the worker extension:
-  `VLLMTransferEngine.from_llm(llm)` for an in-process
-  `LLM(..., weight_transfer_config={"backend": "weightsync"})`, or
-  `VLLMTransferEngine(url)` for `vllm serve --weight-transfer-config
-  '{"backend":"weightsync"}'` with `VLLM_SERVER_DEV_MODE=1`. Everything above
-  the workers (pause and resume, the prefix-cache reset after every push,
-  vLLM's weight-version label, `generate`, the `SyncReport`) is `VLLMEngine`'s.
-- `engines.vllm_trainer.WeightSyncTrainerEngine`: vLLM's trainer API,
-  `WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0,
-  ...), client=llm_or_http_client, source=ModuleSource(model))` then
-  `send_weights()`, which pushes through such an engine.
-
-Each weightsync verb becomes vLLM calls (see `engines.vllm_transfer` for the
-worker's half), and every answer is read from the data plane
-(`engines.vllm_acks`): vLLM returns none.
-
-    info / connect / disconnect   init_weight_transfer_engine {answers, seq, join?, leave?}
-    begin                         start_weight_update + update_weights {begin}
-    receive                       update_weights {bucket}
-    commit                        update_weights {commit} + finish_weight_update
-    abort                         finish_weight_update (drops what is not sealed)
-
-vLLM keeps one update session per engine: a trainer that died mid-push leaves
-it open, and the next `start_weight_update` fails with "already active"; the
-next begin then goes ahead inside that session, and the worker's update
-session decides (`sessions.take_over`: the dead trainer's staging is dropped,
-a live one's update is kept and this begin refused with 409).
+Answers are read from `transfer_answers` (vLLM returns none). How each weightsync verb maps
+to vLLM's calls: docs/VLLM.md, "The trainer side".
 """
 
 from __future__ import annotations
@@ -43,8 +17,9 @@ import threading
 from typing import Any, Protocol
 
 from weightsync.engines.base import Completion, EngineCapabilities
-from weightsync.engines.vllm import RPC_MARGIN_S, VLLMEngine, _Backend, _InProcess, _Server
-from weightsync.engines.vllm_acks import AnswerBox
+from weightsync.engines.vllm.backends import RPC_MARGIN_S, Backend, InProcessBackend, ServerBackend
+from weightsync.engines.vllm.client import VLLMEngine
+from weightsync.engines.vllm.transfer_answers import AnswerBox
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.hosts import is_local_host, local_address_towards, url_host
 
@@ -71,15 +46,15 @@ class TransferClient(Protocol):
 
 class _LLMClient:
     """The four verbs on every worker of an in-process `vllm.LLM`, as its own RL methods
-    call them (`collective_rpc`), with a timeout, through `_InProcess` (one caller at a
+    call them (`collective_rpc`), with a timeout, through `InProcessBackend` (one caller at a
     time; vLLM's exceptions become weightsync errors)."""
 
-    def __init__(self, inner: _InProcess, timeout_s: float) -> None:
+    def __init__(self, inner: InProcessBackend, timeout_s: float) -> None:
         self.inner = inner
         self.timeout_s = timeout_s
 
     def _rpc(self, method: str, **kwargs: Any) -> None:
-        self.inner._call(method, lambda: self.inner.llm.collective_rpc(method, timeout=self.timeout_s, kwargs=kwargs))
+        self.inner.call(method, lambda: self.inner.llm.collective_rpc(method, timeout=self.timeout_s, kwargs=kwargs))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._rpc("init_weight_transfer_engine", init_info=init_info)
@@ -99,7 +74,7 @@ class _LLMClient:
 class _HttpClient:
     """The four verbs as `vllm serve`'s RL routes (VLLM_SERVER_DEV_MODE=1)."""
 
-    def __init__(self, server: _Server, timeout_s: float) -> None:
+    def __init__(self, server: ServerBackend, timeout_s: float) -> None:
         self.http = server.http
         self.timeout_s = timeout_s
 
@@ -123,11 +98,11 @@ class _HttpClient:
         self._post("/finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
 
 
-class _Transfer(_Backend):
+class _Transfer(Backend):
     """`VLLMEngine`'s backend with the worker verbs as vLLM's weight-transfer calls;
-    generation control goes to the wrapped form (`_InProcess` or `_Server`)."""
+    generation control goes to the wrapped form (`InProcessBackend` or `ServerBackend`)."""
 
-    def __init__(self, inner: _Backend, client: TransferClient, *, who: str, answers: AnswerBox) -> None:
+    def __init__(self, inner: Backend, client: TransferClient, *, who: str, answers: AnswerBox) -> None:
         self.inner = inner
         self.client = client
         self.who = who
@@ -260,7 +235,7 @@ class VLLMTransferEngine(VLLMEngine):
     disk and broadcast, plus deltas of whole fused layers; no LoRA
     (`lora_transports` is empty).
 
-    Where the workers answer (`engines.vllm_acks`): in `answer_dir` (a directory
+    Where the workers answer (`engines.vllm.transfer_answers`): in `answer_dir` (a directory
     both sides read) if given; else in a TCP store on `answer_host` (an address
     of this host the workers reach) if given, or by default for a server on
     another host; else in a temporary directory of this host.
@@ -273,7 +248,7 @@ class VLLMTransferEngine(VLLMEngine):
                  answer_host: str | None = None) -> None:
         super().__init__(url, api_key=api_key, timeout_s=timeout_s, label=label, num_ranks=num_ranks)
         server = self._backend
-        assert isinstance(server, _Server)
+        assert isinstance(server, ServerBackend)
         host = url_host(url)
         if answer_dir is None and answer_host is None and host is not None and not is_local_host(host):
             answer_host = local_address_towards(host)
@@ -296,7 +271,7 @@ class VLLMTransferEngine(VLLMEngine):
         engine = super().from_llm(llm, timeout_s=timeout_s, label=label)
         assert isinstance(engine, VLLMTransferEngine)
         inner = engine._backend
-        assert isinstance(inner, _InProcess)
+        assert isinstance(inner, InProcessBackend)
         answers = AnswerBox(directory=answer_dir, store_host=answer_host)
         engine._backend = _Transfer(inner, _LLMClient(inner, timeout_s), who=engine.label, answers=answers)
         return engine

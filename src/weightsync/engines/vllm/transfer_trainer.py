@@ -1,22 +1,8 @@
-"""vLLM's trainer API for the `"weightsync"` backend: `trainer_init(...)`, then `send_weights()`.
+"""vLLM's trainer API for the `"weightsync"` backend: `trainer_init(WeightSyncTrainerInitInfo(...))`, then
+`send_weights()`, each one `ws.WeightSync.push` through a `VLLMTransferEngine`.
 
-For code written against vLLM's weight-transfer API:
-
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from weightsync.engines.vllm_trainer import WeightSyncTrainerInitInfo   # registers the backend
-
-    trainer = WeightTransferTrainerFactory.trainer_init(
-        WeightSyncTrainerInitInfo(rank=0, transport="shm"), client=llm, source=ModuleSource(model))
-    trainer.send_weights()          # every step; trainer.last_report holds the SyncReport
-
-`source` is a vLLM `WeightSource` of either shape, vLLM <= 0.32's (`metadata()`,
-`__iter__`) or vLLM 0.33's (`metadata` a cached_property, `iter_full()`,
-`owned_names(rank)`); vLLM's `ModuleSource` of either is pushed as its module.
-`client` is the in-process `vllm.LLM`, vLLM's `HTTPVLLMWeightSyncClient` (its
-`base_url` is used), or a `VLLMTransferEngine`. Each `send_weights` is one
-`ws.WeightSync.push` (verified, acked, prefix cache reset) of the next version
-(one more than the engine serves). Imports vLLM: use it where vLLM is installed.
+Imports vLLM: use it where vLLM is installed. Usage and the source shapes it takes
+(vLLM 0.32's and 0.33's `WeightSource`): docs/VLLM.md, "The trainer side".
 """
 
 from __future__ import annotations
@@ -31,8 +17,8 @@ from typing import Any, ClassVar, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from weightsync.engines.vllm_plugin import BACKEND, register
-from weightsync.engines.vllm_transfer_client import VLLMTransferEngine
+from weightsync.engines.vllm.plugin import BACKEND, register
+from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 from weightsync.manifest import TensorMeta
 from weightsync.reports import SyncReport
 

