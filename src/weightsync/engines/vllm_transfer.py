@@ -180,9 +180,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def shutdown(self) -> None:
         self.sync.session.abort()
-        for receiver in self.sync.receivers.values():
-            receiver.close()
-        self.sync.receivers.clear()
+        self.sync.receive_path.close()
 
     # -- the steps -----------------------------------------------------------------
 

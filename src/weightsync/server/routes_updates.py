@@ -8,7 +8,6 @@ collectives, disk reads) runs in worker threads.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -55,12 +54,10 @@ from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
 from weightsync.transports import TRANSPORTS
-from weightsync.transports.base import Receiver
 from weightsync.transports.shm import ShmLink, ShmTransport
 from weightsync.types import (
     Ack,
     Delivery,
-    Link,
     TensorEntry,
     TensorMeta,
     dtype_from_name,
@@ -391,28 +388,24 @@ def _commit(state: ServerState, request: CommitRequest) -> Ack:
     """Commit, holding generation in the request's pause mode for the commit alone (what
     /pause_generation, the commit and /continue_generation do, in one round trip). The
     ack names the shm slots the served weights now live in (`Ack.held_slots`)."""
+    held_slots = state.receive_path.held_slots
     if request.pause is None:
-        ack = state.updater.commit(request.version)
-    else:
-        state.scheduler.pause(request.pause)
-        try:
-            ack = state.updater.commit(request.version)
-        finally:
-            state.scheduler.resume()
-    served = state.updater.served_buffers()
-    with state.receivers_lock:
-        receivers = list(state.receivers.values())
-    held = {name: slots for receiver in receivers for name, slots in receiver.held_slots(served).items()}
-    return dataclasses.replace(ack, held_slots=held) if held else ack
+        return state.updater.commit(request.version, held_slots=held_slots)
+    state.scheduler.pause(request.pause)
+    try:
+        return state.updater.commit(request.version, held_slots=held_slots)
+    finally:
+        state.scheduler.resume()
 
 
 def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:
+    """`/weightsync/shm_bucket`: the bucket in a slot of the named segment, mapped at its
+    first bucket, then kept."""
     link = ShmLink(transport=ShmTransport.name, shm_name=request.shm_name, slot_bytes=request.slot_bytes,
-                num_slots=request.num_slots)
-    receiver = state.receiver(link.transport)
-    receiver.join(link, rank=0)  # mapped at the first bucket, then kept
-    return _stage(state, receiver, link, request.version, request.index,
-                  Delivery(transport=link.transport, slot=request.slot), request.digest)
+                   num_slots=request.num_slots)
+    return state.receive_path.receive(link, version=request.version, index=request.index,
+                                      delivery=Delivery(transport=link.transport, slot=request.slot),
+                                      digest_hex=request.digest)
 
 
 def _stage_fetched(state: ServerState, body: dict[str, Any]) -> str:
@@ -420,29 +413,9 @@ def _stage_fetched(state: ServerState, body: dict[str, Any]) -> str:
     which joins the link's session at its first bucket."""
     request = ReceiveRequest.from_json(body)
     link = request.link
-    receiver = state.receiver(link.transport)
+    receiver = state.receive_path.receiver(link.transport)
     if receiver.bytes_in_delivery or receiver.reads_at_commit or receiver.collective:
         raise HTTPError(400, f"transport {link.transport!r} does not deliver through {ReceiveRequest.ROUTE}: "
                         "its bytes come in /weightsync/bucket frames, SGLang's group routes or a version directory")
-    state.updater.receiver.bucket(request.version, request.index)  # an open update, a valid index
-    try:
-        receiver.check_joined(link)
-    except LookupError:
-        receiver.join(link, rank=0)
-    return _stage(state, receiver, link, request.version, request.index, request.delivery, request.digest)
-
-
-def _stage(state: ServerState, receiver: Receiver, link: Link, version: int, index: int, delivery: Delivery,
-           digest_hex: str | None) -> str:
-    """Copy bucket `index` into a receive buffer, hashing it on the way where the
-    receiver can, and stage it."""
-    session = state.updater.receiver
-    bucket = session.bucket(version, index)
-    adopted = receiver.adopt(link, bucket, delivery) if session.serves_whole(version) else None
-    if adopted is not None:  # served from where it lies (shm): hashed in place when staged
-        buffer, computed = adopted, None
-    else:
-        buffer, computed = receiver.fetch_hashed(link, bucket, delivery, state.updater.buffers.take(bucket.nbytes),
-                                                 session.digest_algorithm(version))
-    return state.updater.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
-                                      computed=computed)
+    return state.receive_path.receive(link, version=request.version, index=request.index,
+                                      delivery=request.delivery, digest_hex=request.digest)

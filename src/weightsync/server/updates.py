@@ -257,10 +257,11 @@ class WeightUpdater:
         return self.receiver.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
                                           computed=computed)
 
-    def commit(self, version: int) -> Ack:
-        """Apply the open weightsync session; returns the ack."""
+    def commit(self, version: int, *, held_slots: Callable[[], Mapping[str, tuple[int, ...]]] | None = None) -> Ack:
+        """Apply the open weightsync session; returns the ack (`held_slots`: see
+        `receiving.UpdateSession.commit`)."""
         with self._lock:
-            return self.receiver.commit(version)
+            return self.receiver.commit(version, held_slots=held_slots)
 
     def abort(self, version: int | None, *, owner: str | None = None) -> bool:
         """Drop the open session (if `version` matches or is None, and it is not another
