@@ -118,7 +118,7 @@ class ReceivePath:
         """Stage the open update `version` from `link`'s version directory, where its
         transport delivers nothing per bucket (disk; every bucket's digest checked);
         nothing to do for other transports, another version, or a sealed update."""
-        update = self.session.open
+        update = self.session.open_update
         if update is None or update.version != version or link is None or update.sealed is not None:
             return
         receiver = self.receiver(link.transport)

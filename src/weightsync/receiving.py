@@ -160,7 +160,7 @@ class UpdateSession:
         self._open: OpenUpdate | None = None
 
     @property
-    def open(self) -> OpenUpdate | None:
+    def open_update(self) -> OpenUpdate | None:
         """The open update, if any."""
         return self._open
 

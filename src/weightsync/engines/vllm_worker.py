@@ -264,7 +264,7 @@ class WorkerSync:
         lora_config = self.worker.vllm_config.lora_config
         return {
             "num_ranks": self.num_ranks, "version": self.version, "dirty": self.dirty,
-            "open_version": None if self.session.open is None else self.session.open.version,
+            "open_version": None if self.session.open_update is None else self.session.open_update.version,
             "lora_enabled": lora_config is not None,
             "max_lora_rank": lora_config.max_lora_rank if lora_config is not None else None,
             "model": str(self.worker.vllm_config.model_config.model),
@@ -318,7 +318,7 @@ class WorkerSync:
 
     def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         version = int(body["version"])
-        update = self.session.open
+        update = self.session.open_update
         ack = self.receive_path.commit(version, self.link)
         assert update is not None  # commit found it open
         if not update.manifest.is_adapter:

@@ -271,7 +271,7 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
 
 def _pack_listed(state: ServerState, version: int, index: int, named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """Tensors received one broadcast each, packed into their bucket's layout."""
-    bucket = state.updater.receiver.bucket(version, index)
+    bucket = state.updater.session.bucket(version, index)
     if [n for n, _ in named] != list(bucket.hf_names):
         raise ValueError(f"bucket {index}: names listed differ from the manifest's bucket (same names, same order)")
     buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
@@ -330,20 +330,20 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(BUCKET_ROUTE)
     async def bucket(request: Request) -> JSONResponse:
         require_admin(request, state.config.admin_api_key)
-        session = updater.session
-        if session is None:
+        update = updater.session.open_update
+        if update is None:
             raise ConflictError("no weightsync update session is open; call /weightsync/begin")
-        largest = max((b.nbytes for b in session.manifest.buckets), default=0)
+        largest = max((b.nbytes for b in update.manifest.buckets), default=0)
         try:
             frame = await read_body(request, largest + FRAME_OVERHEAD_BYTES)
         except ClientDisconnect:  # the trainer vanished mid-body: its update cannot complete
-            updater.abort(session.version, owner=session.owner)
+            updater.abort(update.version, owner=update.owner)
             raise
 
         def work() -> str:
             header, payload = decode_frame(frame)
             buffer = updater.buffers.take(len(payload))
-            computed = copy_hashed(buffer, bytes_tensor(payload), updater.receiver.digest_algorithm(header.version))
+            computed = copy_hashed(buffer, bytes_tensor(payload), updater.session.digest_algorithm(header.version))
             return updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
                                         digest_hex=header.digest, computed=computed)
 

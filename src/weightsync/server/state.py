@@ -80,7 +80,7 @@ class ServerState:
                                 session_timeout_s=config.session_timeout_s, lora_store=lora_store)
         updater_box.append(updater)
         scheduler.start()
-        receive_path = ReceivePath(updater.receiver, make_receiver=make_receiver, hooks=ReceiveHooks(
+        receive_path = ReceivePath(updater.session, make_receiver=make_receiver, hooks=ReceiveHooks(
             alloc=updater.buffers.take, serves_received=True, served_buffers=updater.served_buffers,
             joins_at_first_bucket=True))
         return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store,

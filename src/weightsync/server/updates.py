@@ -126,7 +126,7 @@ class StageResult:
 class WeightUpdater:
     """The served weights, their version and the one open update session.
 
-    It is the `receiving.Applier` of its weightsync sessions (`self.receiver`):
+    It is the `receiving.Applier` of its weightsync sessions (`self.session`):
     a commit swaps the staged bucket-buffer views in between two steps."""
 
     def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
@@ -144,7 +144,7 @@ class WeightUpdater:
         self.session_timeout_s = session_timeout_s
         self.lora_store = lora_store
         self._lock = threading.RLock()
-        self.receiver = UpdateSession(self, engine=ENGINE, rules=SessionRules(
+        self.session = UpdateSession(self, engine=ENGINE, rules=SessionRules(
             timeout_s=session_timeout_s, adapter_keeps_version=True))
         """The weightsync update session (at most one session of either kind is open)."""
         self._sglang: SglangSession | None = None
@@ -210,15 +210,10 @@ class WeightUpdater:
 
     # -- weightsync sessions -----------------------------------------------------------------
 
-    @property
-    def session(self) -> OpenUpdate | None:
-        """The open weightsync update, if any."""
-        return self.receiver.open
-
     def session_info(self) -> dict[str, Any] | None:
         """The open session of either kind, for /weightsync/info."""
         now = time.monotonic()
-        update, sglang = self.receiver.open, self._sglang
+        update, sglang = self.session.open_update, self._sglang
         if update is not None:
             return {"kind": "weightsync", "version": update.version, "label": self._update_label,
                     "owner": update.owner, "timeout_s": update.manifest.timeout_s,
@@ -243,7 +238,7 @@ class WeightUpdater:
                     preempted = take_over(holder, manifest.owner, time.monotonic())
                 except SessionBusyError as e:
                     raise ConflictError(str(e), retry_after_s=e.retry_after_s) from None
-            preempted = self.receiver.begin(manifest) or preempted
+            preempted = self.session.begin(manifest) or preempted
             self._make_final()
             self._sglang = None
             self._update_label = None
@@ -254,20 +249,20 @@ class WeightUpdater:
         """Verify one packed bucket and stage it. Takes ownership of `buffer` (a copy the
         caller made; `computed`: its digest, computed here while copying). Returns the
         digest computed here."""
-        return self.receiver.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
+        return self.session.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
                                           computed=computed)
 
     def commit(self, version: int, *, held_slots: Callable[[], Mapping[str, tuple[int, ...]]] | None = None) -> Ack:
         """Apply the open weightsync session; returns the ack (`held_slots`: see
         `receiving.UpdateSession.commit`)."""
         with self._lock:
-            return self.receiver.commit(version, held_slots=held_slots)
+            return self.session.commit(version, held_slots=held_slots)
 
     def abort(self, version: int | None, *, owner: str | None = None) -> bool:
         """Drop the open session (if `version` matches or is None, and it is not another
         owner's); True if one was dropped."""
         with self._lock:
-            if self.receiver.abort(version, owner=owner):
+            if self.session.abort(version, owner=owner):
                 return True
             if version is None and self._sglang is not None:
                 log.info("SGLang update session aborted; served weights unchanged")
@@ -382,7 +377,7 @@ class WeightUpdater:
     def begin_sglang(self) -> str:
         with self._lock:
             self._expire_idle()
-            if self.receiver.open is not None:
+            if self.session.open_update is not None:
                 return "a weightsync session is already open; updates stage into it"
             if self._sglang is not None:
                 return "a sglang session is already open; updates stage into it"
@@ -391,36 +386,36 @@ class WeightUpdater:
 
     def end_sglang(self) -> StageResult:
         with self._lock:
-            update, session = self.receiver.open, self._sglang
+            update, sglang = self.session.open_update, self._sglang
             if update is not None:
                 return StageResult(f"weightsync session v{update.version} is open; /weightsync/commit applies it")
-            if session is None:
+            if sglang is None:
                 return StageResult("no open weight update session")
             self._sglang = None
-            if not session.tensors:
+            if not sglang.tensors:
                 return StageResult("weight update session closed; nothing was staged")
-            return self._apply_sglang(session.tensors, session.label)
+            return self._apply_sglang(sglang.tensors, sglang.label)
 
     def stage_named(self, named: NamedTensors, *, label: str | None, full: bool = False) -> StageResult:
         """Check and stage named tensors from an SGLang-shaped route (see the module docstring);
         `label` is the request's `weight_version`."""
         with self._lock:
             self._expire_idle()
-            update, session = self.receiver.open, self._sglang
+            update, sglang = self.session.open_update, self._sglang
             if update is not None:
-                self.receiver.stage_named(update.version, named)
+                self.session.stage_named(update.version, named)
                 if label is not None:
                     self._update_label = label
                 return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{update.version}")
-            staged = session.tensors if session is not None else {}
+            staged = sglang.tensors if sglang is not None else {}
             named = self.experts.fuse(named, lambda n: staged.get(n, self.params[n]), full=full)
             check_named(named, self.metas, what="the served model", full=full)
-            if session is None:
+            if sglang is None:
                 return self._apply_sglang(copies(named), label)
-            session.tensors.update(copies(named))
+            sglang.tensors.update(copies(named))
             if label is not None:
-                session.label = label
-            session.touched = time.monotonic()
+                sglang.label = label
+            sglang.touched = time.monotonic()
             return StageResult(f"staged {len(named)} tensor(s); /end_weight_update applies them")
 
     def _apply_sglang(self, tensors: Mapping[str, torch.Tensor], label: str | None) -> StageResult:
@@ -439,7 +434,7 @@ class WeightUpdater:
         manifest's version, labelled `label` (default: the version's decimal string).
         """
         manifest, buckets = read_version(directory)
-        update = self.receiver.open
+        update = self.session.open_update
         if update is not None:
             if update.version != manifest.version:
                 raise ConflictError(f"{directory} holds v{manifest.version}, the open session is v{update.version}")
@@ -462,7 +457,7 @@ class WeightUpdater:
     def stage_as_buckets(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
         """Pack named tensors into the open weightsync session's bucket layout and stage
         every bucket (checked against the manifest's digests where it has them)."""
-        update = self.receiver.open
+        update = self.session.open_update
         if update is None:
             raise ConflictError("no weightsync update session is open")
         manifest = update.manifest
@@ -567,12 +562,12 @@ class WeightUpdater:
     def _expire_idle(self) -> None:
         """Discard an update silent past its trainer's timeout, and an SGLang session idle
         for longer than the server's session timeout."""
-        self.receiver.drop_if_idle()
+        self.session.drop_if_idle()
         self._expire_sglang()
 
     def _expire_sglang(self) -> None:
-        session = self._sglang
-        if session is not None and time.monotonic() - session.touched > self.session_timeout_s:
+        sglang = self._sglang
+        if sglang is not None and time.monotonic() - sglang.touched > self.session_timeout_s:
             log.warning("discarding the SGLang update session idle for more than %.0fs", self.session_timeout_s)
             self._sglang = None
 

@@ -118,10 +118,10 @@ def test_a_session_is_its_owners_until_the_owner_is_gone_or_silent(updater: Weig
         updater.begin(replace(manifest, version=6, owner=b, timeout_s=30.0))
     assert updater.abort(5, owner=b) is False, "an abort never drops another trainer's session"
     updater.begin(replace(manifest, version=6, owner=a, timeout_s=30.0))  # its owner begins again
-    assert updater.session is not None and updater.session.version == 6
-    updater.session.touched -= 31.0  # a's silence, past its own timeout
+    assert updater.session.open_update is not None and updater.session.open_update.version == 6
+    updater.session.open_update.touched -= 31.0  # a's silence, past its own timeout
     assert "past its timeout" in (updater.begin(replace(manifest, version=7, owner=b, timeout_s=30.0)) or "")
-    assert updater.session.owner == b
+    assert updater.session.open_update.owner == b
 
 
 def test_a_dead_trainers_session_is_reported_gone_however_long_it_was_silent(updater: WeightUpdater,
@@ -142,8 +142,8 @@ def test_a_dead_trainers_session_is_reported_gone_however_long_it_was_silent(upd
     assert child.pid != os.getpid()
     manifest = update(new_weights(model, 3), 5)[0]
     updater.begin(replace(manifest, owner=dead, timeout_s=3.0))
-    assert updater.session is not None
-    updater.session.touched -= 10 * updater.session_timeout_s  # silent far past both timeouts
+    assert updater.session.open_update is not None
+    updater.session.open_update.touched -= 10 * updater.session_timeout_s  # silent far past both timeouts
     note = updater.begin(replace(manifest, version=6, owner=session_owner(), timeout_s=3.0))
     assert note is not None and "its process is gone" in note, note
 
@@ -151,10 +151,10 @@ def test_a_dead_trainers_session_is_reported_gone_however_long_it_was_silent(upd
 def test_idle_session_gives_way_after_the_timeout(updater: WeightUpdater, model: Tiny) -> None:
     weights = new_weights(model, 4)
     updater.begin(update(weights, 5)[0])
-    assert updater.session is not None
-    updater.session.touched -= 2 * updater.session_timeout_s  # idle for twice the timeout
+    assert updater.session.open_update is not None
+    updater.session.open_update.touched -= 2 * updater.session_timeout_s  # idle for twice the timeout
     updater.begin(update(weights, 6)[0])  # the idle v5 session is discarded
-    assert updater.session is not None and updater.session.version == 6
+    assert updater.session.open_update is not None and updater.session.open_update.version == 6
 
 
 def test_named_tensors_checked_before_anything_is_copied(updater: WeightUpdater, model: Tiny) -> None:
