@@ -180,7 +180,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
         if label is None:
             raise HTTPError(400, "missing required field 'new_version'")
         _maybe_abort_all(state, body, default=True)
-        await run_in_threadpool(updater.set_label, label)
+        await run_in_threadpool(updater.weights.set_label, label)
         return answer(f"Weight version updated to {label}", new_version=label)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
@@ -189,7 +189,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
         name = field_str(body, "name", required=True)
         assert name is not None
         truncate = field_int(body, "truncate_size", default=100)
-        values, digest_hex = await run_in_threadpool(updater.weights_by_name, name, truncate or 0)
+        values, digest_hex = await run_in_threadpool(updater.weights.weights_by_name, name, truncate or 0)
         # SGLang answers with the bare list; the digest of the whole tensor rides in a header.
         return JSONResponse(values, headers={"X-Weightsync-Digest": digest_hex})
 
@@ -253,7 +253,7 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
         try:
             named, buffer = ingest.receive_broadcast(
                 joined.group, entries, flattened=load_format == "flattened_bucket",
-                timeout_s=state.config.group_timeout_s, alloc=state.updater.buffers.take)
+                timeout_s=state.config.group_timeout_s, alloc=state.updater.weights.buffers.take)
         except (RuntimeError, SyncTimeoutError):  # the group broke (a trainer died) or stalled
             if bucket_index is not None:  # that trainer's weightsync update cannot complete
                 state.updater.abort(field_int(body, "weightsync_version"))
@@ -286,7 +286,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     @app.get(INFO_ROUTE)
     async def info() -> dict[str, Any]:
         lora_enabled = state.lora_store is not None
-        dtype = _serving_dtype(updater.metas.values())
+        dtype = _serving_dtype(updater.weights.metas.values())
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
@@ -298,11 +298,11 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "weightsync": 1,
             "instance": state.instance,
             "weight_version": updater.version,
-            "label": updater.label,
+            "label": updater.weights.label,
             "capabilities": capabilities.to_dict(),
-            "dirty": updater.coverage.dirty,  # SGLang-shaped requests applied part of an update
-            "partial_update": updater.coverage.info(),
-            "torn": updater.coverage.unservable(),
+            "dirty": updater.weights.coverage.dirty,  # SGLang-shaped requests applied part of an update
+            "partial_update": updater.weights.coverage.info(),
+            "torn": updater.weights.coverage.unservable(),
             "transports": sorted(capabilities.transports),
             "lora_transports": sorted(capabilities.lora_transports),
             "loaded_loras": state.lora_store.names() if state.lora_store is not None else [],
@@ -311,14 +311,14 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "waiting_requests": state.scheduler.num_waiting,
             "session": updater.session_info(),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
-                       for n, m in updater.metas.items()},
+                       for n, m in updater.weights.metas.items()},
             "dtype": dtype,
         }
 
     @app.post(DigestsRequest.ROUTE)
     async def digests(request: Request) -> JSONResponse:
         names = DigestsRequest.from_json(await read_json(request, state.config.max_json_bytes)).names
-        version, result = await run_in_threadpool(updater.digests, names)
+        version, result = await run_in_threadpool(updater.weights.digests, names)
         return answer("", weight_version=version, digests=result)
 
     @app.post(BeginRequest.ROUTE)
@@ -342,7 +342,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
         def work() -> str:
             header, payload = decode_frame(frame)
-            buffer = updater.buffers.take(len(payload))
+            buffer = updater.weights.buffers.take(len(payload))
             computed = copy_hashed(buffer, bytes_tensor(payload), updater.session.digest_algorithm(header.version))
             return updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
                                         digest_hex=header.digest, computed=computed)

@@ -71,7 +71,7 @@ class ServerState:
         scheduler = Scheduler(
             runner,
             max_running=config.max_running,
-            served=lambda: updater_box[0].served,
+            served=lambda: updater_box[0].weights.served,
             release_adapter=lora_store.release if lora_store is not None else None,
         )
         label = config.weight_version
@@ -81,7 +81,7 @@ class ServerState:
         updater_box.append(updater)
         scheduler.start()
         receive_path = ReceivePath(updater.session, make_receiver=make_receiver, hooks=ReceiveHooks(
-            alloc=updater.buffers.take, serves_received=True, served_buffers=updater.served_buffers,
+            alloc=updater.weights.buffers.take, serves_received=True, served_buffers=updater.weights.served_buffers,
             joins_at_first_bucket=True))
         return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store,
                    memory=MemoryOccupation(updater, scheduler), receive_path=receive_path)

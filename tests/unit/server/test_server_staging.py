@@ -60,7 +60,7 @@ def update(
 
 
 def served(updater: WeightUpdater) -> dict[str, str]:
-    return updater.digests()[1]
+    return updater.weights.digests()[1]
 
 
 def test_commit_swaps_everything_at_once(updater: WeightUpdater, model: Tiny) -> None:
@@ -182,10 +182,10 @@ def test_sglang_session_applies_at_end_as_the_next_version_under_its_label(updat
     # slime sends one label on every bucket of an update; SGLang's labels are free strings.
     updater.stage_named([("norm.weight", good["norm.weight"])], label="step_10")
     updater.stage_named([("norm.bias", good["norm.bias"])], label="step_10")
-    assert updater.served == ServedVersion(3, "3")
+    assert updater.weights.served == ServedVersion(3, "3")
     result = updater.end_sglang()
     assert result.ack is not None and result.ack.version == 4
-    assert updater.served == ServedVersion(4, "step_10")
+    assert updater.weights.served == ServedVersion(4, "step_10")
     assert served(updater)["norm.weight"] == digest(good["norm.weight"])
     assert served(updater)["norm.bias"] == digest(good["norm.bias"])
 
@@ -196,11 +196,11 @@ def test_labels_are_sglang_strings_and_versions_stay_weightsync_integers(updater
     # Applied on arrival: each SGLang-shaped update is the next version; a repeated label is fine.
     for expected in (4, 5):
         updater.stage_named([("norm.bias", good["norm.bias"])], label="v1")
-        assert updater.served == ServedVersion(expected, "v1")
+        assert updater.weights.served == ServedVersion(expected, "v1")
     updater.stage_named([("norm.bias", good["norm.bias"])], label=None)  # no label: SGLang keeps it
-    assert updater.served == ServedVersion(6, "v1")
-    updater.set_label("step_10")  # /update_weight_version: the label only
-    assert updater.served == ServedVersion(6, "step_10")
+    assert updater.weights.served == ServedVersion(6, "v1")
+    updater.weights.set_label("step_10")  # /update_weight_version: the label only
+    assert updater.weights.served == ServedVersion(6, "step_10")
     # weightsync's own pushes still order by integer, whatever the label says.
     with pytest.raises(ConflictError, match="not newer"):
         updater.begin(update(good, 6)[0])
@@ -209,7 +209,7 @@ def test_labels_are_sglang_strings_and_versions_stay_weightsync_integers(updater
     for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
         updater.stage_bucket(version=7, index=bucket.index, buffer=buffer.clone(), digest_hex=bucket.digest)
     updater.commit(7)
-    assert updater.served == ServedVersion(7, "7")
+    assert updater.weights.served == ServedVersion(7, "7")
 
 
 def test_delta_needs_its_base_version(updater: WeightUpdater, model: Tiny) -> None:
