@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -161,7 +161,7 @@ class UpdateSession:
         self._open: OpenUpdate | None = None
 
     @property
-    def open(self) -> OpenUpdate | None:
+    def open_update(self) -> OpenUpdate | None:
         """The open update, if any."""
         return self._open
 
@@ -278,9 +278,11 @@ class UpdateSession:
             update.sealed = Ack(engine=self.engine, version=version, digests=digests, tensor_digests=tensor_digests)
             return update.sealed
 
-    def commit(self, version: int) -> Ack:
-        """Apply the open update (sealing it first if it is not); the update is closed
-        after the applier ran, whether it succeeded or not."""
+    def commit(self, version: int, *, held_slots: Callable[[], Mapping[str, tuple[int, ...]]] | None = None) -> Ack:
+        """Apply the open update (sealing it first if it is not) and return its ack; the
+        update is closed after the applier ran, whether it succeeded or not. `held_slots`:
+        asked once the applier ran, the transport slots the served weights now live in
+        (`ReceivePath.held_slots`), named in the ack."""
         with self._lock:
             sealed = self.seal(version)
             update = self._require(version)
@@ -292,7 +294,8 @@ class UpdateSession:
                     loaded = self.applier.apply(update)
             finally:
                 self._close(update)
-            return replace(sealed, loaded_names=frozenset(loaded))
+            held = held_slots() if held_slots is not None else {}
+            return replace(sealed, loaded_names=frozenset(loaded), held_slots=dict(held))
 
     def abort(self, version: int | None = None, *, owner: str | None = None) -> bool:
         """Drop the open update (if `version` matches or is None, and it is not another

@@ -33,7 +33,7 @@ class FaultyDiskExtension(WeightSyncWorkerExtension):
         (as a bad read on one host would); any other rank (-1: none) reads as it should.
         True where the fault is on."""
         state = _state(self)
-        receiver = state._receiver("disk")
+        receiver = state.receive_path.receiver("disk")
         receiver.__dict__.pop("read", None)  # the class's read again
         if state.rank != rank:
             return False

@@ -137,6 +137,17 @@ def test_transports_import_neither_engines_nor_server() -> None:
     assert not found, found
 
 
+def test_the_receiving_side_imports_no_engine_and_no_server() -> None:
+    """The update session (`receiving.py`) and the receive path (`receive_path.py`: fetch by
+    link, stage, ack) are written once for every engine: the vLLM worker extension and the
+    embedded server import them, never the other way round, not even inside a function."""
+    found = [f"{path.relative_to(SRC)}: {module}"
+             for path in (PACKAGE / "receiving.py", PACKAGE / "receive_path.py")
+             for module, _ in _imports(path)
+             if _is_under(module, ("weightsync.engines", "weightsync.server", "weightsync.sync",
+                                   "weightsync.modes", "weightsync.cli"))]
+    assert not found, found
+
 
 def test_the_library_never_imports_the_integrations() -> None:
     """`weightsync.integrations` plugs weightsync into RL frameworks (verl, TRL) and imports

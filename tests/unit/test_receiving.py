@@ -111,7 +111,7 @@ def test_commit_acks_what_arrived_and_applies_it_at_once() -> None:
     assert ack.to_wire() == {"version": 4, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
     assert Ack.from_dict(ack.to_wire(), engine="test engine") == ack
     assert all(torch.equal(applier.weights[k], v) for k, v in weights.items()) and applier.version == 4
-    assert s.open is None and applier.released[-1].version == 4
+    assert s.open_update is None and applier.released[-1].version == 4
 
 
 def test_named_tensors_are_acked_with_the_digest_of_their_bucket() -> None:
@@ -133,7 +133,7 @@ def test_a_digest_algorithm_this_side_does_not_compute_is_refused_at_begin() -> 
     with pytest.raises(ManifestError, match="test engine does not compute the digest algorithm 'blake3' the manifest "
                                             "names; it computes xxh3_64, wsmix64"):
         s.begin(replace(manifest.without_digests(), digest_algorithm="blake3"))
-    assert s.open is None and unchanged(applier)
+    assert s.open_update is None and unchanged(applier)
 
 
 def test_buckets_are_checked_and_acked_with_the_manifests_algorithm() -> None:
@@ -163,7 +163,7 @@ def test_versions_must_increase(version: int) -> None:
     s = session(DictApplier(WEIGHTS))
     with pytest.raises(ConflictError, match=f"version {version} is not newer than the served v3"):
         s.begin(update(new_weights(3), version)[0])
-    assert s.open is None
+    assert s.open_update is None
 
 
 def test_an_adapter_may_keep_the_served_version_where_the_rules_say_so() -> None:
@@ -207,12 +207,12 @@ def test_a_live_trainers_session_is_never_taken() -> None:
     with pytest.raises(ConflictError, match=f"held by trainer {a}") as busy:
         s.begin(replace(manifest, version=6, owner=b, timeout_s=30.0))
     assert busy.value.retry_after_s is not None and 0 < busy.value.retry_after_s <= 30.0
-    assert s.open is not None and s.open.owner == a, "a refused begin leaves the open update"
+    assert s.open_update is not None and s.open_update.owner == a, "a refused begin leaves the open update"
     assert s.begin(replace(manifest, version=6, owner=a, timeout_s=30.0)) is None  # its own trainer again
-    assert s.open is not None and s.open.version == 6
-    s.open.touched -= 31.0  # a's silence, past its own timeout
+    assert s.open_update is not None and s.open_update.version == 6
+    s.open_update.touched -= 31.0  # a's silence, past its own timeout
     assert "past its timeout" in (s.begin(replace(manifest, version=7, owner=b, timeout_s=30.0)) or "")
-    assert s.open is not None and s.open.owner == b
+    assert s.open_update is not None and s.open_update.owner == b
 
 
 def test_abort_is_owner_aware_and_idempotent() -> None:
@@ -223,8 +223,8 @@ def test_abort_is_owner_aware_and_idempotent() -> None:
     s.begin(manifest)
     stage_all(s, manifest, buffers[:1])
     assert s.abort(5, owner=b) is False, "an abort never drops another trainer's update"
-    assert s.abort(4) is False and s.open is not None
-    assert s.abort(5, owner=a) is True and s.open is None
+    assert s.abort(4) is False and s.open_update is not None
+    assert s.abort(5, owner=a) is True and s.open_update is None
     assert s.abort(5) is False and s.abort() is False
     assert unchanged(applier) and applier.version == 3 and len(applier.released) == 1
 
@@ -238,7 +238,7 @@ def test_a_bad_index_is_refused() -> None:
             s.stage_bucket(version=4, index=index, buffer=buffers[0].clone())
     with pytest.raises(ConflictError, match="is v4, not v5"):
         s.stage_bucket(version=5, index=0, buffer=buffers[0].clone())
-    assert s.open is not None and not s.open.tensors
+    assert s.open_update is not None and not s.open_update.tensors
 
 
 def test_corrupted_bytes_are_refused_and_nothing_is_applied() -> None:
@@ -256,7 +256,7 @@ def test_corrupted_bytes_are_refused_and_nothing_is_applied() -> None:
         s.stage_bucket(version=5, index=0, buffer=corrupt, digest_hex=manifest.buckets[0].digest)
     with pytest.raises(IntegrityError, match="truncated"):
         s.stage_bucket(version=5, index=0, buffer=buffers[0][:-1].clone())
-    assert s.open is not None and not s.open.tensors
+    assert s.open_update is not None and not s.open_update.tensors
     with pytest.raises(IntegrityError, match="never arrived"):
         s.commit(5)
     assert unchanged(applier) and applier.version == 3
@@ -271,7 +271,7 @@ def test_commit_names_what_never_arrived_and_keeps_the_update_open() -> None:
     missing = manifest.buckets[-1].hf_names
     with pytest.raises(IntegrityError, match=f"{len(missing)} tensor\\(s\\) never arrived: .*{missing[0]}"):
         s.commit(4)
-    assert unchanged(applier) and s.open is not None
+    assert unchanged(applier) and s.open_update is not None
     s.stage_bucket(version=4, index=manifest.buckets[-1].index, buffer=buffers[-1].clone())
     assert s.commit(4).version == 4 and applier.version == 4
 
@@ -285,7 +285,7 @@ def test_a_failed_apply_closes_the_update() -> None:
     stage_all(s, manifest, buffers)
     with pytest.raises(RuntimeError, match="injected"):
         s.commit(4)
-    assert s.open is None and applier.released and applier.version == 3
+    assert s.open_update is None and applier.released and applier.version == 3
     with pytest.raises(ConflictError, match="no update session is open"):
         s.commit(4)
 
@@ -300,9 +300,9 @@ def test_a_replaced_update_frees_what_it_held() -> None:
     s.begin(update(new_weights(12), 5, owner=owner)[0])  # its trainer begins again
     assert [u.version for u in applier.released] == [4]
     assert s.drop_if_idle() is False
-    assert s.open is not None
-    s.open.touched -= s.open.timeout_s + 1.0
-    assert s.drop_if_idle() is True and s.open is None
+    assert s.open_update is not None
+    s.open_update.touched -= s.open_update.timeout_s + 1.0
+    assert s.drop_if_idle() is True and s.open_update is None
 
 
 class SparseDictApplier(DictApplier):
@@ -356,7 +356,7 @@ def test_a_sparse_update_whose_whole_tensor_differs_is_refused_and_nothing_chang
     stage_all(s, manifest, buffers)
     with pytest.raises(IntegrityError, match=r"stays on v3: 1 tensor\(s\) differ .*a\.weight"):
         s.commit(4)
-    assert applier.version == 3 and unchanged(applier) and s.open is None
+    assert applier.version == 3 and unchanged(applier) and s.open_update is None
 
 
 def test_a_sparse_update_needs_its_base_and_an_engine_that_applies_it() -> None:

@@ -127,7 +127,7 @@ class MemoryEngine:
     def ready(self, manifest: Manifest, link: Link) -> None:
         self.calls.append("ready")
         with self._as_engine_errors():
-            if self.session.open is None or self.session.open.version != manifest.version:
+            if self.session.open_update is None or self.session.open_update.version != manifest.version:
                 raise ConflictError(f"update v{manifest.version} is no longer open")
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:

@@ -79,9 +79,9 @@ def _note_refusal(request: Request, status: int, message: str) -> None:
     raw = getattr(request.state, "weight_version", None)
     label = None if raw is None else str(raw)
     session = state.updater.session_info()
-    state.updater.coverage.refused(route=request.url.path, label=label, message=f"{status}: {message}",
+    state.updater.weights.coverage.refused(route=request.url.path, label=label, message=f"{status}: {message}",
                                    session_open=session is not None and session["kind"] == "sglang")
-    reason = state.updater.coverage.unservable()
+    reason = state.updater.weights.coverage.unservable()
     if reason is not None:
         log.warning("%s", reason)
 
@@ -89,7 +89,7 @@ def _note_refusal(request: Request, status: int, message: str) -> None:
 def refuse_if_unservable(state: ServerState) -> None:
     """503 while the served weights are torn or released (server.coverage), or the KV
     cache is released (server.memory)."""
-    reason = state.updater.coverage.unservable() or state.memory.unservable()
+    reason = state.updater.weights.coverage.unservable() or state.memory.unservable()
     if reason is not None:
         raise HTTPError(503, reason)
 
@@ -97,7 +97,7 @@ def refuse_if_unservable(state: ServerState) -> None:
 def _model_info(state: ServerState) -> dict[str, Any]:
     path = str(state.config.model_dir)
     return {"model_path": state.model_path or path, "tokenizer_path": path, "is_generation": True,
-            "weight_version": state.updater.label, "preferred_sampling_params": None}
+            "weight_version": state.updater.weights.label, "preferred_sampling_params": None}
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -134,7 +134,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
         """Older SGLang's route (newer ones put the label in /model_info)."""
-        return {"weight_version": state.updater.label}
+        return {"weight_version": state.updater.weights.label}
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
@@ -181,7 +181,7 @@ async def _run(state: ServerState, items: list[GenerateItem]) -> list[dict[str, 
             if not req.finished:
                 await run_in_threadpool(state.scheduler.cancel, req, "client went away")
         raise
-    return [to_response(req, current=state.updater.served) for req in done]
+    return [to_response(req, current=state.updater.weights.served) for req in done]
 
 
 def _make_requests(state: ServerState, items: list[GenerateItem]) -> list[GenRequest]:

@@ -84,15 +84,15 @@ class WeightChecker:
 
     def _served(self, skip: Sequence[str]) -> dict[str, torch.Tensor]:
         """The served tensors not skipped (views, read between two steps)."""
-        with self.updater.between_steps():
-            return {n: p.detach() for n, p in self.updater.params.items() if not _skipped(n, skip)}
+        with self.updater.weights.between_steps():
+            return {n: p.detach() for n, p in self.updater.weights.params.items() if not _skipped(n, skip)}
 
     def _compare(self, skip: Sequence[str]) -> str:
         snapshot, self._snapshot = self._snapshot, None  # SGLang consumes it, equal or not
         if snapshot is None:
             raise ValueError("weights_checker 'compare' needs a snapshot: call it with action 'snapshot' first")
-        with self.updater.between_steps():
-            served = {n: p.detach() for n, p in self.updater.params.items()}
+        with self.updater.weights.between_steps():
+            served = {n: p.detach() for n, p in self.updater.weights.params.items()}
             differ = [n for n, t in snapshot.items() if not _skipped(n, skip) and not _same_bytes(served[n], t)]
         if differ:
             raise ValueError(f"{len(differ)} of {len(snapshot)} tensor(s) differ from the snapshot: "

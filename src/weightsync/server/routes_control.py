@@ -106,7 +106,7 @@ def _server_info(state: ServerState, request: Request) -> dict[str, Any]:
         "max_running_requests": config.max_running,
         "enable_lora": config.enable_lora,
         "max_loaded_loras": config.max_loaded_loras,
-        "weight_version": state.updater.label,
+        "weight_version": state.updater.weights.label,
         "enable_memory_saver": False,
         "disaggregation_mode": "null",
         "skip_server_warmup": True,

@@ -95,8 +95,8 @@ def _lora_name(body: dict[str, Any]) -> str:
 
 def _open_lora_session(state: ServerState, name: str) -> Manifest | None:
     """The manifest of the open lora-mode weightsync session that loads `name`, if any."""
-    session = state.updater.session
-    manifest = session.manifest if session is not None else None
+    update = state.updater.session.open_update
+    manifest = update.manifest if update is not None else None
     if manifest is not None and manifest.is_adapter and manifest.lora_name == name:
         return manifest
     return None

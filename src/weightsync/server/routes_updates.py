@@ -8,7 +8,6 @@ collectives, disk reads) runs in worker threads.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
-from weightsync.links import Delivery, Link
+from weightsync.links import Delivery
 from weightsync.manifest import TensorEntry, TensorMeta
 from weightsync.protocol import (
     BUCKET_ROUTE,
@@ -59,7 +58,6 @@ from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
 from weightsync.transports import TRANSPORTS
-from weightsync.transports.base import Receiver
 from weightsync.transports.shm import ShmLink, ShmTransport
 from weightsync.wire import MAX_HEADER_BYTES, decode_frame
 
@@ -178,7 +176,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
         if label is None:
             raise HTTPError(400, "missing required field 'new_version'")
         _maybe_abort_all(state, body, default=True)
-        await run_in_threadpool(updater.set_label, label)
+        await run_in_threadpool(updater.weights.set_label, label)
         return answer(f"Weight version updated to {label}", new_version=label)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
@@ -187,7 +185,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
         name = field_str(body, "name", required=True)
         assert name is not None
         truncate = field_int(body, "truncate_size", default=100)
-        values, digest_hex = await run_in_threadpool(updater.weights_by_name, name, truncate or 0)
+        values, digest_hex = await run_in_threadpool(updater.weights.weights_by_name, name, truncate or 0)
         # SGLang answers with the bare list; the digest of the whole tensor rides in a header.
         return JSONResponse(values, headers={"X-Weightsync-Digest": digest_hex})
 
@@ -251,7 +249,7 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
         try:
             named, buffer = ingest.receive_broadcast(
                 joined.group, entries, flattened=load_format == "flattened_bucket",
-                timeout_s=state.config.group_timeout_s, alloc=state.updater.buffers.take)
+                timeout_s=state.config.group_timeout_s, alloc=state.updater.weights.buffers.take)
         except (RuntimeError, SyncTimeoutError):  # the group broke (a trainer died) or stalled
             if bucket_index is not None:  # that trainer's weightsync update cannot complete
                 state.updater.abort(field_int(body, "weightsync_version"))
@@ -269,7 +267,7 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
 
 def _pack_listed(state: ServerState, version: int, index: int, named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """Tensors received one broadcast each, packed into their bucket's layout."""
-    bucket = state.updater.receiver.bucket(version, index)
+    bucket = state.updater.session.bucket(version, index)
     if [n for n, _ in named] != list(bucket.hf_names):
         raise ValueError(f"bucket {index}: names listed differ from the manifest's bucket (same names, same order)")
     buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
@@ -284,7 +282,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     @app.get(INFO_ROUTE)
     async def info() -> dict[str, Any]:
         lora_enabled = state.lora_store is not None
-        dtype = _serving_dtype(updater.metas.values())
+        dtype = _serving_dtype(updater.weights.metas.values())
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
@@ -296,11 +294,11 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "weightsync": 1,
             "instance": state.instance,
             "weight_version": updater.version,
-            "label": updater.label,
+            "label": updater.weights.label,
             "capabilities": capabilities.to_dict(),
-            "dirty": updater.coverage.dirty,  # SGLang-shaped requests applied part of an update
-            "partial_update": updater.coverage.info(),
-            "torn": updater.coverage.unservable(),
+            "dirty": updater.weights.coverage.dirty,  # SGLang-shaped requests applied part of an update
+            "partial_update": updater.weights.coverage.info(),
+            "torn": updater.weights.coverage.unservable(),
             "transports": sorted(capabilities.transports),
             "lora_transports": sorted(capabilities.lora_transports),
             "loaded_loras": state.lora_store.names() if state.lora_store is not None else [],
@@ -309,14 +307,14 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "waiting_requests": state.scheduler.num_waiting,
             "session": updater.session_info(),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
-                       for n, m in updater.metas.items()},
+                       for n, m in updater.weights.metas.items()},
             "dtype": dtype,
         }
 
     @app.post(DigestsRequest.ROUTE)
     async def digests(request: Request) -> JSONResponse:
         names = DigestsRequest.from_json(await read_json(request, state.config.max_json_bytes)).names
-        version, result = await run_in_threadpool(updater.digests, names)
+        version, result = await run_in_threadpool(updater.weights.digests, names)
         return answer("", weight_version=version, digests=result)
 
     @app.post(BeginRequest.ROUTE)
@@ -328,20 +326,20 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(BUCKET_ROUTE)
     async def bucket(request: Request) -> JSONResponse:
         require_admin(request, state.config.admin_api_key)
-        session = updater.session
-        if session is None:
+        update = updater.session.open_update
+        if update is None:
             raise ConflictError("no weightsync update session is open; call /weightsync/begin")
-        largest = max((b.nbytes for b in session.manifest.buckets), default=0)
+        largest = max((b.nbytes for b in update.manifest.buckets), default=0)
         try:
             frame = await read_body(request, largest + FRAME_OVERHEAD_BYTES)
         except ClientDisconnect:  # the trainer vanished mid-body: its update cannot complete
-            updater.abort(session.version, owner=session.owner)
+            updater.abort(update.version, owner=update.owner)
             raise
 
         def work() -> str:
             header, payload = decode_frame(frame)
-            buffer = updater.buffers.take(len(payload))
-            computed = copy_hashed(buffer, bytes_tensor(payload), updater.receiver.digest_algorithm(header.version))
+            buffer = updater.weights.buffers.take(len(payload))
+            computed = copy_hashed(buffer, bytes_tensor(payload), updater.session.digest_algorithm(header.version))
             return updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
                                         digest_hex=header.digest, computed=computed)
 
@@ -386,28 +384,24 @@ def _commit(state: ServerState, request: CommitRequest) -> Ack:
     """Commit, holding generation in the request's pause mode for the commit alone (what
     /pause_generation, the commit and /continue_generation do, in one round trip). The
     ack names the shm slots the served weights now live in (`Ack.held_slots`)."""
+    held_slots = state.receive_path.held_slots
     if request.pause is None:
-        ack = state.updater.commit(request.version)
-    else:
-        state.scheduler.pause(request.pause)
-        try:
-            ack = state.updater.commit(request.version)
-        finally:
-            state.scheduler.resume()
-    served = state.updater.served_buffers()
-    with state.receivers_lock:
-        receivers = list(state.receivers.values())
-    held = {name: slots for receiver in receivers for name, slots in receiver.held_slots(served).items()}
-    return dataclasses.replace(ack, held_slots=held) if held else ack
+        return state.updater.commit(request.version, held_slots=held_slots)
+    state.scheduler.pause(request.pause)
+    try:
+        return state.updater.commit(request.version, held_slots=held_slots)
+    finally:
+        state.scheduler.resume()
 
 
 def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:
+    """`/weightsync/shm_bucket`: the bucket in a slot of the named segment, mapped at its
+    first bucket, then kept."""
     link = ShmLink(transport=ShmTransport.name, shm_name=request.shm_name, slot_bytes=request.slot_bytes,
-                num_slots=request.num_slots)
-    receiver = state.receiver(link.transport)
-    receiver.join(link, rank=0)  # mapped at the first bucket, then kept
-    return _stage(state, receiver, link, request.version, request.index,
-                  Delivery(transport=link.transport, slot=request.slot), request.digest)
+                   num_slots=request.num_slots)
+    return state.receive_path.receive(link, version=request.version, index=request.index,
+                                      delivery=Delivery(transport=link.transport, slot=request.slot),
+                                      digest_hex=request.digest)
 
 
 def _stage_fetched(state: ServerState, body: dict[str, Any]) -> str:
@@ -415,29 +409,9 @@ def _stage_fetched(state: ServerState, body: dict[str, Any]) -> str:
     which joins the link's session at its first bucket."""
     request = ReceiveRequest.from_json(body)
     link = request.link
-    receiver = state.receiver(link.transport)
+    receiver = state.receive_path.receiver(link.transport)
     if receiver.bytes_in_delivery or receiver.reads_at_commit or receiver.collective:
         raise HTTPError(400, f"transport {link.transport!r} does not deliver through {ReceiveRequest.ROUTE}: "
                         "its bytes come in /weightsync/bucket frames, SGLang's group routes or a version directory")
-    state.updater.receiver.bucket(request.version, request.index)  # an open update, a valid index
-    try:
-        receiver.check_joined(link)
-    except LookupError:
-        receiver.join(link, rank=0)
-    return _stage(state, receiver, link, request.version, request.index, request.delivery, request.digest)
-
-
-def _stage(state: ServerState, receiver: Receiver, link: Link, version: int, index: int, delivery: Delivery,
-           digest_hex: str | None) -> str:
-    """Copy bucket `index` into a receive buffer, hashing it on the way where the
-    receiver can, and stage it."""
-    session = state.updater.receiver
-    bucket = session.bucket(version, index)
-    adopted = receiver.adopt(link, bucket, delivery) if session.serves_whole(version) else None
-    if adopted is not None:  # served from where it lies (shm): hashed in place when staged
-        buffer, computed = adopted, None
-    else:
-        buffer, computed = receiver.fetch_hashed(link, bucket, delivery, state.updater.buffers.take(bucket.nbytes),
-                                                 session.digest_algorithm(version))
-    return state.updater.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
-                                      computed=computed)
+    return state.receive_path.receive(link, version=request.version, index=request.index,
+                                      delivery=request.delivery, digest_hex=request.digest)

@@ -1,7 +1,8 @@
 """Everything the routes share, built once at startup: model runner, scheduler,
 weight updater, LoRA store, the weight-update groups this engine joined (SGLang's
-group routes) and the engine ends of the transports that weightsync's routes fetch
-buckets through.
+group routes) and the receive path (`weightsync.receive_path`: the engine ends of the
+transports that weightsync's routes fetch buckets through, joined to the updater's
+update session).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import uuid
 from dataclasses import dataclass, field
 
 from weightsync.groups import UpdateGroup
+from weightsync.receive_path import ReceiveHooks, ReceivePath
 from weightsync.server.config import ServerConfig
 from weightsync.server.lora import LoraStore
 from weightsync.server.memory import MemoryOccupation
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
-from weightsync.transports import Receiver, make_receiver
+from weightsync.transports import make_receiver
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +42,20 @@ class ServerState:
     lora_store: LoraStore | None
     memory: MemoryOccupation
     """The memory tags released by /release_memory_occupation."""
+    receive_path: ReceivePath
+    """This engine's end of each transport, made on first use, and the updater's session:
+    `/weightsync/receive` and `/weightsync/shm_bucket` fetch and stage through it. Each
+    receiver keeps one session (the shm segment, mapped at its first bucket and kept while
+    its name stays the same: a fresh mapping page-faults every byte of the first copy out
+    of it)."""
     groups: dict[str, JoinedGroup] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
-    receivers: dict[str, Receiver] = field(default_factory=dict)
-    """This engine's end of each transport by name, made on first use; each keeps one
-    session (the shm segment, mapped at its first bucket and kept while its name stays
-    the same: a fresh mapping page-faults every byte of the first copy out of it)."""
-    receivers_lock: threading.Lock = field(default_factory=threading.Lock)
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Drawn when this server process started: a client that sees another one knows the
     engine restarted (and serves its checkpoint's weights again)."""
     model_path: str | None = None
     """The `model_path` of the last `/update_weights_from_disk` that was applied
     (None: the model directory the server started with)."""
-
-    def receiver(self, transport: str) -> Receiver:
-        """The engine end of `transport` (ValueError naming the valid ones if unknown)."""
-        with self.receivers_lock:
-            receiver = self.receivers.get(transport)
-            if receiver is None:
-                receiver = self.receivers[transport] = make_receiver(transport)
-            return receiver
 
     @classmethod
     def build(cls, config: ServerConfig) -> ServerState:
@@ -76,7 +71,7 @@ class ServerState:
         scheduler = Scheduler(
             runner,
             max_running=config.max_running,
-            served=lambda: updater_box[0].served,
+            served=lambda: updater_box[0].weights.served,
             release_adapter=lora_store.release if lora_store is not None else None,
         )
         label = config.weight_version
@@ -85,15 +80,15 @@ class ServerState:
                                 session_timeout_s=config.session_timeout_s, lora_store=lora_store)
         updater_box.append(updater)
         scheduler.start()
+        receive_path = ReceivePath(updater.session, make_receiver=make_receiver, hooks=ReceiveHooks(
+            alloc=updater.weights.buffers.take, serves_received=True, served_buffers=updater.weights.served_buffers,
+            joins_at_first_bucket=True))
         return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store,
-                   memory=MemoryOccupation(updater, scheduler))
+                   memory=MemoryOccupation(updater, scheduler), receive_path=receive_path)
 
     def close(self) -> None:
         self.scheduler.stop()
-        with self.receivers_lock:
-            for receiver in self.receivers.values():
-                receiver.close()
-            self.receivers.clear()
+        self.receive_path.close()
         with self.groups_lock:
             for joined in self.groups.values():
                 joined.group.destroy()

@@ -1,22 +1,13 @@
-"""Staged weight updates: sessions, versions, atomic commits and digests.
+"""Update sessions of the embedded engine, of either kind, and the applier they commit through.
 
 Every update route ends here. Received tensors are checked (names, shapes,
 dtypes, bucket digests) and staged in buffers this engine owns; the served
 parameters change only in a commit, which points them at the staged tensors
-in between two generation steps (no copy: the staged bytes become the served
-weights). So every forward pass uses exactly one version, and an update that
-fails, is aborted or never completes leaves the served weights bit-identical.
-
-Served parameters may thus view received bucket buffers. A buffer goes back
-to the receive pool only when no parameter views it any more; a buffer that a
-partial (delta) commit leaves partly served is compacted: its remaining
-tensors are cloned out, so served memory stays the size of the model.
-
-The last weightsync commit can be undone until the next update begins
-(`rollback`): it keeps the tensors, buffers and version it replaced, so a push
-to several replicas can put the replicas that committed back on their last
-version when another replica could not commit. Those buffers go back to the
-receive pool when the next update begins, before any byte of it arrives.
+in between two generation steps (`server.served`: no copy, the staged bytes
+become the served weights). So every forward pass uses exactly one version, and
+an update that fails, is aborted or never completes leaves the served weights
+bit-identical. The last weightsync commit can be undone until the next update
+begins (`server.rollback`).
 
 At most one session is open:
 - "weightsync": opened by `/weightsync/begin` with a manifest; buckets arrive
@@ -43,7 +34,7 @@ import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,10 +45,8 @@ from torch import nn
 
 from weightsync.bucketing import pack_one
 from weightsync.checkpoint import read_version
-from weightsync.errors import ConflictError, format_names
-from weightsync.integrity import digest
+from weightsync.errors import ConflictError
 from weightsync.manifest import Manifest, TensorMeta
-from weightsync.naming import map_names
 from weightsync.receiving import (
     NamedTensors,
     OpenUpdate,
@@ -68,11 +57,10 @@ from weightsync.receiving import (
 )
 from weightsync.reports import Ack
 from weightsync.server import lora
-from weightsync.server.buffers import BufferPool
-from weightsync.server.coverage import Coverage, CoverageState
-from weightsync.server.errors import NotFoundError
 from weightsync.server.experts import ExpertFuser
 from weightsync.server.requests import ServedVersion
+from weightsync.server.rollback import CommitHistory
+from weightsync.server.served import ServedWeights
 from weightsync.sessions import Holder, SessionBusyError, take_over
 
 log = logging.getLogger(__name__)
@@ -94,27 +82,6 @@ class SglangSession:
     """The last request that staged into it."""
 
 
-@dataclass(eq=False)
-class LastCommit:
-    """What the last weightsync commit replaced, so that it can be undone (`WeightUpdater.rollback`)
-    until the next update begins."""
-
-    version: int
-    owner: str | None
-    served: ServedVersion
-    """The version and label served before it."""
-    params: dict[str, torch.Tensor]
-    """hf_name -> every parameter's tensor before it (the same storage, not a copy)."""
-    backing: dict[str, torch.Tensor]
-    coverage: CoverageState
-    replaced: list[torch.Tensor] = field(default_factory=list)
-    """Receive buffers it stopped serving from: back to the pool once it is final."""
-    adapter: str | None = None
-    """The LoRA adapter it loaded."""
-    evicted: list[lora.Adapter] = field(default_factory=list)
-    """Adapters the store evicted to load it."""
-
-
 @dataclass(frozen=True)
 class StageResult:
     """What a SGLang-shaped update call did."""
@@ -125,101 +92,51 @@ class StageResult:
 
 
 class WeightUpdater:
-    """The served weights, their version and the one open update session.
+    """The one open update session of an engine (weightsync's or SGLang's) over its served weights.
 
-    It is the `receiving.Applier` of its weightsync sessions (`self.receiver`):
+    It is the `receiving.Applier` of its weightsync sessions (`self.session`):
     a commit swaps the staged bucket-buffer views in between two steps."""
 
     def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
                  between_steps: Callable[[], ContextManager[None]], session_timeout_s: float,
                  lora_store: lora.LoraStore | None = None) -> None:
         self.model = model
-        self.params: dict[str, torch.Tensor] = {p.hf_name: p.param for p in map_names(model).params}
-        self.metas: dict[str, TensorMeta] = {n: TensorMeta.of(n, p) for n, p in self.params.items()}
+        self._lock = threading.RLock()
+        self.weights = ServedWeights(model, version=version, label=label, between_steps=between_steps,
+                                     lock=self._lock)
+        """The served parameters, the buffers they view, their version and label."""
         self.experts = ExpertFuser(model)
         """Per-expert checkpoint names (SGLang-shaped routes) into the fused expert parameters."""
-        self.served = ServedVersion(version, str(version) if label is None else label)
-        """The served version and label; replaced whole, only between two steps, read lock-free."""
-        self.between_steps = between_steps
-        """Context manager holding generation between two steps (the scheduler's)."""
         self.session_timeout_s = session_timeout_s
         self.lora_store = lora_store
-        self._lock = threading.RLock()
-        self.receiver = UpdateSession(self, engine=ENGINE, rules=SessionRules(
+        self.history = CommitHistory(self.weights, lora_store, timeout_s=session_timeout_s)
+        """The last weightsync commit while it can still be rolled back."""
+        self.session = UpdateSession(self, engine=ENGINE, rules=SessionRules(
             timeout_s=session_timeout_s, adapter_keeps_version=True))
         """The weightsync update session (at most one session of either kind is open)."""
         self._sglang: SglangSession | None = None
         self._update_label: str | None = None
         """The label the open weightsync update is served under; None: "N"."""
-        self.buffers = BufferPool(max_bytes=sum(m.nbytes for m in self.metas.values()))
-        """Receive buffers reused across updates (take one per bucket received)."""
-        self._backing: dict[str, torch.Tensor] = {}
-        self._data: dict[str, torch.Tensor] = {n: p.detach() for n, p in self.params.items()}
-        """hf_name -> the tensor its parameter's `.data` was last set to (the same storage, shape
-        and strides): an undo record copies this dict instead of making an alias of every
-        parameter. Every assignment to a parameter's `.data` below records it here."""
-        """hf_name -> the received bucket buffer its served parameter views."""
-        self.coverage = Coverage(self.params)
-        """Whether the served weights are one update's (see `coverage`)."""
-        self._last: LastCommit | None = None
-        """The last weightsync commit while it can still be rolled back."""
-
-    # -- served weights ----------------------------------------------------------------------
 
     @property
     def version(self) -> int:
-        """weightsync's served version."""
-        return self.served.version
-
-    @property
-    def label(self) -> str:
-        """SGLang's served `weight_version` label."""
-        return self.served.label
+        """weightsync's served version (what a new update must exceed)."""
+        return self.weights.version
 
     def not_one_version(self) -> str | None:
         """Why the served weights are not wholly `version`'s (a delta cannot apply on
         them), or None: SGLang-shaped requests rewrote some parameters since, or the
         weights were released or reset."""
-        if self.coverage.dirty:
+        if self.weights.coverage.dirty:
             return "its weights are not one version's (see partial_update in /weightsync/info)"
         return None
 
-    def digests(self, names: Iterable[str] | None = None) -> tuple[int, dict[str, str]]:
-        """(version, hf_name -> xxh3 digest) of the served weights, read between two steps."""
-        names = list(self.params) if names is None else list(names)
-        unknown = [n for n in names if n not in self.params]
-        if unknown:
-            raise NotFoundError(f"unknown weight name(s): {format_names(unknown)}")
-        with self.between_steps():
-            return self.version, {n: digest(self.params[n].detach()) for n in names}
-
-    def weights_by_name(self, name: str, truncate_size: int) -> tuple[list[Any], str]:
-        """SGLang's `get_weights_by_name`: `tensor.tolist()[:truncate_size]` in float32, and the digest."""
-        param = self.params.get(name)
-        if param is None and name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
-            param = self.params.get("model.embed_tokens.weight")
-        if param is None:
-            raise NotFoundError(f"unknown weight name {name!r}; see /weightsync/info for the served names")
-        with self.between_steps():
-            values = param.detach().to(torch.float32).tolist()
-            return (values[:truncate_size] if isinstance(values, list) else values), digest(param.detach())
-
-    def set_label(self, label: str) -> None:
-        """`/update_weight_version`: a new label for the same weights (the version stays)."""
-        with self._lock, self.between_steps():
-            self.served = ServedVersion(self.version, label)
-
     # -- weightsync sessions -----------------------------------------------------------------
-
-    @property
-    def session(self) -> OpenUpdate | None:
-        """The open weightsync update, if any."""
-        return self.receiver.open
 
     def session_info(self) -> dict[str, Any] | None:
         """The open session of either kind, for /weightsync/info."""
         now = time.monotonic()
-        update, sglang = self.receiver.open, self._sglang
+        update, sglang = self.session.open_update, self._sglang
         if update is not None:
             return {"kind": "weightsync", "version": update.version, "label": self._update_label,
                     "owner": update.owner, "timeout_s": update.manifest.timeout_s,
@@ -244,8 +161,8 @@ class WeightUpdater:
                     preempted = take_over(holder, manifest.owner, time.monotonic())
                 except SessionBusyError as e:
                     raise ConflictError(str(e), retry_after_s=e.retry_after_s) from None
-            preempted = self.receiver.begin(manifest) or preempted
-            self._make_final()
+            preempted = self.session.begin(manifest) or preempted
+            self.history.make_final()
             self._sglang = None
             self._update_label = None
             return preempted
@@ -255,19 +172,20 @@ class WeightUpdater:
         """Verify one packed bucket and stage it. Takes ownership of `buffer` (a copy the
         caller made; `computed`: its digest, computed here while copying). Returns the
         digest computed here."""
-        return self.receiver.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
+        return self.session.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
                                           computed=computed)
 
-    def commit(self, version: int) -> Ack:
-        """Apply the open weightsync session; returns the ack."""
+    def commit(self, version: int, *, held_slots: Callable[[], Mapping[str, tuple[int, ...]]] | None = None) -> Ack:
+        """Apply the open weightsync session; returns the ack (`held_slots`: see
+        `receiving.UpdateSession.commit`)."""
         with self._lock:
-            return self.receiver.commit(version)
+            return self.session.commit(version, held_slots=held_slots)
 
     def abort(self, version: int | None, *, owner: str | None = None) -> bool:
         """Drop the open session (if `version` matches or is None, and it is not another
         owner's); True if one was dropped."""
         with self._lock:
-            if self.receiver.abort(version, owner=owner):
+            if self.session.abort(version, owner=owner):
                 return True
             if version is None and self._sglang is not None:
                 log.info("SGLang update session aborted; served weights unchanged")
@@ -276,42 +194,14 @@ class WeightUpdater:
             return False
 
     def rollback(self, version: int, *, owner: str | None = None) -> bool:
-        """Undo the commit of `version`: serve again, bit for bit, the weights, version and
-        adapters served before it. True if it was undone; False if `version` is not served
-        here (it never committed: nothing to undo). Refused (ConflictError) once the commit
-        is final (another update began since) or when it was another trainer's."""
+        """Undo the commit of `version` (`server.rollback.CommitHistory.rollback`)."""
         with self._lock:
-            last = self._last
-            if last is None or last.version != version:
-                if self.version != version:
-                    return False
-                raise ConflictError(f"v{version} cannot be rolled back here: it is final (an update began since "
-                                    "it committed, or it was not a weightsync commit)")
-            if owner is not None and last.owner not in (None, owner):
-                raise ConflictError(f"v{version} was committed by another trainer ({last.owner}); not rolled back")
-            self._last = None
-            if last.adapter is not None:
-                assert self.lora_store is not None
-                self.lora_store.unload(last.adapter, timeout_s=self.session_timeout_s)
-                for adapter in last.evicted:
-                    self.lora_store.add(adapter, pinned=adapter.pinned)
-            restored = {id(b) for b in last.backing.values()}
-            dropped = {id(b): b for b in self._backing.values() if id(b) not in restored}
-            with self.between_steps():
-                for name, tensor in last.params.items():
-                    self.params[name].data = tensor
-                self._data.update(last.params)
-                self.served = last.served
-                self._backing = last.backing
-                self.coverage.restore(last.coverage)
-            self.buffers.give(dropped.values())
-        log.info("v%d rolled back: v%d (%r) served again", version, last.served.version, last.served.label)
-        return True
+            return self.history.rollback(version, owner=owner)
 
     # -- the receiving.Applier of weightsync sessions ----------------------------------------
 
     def expected(self) -> Mapping[str, TensorMeta]:
-        return self.metas
+        return self.weights.metas
 
     def check_adapter(self, manifest: Manifest) -> None:
         if self.lora_store is None:
@@ -329,60 +219,41 @@ class WeightUpdater:
         """The served tensor a sparse update is applied to (a copy of), as `receiving.SparseBase`:
         parameters are replaced whole at a commit, never written in place, so reading one
         while generation runs is safe."""
-        return self.params[hf_name].detach()
+        return self.weights.params[hf_name].detach()
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
-        served, last = self._served_after(update), self._undo_record(update)
-        last.replaced = self._swap(update.tensors, served, owners=_owners(update))
-        self.coverage.applied(update.tensors, label=served.label, atomic=True)
-        self._last = last
+        served, last = self._served_after(update), self.history.record(update)
+        last.replaced = self.weights.swap(update.tensors, served, owners=_owners(update))
+        self.weights.coverage.applied(update.tensors, label=served.label, atomic=True)
+        self.history.keep(last)
         return list(update.tensors)
 
     def install_adapter(self, update: OpenUpdate) -> None:
-        manifest, served, last = update.manifest, self._served_after(update), self._undo_record(update)
+        manifest, served, last = update.manifest, self._served_after(update), self.history.record(update)
         assert self.lora_store is not None and manifest.lora_name is not None and manifest.lora_config is not None
         adapter = lora.build_adapter(self.model, manifest.lora_name, manifest.lora_config, update.tensors)
         last.adapter = manifest.lora_name
         last.evicted = self.lora_store.add(adapter)
-        with self.between_steps():
-            self.served = served
-        self._last = last
+        self.weights.serve(served)
+        self.history.keep(last)
         log.info("LoRA adapter %s loaded as v%d (%r)", manifest.lora_name, served.version, served.label)
-
-    def served_buffers(self) -> list[torch.Tensor]:
-        """The received bucket buffers the served parameters view."""
-        with self._lock:
-            return list({id(b): b for b in self._backing.values()}.values())
 
     def release(self, update: OpenUpdate) -> None:
         """Give back to the pool the update's bucket buffers that no served parameter
         views: all of them after an abort, those of an adapter (copied at install)
         after a commit."""
-        served = {id(b) for b in self._backing.values()}
-        self.buffers.give(b for b in update.buffers if id(b) not in served)
+        served = {id(b) for b in self.weights.served_buffers()}
+        self.weights.buffers.give(b for b in update.buffers if id(b) not in served)
 
     def _served_after(self, update: OpenUpdate) -> ServedVersion:
         return ServedVersion(update.version, str(update.version) if self._update_label is None else self._update_label)
-
-    def _undo_record(self, update: OpenUpdate) -> LastCommit:
-        """What a commit of `update` is about to replace (`rollback`); the previous commit is final."""
-        self._make_final()
-        return LastCommit(version=update.version, owner=update.owner, served=self.served,
-                          params=dict(self._data), backing=dict(self._backing),
-                          coverage=self.coverage.saved())
-
-    def _make_final(self) -> None:
-        """The last commit can no longer be rolled back: its replaced buffers go back to the pool."""
-        last, self._last = self._last, None
-        if last is not None:
-            self.buffers.give(last.replaced)
 
     # -- SGLang-shaped updates ---------------------------------------------------------------
 
     def begin_sglang(self) -> str:
         with self._lock:
             self._expire_idle()
-            if self.receiver.open is not None:
+            if self.session.open_update is not None:
                 return "a weightsync session is already open; updates stage into it"
             if self._sglang is not None:
                 return "a sglang session is already open; updates stage into it"
@@ -391,44 +262,45 @@ class WeightUpdater:
 
     def end_sglang(self) -> StageResult:
         with self._lock:
-            update, session = self.receiver.open, self._sglang
+            update, sglang = self.session.open_update, self._sglang
             if update is not None:
                 return StageResult(f"weightsync session v{update.version} is open; /weightsync/commit applies it")
-            if session is None:
+            if sglang is None:
                 return StageResult("no open weight update session")
             self._sglang = None
-            if not session.tensors:
+            if not sglang.tensors:
                 return StageResult("weight update session closed; nothing was staged")
-            return self._apply_sglang(session.tensors, session.label)
+            return self._apply_sglang(sglang.tensors, sglang.label)
 
     def stage_named(self, named: NamedTensors, *, label: str | None, full: bool = False) -> StageResult:
         """Check and stage named tensors from an SGLang-shaped route (see the module docstring);
         `label` is the request's `weight_version`."""
         with self._lock:
             self._expire_idle()
-            update, session = self.receiver.open, self._sglang
+            update, sglang = self.session.open_update, self._sglang
             if update is not None:
-                self.receiver.stage_named(update.version, named)
+                self.session.stage_named(update.version, named)
                 if label is not None:
                     self._update_label = label
                 return StageResult(f"staged {len(named)} tensor(s) into weightsync session v{update.version}")
-            staged = session.tensors if session is not None else {}
-            named = self.experts.fuse(named, lambda n: staged.get(n, self.params[n]), full=full)
-            check_named(named, self.metas, what="the served model", full=full)
-            if session is None:
+            staged = sglang.tensors if sglang is not None else {}
+            params = self.weights.params
+            named = self.experts.fuse(named, lambda n: staged.get(n, params[n]), full=full)
+            check_named(named, self.weights.metas, what="the served model", full=full)
+            if sglang is None:
                 return self._apply_sglang(copies(named), label)
-            session.tensors.update(copies(named))
+            sglang.tensors.update(copies(named))
             if label is not None:
-                session.label = label
-            session.touched = time.monotonic()
+                sglang.label = label
+            sglang.touched = time.monotonic()
             return StageResult(f"staged {len(named)} tensor(s); /end_weight_update applies them")
 
     def _apply_sglang(self, tensors: Mapping[str, torch.Tensor], label: str | None) -> StageResult:
         """Serve `tensors` (checked, owned) as current + 1, under `label` or the current one."""
-        served = ServedVersion(self.version + 1, self.label if label is None else label)
-        self._make_final()
-        self.buffers.give(self._swap(tensors, served))
-        self.coverage.applied(tensors, label=label, atomic=False)
+        served = ServedVersion(self.version + 1, self.weights.label if label is None else label)
+        self.history.make_final()
+        self.weights.buffers.give(self.weights.swap(tensors, served))
+        self.weights.coverage.applied(tensors, label=label, atomic=False)
         return StageResult(f"applied {len(tensors)} tensor(s) as v{served.version} ({served.label!r})",
                            ack=Ack(engine=ENGINE, version=served.version, loaded_names=frozenset(tensors)))
 
@@ -439,7 +311,7 @@ class WeightUpdater:
         manifest's version, labelled `label` (default: the version's decimal string).
         """
         manifest, buckets = read_version(directory)
-        update = self.receiver.open
+        update = self.session.open_update
         if update is not None:
             if update.version != manifest.version:
                 raise ConflictError(f"{directory} holds v{manifest.version}, the open session is v{update.version}")
@@ -462,7 +334,7 @@ class WeightUpdater:
     def stage_as_buckets(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
         """Pack named tensors into the open weightsync session's bucket layout and stage
         every bucket (checked against the manifest's digests where it has them)."""
-        update = self.receiver.open
+        update = self.session.open_update
         if update is None:
             raise ConflictError("no weightsync update session is open")
         manifest = update.manifest
@@ -480,99 +352,40 @@ class WeightUpdater:
     # -- memory occupation (SGLang's release/resume of "weights") -----------------------------
 
     def release_weights(self) -> int:
-        """Free every served parameter, the buffers they view and the receive pool; returns
-        the bytes freed. Nothing is served until `resume_weights` and an update of every
-        parameter (`coverage`). Refused while an update session is open."""
+        """Free the served weights (`ServedWeights.release`); returns the bytes freed. Refused
+        while an update session is open."""
         with self._lock:
             if self.session_info() is not None:
                 raise ConflictError("an update session is open; commit or abort it before releasing the weights")
-            with self.between_steps():
-                storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                            for p in self.params.values()}
-                storages.update({b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
-                                 for b in self._backing.values()})
-                for name, param in self.params.items():
-                    param.data = self._data[name] = torch.empty(0, dtype=param.dtype)
-                self._last = None
-                self._backing.clear()
-                self.coverage.released()
-            self.buffers.clear()
-        log.info("weights released (%d bytes)", sum(storages.values()))
-        return sum(storages.values())
+            self.history.forget()
+            return self.weights.release()
 
     def reset_weights(self, chosen: Callable[[str], bool]) -> list[str]:
-        """Overwrite the `chosen` parameters with noise (SGLang's `/weights_checker`
-        reset_tensors); returns their names. Nothing is served until an update rewrites
-        them (`coverage`). Refused while an update session is open."""
+        """Overwrite the `chosen` parameters with noise (`ServedWeights.reset`); returns their
+        names. Refused while an update session is open."""
         with self._lock:
             if self.session_info() is not None:
                 raise ConflictError("an update session is open; commit or abort it before resetting the weights")
-            names = [n for n in self.params if chosen(n)]
-            noise = {n: torch.randn(self.metas[n].shape).to(self.metas[n].dtype) for n in names}
-            self._make_final()
-            self.buffers.give(self._swap(noise, self.served))
-            self.coverage.reset(kept=[n for n in self.params if n not in noise])
-        return names
+            self.history.make_final()
+            return self.weights.reset(chosen)
 
     def resume_weights(self) -> int:
-        """Allocate every parameter again (zeros, no weights in them: the next update of
-        every parameter restores them); returns the bytes allocated."""
-        with self._lock, self.between_steps():
-            self._last = None
-            for name, param in self.params.items():
-                param.data = self._data[name] = torch.zeros(self.metas[name].shape, dtype=self.metas[name].dtype)
-            self.coverage.resumed()
-            return sum(m.nbytes for m in self.metas.values())
+        """Allocate the served weights again, empty (`ServedWeights.resume`); returns the bytes allocated."""
+        with self._lock:
+            self.history.forget()
+            return self.weights.resume()
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _swap(self, staged: Mapping[str, torch.Tensor], served: ServedVersion, *,
-              owners: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Make the staged tensors the served parameters between two steps, served as `served`;
-        returns the receive buffers no parameter views any more (the caller gives them back).
-
-        The staged tensors are adopted, not copied (they are owned by this update
-        and never written again); `owners` names the bucket buffer each one views.
-        """
-        owners = owners or {}
-        for name, tensor in staged.items():
-            param = self.params[name]
-            assert tensor.shape == param.shape and tensor.dtype == param.dtype, f"unchecked tensor {name}"
-            assert tensor.device == param.device and tensor.is_contiguous(), f"unadoptable tensor {name}"
-        with self.between_steps():
-            for name, tensor in staged.items():
-                self.params[name].data = tensor
-            self._data.update(staged)
-            self.served = served
-            released = self._rebind_backing(staged, owners)
-        log.info("v%d (%r) committed (%d tensor(s))", served.version, served.label, len(staged))
-        return released
-
-    def _rebind_backing(self, staged: Mapping[str, torch.Tensor],
-                        owners: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Record which buffers the served parameters now view; return the buffers that
-        backed the replaced parameters, which no parameter views any more. Parameters
-        left on such a buffer by a partial update are cloned out of it first, so no
-        buffer is kept alive for a few of its bytes."""
-        replaced = {id(b): b for name in staged if (b := self._backing.pop(name, None)) is not None}
-        for name in staged:
-            if name in owners:
-                self._backing[name] = owners[name]
-        for name, buffer in list(self._backing.items()):
-            if id(buffer) in replaced:
-                self.params[name].data = self._data[name] = self.params[name].detach().clone()
-                del self._backing[name]
-        return list(replaced.values())
 
     def _expire_idle(self) -> None:
         """Discard an update silent past its trainer's timeout, and an SGLang session idle
         for longer than the server's session timeout."""
-        self.receiver.drop_if_idle()
+        self.session.drop_if_idle()
         self._expire_sglang()
 
     def _expire_sglang(self) -> None:
-        session = self._sglang
-        if session is not None and time.monotonic() - session.touched > self.session_timeout_s:
+        sglang = self._sglang
+        if sglang is not None and time.monotonic() - sglang.touched > self.session_timeout_s:
             log.warning("discarding the SGLang update session idle for more than %.0fs", self.session_timeout_s)
             self._sglang = None
 

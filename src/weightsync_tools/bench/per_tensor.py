@@ -223,7 +223,7 @@ def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: i
         body = json.dumps(BeginRequest(manifest=Manifest(version=version, buckets=plan).with_digests(digests))
                           .to_json()).encode()
         manifest_bytes = len(body)
-        buffers = [updater.buffers.take(b.numel()) for b in packed]
+        buffers = [updater.weights.buffers.take(b.numel()) for b in packed]
         for buffer, data in zip(buffers, packed, strict=True):
             buffer.copy_(data)
         started = time.perf_counter()

@@ -67,7 +67,7 @@ def _push(updater: WeightUpdater, weights: dict[str, torch.Tensor], version: int
     manifest = Manifest(version=version, buckets=plan, mode=mode, base_version=base_version)
     updater.begin(manifest)
     for bucket, data in zip(plan, packed, strict=True):
-        buffer = updater.buffers.take(bucket.nbytes).copy_(data)  # as the routes receive
+        buffer = updater.weights.buffers.take(bucket.nbytes).copy_(data)  # as the routes receive
         updater.stage_bucket(version=version, index=bucket.index, buffer=buffer, digest_hex=digest(data))
     if commit:
         updater.commit(version)
@@ -82,10 +82,10 @@ def _begin_next(updater: WeightUpdater) -> None:
 
 def _scribble_on_free_buffers(updater: WeightUpdater) -> None:
     """Take every free buffer and overwrite it, as the next update's receive would."""
-    taken = [updater.buffers.take(n) for n, free in list(updater.buffers._free.items()) for _ in free]
+    taken = [updater.weights.buffers.take(n) for n, free in list(updater.weights.buffers._free.items()) for _ in free]
     for buffer in taken:
         buffer.fill_(0xFF)
-    updater.buffers.give(taken)
+    updater.weights.buffers.give(taken)
 
 
 def test_updates_through_reused_buffers_stay_exact() -> None:
@@ -97,16 +97,17 @@ def test_updates_through_reused_buffers_stay_exact() -> None:
         weights = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
         _push(updater, weights, version)
         # the commit adopted this update's buffers; the previous update's are kept for a rollback
-        assert updater.buffers.free_bytes == 0
+        assert updater.weights.buffers.free_bytes == 0
         _begin_next(updater)  # the last commit is final: they come back
-        assert updater.buffers.free_bytes == (model_bytes if version > 1 else 0)
+        assert updater.weights.buffers.free_bytes == (model_bytes if version > 1 else 0)
         _scribble_on_free_buffers(updater)
         updater.abort(version + 1)
-        assert updater.digests()[1] == {n: digest(t) for n, t in weights.items()}
-    kept = updater.digests()[1]
+        assert updater.weights.digests()[1] == {n: digest(t) for n, t in weights.items()}
+    kept = updater.weights.digests()[1]
     _push(updater, {n: torch.zeros(p.shape) for n, p in model.named_parameters()}, 5, commit=False)
     _scribble_on_free_buffers(updater)
-    assert updater.digests()[1] == kept and updater.buffers.free_bytes == model_bytes  # an abort returns them too
+    weights = updater.weights
+    assert weights.digests()[1] == kept and weights.buffers.free_bytes == model_bytes  # an abort returns them too
 
 
 def test_commit_adopts_the_received_bytes_without_copying() -> None:
@@ -114,10 +115,10 @@ def test_commit_adopts_the_received_bytes_without_copying() -> None:
     updater = _updater(model)
     weights = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
     _push(updater, weights, 1)
-    served_on = {id(b): b for b in updater._backing.values()}
-    assert set(updater._backing) == set(weights) and served_on
+    served_on = {id(b): b for b in updater.weights._backing.values()}
+    assert set(updater.weights._backing) == set(weights) and served_on
     for name, param in model.named_parameters():
-        buffer = updater._backing[name]
+        buffer = updater.weights._backing[name]
         assert buffer.data_ptr() <= param.data_ptr() < buffer.data_ptr() + buffer.numel()
     x = torch.ones(2, 16)
     assert torch.equal(model.norm(model.proj(x)), torch.nn.functional.layer_norm(
@@ -130,17 +131,17 @@ def test_partial_update_compacts_the_buffers_it_leaves_partly_served() -> None:
     updater = _updater(model)
     full = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
     _push(updater, full, 1)
-    assert updater._backing["proj.bias"] is updater._backing["norm.weight"]  # one 200-byte bucket
+    assert updater.weights._backing["proj.bias"] is updater.weights._backing["norm.weight"]  # one 200-byte bucket
     delta = {"proj.bias": torch.randn(8)}
     _push(updater, delta, 2, mode="delta", base_version=1)
     # proj.bias now views the delta's buffer; whatever shared its old buffer was cloned out of it
-    assert sorted(updater._backing) == ["proj.bias", "proj.weight"]  # norm.* were compacted out
+    assert sorted(updater.weights._backing) == ["proj.bias", "proj.weight"]  # norm.* were compacted out
     _scribble_on_free_buffers(updater)
-    assert updater.digests()[1] == {n: digest(t) for n, t in (full | delta).items()}
+    assert updater.weights.digests()[1] == {n: digest(t) for n, t in (full | delta).items()}
 
 
 def _served(updater: WeightUpdater) -> dict[str, str]:
-    return updater.digests()[1]
+    return updater.weights.digests()[1]
 
 
 def test_rollback_serves_the_previous_version_bit_for_bit() -> None:
@@ -156,8 +157,8 @@ def test_rollback_serves_the_previous_version_bit_for_bit() -> None:
     _push(updater, v2, 2)
     assert _served(updater) == {n: digest(t) for n, t in v2.items()}
     assert updater.rollback(2) is True
-    assert (updater.version, updater.label) == (1, "1")
-    assert updater.buffers.free_bytes == sum(p.numel() * 4 for p in model.parameters())  # v2's
+    assert (updater.version, updater.weights.label) == (1, "1")
+    assert updater.weights.buffers.free_bytes == sum(p.numel() * 4 for p in model.parameters())  # v2's
     _scribble_on_free_buffers(updater)
     assert _served(updater) == {n: digest(t) for n, t in v1.items()}
     assert updater.rollback(2) is False, "not served: nothing to undo"
@@ -170,14 +171,14 @@ def test_rollback_of_a_delta_restores_the_tensors_it_compacted() -> None:
     updater = _updater(model)
     full = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
     _push(updater, full, 1)
-    backing = dict(updater._backing)
+    backing = dict(updater.weights._backing)
     _push(updater, {"proj.bias": torch.randn(8)}, 2, mode="delta", base_version=1)
     assert updater.rollback(2)
-    assert updater._backing == backing and not updater.coverage.dirty
+    assert updater.weights._backing == backing and not updater.weights.coverage.dirty
     _scribble_on_free_buffers(updater)
     assert _served(updater) == {n: digest(t) for n, t in full.items()}
     for name, param in model.named_parameters():  # the parameters view their buffers again, no copies
-        buffer = updater._backing[name]
+        buffer = updater.weights._backing[name]
         assert buffer.data_ptr() <= param.data_ptr() < buffer.data_ptr() + buffer.numel()
 
 

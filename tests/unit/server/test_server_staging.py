@@ -60,7 +60,7 @@ def update(
 
 
 def served(updater: WeightUpdater) -> dict[str, str]:
-    return updater.digests()[1]
+    return updater.weights.digests()[1]
 
 
 def test_commit_swaps_everything_at_once(updater: WeightUpdater, model: Tiny) -> None:
@@ -118,10 +118,10 @@ def test_a_session_is_its_owners_until_the_owner_is_gone_or_silent(updater: Weig
         updater.begin(replace(manifest, version=6, owner=b, timeout_s=30.0))
     assert updater.abort(5, owner=b) is False, "an abort never drops another trainer's session"
     updater.begin(replace(manifest, version=6, owner=a, timeout_s=30.0))  # its owner begins again
-    assert updater.session is not None and updater.session.version == 6
-    updater.session.touched -= 31.0  # a's silence, past its own timeout
+    assert updater.session.open_update is not None and updater.session.open_update.version == 6
+    updater.session.open_update.touched -= 31.0  # a's silence, past its own timeout
     assert "past its timeout" in (updater.begin(replace(manifest, version=7, owner=b, timeout_s=30.0)) or "")
-    assert updater.session.owner == b
+    assert updater.session.open_update.owner == b
 
 
 def test_a_dead_trainers_session_is_reported_gone_however_long_it_was_silent(updater: WeightUpdater,
@@ -142,8 +142,8 @@ def test_a_dead_trainers_session_is_reported_gone_however_long_it_was_silent(upd
     assert child.pid != os.getpid()
     manifest = update(new_weights(model, 3), 5)[0]
     updater.begin(replace(manifest, owner=dead, timeout_s=3.0))
-    assert updater.session is not None
-    updater.session.touched -= 10 * updater.session_timeout_s  # silent far past both timeouts
+    assert updater.session.open_update is not None
+    updater.session.open_update.touched -= 10 * updater.session_timeout_s  # silent far past both timeouts
     note = updater.begin(replace(manifest, version=6, owner=session_owner(), timeout_s=3.0))
     assert note is not None and "its process is gone" in note, note
 
@@ -151,10 +151,10 @@ def test_a_dead_trainers_session_is_reported_gone_however_long_it_was_silent(upd
 def test_idle_session_gives_way_after_the_timeout(updater: WeightUpdater, model: Tiny) -> None:
     weights = new_weights(model, 4)
     updater.begin(update(weights, 5)[0])
-    assert updater.session is not None
-    updater.session.touched -= 2 * updater.session_timeout_s  # idle for twice the timeout
+    assert updater.session.open_update is not None
+    updater.session.open_update.touched -= 2 * updater.session_timeout_s  # idle for twice the timeout
     updater.begin(update(weights, 6)[0])  # the idle v5 session is discarded
-    assert updater.session is not None and updater.session.version == 6
+    assert updater.session.open_update is not None and updater.session.open_update.version == 6
 
 
 def test_named_tensors_checked_before_anything_is_copied(updater: WeightUpdater, model: Tiny) -> None:
@@ -182,10 +182,10 @@ def test_sglang_session_applies_at_end_as_the_next_version_under_its_label(updat
     # slime sends one label on every bucket of an update; SGLang's labels are free strings.
     updater.stage_named([("norm.weight", good["norm.weight"])], label="step_10")
     updater.stage_named([("norm.bias", good["norm.bias"])], label="step_10")
-    assert updater.served == ServedVersion(3, "3")
+    assert updater.weights.served == ServedVersion(3, "3")
     result = updater.end_sglang()
     assert result.ack is not None and result.ack.version == 4
-    assert updater.served == ServedVersion(4, "step_10")
+    assert updater.weights.served == ServedVersion(4, "step_10")
     assert served(updater)["norm.weight"] == digest(good["norm.weight"])
     assert served(updater)["norm.bias"] == digest(good["norm.bias"])
 
@@ -196,11 +196,11 @@ def test_labels_are_sglang_strings_and_versions_stay_weightsync_integers(updater
     # Applied on arrival: each SGLang-shaped update is the next version; a repeated label is fine.
     for expected in (4, 5):
         updater.stage_named([("norm.bias", good["norm.bias"])], label="v1")
-        assert updater.served == ServedVersion(expected, "v1")
+        assert updater.weights.served == ServedVersion(expected, "v1")
     updater.stage_named([("norm.bias", good["norm.bias"])], label=None)  # no label: SGLang keeps it
-    assert updater.served == ServedVersion(6, "v1")
-    updater.set_label("step_10")  # /update_weight_version: the label only
-    assert updater.served == ServedVersion(6, "step_10")
+    assert updater.weights.served == ServedVersion(6, "v1")
+    updater.weights.set_label("step_10")  # /update_weight_version: the label only
+    assert updater.weights.served == ServedVersion(6, "step_10")
     # weightsync's own pushes still order by integer, whatever the label says.
     with pytest.raises(ConflictError, match="not newer"):
         updater.begin(update(good, 6)[0])
@@ -209,7 +209,7 @@ def test_labels_are_sglang_strings_and_versions_stay_weightsync_integers(updater
     for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
         updater.stage_bucket(version=7, index=bucket.index, buffer=buffer.clone(), digest_hex=bucket.digest)
     updater.commit(7)
-    assert updater.served == ServedVersion(7, "7")
+    assert updater.weights.served == ServedVersion(7, "7")
 
 
 def test_delta_needs_its_base_version(updater: WeightUpdater, model: Tiny) -> None:

@@ -118,7 +118,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def finish_weight_update(self) -> None:
         """Apply the sealed update and ack it; drop an unsealed one (an abort). Returns
         normally either way: the answer tells the trainer which."""
-        update = self.sync.session.open
+        update = self.sync.session.open_update
         sealed, self._sealed = self._sealed, None
         if update is None or update.version != sealed:
             dropped = None if update is None else update.version
@@ -132,9 +132,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def shutdown(self) -> None:
         self.sync.session.abort()
-        for receiver in self.sync.receivers.values():
-            receiver.close()
-        self.sync.receivers.clear()
+        self.sync.receive_path.close()
 
     # -- the steps -----------------------------------------------------------------
 
@@ -175,7 +173,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def _seal(self, version: int, digests: list[str | None] | None) -> dict[str, Any]:
         """Check everything `finish_weight_update` would otherwise find out too late."""
-        update = self.sync.session.open
+        update = self.sync.session.open_update
         if update is None or update.version != version:
             raise IntegrityError(f"update v{version} cannot commit: it is not open here (aborted, replaced, or a "
                                  f"bucket was refused); open: {None if update is None else update.version}")

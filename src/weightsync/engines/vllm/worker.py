@@ -39,8 +39,9 @@ from weightsync.errors import (
 )
 from weightsync.links import Delivery, Link
 from weightsync.manifest import Manifest, TensorMeta
+from weightsync.receive_path import ReceivePath
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
-from weightsync.transports import Receiver, make_receiver, parse_link
+from weightsync.transports import make_receiver, parse_link
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +181,13 @@ class WorkerSync:
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
         self.dirty = False
-        self.receivers: dict[str, Receiver] = {}
-        """This worker's end of each transport by name, holding the sessions it joined:
-        up to MAX_SESSIONS trainer sessions each (two trainers may be connected at
-        once; one holds the update, the other waits)."""
         self.session = UpdateSession(self, engine=self.who, rules=SessionRules(
             timeout_s=SESSION_TIMEOUT_S, refuse_delta=refuse_delta))
+        self.receive_path = ReceivePath(self.session, make_receiver=lambda transport: make_receiver(
+            transport, max_sessions=MAX_SESSIONS, device=_device(worker)))
+        """This worker's end of each transport, holding the sessions it joined: up to
+        MAX_SESSIONS trainer sessions each (two trainers may be connected at once; one
+        holds the update, the other waits). Every bucket is copied (vLLM reloads copies)."""
         self.link: Link | None = None
         """The link of the open update (set by a successful begin)."""
         self._lora_path: Path | None = None
@@ -211,7 +213,7 @@ class WorkerSync:
         lora_config = self.worker.vllm_config.lora_config
         return {
             "num_ranks": self.num_ranks, "version": self.version, "dirty": self.dirty,
-            "open_version": None if self.session.open is None else self.session.open.version,
+            "open_version": None if self.session.open_update is None else self.session.open_update.version,
             "lora_enabled": lora_config is not None,
             "max_lora_rank": lora_config.max_lora_rank if lora_config is not None else None,
             "model": str(self.worker.vllm_config.model_config.model),
@@ -220,19 +222,19 @@ class WorkerSync:
 
     def connect(self, body: Mapping[str, Any]) -> dict[str, Any]:
         link = parse_link(body["link"])
-        self._receiver(link.transport).join(link, rank=self.rank)
+        self.receive_path.receiver(link.transport).join(link, rank=self.rank)
         return {}
 
     def disconnect(self, body: Mapping[str, Any]) -> dict[str, Any]:
         link = parse_link(body["link"])
-        self._receiver(link.transport).leave(link)
+        self.receive_path.receiver(link.transport).leave(link)
         return {}
 
     def begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
         manifest = Manifest.from_dict(body["manifest"])
         link = parse_link(body["link"])
         try:
-            self._receiver(link.transport).check_joined(link)
+            self.receive_path.receiver(link.transport).check_joined(link)
         except LookupError as e:
             raise EngineError(self.who, str(e)) from None
         if manifest.mode == "sparse":
@@ -250,33 +252,23 @@ class WorkerSync:
         return {"preempted": preempted}
 
     def receive(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        version, index = int(body["version"]), int(body["index"])
-        bucket = self.session.bucket(version, index)
-        link = self.link
-        assert link is not None
-        receiver = self._receiver(link.transport)
-        if receiver.bytes_in_delivery or receiver.reads_at_commit:
-            raise EngineError(self.who, f"no per-bucket receive over transport {link.transport!r}")
-        into = torch.empty(bucket.nbytes, dtype=torch.uint8)  # our copy, then check it
-        try:
-            buffer, computed = receiver.fetch_hashed(link, bucket, Delivery.from_dict(body["delivery"]), into,
-                                                     self.session.digest_algorithm(version))
-        except LookupError as e:
-            raise EngineError(self.who, str(e)) from None
-        return {"digest": self.session.stage_bucket(version=version, index=index, buffer=buffer,
-                                                    digest_hex=str(body["digest"]), computed=computed)}
+        version = int(body["version"])
+        if self.link is None:
+            raise ConflictError(f"{self.who}: no update has begun here (asked for v{version}); begin one first")
+        return {"digest": self.receive_path.receive(self.link, version=version, index=int(body["index"]),
+                                                    delivery=Delivery.from_dict(body["delivery"]),
+                                                    digest_hex=str(body["digest"]))}
 
     def seal(self, body: Mapping[str, Any]) -> dict[str, Any]:
         version = int(body["version"])
-        self.read_at_commit(version)
+        self.receive_path.read_at_commit(self.link, version)
         self.session.seal(version, body.get("digests"))
         return {}
 
     def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         version = int(body["version"])
-        update = self.session.open
-        self.read_at_commit(version)
-        ack = self.session.commit(version)
+        update = self.session.open_update
+        ack = self.receive_path.commit(version, self.link)
         assert update is not None  # commit found it open
         if not update.manifest.is_adapter:
             return {"ack": ack.to_wire()}
@@ -292,27 +284,6 @@ class WorkerSync:
         if path is not None:
             self._retired_dirs.append(path)  # deleted at the next adapter commit
         return {}
-
-    # -- receiving ---------------------------------------------------------
-
-    def read_at_commit(self, version: int) -> None:
-        """Stage the open update `version` from its link's version directory, where the
-        transport delivers nothing per bucket (disk); every bucket's digest is checked."""
-        update, link = self.session.open, self.link
-        if update is None or update.version != version or link is None or update.sealed is not None:
-            return
-        receiver = self._receiver(link.transport)
-        if receiver.reads_at_commit:
-            for index, buffer in receiver.read(link, update.manifest):
-                self.session.stage_bucket(version=version, index=index, buffer=buffer)
-
-    def _receiver(self, transport: str) -> Receiver:
-        """This worker's receiver of `transport`, made on first use."""
-        receiver = self.receivers.get(transport)
-        if receiver is None:
-            receiver = self.receivers[transport] = make_receiver(transport, max_sessions=MAX_SESSIONS,
-                                                                 device=_device(self.worker))
-        return receiver
 
     # -- the receiving.Applier of the update session --------------------------
 
