@@ -81,7 +81,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[Recorder]:
     recorder = Recorder()
-    thread = threading.Thread(target=recorder.serve_forever, daemon=True)
+    thread = threading.Thread(target=recorder.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield recorder
     recorder.release.set()
