@@ -9,7 +9,7 @@ from torch import nn
 
 from mode_planner import ModePlanner
 from weightsync import EngineCapabilities, EngineError
-from weightsync.modes import make_mode
+from weightsync.modes import PushMode, Selection, make_mode
 
 
 def model() -> nn.Module:
@@ -20,29 +20,29 @@ def model() -> nn.Module:
     return m
 
 
-def names(selection: object) -> list[str]:
-    return [m.hf_name for m in selection.metas]  # type: ignore[attr-defined]
+def names(selection: Selection) -> list[str]:
+    return [m.hf_name for m in selection.metas]
 
 
-def pushed(mode: object, m: nn.Module, version: int, planner: ModePlanner) -> object:
+def pushed(mode: PushMode, m: nn.Module, version: int, planner: ModePlanner) -> Selection:
     """select, then committed, as the coordinator calls them for a push every engine acks."""
-    mode.prepare(m, version, planner)  # type: ignore[attr-defined]
-    selection = mode.select(mode.source(m), version, planner)  # type: ignore[attr-defined]
-    mode.committed(selection, version, planner)  # type: ignore[attr-defined]
+    mode.prepare(m, version, planner)
+    selection = mode.select(mode.source(m), version, planner)
+    mode.committed(selection, version, planner)
     return selection
 
 
 def test_the_first_push_is_whole_then_only_changed_tensors_go() -> None:
     m, mode, planner = model(), make_mode("delta"), ModePlanner()
     first = pushed(mode, m, 1, planner)
-    assert first.mode == "full" and names(first) == ["0.weight", "0.bias", "1.weight", "1.bias"]  # type: ignore[attr-defined]
+    assert first.mode == "full" and names(first) == ["0.weight", "0.bias", "1.weight", "1.bias"]
     unchanged = pushed(mode, m, 2, planner)
-    assert unchanged.mode == "delta" and names(unchanged) == [] and unchanged.num_skipped == 4  # type: ignore[attr-defined]
-    assert unchanged.base_version == 1  # type: ignore[attr-defined]
+    assert unchanged.mode == "delta" and names(unchanged) == [] and unchanged.num_skipped == 4
+    assert unchanged.base_version == 1
     with torch.no_grad():
         m[0].bias[2] += 1.0
     changed = pushed(mode, m, 3, planner)
-    assert names(changed) == ["0.bias"] and changed.num_skipped == 3 and changed.base_version == 2  # type: ignore[attr-defined]
+    assert names(changed) == ["0.bias"] and changed.num_skipped == 3 and changed.base_version == 2
 
 
 def test_changes_are_judged_in_the_engines_dtype() -> None:
@@ -72,7 +72,7 @@ def test_an_engine_that_applies_no_partial_update_gets_the_whole_model() -> None
     planner = ModePlanner([EngineCapabilities(), EngineCapabilities(supports_delta=False)])
     pushed(mode, m, 1, planner)
     again = pushed(mode, m, 2, planner)
-    assert again.mode == "full" and len(names(again)) == 4 and again.base_version is None  # type: ignore[attr-defined]
+    assert again.mode == "full" and len(names(again)) == 4 and again.base_version is None
 
 
 def test_a_refused_base_sends_the_same_push_whole() -> None:
@@ -98,8 +98,8 @@ def test_full_sends_everything_every_push() -> None:
     m, mode, planner = model(), make_mode("full"), ModePlanner()
     for version in (1, 2):
         selection = pushed(mode, m, version, planner)
-        assert selection.mode == "full" and names(selection) == ["0.weight", "0.bias", "1.weight", "1.bias"]  # type: ignore[attr-defined]
-        assert selection.num_skipped == 0 and selection.base_version is None  # type: ignore[attr-defined]
+        assert selection.mode == "full" and names(selection) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+        assert selection.num_skipped == 0 and selection.base_version is None
 
 
 def test_unknown_modes_are_refused_naming_the_valid_ones() -> None:

@@ -4,6 +4,8 @@ retire."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -37,7 +39,7 @@ class Unloader:
     """An engine that unloads adapters by name and records each call; `fail` names
     adapters it refuses to unload, `gone` those it already dropped."""
 
-    def __init__(self, *, fail: set[str] = frozenset(), gone: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, *, fail: Iterable[str] = (), gone: Iterable[str] = ()) -> None:
         self.fail, self.gone = set(fail), set(gone)
         self.unloaded: list[str] = []
 

@@ -9,7 +9,7 @@ from torch import nn
 from mode_planner import ModePlanner, as_engine_holds
 from weightsync import EngineCapabilities, EngineError
 from weightsync.integrity import digest
-from weightsync.modes import make_mode
+from weightsync.modes import Selection, make_mode
 
 SPARSE = EngineCapabilities(supports_sparse=True)
 NAMES = ["0.weight", "0.bias", "1.weight", "1.bias"]
@@ -24,9 +24,9 @@ def planner(*capabilities: EngineCapabilities) -> ModePlanner:
     return ModePlanner(capabilities or [SPARSE], cast_to=torch.bfloat16)
 
 
-def streamed(selection: object) -> dict[str, torch.Tensor]:
-    stream = selection.stream  # type: ignore[attr-defined]
-    return {n: t.clone() for n, t in stream.tensors([m.hf_name for m in selection.metas])}  # type: ignore[attr-defined]
+def streamed(selection: Selection) -> dict[str, torch.Tensor]:
+    assert selection.stream is not None
+    return {n: t.clone() for n, t in selection.stream.tensors([m.hf_name for m in selection.metas])}
 
 
 def test_first_push_whole_then_only_changed_elements_with_whole_tensor_digests() -> None:
