@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_matrix import EnginePool
 
+from engine_matrix import EnginePool
 from weightsync.engines.vllm.launch import VLLMServer
 from weightsync.server.launch import ServerProcess
 
@@ -28,12 +28,13 @@ def engine_pool(tiny_model_dir: Path, disk_root: Path, tmp_path_factory: pytest.
                 request: pytest.FixtureRequest) -> Iterator[EnginePool]:
     """Engines of a kind: `engine_pool.clients("vllm")`; stopped when the session ends.
     The vLLMs are the session's shared float32 and bfloat16 `vllm serve`s
-    (tests/vllm_shared_server.py)."""
+    (tests/support/vllm_shared_server.py)."""
     fixtures = {"float32": "vllm_server", "bfloat16": "vllm_bf16_server"}
 
     def shared_vllm(dtype: str) -> VLLMServer:
         if dtype not in fixtures:
-            raise ValueError(f"no session vLLM serves {dtype}: tests/vllm_shared_server.py starts {sorted(fixtures)}")
+            raise ValueError(f"no session vLLM serves {dtype}: tests/support/vllm_shared_server.py starts "
+                             f"{sorted(fixtures)}")
         return request.getfixturevalue(fixtures[dtype])
 
     pool = EnginePool(tiny_model_dir, tmp_path_factory.mktemp("dtypes"), disk_root, shared_vllm=shared_vllm)

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from contract_helpers import next_version
 from safetensors.torch import load_file
 
 import weightsync as ws
+from contract_helpers import next_version
 from weightsync.server.launch import ServerProcess, launch_server
 
 TRANSPORTS = ["http", "shm", "broadcast", "disk"]

@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from contract_helpers import PROBE_PROMPTS, load_trainer, next_version, perturb, served_state
-from engine_matrix import EMBEDDED, KINDS_BY_NAME, EnginePool, engine_params, kind_params
 
 import weightsync as ws
+from contract_helpers import PROBE_PROMPTS, load_trainer, next_version, perturb, served_state
+from engine_matrix import EMBEDDED, KINDS_BY_NAME, EnginePool, engine_params, kind_params
 from weightsync.bucketing import pack_stream, plan_buckets, stream_order
 from weightsync.engines.base import DigestReader
 from weightsync.integrity import digest

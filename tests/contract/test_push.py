@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+
+import weightsync as ws
 from contract_helpers import (
     PROBE_PROMPTS,
     load_trainer,
@@ -24,8 +26,6 @@ from contract_helpers import (
     served_state,
 )
 from engine_matrix import EMBEDDED, KINDS_BY_NAME, Client, EnginePool, engine_params
-
-import weightsync as ws
 from weightsync.bucketing import plan_buckets
 from weightsync.errors import EngineError
 from weightsync.integrity import digest

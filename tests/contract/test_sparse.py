@@ -25,11 +25,11 @@ from typing import Any
 
 import pytest
 import torch
-from contract_helpers import PROBE_PROMPTS, load_trainer, next_version, perturb
-from engine_matrix import EMBEDDED, KINDS_BY_NAME, VLLM, EnginePool, engine_params
 
 import weightsync as ws
 import weightsync.modes.sparse as sparse_mode
+from contract_helpers import PROBE_PROMPTS, load_trainer, next_version, perturb
+from engine_matrix import EMBEDDED, KINDS_BY_NAME, VLLM, EnginePool, engine_params
 from weightsync.change_encoding import Encoded
 from weightsync.errors import EngineError
 from weightsync.integrity import digest

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from dist_util import init_gloo
 
 __all__ = ["init_gloo"]  # kept for tests that import it from here; prefer dist_util

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from dist_util import init_gloo
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 
+from dist_util import init_gloo
 from weightsync.lora import CONFIG_NAME, WEIGHTS_NAME, export_lora_adapter
 from weightsync.lora.source import LoraSource, MergedLoraSource
 from weightsync.tiny import TinyModelConfig, build_model

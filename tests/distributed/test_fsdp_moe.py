@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from dist_util import init_gloo
 
 import weightsync as ws
+from dist_util import init_gloo
 from weightsync.integrity import digest
 from weightsync.server.launch import launch_server
 from weightsync.tiny import TinyModelConfig, build_model, make_tiny_model

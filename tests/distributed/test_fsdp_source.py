@@ -8,8 +8,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from dist_util import init_gloo
 
+from dist_util import init_gloo
 from weightsync.bucketing import allocate, pack_stream, plan_buckets, stream_order, unpack
 from weightsync.integrity import byte_view
 from weightsync.sources import ModuleSource

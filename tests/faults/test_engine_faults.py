@@ -15,12 +15,12 @@ version went backwards.
 from __future__ import annotations
 
 import pytest
-from fault_helpers import assert_survived
 
+from fault_helpers import assert_survived
 from weightsync_tools import faults
 from weightsync_tools.faults import Rig
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: rig, fault_model
+# fixtures rig, fault_model: tests/support/fault_fixtures.py
 pytestmark = pytest.mark.faults
 
 TRUNCATION_SEEN_AS = {

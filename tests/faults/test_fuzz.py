@@ -26,14 +26,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from fault_helpers import READ_ONLY, app_routes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fault_helpers import READ_ONLY, app_routes
 from serve_check import wait_until
 from weightsync.wire import MAGIC
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: admin, keyed_server, keyed_root, fault_model
+# fixtures admin, keyed_server, keyed_root, fault_model: tests/support/fault_fixtures.py
 pytestmark = pytest.mark.faults
 
 EXAMPLES = 30

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from weightsync_tools import faults
 from weightsync_tools.faults import Answer, AnswerVerifier, Rig, Weights
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: rig, fault_model
+# fixtures rig, fault_model: tests/support/fault_fixtures.py
 pytestmark = pytest.mark.faults
 
 

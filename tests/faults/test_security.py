@@ -37,15 +37,15 @@ from typing import Any
 
 import httpx
 import pytest
-from fault_helpers import READ_ONLY, app_routes
 
+from fault_helpers import READ_ONLY, app_routes
 from weightsync.checkpoint import MAX_MANIFEST_BYTES, bucket_file_name
 from weightsync.server.http import HTTPError, require_admin
 from weightsync.server.launch import ServerProcess
 from weightsync.server.unpickle import UnsafePickleError, safe_loads
 from weightsync_tools.faults import ADMIN_KEY, Rig
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: admin, keyed_server, keyed_root, rig, fault_model
+# fixtures admin, keyed_server, keyed_root, rig, fault_model: tests/support/fault_fixtures.py
 pytestmark = pytest.mark.faults
 
 JSON_LIMIT = 64 << 20  # ServerConfig.max_json_bytes

@@ -14,13 +14,13 @@ single 409 reaching it, well within the dead push's timeout_s.
 from __future__ import annotations
 
 import pytest
-from fault_helpers import assert_survived
 
 import weightsync as ws
+from fault_helpers import assert_survived
 from weightsync_tools import faults
 from weightsync_tools.faults import Rig
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: rig, fault_model
+# fixtures rig, fault_model: tests/support/fault_fixtures.py
 pytestmark = pytest.mark.faults
 
 

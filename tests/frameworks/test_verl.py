@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 def _env(**extra: str) -> dict[str, Any]:
     """A Ray runtime_env: this checkout's weightsync and the fixtures module, plus `extra`."""
-    path = os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE), str(HERE.parent)])
+    path = os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE), str(HERE.parent / "support")])
     return {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}}
 
 

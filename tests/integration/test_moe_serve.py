@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import vllm_fixtures as vf
-from moe_models import edit_two_experts, make_moe_dir
 
+import vllm_fixtures as vf
 import weightsync as ws
+from moe_models import edit_two_experts, make_moe_dir
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.tiny import TinyModelConfig, build_model

@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import vllm_fixtures as vf
-from moe_models import WithoutTensors, make_moe_dir
 
+import vllm_fixtures as vf
 import weightsync as ws
+from moe_models import WithoutTensors, make_moe_dir
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
 

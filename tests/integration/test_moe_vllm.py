@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import vllm_fixtures as vf
-from moe_models import WithoutTensors, edit_two_experts, make_moe_dir
 
+import vllm_fixtures as vf
 import weightsync as ws
+from moe_models import WithoutTensors, edit_two_experts, make_moe_dir
 from vllm_shared_server import ModuleVLLM
 from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.engines.vllm.launch import VLLMServer
@@ -37,7 +37,7 @@ NUM_CHECKPOINT_TENSORS = 69
 
 VLLM_SERVE = ModuleVLLM("qwen3-moe", make_model=lambda root: make_moe_dir(root, "qwen3_moe"),
                         args=("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0"))
-"""This module's `vllm serve` (tests/vllm_shared_server.py starts it in the background)."""
+"""This module's `vllm serve` (tests/support/vllm_shared_server.py starts it in the background)."""
 
 
 @pytest.fixture(scope="module")

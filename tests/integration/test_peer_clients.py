@@ -26,16 +26,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import sglang_wheel
 import torch
-from sglang_wheel import b64
-from test_server_lora import make_adapter
-from test_server_torn_updates import PROMPT, halves
 
+import sglang_wheel
+from server_fixtures import PROMPT, halves, make_adapter
+from sglang_wheel import b64
 from weightsync.dtypes import dtype_name
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
+# fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 

@@ -20,7 +20,7 @@ import torch
 
 from weightsync.checkpoint import bucket_file_name
 
-pytest_plugins = ["test_server_support"]  # fixtures: tiny_model, model_root, kit, one_torch_thread
+# fixtures tiny_model, model_root, kit, one_torch_thread: tests/support/server_fixtures.py
 
 KEY = "s3cret-admin-key"
 MUTATING = [

@@ -15,7 +15,7 @@ import pytest
 
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
+# fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 
 PROMPT = [5, 17, 42]
 POLL_LIMIT = 10_000

@@ -13,7 +13,7 @@ import torch
 
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
+# fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9], [100, 200, 300, 400, 500, 11, 12], [42]]
 

@@ -20,28 +20,12 @@ import httpx
 import pytest
 import torch
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
+from server_fixtures import make_adapter
+
+# fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 
 PROMPT = [5, 17, 42, 99, 3]
 MAX_NEW = 10
-
-
-def make_adapter(base_dir: Path, out_dir: Path, *, seed: int, **config: Any) -> Path:
-    """A PEFT adapter directory with random, NON-ZERO lora_A and lora_B."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
-    options = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-               "target_modules": ["q_proj", "v_proj", "down_proj"], **config}
-    peft_model = get_peft_model(model, LoraConfig(**options))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    peft_model.save_pretrained(str(out_dir))
-    return out_dir
 
 
 def peft_reference(base_dir: Path, adapter_dir: Path, kit: SimpleNamespace) -> tuple[list[int], list[float]]:

@@ -21,7 +21,7 @@ import torch
 from serve_check import wait_until
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
+# fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 
 MAX_NEW_TOKENS = 160
 # Distinct prompt lengths: requests never share a batch, so each is comparable with

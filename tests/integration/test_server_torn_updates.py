@@ -15,14 +15,12 @@ from typing import Any
 
 import torch
 
+from server_fixtures import PROMPT, halves
 from weightsync.dtypes import dtype_name
 from weightsync.groups import UpdateGroup
 from weightsync.integrity import digest
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
-
-PROMPT = [5, 17, 42]
-
+# fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 
 def flattened_bucket(weights: dict[str, torch.Tensor], names: list[str]) -> str:
     """SGLang's flattened bucket (uint8 buffer + byte-offset metadata), base64 pickle."""
@@ -42,11 +40,6 @@ def send_bucket(client: Any, weights: dict[str, torch.Tensor], names: list[str],
     return client.post("/update_weights_from_tensor", {
         "serialized_named_tensors": [flattened_bucket(weights, names)], "load_format": "flattened_bucket",
         "flush_cache": False, "weight_version": label})
-
-
-def halves(client: Any) -> tuple[list[str], list[str]]:
-    names = sorted(client.digests())
-    return names[: len(names) // 2], names[len(names) // 2 :]
 
 
 def assert_generates(client: Any, kit: SimpleNamespace, tiny_model: Path, weights: dict[str, torch.Tensor]) -> None:

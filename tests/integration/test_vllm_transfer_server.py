@@ -10,7 +10,7 @@ Shows: pushes over shm and disk give transformers' greedy tokens; a corrupted
 bucket, a stale version and a wrong shape leave the last good weights serving; a trainer
 SIGKILLed mid-push leaves vLLM serving and the next push takes over at once;
 an unsalted request after a push never reuses the old weights' prefix KV.
-The server is the session's float32 `vllm serve` (tests/vllm_shared_server.py), started
+The server is the session's float32 `vllm serve` (tests/support/vllm_shared_server.py), started
 with the backend; each test pushes from the served version upward.
 """
 
@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import vllm_fixtures as vf
 from safetensors.torch import save_file
 
+import vllm_fixtures as vf
 import weightsync as ws
 from weightsync.engines.vllm.launch import VLLMServer
 from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
@@ -44,7 +44,7 @@ def model_dir(vllm_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(vllm_server: VLLMServer) -> VLLMServer:
-    """The session's float32 `vllm serve` (tests/vllm_shared_server.py), with the weightsync backend."""
+    """The session's float32 `vllm serve` (tests/support/vllm_shared_server.py), with the weightsync backend."""
     return vllm_server
 
 

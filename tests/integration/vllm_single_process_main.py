@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import vllm_fixtures as vf
-
 import weightsync as ws
 from weightsync.engines.vllm.worker import EXTENSION
 

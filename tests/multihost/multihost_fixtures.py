@@ -1,5 +1,5 @@
 """Fixtures of the multi-host rig (a pytest plugin, loaded by the test module with
-`pytest_plugins`; not a conftest.py, for the reason tests/faults/fault_fixtures.py gives).
+`pytest_plugins`; not a conftest.py, for the reason tests/support/fault_fixtures.py gives).
 
     net       a trainer host and two engine hosts on one switch (`weightsync_tools.netns.Network`)
     engines   a real `weightsync serve` on each engine host, bound to its address

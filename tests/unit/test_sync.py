@@ -1,191 +1,36 @@
 """The coordinator's own logic against an in-process engine, with failures injected.
 
-`MemoryEngine` is an engine whose weights are a dict: it receives through the
-real `weightsync.receiving.UpdateSession` (so these tests run the engines'
-receiving code too) and only adds failure injection and call counting; the
-contract suite (tests/contract) runs the same flows against real servers.
+`MemoryEngine` (tests/support/memory_engine.py) is an engine whose weights are a
+dict: it receives through the real `weightsync.receiving.UpdateSession` (so these
+tests run the engines' receiving code too) and only adds failure injection and call
+counting; the contract suite (tests/contract) runs the same flows against real servers.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import weightsync as ws
-from weightsync.checkpoint import read_version
-from weightsync.engines.base import EngineCapabilities, PausePolicy
+from memory_engine import MemoryEngine
+from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import (
-    ConflictError,
     EngineError,
     IntegrityError,
     ManifestMismatchError,
     SyncTimeoutError,
 )
 from weightsync.integrity import digest
-from weightsync.links import Delivery, Link
-from weightsync.manifest import BucketMeta, Manifest, TensorMeta
-from weightsync.receiving import OpenUpdate, UpdateSession
+from weightsync.links import Link
+from weightsync.manifest import Manifest
 from weightsync.reports import Ack
-from weightsync.shmem import SharedSlots
-
-
-class MemoryEngine:
-    """An engine whose weights are a dict; the `receiving.Applier` of a real update session."""
-
-    transports: ClassVar[frozenset[str]] = frozenset({"http", "shm", "disk"})
-    lora_transports: ClassVar[frozenset[str]] = frozenset({"http"})
-    url: str | None = None  # in this process
-    transports_note: str | None = None
-
-    def __init__(self, weights: dict[str, torch.Tensor], label: str = "memory", *, rolls_back: bool = False) -> None:
-        self.label = label
-        self.rolls_back = rolls_back
-        self.previous: tuple[dict[str, torch.Tensor], int] | None = None
-        """What the last commit replaced, while it can be rolled back."""
-        self.fail_commit = False
-        self.weights = {k: v.clone() for k, v in weights.items()}
-        self.version = 0
-        self.session = UpdateSession(self, engine=label)
-        self.calls: list[str] = []
-        self.fail_receive_at: int | None = None
-        self.hang_receive_at: int | None = None
-        self.hang_pause = False
-        self.unhang = threading.Event()
-        self.corrupt_ack = False
-        self.paused = False
-        self.lose_pause_answer = False
-        self._link: Link | None = None
-        self._version = 0
-        """The version of the update begun last (a delivery does not name it)."""
-        self.max_concurrent = 0
-        self._inflight = 0
-        self._lock = threading.Lock()
-
-    # -- the engine, as the coordinator sees it -----------------------------------------------
-
-    def capabilities(self, timeout_s: float) -> EngineCapabilities:
-        self.calls.append("capabilities")
-        return EngineCapabilities(stages_updates=True, rolls_back=self.rolls_back)
-
-    def connect(self, link: Link) -> None:
-        self.calls.append("connect")
-
-    def disconnect(self, link: Link) -> None:
-        self.calls.append("disconnect")
-
-    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
-        self.calls.append(f"pause:{policy.value}")
-        if self.hang_pause:
-            self.unhang.wait(60)
-        self.paused = True
-        if self.lose_pause_answer:  # paused, and the answer never came (vLLM applies a late /pause)
-            raise SyncTimeoutError(f"{self.label}: pause: injected lost answer")
-
-    def resume(self, *, timeout_s: float | None = None) -> None:
-        self.calls.append("resume")
-        self.paused = False
-
-    def begin(self, manifest: Manifest, link: Link) -> None:
-        self.calls.append("begin")
-        with self._as_engine_errors():
-            self.session.begin(manifest)
-        self._link, self._version = link, manifest.version
-
-    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
-        with self._lock:
-            self._inflight += 1
-            self.max_concurrent = max(self.max_concurrent, self._inflight)
-        try:
-            self.calls.append(f"receive:{bucket.index}")
-            if bucket.index == self.fail_receive_at:
-                raise EngineError(self.label, f"injected failure at bucket {bucket.index}", status=400)
-            if bucket.index == self.hang_receive_at:
-                self.unhang.wait(60)
-            if delivery.transport == "http":
-                data = delivery.data.clone()
-            else:
-                assert self._link is not None
-                seg = SharedSlots.open(self._link.shm_name, slot_bytes=self._link.slot_bytes,
-                                       num_slots=self._link.num_slots)
-                data = seg.slot(delivery.slot, bucket.nbytes).clone()
-            with self._as_engine_errors():
-                self.session.stage_bucket(version=self._version, index=bucket.index, buffer=data,
-                                          digest_hex=bucket.digest)
-        finally:
-            with self._lock:
-                self._inflight -= 1
-
-    def ready(self, manifest: Manifest, link: Link) -> None:
-        self.calls.append("ready")
-        with self._as_engine_errors():
-            if self.session.open_update is None or self.session.open_update.version != manifest.version:
-                raise ConflictError(f"update v{manifest.version} is no longer open")
-
-    def commit(self, manifest: Manifest, link: Link) -> Ack:
-        self.calls.append("commit")
-        if self.fail_commit:
-            raise EngineError(self.label, "injected failure at commit", status=None)
-        with self._as_engine_errors():
-            if link.transport == "disk":
-                _, buckets = read_version(Path(link.version_dir(manifest.version)))
-                for bucket, data in buckets:
-                    self.session.stage_bucket(version=manifest.version, index=bucket.index, buffer=data)
-            ack = self.session.commit(manifest.version)
-        if self.corrupt_ack:
-            ack = replace(ack, digests=("0" * 16, *ack.digests[1:]))
-        return ack
-
-    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
-        self.calls.append("abort")
-        self.session.abort(version)
-
-    def rollback(self, version: int, *, timeout_s: float | None = None) -> bool:
-        self.calls.append("rollback")
-        assert self.rolls_back, "the coordinator rolls back only engines that declare it"
-        if self.previous is None or self.version != version:
-            return False
-        (self.weights, self.version), self.previous = self.previous, None
-        return True
-
-    @contextmanager
-    def _as_engine_errors(self) -> Iterator[None]:
-        """What a real engine's client makes of a 409 answer."""
-        try:
-            yield
-        except ConflictError as e:
-            raise EngineError(self.label, str(e), status=409, retry_after_s=e.retry_after_s) from None
-
-    # -- the receiving.Applier -------------------------------------------------------------------
-
-    def not_one_version(self) -> str | None:
-        return None
-
-    def expected(self) -> dict[str, TensorMeta]:
-        return {k: TensorMeta.of(k, v) for k, v in self.weights.items()}
-
-    def check_adapter(self, manifest: Manifest) -> None:
-        raise ConflictError(f"{self.label} holds no adapters")
-
-    def apply(self, update: OpenUpdate) -> Sequence[str]:
-        self.previous = dict(self.weights), self.version
-        self.weights.update(update.tensors)
-        self.version = update.version
-        return list(update.tensors)
-
-    def install_adapter(self, update: OpenUpdate) -> None:
-        raise AssertionError("check_adapter refuses every adapter")
-
-    def release(self, update: OpenUpdate) -> None:
-        pass
 
 
 def tiny() -> nn.Module:

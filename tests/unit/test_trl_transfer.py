@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_sync import MemoryEngine
 
 import weightsync as ws
+from memory_engine import MemoryEngine
 from weightsync.integrations.trl import HeldTensors, WeightTransfer
 from weightsync.tiny import TinyModelConfig, build_model
 

@@ -1,6 +1,6 @@
 """Support for the integration tests that run real `weightsync serve` subprocesses
-(a pytest plugin, no tests here): test modules load it with
-`pytest_plugins = ["test_server_support"]`.
+(a pytest plugin, no tests here), loaded by tests/conftest.py's `pytest_plugins`;
+and the helpers more than one of those modules calls (`make_adapter`, `halves`).
 
 Not a conftest.py on purpose: tests/distributed pickles functions of ITS
 conftest by module name ("conftest") for spawned children, which breaks when
@@ -200,3 +200,31 @@ def kit() -> SimpleNamespace:
                            reference_greedy=reference_greedy, start_server=start_server,
                            make_update=make_update, frame=frame, write_version_dir=write_version_dir,
                            joined_group=joined_group)
+
+
+PROMPT = [5, 17, 42]
+"""The prompt the torn-update and peer-client tests generate from."""
+
+
+def halves(client: Any) -> tuple[list[str], list[str]]:
+    """The served tensor names, sorted, in two halves (a push torn between them)."""
+    names = sorted(client.digests())
+    return names[: len(names) // 2], names[len(names) // 2 :]
+
+
+def make_adapter(base_dir: Path, out_dir: Path, *, seed: int, **config: Any) -> Path:
+    """A PEFT adapter directory with random, NON-ZERO lora_A and lora_B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    options = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+               "target_modules": ["q_proj", "v_proj", "down_proj"], **config}
+    peft_model = get_peft_model(model, LoraConfig(**options))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    peft_model.save_pretrained(str(out_dir))
+    return out_dir

@@ -11,12 +11,12 @@ from functools import cached_property
 
 import pytest
 import torch
-from test_sync import MemoryEngine
 from torch import nn
 from vllm.distributed.weight_transfer import base as v032
 
 import vllm033_weight_source as v033
 import weightsync as ws
+from memory_engine import MemoryEngine
 from weightsync.engines.vllm.transfer_trainer import _as_pushable, _VLLMSource
 
 

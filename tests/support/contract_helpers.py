@@ -7,9 +7,9 @@ import itertools
 from pathlib import Path
 
 import torch
-from engine_matrix import Client
 from transformers import AutoModelForCausalLM
 
+from engine_matrix import Client
 from weightsync.engines.base import DigestReader
 
 _versions = itertools.count(1)

@@ -1,6 +1,6 @@
 """Fixtures for the fault-injection suite (a pytest plugin, no tests here).
 
-Test modules load it with `pytest_plugins = ["fault_fixtures"]`. Not a conftest.py:
+tests/conftest.py loads it (`pytest_plugins`). Not a conftest.py:
 tests/distributed pickles functions of ITS conftest by module name for spawned
 children, which breaks when another directory's conftest.py is imported first.
 

@@ -65,7 +65,7 @@ def plugin_installed(root: Path) -> Iterator[Path]:
     this process and of the processes vLLM spawns; vLLM's
     `load_general_plugins` discovers them through `importlib.metadata`.
     """
-    entry_points = plugin_entry_points(Path(__file__).resolve().parents[1] / "pyproject.toml")
+    entry_points = plugin_entry_points(Path(__file__).resolve().parents[2] / "pyproject.toml")
     dist_info = root / "weightsync_vllm_plugin_under_test-0.dist-info"
     dist_info.mkdir(parents=True, exist_ok=True)
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: weightsync-vllm-plugin-under-test\n"

@@ -1,5 +1,5 @@
-"""Helpers for tests that run real servers (importable from every test directory:
-pytest puts tests/, the directory of the root conftest.py, on sys.path)."""
+"""Helpers for tests that run real servers (in tests/support/, which pyproject.toml puts
+on sys.path for every test directory)."""
 
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ class EnginePool:
                  shared_vllm: Callable[[str], VLLMServer]) -> None:
         self._model_dirs = {"float32": model_dir}
         self._shared_vllm = shared_vllm
-        """The session's `vllm serve` serving a dtype (tests/vllm_shared_server.py)."""
+        """The session's `vllm serve` serving a dtype (tests/support/vllm_shared_server.py)."""
         self.model_root = model_root
         """Where the tiny model is saved in other dtypes (as the embedded engine serves
         the dtype its checkpoint has)."""
