@@ -196,3 +196,21 @@ def test_failed_commit_resumes_generation(client: Any, kit: SimpleNamespace, tin
     assert refused.status_code == 400 and "never arrived" in refused.json()["message"]
     assert client.info()["paused"] is None
     client.ok("/weightsync/abort", {"version": manifest.version})
+
+
+def test_a_pause_that_arrives_after_its_resume_is_not_applied(client: Any) -> None:
+    """A trainer whose pause got no answer in time resumes the engine, and the pause may reach
+    the engine (or a step boundary) only after that resume: named by weightsync's client, it
+    is then not applied, so generation is not held until a resume that never comes. A pause
+    of another id still pauses."""
+    client.ok("/continue_generation", {"pause_id": "late-1"})
+    assert client.ok("/pause_generation", {"mode": "retract", "pause_id": "late-1"})["num_paused_requests"] == 0
+    assert client.info()["paused"] is None
+    assert client.generate([5, 17, 42], sampling_params={"max_new_tokens": 2})["meta_info"]["finish_reason"][
+        "type"] == "length"
+    client.ok("/pause_generation", {"mode": "retract", "pause_id": "next-2"})
+    try:
+        assert client.info()["paused"] == "retract"
+    finally:
+        client.ok("/continue_generation", {"pause_id": "next-2"})
+    assert client.info()["paused"] is None

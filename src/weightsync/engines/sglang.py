@@ -28,6 +28,7 @@ needs no session.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -95,6 +96,8 @@ class SGLangEngine:
         """The pause mode the next commit request carries (`pauses_at_commit` engines)."""
         self._resumed_by_commit = False
         """The last commit was answered: the engine resumed generation by itself."""
+        self._pause_id: str | None = None
+        """The id of the pause sent last (`weightsync serve` only), which the next resume names."""
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
         self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
 
@@ -176,7 +179,10 @@ class SGLangEngine:
         if self._commit_pauses():
             self._pause_at_commit = mode
             return
-        self._http.post("/pause_generation", {"mode": mode}, timeout_s=timeout_s)
+        body: dict[str, str] = {"mode": mode}
+        if self._native:  # named, so that its resume cancels it should it reach the engine late
+            self._pause_id = body["pause_id"] = secrets.token_hex(8)
+        self._http.post("/pause_generation", body, timeout_s=timeout_s)
 
     def resume(self, *, timeout_s: float | None = None) -> None:
         """Continue generation, unless an answered commit already did."""
@@ -184,7 +190,9 @@ class SGLangEngine:
         if self._resumed_by_commit:
             self._resumed_by_commit = False
             return
-        self._http.post("/continue_generation", {}, timeout_s=timeout_s)
+        pause_id, self._pause_id = self._pause_id, None
+        self._http.post("/continue_generation", {} if pause_id is None else {"pause_id": pause_id},
+                        timeout_s=timeout_s)
 
     def _commit_pauses(self) -> bool:
         """An update is open and its commit request can hold generation for the commit."""

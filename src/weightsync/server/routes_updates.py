@@ -8,6 +8,7 @@ collectives, disk reads) runs in worker threads.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -112,13 +113,16 @@ def _add_generation_control(app: FastAPI, state: ServerState) -> None:
     async def pause_generation(request: Request) -> JSONResponse:
         body = await admin_json(request, state.config)
         mode = _pause_mode(field_str(body, "mode", default="abort"))
-        affected = await run_in_threadpool(state.scheduler.pause, mode)
+        # weightsync's client names each pause, and its resume names the same: a pause that
+        # reaches the engine after its resume (the trainer gave up waiting) is not applied
+        pause_id = field_str(body, "pause_id", default=None)
+        affected = await run_in_threadpool(functools.partial(state.scheduler.pause, mode, pause_id=pause_id))
         return answer(f"generation paused ({mode}); {affected} request(s) affected", num_paused_requests=affected)
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> JSONResponse:
-        await admin_json(request, state.config)
-        state.scheduler.resume()
+        body = await admin_json(request, state.config)
+        state.scheduler.resume(pause_id=field_str(body, "pause_id", default=None))
         return answer("generation continued")
 
 

@@ -30,6 +30,8 @@ from weightsync.server.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+RESUMED_PAUSES_KEPT = 64
+"""Pause ids remembered after their resume: a pause arrives late by one failed push at most."""
 
 
 class Scheduler:
@@ -51,6 +53,8 @@ class Scheduler:
         self._waiting: deque[GenRequest] = deque()
         self._running: list[GenRequest] = []
         self._paused: str | None = None
+        self._resumed_pauses: deque[str] = deque(maxlen=RESUMED_PAUSES_KEPT)
+        """The pause ids resumes named, newest last (a late pause of one is not applied)."""
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="weightsync-scheduler", daemon=True)
         self.num_steps = 0
@@ -149,12 +153,17 @@ class Scheduler:
         """The pause mode in force, or None while generating."""
         return self._paused
 
-    def pause(self, mode: str) -> int:
+    def pause(self, mode: str, *, pause_id: str | None = None) -> int:
         """Stop stepping (returns once no step is in flight) and apply `mode`; returns the
-        number of requests affected."""
+        number of requests affected. A pause whose `pause_id` a resume already named is not
+        applied: its caller gave up waiting for it and resumed, and the pause arrived (or
+        reached a step boundary) after the resume; applied, it would hold generation until
+        the next resume, which may never come."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}; one of {list(PAUSE_MODES)}")
         with self.between_steps(), self._cond:
+            if pause_id is not None and pause_id in self._resumed_pauses:
+                return 0
             self._paused = mode
             if mode == "abort":
                 victims = list(self._running) + list(self._waiting)
@@ -168,8 +177,12 @@ class Scheduler:
                     req.cache = None
             return len(self._running)
 
-    def resume(self) -> None:
+    def resume(self, *, pause_id: str | None = None) -> None:
+        """Continue generation; `pause_id`: the pause this resume ends, which is then never
+        applied should it arrive later."""
         with self._cond:
+            if pause_id is not None:
+                self._resumed_pauses.append(pause_id)
             self._paused = None
             self._cond.notify_all()
 

@@ -221,3 +221,17 @@ def test_stop_reasons() -> None:
     assert stop_reason(req, 0, {0}, decode) == {"type": "stop", "matched": 0}
     req.params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     assert stop_reason(req, 0, {0}, decode) == {"type": "length", "length": 2}
+
+
+def test_a_pause_named_by_an_earlier_resume_is_not_applied(scheduler: Scheduler, runner: FakeRunner) -> None:
+    """Its caller gave up waiting and resumed; the pause came after: not applied."""
+    scheduler.resume(pause_id="p1")
+    assert scheduler.pause("retract", pause_id="p1") == 0 and scheduler.paused is None
+    runner.run_freely()
+    req, done = make_request("r1", 2)
+    scheduler.submit(req)
+    assert done.wait(30) and req.output_ids == [7, 7]
+    scheduler.pause("retract", pause_id="p2")
+    assert scheduler.paused == "retract"
+    scheduler.resume(pause_id="p2")
+    assert scheduler.paused is None
