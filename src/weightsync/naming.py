@@ -352,6 +352,20 @@ def map_names(
     return names
 
 
+def expert_slices(model: nn.Module, *, adapter_name: str | None = None) -> dict[str, list[tuple[str, ExpertSlice]]]:
+    """Every fused expert parameter of `model`, by the name it is held under (its checkpoint
+    name in the "fused" layout, as TRL names what it sends), -> its per-expert checkpoint
+    tensors in order: (name, where it lies in the fused tensor). Empty for a model without
+    fused experts."""
+    fused = {p.trainer_name: p.hf_name
+             for p in map_names(model, adapter_name=adapter_name, expert_layout="fused").params}
+    out: dict[str, list[tuple[str, ExpertSlice]]] = {}
+    for p in map_names(model, adapter_name=adapter_name, expert_layout="per-expert").params:
+        if p.expert is not None:
+            out.setdefault(fused[p.trainer_name], []).append((p.hf_name, p.expert))
+    return out
+
+
 def _check_complete(model: nn.Module, walker: _Walker) -> None:
     visited = set(walker.seen) | walker.adapter_param_ids
     missed = [n for n, p in model.named_parameters() if id(p) not in visited]

@@ -98,3 +98,36 @@ def test_wrong_expert_count_and_missing_expert_are_refused(engine: VLLMEngine, m
     assert engine.info()["version"] == version
     assert vf.greedy_tokens(engine) == before
     vf.assert_parity(engine, trainer)
+
+
+def test_trls_weight_transfer_sends_fused_experts_into_vllm(engine: VLLMEngine, model_dir: Path) -> None:
+    """TRL's `AsyncGRPOTrainer` sends what its own `_iter_vllm_named_params` yields, fused
+    experts included: `WeightTransfer` with `name_experts(trainer.model)` pushes them into vLLM
+    one per expert, verified and served with transformers' tokens; without it the push is
+    refused before any byte moves and vLLM keeps serving its last version."""
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    from weightsync.integrations.trl import WeightTransfer
+
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=5)
+    before = (engine.info()["version"], vf.greedy_tokens(engine))
+    unnamed = WeightTransfer(engines=[engine], transport="shm", first_version=vf.next_version(engine))
+    unnamed.init_weight_transfer()
+    try:
+        with pytest.raises(ws.ManifestMismatchError, match=r"experts\.gate_up_proj") as refused:
+            unnamed.send_weights(_iter_vllm_named_params(trainer))
+        assert "transfer.name_experts(trainer.model)" in str(refused.value.__notes__)
+    finally:
+        unnamed.destroy()
+    assert (engine.info()["version"], vf.greedy_tokens(engine)) == before
+    transfer = WeightTransfer(engines=[engine], transport="shm", first_version=(version := vf.next_version(engine)))
+    transfer.name_experts(trainer)
+    transfer.init_weight_transfer()
+    try:
+        transfer.send_weights(_iter_vllm_named_params(trainer))
+    finally:
+        transfer.destroy()
+    vf.assert_verified(transfer.reports[0], version)
+    assert transfer.reports[0].num_tensors == NUM_CHECKPOINT_TENSORS
+    vf.assert_parity(engine, trainer)

@@ -147,3 +147,45 @@ def test_a_refused_send_raises_and_the_version_is_not_spent() -> None:
 def test_mode_is_not_an_option() -> None:
     with pytest.raises(ValueError, match="the mode is 'full'"):
         WeightTransfer(engines=[], mode="lora")
+
+
+class PerExpertMemoryEngine(MemoryEngine):
+    """Loads Mixture-of-Experts layers one tensor per expert, as vLLM declares."""
+
+    def capabilities(self, timeout_s: float) -> ws.EngineCapabilities:
+        return ws.EngineCapabilities(stages_updates=True, expert_layout="per-expert")
+
+
+def test_fused_experts_from_trls_iterator_reach_a_per_expert_engine_bit_for_bit() -> None:
+    """TRL's own `_iter_vllm_named_params` yields a transformers-5 MoE model's experts fused;
+    with `name_experts(model)` an engine that loads them per expert gets each as the checkpoint
+    names it (as `save_pretrained` writes), bit for bit; without it the push is refused before
+    any byte moves, naming the fused tensors and the call that fixes it."""
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    from weightsync.naming import map_names
+
+    model = build_model(TinyModelConfig(arch="qwen3_moe"))
+    checkpoint = {p.hf_name: p for p in map_names(model, expert_layout="per-expert").params}
+    engine = PerExpertMemoryEngine({n: torch.zeros(p.expert.shape(tuple(p.param.shape)) if p.expert else p.param.shape)
+                                    for n, p in checkpoint.items()})
+    transfer = WeightTransfer(engines=[engine], transport="http")
+    transfer.init_weight_transfer()
+    with pytest.raises(ws.ManifestMismatchError) as refused:
+        transfer.send_weights(_iter_vllm_named_params(model))
+    assert "transfer.name_experts(trainer.model)" in str(refused.value.__notes__)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in str(refused.value)
+    assert engine.version == 0 and transfer.next_version == 1
+    transfer.name_experts(model)
+    transfer.send_weights(_iter_vllm_named_params(model))
+    transfer.destroy()
+    assert engine.version == 1 and transfer.reports[0].num_tensors == len(checkpoint) == 69
+    for name, p in checkpoint.items():
+        want = p.expert.of(p.param) if p.expert is not None else p.param
+        assert torch.equal(engine.weights[name], want.detach()), name
+
+
+def test_name_experts_needs_a_model_with_fused_experts() -> None:
+    transfer = WeightTransfer(engines=[MemoryEngine({})], transport="http")
+    with pytest.raises(ValueError, match="holds no fused Mixture-of-Experts parameters"):
+        transfer.name_experts(build_model(TinyModelConfig()))

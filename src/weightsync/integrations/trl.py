@@ -33,6 +33,9 @@ iterator for its `full_tensor()` collectives and never call the transfer.
 - `pause()` and `resume()` move nothing: the push pauses each engine by its
   `pause` policy around its own commit (engines that stage updates keep
   generating while the bytes stream), and resumes them whatever happened.
+- `name_experts(model)`: TRL sends a Mixture-of-Experts model's experts fused, as
+  transformers 5 holds them; vLLM loads them one per expert. With it, the push sends
+  each engine the layout it declares (views of TRL's tensors, no copy).
 - `keep_base_exact(model)`: TRL's in-place `merge_adapter()` /
   `unmerge_adapter()` does not give the base weights back bit for bit in
   float32 (W + d - d != W for some elements). With it, `pause()` copies the
@@ -42,8 +45,9 @@ iterator for its `full_tensor()` collectives and never call the transfer.
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,8 +55,9 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync.engines.base import Engine
-from weightsync.errors import IntegrityError, WeightSyncError
+from weightsync.errors import IntegrityError, ManifestMismatchError, WeightSyncError, format_names
 from weightsync.manifest import TensorMeta
+from weightsync.naming import ExpertLayout, ExpertSlice, expert_slices
 from weightsync.reports import SyncReport
 from weightsync.sync import WeightSync
 from weightsync.transports.base import Transport
@@ -64,25 +69,52 @@ class HeldTensors:
     """A `WeightSource` over named tensors already in hand (TRL's iterator, held), in their order.
 
     The tensors are references to what the iterator yielded: reading them during a
-    push reads the trainer's parameters as they are at that moment.
+    push reads the trainer's parameters as they are at that moment. With `experts`
+    (`naming.expert_slices` of the model: fused expert tensor name -> its per-expert
+    checkpoint tensors), it is an `ExpertSource`: an engine that loads experts one by
+    one (vLLM) gets each as a view of the fused tensor TRL sent.
     """
 
     mode = "full"
 
-    def __init__(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, named: Iterator[tuple[str, torch.Tensor]], *,
+                 experts: Mapping[str, Sequence[tuple[str, ExpertSlice]]] | None = None) -> None:
         self._held: dict[str, torch.Tensor] = {}
         for name, tensor in named:
             if name in self._held:
                 raise ValueError(f"the weight iterator yielded {name!r} twice; each weight must come once")
             self._held[name] = tensor
+        self._experts = dict(experts or {})
+        self._split: dict[str, tuple[str, ExpertSlice]] = {}
+        """Per-expert checkpoint name -> (the fused tensor's name, where it lies), when sent per expert."""
+
+    def in_layout(self, expert_layout: ExpertLayout) -> HeldTensors:
+        if expert_layout == "fused" or not self._experts:
+            return self
+        missing = sorted(n for n in self._experts if n not in self._held)
+        if missing:
+            raise ValueError(f"TRL did not send the fused expert tensor(s) {format_names(missing)} that "
+                             "name_experts read from the model: pass the model TRL trains")
+        split = copy.copy(self)
+        split._split = {name: (fused, where) for fused, parts in self._experts.items() for name, where in parts}
+        return split
 
     def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(hf_name=name, dtype=t.dtype, shape=tuple(t.shape)) for name, t in self._held.items()]
+        metas = []
+        for name, t in self._held.items():
+            parts = self._experts.get(name) if self._split else None
+            if parts is None:
+                metas.append(TensorMeta(hf_name=name, dtype=t.dtype, shape=tuple(t.shape)))
+            else:
+                metas.extend(TensorMeta(hf_name=n, dtype=t.dtype, shape=where.shape(tuple(t.shape)))
+                             for n, where in parts)
+        return metas
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for hf_name in self._held if hf_names is None else hf_names:
+        for hf_name in [m.hf_name for m in self.metas()] if hf_names is None else hf_names:
+            split = self._split.get(hf_name)
             try:
-                yield hf_name, self._held[hf_name]
+                yield hf_name, self._held[hf_name] if split is None else split[1].of(self._held[split[0]])
             except KeyError:
                 raise KeyError(f"{hf_name!r} is not among the {len(self._held)} weights TRL sent") from None
 
@@ -112,6 +144,8 @@ class WeightTransfer:
         """The version the next `send_weights` pushes."""
         self.reports: list[SyncReport] = []
         """One verified report per `send_weights`, in order."""
+        self._experts: dict[str, list[tuple[str, ExpertSlice]]] = {}
+        """Fused expert tensor name -> its per-expert checkpoint tensors (`name_experts`)."""
         self._exact_model: nn.Module | None = None
         self._saved_base: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """(parameter, its host copy) for every LoRA layer's base weight, between pause and resume."""
@@ -134,9 +168,16 @@ class WeightTransfer:
         if self.sync is None:
             raise WeightSyncError("send_weights before init_weight_transfer: TRL calls init_weight_transfer on "
                                   "train begin; outside TRL, call it first")
-        source = HeldTensors(iterator)
+        source = HeldTensors(iterator, experts=self._experts)
         version = self.next_version
-        report = self.sync.push(source, version=version)
+        try:
+            report = self.sync.push(source, version=version)
+        except ManifestMismatchError as e:
+            fused = [m.hf_name for m in source.metas() if ".experts." in m.hf_name and len(m.shape) == 3]
+            if fused and not self._experts:
+                e.add_note(f"TRL sends Mixture-of-Experts experts fused ({format_names(fused)}); an engine that "
+                           "loads them one per expert (vLLM) needs transfer.name_experts(trainer.model)")
+            raise
         if not report.verified:  # push raises on every refusal; an unverified report is still no sync
             raise IntegrityError(f"the push of v{version} was not verified by every engine: {report.notes}")
         self.next_version = version + 1
@@ -154,6 +195,20 @@ class WeightTransfer:
         if self.sync is not None:
             self.sync.close()
             self.sync = None
+
+    # -- Mixture-of-Experts ------------------------------------------------------
+
+    def name_experts(self, model: nn.Module) -> None:
+        """Read from `model` (TRL's `trainer.model`) which of the tensors TRL sends are fused
+        Mixture-of-Experts parameters (transformers 5 holds each layer's experts as two 3-D
+        tensors), so each engine gets them in the layout it loads: vLLM one tensor per
+        expert and projection, as `save_pretrained` writes them (views, no copy);
+        `weightsync serve` fused, as sent. TRL sends them fused, so without this a push into
+        vLLM is refused before any byte moves, naming them."""
+        self._experts = expert_slices(model)
+        if not self._experts:
+            raise ValueError(f"{type(model).__name__} holds no fused Mixture-of-Experts parameters: "
+                             "nothing to name (dense models need no call)")
 
     # -- exact base weights under PEFT -------------------------------------------
 

@@ -217,7 +217,7 @@ class ModeDefaults:
         same object for object (`tree_fingerprint`) and the layout the same, as it is when
         an RL loop pushes one model step after step."""
         if not isinstance(model, nn.Module):
-            return as_source(model)
+            return as_source(model, expert_layout=expert_layout)
         fingerprint = tree_fingerprint(model)
         if (self._named is not None and self._named[0]() is model and self._named[1] == fingerprint
                 and self._named[3] == expert_layout):

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weightsync.manifest import TensorMeta
+from weightsync.naming import ExpertLayout
 from weightsync.sources.module import ModuleSource
 
 
@@ -47,11 +48,25 @@ class AdapterSource(WeightSource, Protocol):
         ...
 
 
-def as_source(model: object) -> WeightSource:
-    """`model` itself, which must be a `WeightSource` (what a mode reads when not given a module)."""
+@runtime_checkable
+class ExpertSource(WeightSource, Protocol):
+    """A source holding Mixture-of-Experts layers fused that can send them in the layout an
+    engine loads (`EngineCapabilities.expert_layout`), as a module source does."""
+
+    def in_layout(self, expert_layout: ExpertLayout) -> WeightSource:
+        """This source with its fused experts as `expert_layout` says ("per-expert": one
+        tensor per expert and projection, views of the fused ones)."""
+        ...
+
+
+def as_source(model: object, *, expert_layout: ExpertLayout | None = None) -> WeightSource:
+    """`model` itself, which must be a `WeightSource` (what a mode reads when not given a
+    module); an `ExpertSource` in `expert_layout` when one is given."""
     if not isinstance(model, WeightSource):
         raise TypeError(f"push() takes an nn.Module or a weightsync.WeightSource, got {type(model).__name__}")
+    if expert_layout is not None and isinstance(model, ExpertSource):
+        return model.in_layout(expert_layout)
     return model
 
 
-__all__ = ["AdapterSource", "ModuleSource", "WeightSource", "as_source"]
+__all__ = ["AdapterSource", "ExpertSource", "ModuleSource", "WeightSource", "as_source"]

@@ -8,12 +8,9 @@ weight-transfer backend (`transfer_engine.py`). The design: docs/VLLM.md, "The w
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ import torch
 
 from weightsync.checkpoint import read_checkpoint_metas
 from weightsync.dtypes import dtype_name
+from weightsync.engines.vllm.adapters import AdapterDirs, check_adapter
 from weightsync.engines.vllm.reload import (
     PACKED_MODULES,
     fused_groups,
@@ -48,12 +46,6 @@ log = logging.getLogger(__name__)
 EXTENSION = "weightsync.engines.vllm.worker.WeightSyncWorkerExtension"
 """The qualified name to pass as vLLM's `worker_extension_cls`."""
 
-PEFT_PREFIX = "base_model.model."
-LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-LORA_ROOT_PREFIX = "weightsync-vllm-lora-"
-"""Adapter directories live in `<tmp>/weightsync-vllm-lora-<pid>-<random>/<lora_name>/`."""
 MAX_SESSIONS = 4
 """Sessions a worker stays joined to at once per transport (broadcast groups, shm
 segments), one per trainer: `transports.make_receiver(..., max_sessions=MAX_SESSIONS)`."""
@@ -190,12 +182,9 @@ class WorkerSync:
         holds the update, the other waits). Every bucket is copied (vLLM reloads copies)."""
         self.link: Link | None = None
         """The link of the open update (set by a successful begin)."""
-        self._lora_path: Path | None = None
-        """Where the last adapter commit wrote its PEFT directory (engine rank 0)."""
+        self.adapters = AdapterDirs()
+        """The PEFT directories of the adapters this worker took (engine rank 0 writes them)."""
         self._expected: dict[str, TensorMeta] | None = None
-        self._retired_dirs: list[Path] = []
-        self._lora_dirs: dict[str, Path] = {}
-        self._lora_root_dir: Path | None = None
         self.held: dict[str, torch.Tensor] = {}
         """Checkpoint name -> the served tensor as the last committed update left it (what
         sparse updates apply on top of); empty until a full update commits."""
@@ -272,7 +261,7 @@ class WorkerSync:
         assert update is not None  # commit found it open
         if not update.manifest.is_adapter:
             return {"ack": ack.to_wire()}
-        return {"ack": ack.to_wire(), "lora_path": str(self._lora_path) if self._lora_path is not None else None}
+        return {"ack": ack.to_wire(), "lora_path": str(self.adapters.last) if self.adapters.last is not None else None}
 
     def abort(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Drop the open update of that version, unless it belongs to another trainer."""
@@ -280,9 +269,7 @@ class WorkerSync:
         return {}
 
     def forget_lora(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        path = self._lora_dirs.pop(str(body["lora_name"]), None)
-        if path is not None:
-            self._retired_dirs.append(path)  # deleted at the next adapter commit
+        self.adapters.forget(str(body["lora_name"]))
         return {}
 
     # -- the receiving.Applier of the update session --------------------------
@@ -353,68 +340,15 @@ class WorkerSync:
         return sent
 
     def install_adapter(self, update: OpenUpdate) -> None:
-        """Write the verified adapter as a PEFT directory (engine rank 0 only, in a
-        private temporary directory of this process: the engine's ranks share a host)."""
-        manifest = update.manifest
-        assert manifest.lora_name is not None and manifest.lora_config is not None
-        self._delete_retired()
-        self.version = manifest.version  # one counter for weights and adapters, as in the embedded engine
-        self._lora_path = None
-        if self.rank != 0:
-            return
-        from safetensors.torch import save_file
-
-        lora_root = self._lora_root()
-        target = lora_root / manifest.lora_name
-        tmp = lora_root / f".{manifest.lora_name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        tensors = {e.hf_name: update.tensors[e.hf_name].contiguous() for e in manifest.entries()}
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(dict(manifest.lora_config), indent=2, sort_keys=True))
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
-        self._lora_dirs[manifest.lora_name] = target
-        self._lora_path = target
+        """Write the verified adapter as a PEFT directory (`adapters.AdapterDirs`)."""
+        self.version = update.manifest.version  # one counter for weights and adapters, as in the embedded engine
+        self.adapters.write(update.manifest, update.tensors, rank=self.rank)
 
     def release(self, update: OpenUpdate) -> None:
         """Nothing to free: the staged copies go with the update."""
 
     def check_adapter(self, manifest: Manifest) -> None:
-        lora_config = self.worker.vllm_config.lora_config
-        if lora_config is None:
-            raise EngineError(self.who, f"adapter {manifest.lora_name!r}: this vLLM runs without LoRA; "
-                              "start it with enable_lora=True (--enable-lora) and max_lora_rank")
-        config = dict(manifest.lora_config or {})
-        if config.get("use_dora"):
-            raise EngineError(self.who, f"adapter {manifest.lora_name!r}: vLLM does not serve DoRA adapters")
-        if config.get("bias", "none") != "none":
-            raise EngineError(self.who, f"adapter {manifest.lora_name!r}: vLLM does not serve adapters with "
-                              f"bias={config.get('bias')!r}; train with bias='none'")
-        expected = self._expected_metas() or {}
-        unexpected, mismatched = [], []
-        for entry in manifest.entries():
-            module = _lora_module(entry.hf_name)
-            base = expected.get(f"{module}.weight") if module else None
-            if module is None or base is None or len(base.shape) != 2 or len(entry.shape) != 2:
-                unexpected.append(entry.hf_name)
-                continue
-            out_features, in_features = base.shape
-            rank = entry.shape[0] if entry.hf_name.endswith(".lora_A.weight") else entry.shape[1]
-            want = (rank, in_features) if entry.hf_name.endswith(".lora_A.weight") else (out_features, rank)
-            if entry.shape != want or rank > lora_config.max_lora_rank:
-                mismatched.append(f"{entry.hf_name}: {entry.shape} (base {module}.weight is {base.shape}, "
-                                  f"max_lora_rank {lora_config.max_lora_rank})")
-        if unexpected or mismatched:
-            parts = []
-            if unexpected:
-                parts.append(f"{len(unexpected)} name(s) that are not LoRA A/B of a linear layer of this model "
-                             f"(PEFT names {PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight): "
-                             f"{format_names(unexpected)}")
-            if mismatched:
-                parts.append(f"{len(mismatched)} shape mismatch(es): " + "; ".join(mismatched[:8]))
-            raise ManifestMismatchError(f"adapter {manifest.lora_name!r} refused: " + " | ".join(parts),
-                                        unexpected=unexpected, mismatched=[m.split(":", 1)[0] for m in mismatched])
+        check_adapter(manifest, self.worker.vllm_config.lora_config, self._expected_metas() or {}, who=self.who)
 
     def _expected_metas(self) -> dict[str, TensorMeta] | None:
         """Checkpoint name -> dtype and full shape of what this vLLM serves, or None
@@ -444,21 +378,6 @@ class WorkerSync:
     def who(self) -> str:
         """This worker, for messages."""
         return f"vLLM worker rank {self.rank}"
-
-    def _lora_root(self) -> Path:
-        if self._lora_root_dir is None:
-            _remove_stale_lora_roots()
-            self._lora_root_dir = Path(tempfile.mkdtemp(prefix=f"{LORA_ROOT_PREFIX}{os.getpid()}-"))
-            atexit.register(shutil.rmtree, self._lora_root_dir, ignore_errors=True)
-        return self._lora_root_dir
-
-    def _delete_retired(self) -> None:
-        """Adapter directories unloaded before the previous commit (one push of grace,
-        so a request still running on an evicted adapter can reload it)."""
-        keep = self._retired_dirs[-1:] if self._retired_dirs else []
-        for path in self._retired_dirs[:-1]:
-            shutil.rmtree(path, ignore_errors=True)
-        self._retired_dirs = keep
 
 
 # --- free functions ------------------------------------------------------------
@@ -492,31 +411,6 @@ def _checkpoint_dir(model_config: Any, load_config: Any) -> Path | None:
     except Exception as e:  # not in the local cache (or no hub): nothing to check against
         log.warning("cannot find the checkpoint of %s locally: %s", model, e)
         return None
-
-
-def _remove_stale_lora_roots() -> None:
-    """Delete adapter directories of worker processes that are gone (vLLM kills its
-    workers at shutdown, so their atexit cleanup may never run)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{LORA_ROOT_PREFIX}*-*"):
-        pid_text = path.name[len(LORA_ROOT_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            pass  # alive, someone else's
-
-
-def _lora_module(peft_name: str) -> str | None:
-    """`base_model.model.<module>.lora_A.weight` -> `<module>` (None for anything else)."""
-    if not peft_name.startswith(PEFT_PREFIX):
-        return None
-    for suffix in LORA_SUFFIXES:
-        if peft_name.endswith(suffix):
-            return peft_name[len(PEFT_PREFIX) : -len(suffix)]
-    return None
 
 
 __all__ = ["EXTENSION", "WeightSyncWorkerExtension", "WorkerSync", "error_payload"]
