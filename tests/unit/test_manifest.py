@@ -1,4 +1,5 @@
-"""Manifest, ack and report: JSON round trips, a golden manifest, malformed input."""
+"""The manifest (`weightsync.manifest`) and the dtype names it carries: JSON round trips, a golden
+manifest, malformed input."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from weightsync.bucketing import plan_buckets
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import ManifestError
 from weightsync.manifest import Manifest, TensorMeta
-from weightsync.reports import Ack, StageSeconds, SyncReport
 
 GOLDEN_MANIFEST = (
     '{"base_version":null,"buckets":[{"digest":"0123456789abcdef","index":0,"nbytes":26,'
@@ -115,17 +115,6 @@ def test_dtype_names_are_torch_attribute_names() -> None:
     assert dtype_from_name("torch.float8_e5m2") is torch.float8_e5m2
     with pytest.raises(ManifestError, match="cannot be synced"):
         dtype_name(torch.qint8)
-
-
-def test_report_round_trip() -> None:
-    ack = Ack(engine="http://e", version=2, digests=("aa", None), loaded_names=frozenset({"x"}))
-    report = SyncReport(
-        version=2, mode="full", transport="http", num_bytes=2_000_000_000, num_tensors=3, num_buckets=2,
-        seconds=2.0, stages=StageSeconds(wire=1.5), verified=True, acks=(ack,),
-    )
-    assert report.gbps == pytest.approx(1.0)
-    again = SyncReport.from_dict(json.loads(json.dumps(report.to_dict())))
-    assert again == report
 
 
 def test_manifest_json_text_is_json_dumps_of_its_dict_byte_for_byte() -> None:
