@@ -32,6 +32,7 @@ from weightsync.engines.base import (
     EngineCapabilities,
     Link,
     PausePolicy,
+    Relayer,
     Rollbacker,
 )
 from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
@@ -41,7 +42,7 @@ from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import ExpertLayout
 from weightsync.reports import Ack
-from weightsync.transports import same_host_only
+from weightsync.transports import receiver_class, same_host_only
 from weightsync.transports.base import Transport
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,11 @@ class Replicas:
     """
 
     def __init__(self, engines: Sequence[Engine], *, timeout_s: float, cleanup_timeout_s: float,
-                 transport: str, mode: str, sends_adapter: bool) -> None:
+                 transport: str, mode: str, sends_adapter: bool, relay: bool = False) -> None:
         self.engines = list(engines)
         self.transport, self.mode, self.sends_adapter = transport, mode, sends_adapter
+        self.relay = relay
+        """Buckets go to the first engine, which forwards them along the others (`fan_out="relay"`)."""
         self.timeout_s = timeout_s
         self.cleanup_timeout_s = cleanup_timeout_s
         # per engine: a call of the push and a background cleanup task (which waits for that call)
@@ -85,6 +88,9 @@ class Replicas:
                 if declared and self.transport not in declared:
                     raise EngineError(engine.label, f"this engine takes mode={self.mode!r} over "
                                       f"{sorted(declared)}, not transport={self.transport!r}")
+                if self.relay and not c.relays:
+                    raise EngineError(engine.label, "this engine does not forward buckets to other engines "
+                                      "(no `relays` capability): use fan_out='direct'")
             self._caps = caps
         return self._caps
 
@@ -118,10 +124,22 @@ class Replicas:
                 note = e.transports_note
                 raise ValueError(f"{e.label} cannot take mode={self.mode!r} over transport={self.transport!r}; "
                                  f"it supports {sorted(allowed)}" + (f": {note}" if note else ""))
+        if self.relay:
+            self._refuse_unfit_relay()
         check_reachable(
             [(e.label, e.url, [t for t in sorted(self._allowed(e)) if not same_host_only(t)]) for e in self.engines],
             transport=self.transport, same_host_only=transport.same_host_only,
             trainer_address=transport.trainer_address)
+
+    def _refuse_unfit_relay(self) -> None:
+        if not receiver_class(self.transport).bytes_in_delivery:
+            raise ValueError(f"fan_out='relay' forwards the bucket frames engines receive, which "
+                             f"transport={self.transport!r} does not send: use transport='http', or fan_out='direct'")
+        for e in self.engines:
+            if not isinstance(e, Relayer) or e.url is None:
+                raise ValueError(f"{e.label} cannot be part of a relay (it needs an engine client that relays, "
+                                 "with a URL the other engines reach: SGLangEngine on weightsync serve); "
+                                 "use fan_out='direct'")
 
     def _allowed(self, engine: Engine) -> frozenset[str]:
         return engine.lora_transports if self.sends_adapter else engine.transports
@@ -220,6 +238,8 @@ class Replicas:
                 backoff = min(2 * backoff, 1.0)
                 continue
             notes = [f"{e.label}: {a}" for e, a in zip(self.engines, answers, strict=True) if a]
+            if self.relay:
+                notes.append("relayed: the trainer sent each bucket to " + " -> ".join(e.label for e in self.engines))
             if busy:
                 notes.append(f"waited {time.monotonic() - started:.1f}s ({busy} busy answer(s)) for another "
                              "trainer's update session to end or expire")
@@ -227,9 +247,16 @@ class Replicas:
 
     def receive(self, bucket: BucketMeta, delivery: Delivery, send: Callable[[], None]) -> None:
         """Every engine takes `bucket` while `send` (the transport's side of it) runs here,
-        all within timeout_s."""
+        all within timeout_s; relayed, the first engine takes it and forwards it along the
+        others (`wait_relayed` in `ready` finds where it stopped)."""
         deadline = time.monotonic() + self.timeout_s  # the collective is bounded by timeout_s too
-        futures = [self.pool.submit(e.receive, bucket, delivery) for e in self.engines]
+        if self.relay:
+            first = self.engines[0]
+            assert isinstance(first, Relayer)
+            chain = [e.url for e in self.engines[1:] if e.url is not None]
+            futures = [self.pool.submit(first.relay, bucket, delivery, chain)]
+        else:
+            futures = [self.pool.submit(e.receive, bucket, delivery) for e in self.engines]
         try:
             send()
         except SyncTimeoutError:  # the engines that have not answered did not take the bucket in time either
@@ -242,7 +269,10 @@ class Replicas:
                       deadline=deadline)
 
     def ready(self, manifest: Manifest) -> None:
-        """With several replicas, find an engine that cannot commit before any does."""
+        """With several replicas, find an engine that cannot commit before any does; relayed,
+        first wait until every engine holds every bucket (or one says where the relay broke)."""
+        if self.relay:
+            self.all(lambda e, link: e.wait_relayed(manifest, link), "waiting for the relayed buckets")
         if len(self.engines) > 1:
             self.all(lambda e, link: e.ready(manifest, link), "checking it can commit")
 

@@ -66,6 +66,8 @@ from weightsync.transports.base import Transport
 
 log = logging.getLogger(__name__)
 
+FAN_OUTS = ("direct", "relay")
+"""How a push reaches several engines (`SyncConfig.fan_out`)."""
 TRANSPORT_OPTIONS = frozenset({"disk_root", "keep_versions", "master_address", "backend"})
 """`SyncConfig` fields that only configure a transport made by name."""
 
@@ -115,6 +117,12 @@ class SyncConfig:
     allow_overflow: bool = False
     """Accept casts that turn finite values into infinities (e.g. to float16); by default
     such a push fails naming the tensor, and the engines keep their last version."""
+    fan_out: str = "direct"
+    """How a push reaches several engines: "direct", the trainer sends each engine every
+    bucket; "relay", the trainer sends each bucket to the first engine, which checks it,
+    stages it and forwards it to the next, and so on along the engines in order (a chain),
+    so the trainer's link carries the model once. "relay" needs a transport whose bytes
+    travel in the delivery (http) and engines that declare `relays` (`weightsync serve`)."""
     digest_algorithm: str | None = None
     """How bucket digests are computed, one of `weightsync.digests.ALGORITHMS`. None: by
     where the transport's buffers live: "wsmix64" on a device (CUDA buckets are hashed
@@ -135,6 +143,8 @@ class SyncConfig:
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype (only floating tensors are cast), got {dtype}")
         object.__setattr__(self, "dtype", dtype)
+        if self.fan_out not in FAN_OUTS:
+            raise ValueError(f"unknown fan_out {self.fan_out!r}; one of {', '.join(FAN_OUTS)}")
         if self.digest_algorithm is not None and self.digest_algorithm not in ALGORITHMS:
             raise ValueError(f"unknown digest_algorithm {self.digest_algorithm!r}; one of {', '.join(ALGORITHMS)}")
 
@@ -199,7 +209,8 @@ class WeightSync:
                              f"pass {', '.join(repr(a) for a in sorted(COMBINABLE))}")
         self._replicas = Replicas(engines, timeout_s=self.config.timeout_s,
                                   cleanup_timeout_s=self.config.cleanup_timeout_s, transport=self.config.transport,
-                                  mode=self.config.mode, sends_adapter=self._mode.sends_adapter)
+                                  mode=self.config.mode, sends_adapter=self._mode.sends_adapter,
+                                  relay=self.config.fan_out == "relay")
         """The engines, called together, each round bounded (`weightsync.replicas`)."""
         if self.ranks.is_sender:
             # now: an engine that cannot take the transport, or a missing transport option, fails here

@@ -2,7 +2,8 @@
 
     offset 0   4 bytes  magic b"WSB1"
     offset 4   4 bytes  header length N, uint32 little-endian
-    offset 8   N bytes  header: UTF-8 JSON {"version", "index", "nbytes", "digest"}
+    offset 8   N bytes  header: UTF-8 JSON {"version", "index", "nbytes", "digest"} and, in a
+                        relayed push, "forward": the engines the bucket goes on to, in order
     offset 8+N          the packed bucket, exactly `nbytes` raw bytes
 
 No base64, no pickle: the payload is the bucket buffer as it sits in memory,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +38,17 @@ class FrameHeader:
     """Payload length in bytes."""
     digest: str
     """The payload's hex digest, in the manifest's digest algorithm."""
+    forward: tuple[str, ...] = ()
+    """A relayed push (`fan_out="relay"`): the URLs of the engines this bucket goes on to,
+    in order; the receiving engine checks it, stages it, then sends it to the first of them
+    with the rest (`weightsync.server.relay`)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "index": self.index, "nbytes": self.nbytes, "digest": self.digest}
+        d: dict[str, Any] = {"version": self.version, "index": self.index, "nbytes": self.nbytes,
+                             "digest": self.digest}
+        if self.forward:
+            d["forward"] = list(self.forward)
+        return d
 
 
 def encode_prefix(header: FrameHeader) -> bytes:
@@ -69,6 +79,7 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, me
         header = FrameHeader(
             version=int(raw["version"]), index=int(raw["index"]),
             nbytes=int(raw["nbytes"]), digest=str(raw["digest"]),
+            forward=tuple(str(url) for url in raw.get("forward") or ()),
         )
     except (ValueError, KeyError, TypeError) as e:
         raise IntegrityError(f"malformed bucket frame header: {e}") from None
@@ -79,3 +90,19 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, me
             f"header says {header.nbytes} (truncated?)"
         )
     return header, payload
+
+
+BODY_PIECE_BYTES = 1 << 20
+"""Largest piece of a request body handed to httpx at once. h11 copies each piece
+into a new bytes object and httpcore re-slices that bytes object after every
+partial socket send, which is quadratic in the piece size: one 256 MiB piece
+took seconds; 1 MiB pieces keep it linear."""
+
+
+def body_chunks(*parts: bytes | memoryview) -> Iterator[bytes]:
+    """Request body parts in pieces of at most BODY_PIECE_BYTES, sent without
+    concatenating (httpx streams an iterator)."""
+    for part in parts:
+        view = memoryview(part)
+        for start in range(0, len(view), BODY_PIECE_BYTES):
+            yield view[start : start + BODY_PIECE_BYTES]  # type: ignore[misc]

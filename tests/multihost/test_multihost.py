@@ -19,6 +19,11 @@ In the commit round (a hook too: the engine host dies after the other replica
 committed and before its own commit goes out), the push fails and the replica that
 committed is rolled back: it serves its last version again, bit for bit, under its
 last version label, with no adapter of the failed push loaded.
+
+Relayed over http (`fan_out="relay"`: trainer -> engine0 -> engine1, each bucket crossing the
+trainer's link once): served exactly on both hosts; the second engine host killed, or its link
+cut, mid-relay: the push fails within its bound naming the first engine's hop, both replicas
+keep their last version, and the next push succeeds once the host is back.
 """
 
 from __future__ import annotations
@@ -220,3 +225,32 @@ def test_lora_after_an_engine_restart_syncs_the_base_again(trainer: Trainer, eng
                                        version=following, timeout_s=FAULT_TIMEOUT_S), following, lora=True)
     for sync in ("restart-full", "restart-lora"):
         trainer.call("close", sync=sync)
+
+
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_relay_across_hosts_and_the_next_host_lost_mid_relay(fault: str, trainer: Trainer, engines: Engines,
+                                                            net: Network) -> None:
+    sync = f"relay-{fault}"
+    good = next(_versions)
+    assert_served_exactly(trainer.call("push", sync=sync, transport="http", mode="full", version=good,
+                                       timeout_s=FAULT_TIMEOUT_S, fan_out="relay"), good)
+    bad = next(_versions)
+    injected = {"kill": engines.pid(1)} if fault == "kill" else {"run": net.cut_command("engine1")}
+    try:
+        failed = trainer.call("push", sync=sync, transport="http", mode="full", version=bad, fan_out="relay",
+                              timeout_s=FAULT_TIMEOUT_S, fault={"at_bucket": 1, **injected})
+        assert not failed["ok"], "a relay whose next host is lost fails"
+        assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed
+        assert engines.url(0) in failed["error"] and engines.url(1) in failed["error"], failed["error"]
+        assert trainer.call("serving", engines=[0])["serves"] == [good], "the first replica kept its last version"
+    finally:
+        if fault == "kill":
+            engines.restart(1)
+        else:
+            net.restore("engine1")
+    if fault == "cut":
+        assert trainer.call("serving", engines=[1])["serves"] == [good], "the cut-off replica kept its version"
+    following = next(_versions)
+    assert_served_exactly(trainer.call("push", sync=sync, transport="http", mode="full", version=following,
+                                       timeout_s=FAULT_TIMEOUT_S, fan_out="relay"), following)
+    trainer.call("close", sync=sync)

@@ -6,7 +6,7 @@ It reads one JSON command per line on stdin and answers one JSON line on stdout
 (logs go to stderr), so the test drives pushes, faults and checks step by step
 while this process keeps its `WeightSync`s between them:
 
-    {"op": "push", "sync": "b", "transport": "broadcast", "mode": "full", "version": 3,
+    {"op": "push", "sync": "b", "transport": "broadcast", "mode": "full", "version": 3, ["fan_out": "relay",]
      "fault": {"at_bucket": 1, "run": [argv...]} | {"at_bucket": 1, "kill": pid}
               | {"in_commit": 0, "kill": pid}}
     {"op": "serving", "engines": [0, 1]}    which pushed version each engine serves, by digests
@@ -101,7 +101,8 @@ class Trainer:
                                        master_address=self.spec["master_address"])
             sync = self.syncs[name] = ws.WeightSync(
                 self.engines, transport=transport, mode=cmd["mode"], bucket_bytes=BUCKET_BYTES,
-                timeout_s=cmd.get("timeout_s", 30.0), pause=cmd.get("pause", "retract"))
+                timeout_s=cmd.get("timeout_s", 30.0), pause=cmd.get("pause", "retract"),
+                fan_out=cmd.get("fan_out", "direct"))
         transport = sync._make_transport()
         if isinstance(transport, FaultyTransport):  # the last push's fault is spent
             transport = sync._transport = transport.inner

@@ -538,3 +538,16 @@ def test_replicas_of_both_expert_layouts_take_a_dense_model_and_refuse_an_moe_on
             pytest.raises(ValueError, match=r"vllm-like loads per-expert, serve-like loads fused"):
         sync.push(moe, version=1)
     assert all(e.version == 0 and "begin" not in " ".join(e.calls) for e in engines)
+
+
+def test_a_relay_is_refused_where_it_cannot_run() -> None:
+    """fan_out='relay' forwards http bucket frames between engines that relay: an unknown fan_out,
+    a transport whose bytes are not in the frames, and an engine client that cannot relay are
+    refused when the WeightSync is built, naming the fix."""
+    engines = [MemoryEngine({}, "a"), MemoryEngine({}, "b")]
+    with pytest.raises(ValueError, match="unknown fan_out 'sideways'; one of direct, relay"):
+        ws.WeightSync(engines, transport="http", fan_out="sideways")
+    with pytest.raises(ValueError, match="transport='shm' does not send: use transport='http'"):
+        ws.WeightSync(engines, transport="shm", fan_out="relay")
+    with pytest.raises(ValueError, match="a cannot be part of a relay.*use fan_out='direct'"):
+        ws.WeightSync(engines, transport="http", fan_out="relay")

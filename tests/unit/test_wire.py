@@ -44,3 +44,13 @@ def test_decode_returns_header_and_a_view_of_the_payload() -> None:
 def test_bad_frames_are_refused(frame: bytes, message: str) -> None:
     with pytest.raises(IntegrityError, match=message):
         decode_frame(frame)
+
+
+def test_a_relayed_frame_names_the_engines_it_goes_on_to() -> None:
+    """`forward` travels in the header only when there is one (an unrelayed frame's header is
+    byte for byte what it was), and comes back in order."""
+    header = FrameHeader(version=3, index=1, nbytes=2, digest="00ff", forward=("http://b:1", "http://c:2"))
+    decoded, payload = decode_frame(encode_prefix(header) + b"xy")
+    assert decoded == header and bytes(payload) == b"xy"
+    plain = FrameHeader(version=3, index=1, nbytes=2, digest="00ff")
+    assert b"forward" not in encode_prefix(plain)

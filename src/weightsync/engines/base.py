@@ -141,6 +141,10 @@ class EngineCapabilities:
     """The engine can undo its last commit until its next update begins (`Rollbacker`): the
     coordinator commits these engines first and rolls them back when another engine does
     not commit, so a push to several replicas is all or nothing."""
+    relays: bool = False
+    """The engine forwards each bucket frame it received over http, after checking and
+    staging it, to the next engine the frame names (`fan_out="relay"`): a push to several
+    replicas then crosses the trainer's link once."""
     transports: frozenset[str] = frozenset()
     """Transports the engine takes full, delta and merged updates over, as it reports
     them now (a stock SGLang: fewer than its client's `Engine.transports`)."""
@@ -164,6 +168,7 @@ class EngineCapabilities:
             "supports_delta": self.supports_delta, "supports_sparse": self.supports_sparse,
             "adopts_shm": self.adopts_shm, "reads_digests": self.reads_digests,
             "unloads_adapters": self.unloads_adapters, "rolls_back": self.rolls_back,
+            **({"relays": True} if self.relays else {}),
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
             **({"fused_groups": [list(g) for g in self.fused_groups]} if self.fused_groups else {}),
             "expert_layout": self.expert_layout,
@@ -183,6 +188,7 @@ class EngineCapabilities:
             reads_digests=bool(d.get("reads_digests", False)),
             unloads_adapters=bool(d.get("unloads_adapters", False)),
             rolls_back=bool(d.get("rolls_back", False)),
+            relays=bool(d.get("relays", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),
             fused_groups=tuple(tuple(str(n) for n in g) for g in d.get("fused_groups") or ()),
             expert_layout=_expert_layout(d.get("expert_layout", "per-expert")),
@@ -266,6 +272,21 @@ class DigestReader(Protocol):
     def instance(self, *, timeout_s: float | None = None) -> str | None:
         """An id the engine process drew when it started (None: it has none): another id
         than before means the engine restarted and serves its checkpoint's weights again."""
+
+
+@runtime_checkable
+class Relayer(Protocol):
+    """An engine that forwards the buckets it receives to other engines (`relays`)."""
+
+    label: str
+
+    def relay(self, bucket: BucketMeta, delivery: Delivery, forward: Sequence[str]) -> None:
+        """Take one bucket, as `Engine.receive`, and have it forwarded along `forward` (the
+        URLs of the other engines, in order), each engine checking its digest first."""
+
+    def wait_relayed(self, manifest: Manifest, link: Link) -> None:
+        """Return once every bucket of `manifest` is staged here; raise, naming the engine
+        and the hop, where the relay into this engine or out of it failed."""
 
 
 @runtime_checkable

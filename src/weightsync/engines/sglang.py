@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
 from weightsync.dtypes import dtype_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient, decode
-from weightsync.errors import AdapterNotLoadedError, EngineError
+from weightsync.errors import AdapterNotLoadedError, EngineError, SyncTimeoutError
 from weightsync.integrity import byte_view
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.protocol import (
@@ -53,7 +54,7 @@ from weightsync.protocol import (
 from weightsync.reports import Ack
 from weightsync.transports import TRANSPORTS, receiver_class
 from weightsync.transports.base import typed
-from weightsync.wire import FrameHeader, encode_prefix
+from weightsync.wire import FrameHeader, body_chunks, encode_prefix
 
 log = logging.getLogger(__name__)
 
@@ -225,15 +226,51 @@ class SGLangEngine:
         return str(note) if note else None
 
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+        self._receive(bucket, delivery, ())
+
+    def relay(self, bucket: BucketMeta, delivery: Delivery, forward: Sequence[str]) -> None:
+        """`receive`, and the engine sends the bucket on along `forward` (`weightsync serve`,
+        over http: `EngineCapabilities.relays`)."""
+        if not receiver_class(delivery.transport).bytes_in_delivery:
+            raise ValueError(f"{self.label}: buckets are relayed over http only, not {delivery.transport!r}")
+        self._receive(bucket, delivery, tuple(forward))
+
+    def wait_relayed(self, manifest: Manifest, link: Link) -> None:
+        """Return once every bucket of `manifest` is staged here (they come from the engine
+        before this one in the relay); raise, naming this engine and the hop, where
+        forwarding out of here failed, or where buckets are still missing after timeout_s."""
+        want = set(range(len(manifest.buckets)))
+        deadline = time.monotonic() + link.timeout_s
+        backoff = 0.005
+        while True:
+            info = decode(self._http.request("GET", INFO_ROUTE, timeout_s=link.timeout_s))
+            session, relay = info.get("session") or {}, info.get("relay") or {}
+            if session.get("kind") != "weightsync" or session.get("version") != manifest.version:
+                raise EngineError(self.label, f"update v{manifest.version} is no longer open on this engine (its "
+                                  f"open session: {session or None})")
+            error = (relay.get("errors") or {}).get(str(manifest.version))
+            if error:
+                raise EngineError(self.label, f"relay of v{manifest.version}: {error}")
+            missing = want - set(session.get("buckets_received") or ())
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(f"{self.label}: bucket(s) {sorted(missing)[:8]} of v{manifest.version} did "
+                                       f"not arrive through the relay within {link.timeout_s:.0f}s (an engine "
+                                       "before this one stopped forwarding)")
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 0.1)
+
+    def _receive(self, bucket: BucketMeta, delivery: Delivery, forward: tuple[str, ...]) -> None:
         assert self._open is not None, "begin() first"
         version, link = self._open
         assert bucket.digest is not None, "buckets are hashed before they are sent"
         receiver = receiver_class(delivery.transport)
         if receiver.bytes_in_delivery:
-            prefix = encode_prefix(FrameHeader(version=version, index=bucket.index,
-                                               nbytes=bucket.nbytes, digest=bucket.digest))
+            prefix = encode_prefix(FrameHeader(version=version, index=bucket.index, nbytes=bucket.nbytes,
+                                               digest=bucket.digest, forward=forward))
             payload = byte_view(delivery.data).numpy().data
-            self._http.request("POST", BUCKET_ROUTE, content=_chunks(prefix, payload),
+            self._http.request("POST", BUCKET_ROUTE, content=body_chunks(prefix, payload),
                                headers={"Content-Type": "application/octet-stream"}, timeout_s=link.timeout_s)
         elif receiver.collective:
             self._http.post("/update_weights_from_distributed", self._broadcast_request(bucket, version, link),
@@ -413,17 +450,3 @@ def _completion(answer: dict[str, Any]) -> Completion:
     )
 
 
-BODY_PIECE_BYTES = 1 << 20
-"""Largest piece of a request body handed to httpx at once. h11 copies each piece
-into a new bytes object and httpcore re-slices that bytes object after every
-partial socket send, which is quadratic in the piece size: one 256 MiB piece
-took seconds; 1 MiB pieces keep it linear."""
-
-
-def _chunks(*parts: bytes | memoryview) -> Iterator[bytes]:
-    """Request body parts in pieces of at most BODY_PIECE_BYTES, sent without
-    concatenating (httpx streams an iterator)."""
-    for part in parts:
-        view = memoryview(part)
-        for start in range(0, len(view), BODY_PIECE_BYTES):
-            yield view[start : start + BODY_PIECE_BYTES]  # type: ignore[misc]

@@ -55,6 +55,7 @@ from weightsync.server.http import (
     require_admin,
     weight_version_field,
 )
+from weightsync.server.relay import RelayError
 from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
@@ -99,6 +100,10 @@ def _serving_dtype(metas: Iterable[TensorMeta]) -> str | None:
     """The one dtype every floating weight is served in (trainers cast to it), or None if mixed."""
     dtypes = {m.dtype for m in metas if m.dtype.is_floating_point}
     return dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
+
+
+DEFAULT_RELAY_TIMEOUT_S = 60.0
+"""How long one forward of a relayed bucket may take when the manifest names no timeout."""
 
 
 def _pause_mode(mode: str | None) -> str:
@@ -290,7 +295,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
-            unloads_adapters=lora_enabled, rolls_back=True, expert_layout="fused",
+            unloads_adapters=lora_enabled, rolls_back=True, relays=True, expert_layout="fused",
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,
@@ -310,6 +315,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "running_requests": state.scheduler.num_running,
             "waiting_requests": state.scheduler.num_waiting,
             "session": updater.session_info(),
+            "relay": _relay_info(state),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
                        for n, m in updater.weights.metas.items()},
             "dtype": dtype,
@@ -344,8 +350,15 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             header, payload = decode_frame(frame)
             buffer = updater.weights.buffers.take(len(payload))
             computed = copy_hashed(buffer, bytes_tensor(payload), updater.session.digest_algorithm(header.version))
-            return updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
-                                        digest_hex=header.digest, computed=computed)
+            digest_hex = updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
+                                              digest_hex=header.digest, computed=computed)
+            if header.forward:  # checked and staged here: now the next engine of the relay
+                try:
+                    state.relay.forward(header, payload, authorization=request.headers.get("authorization"),
+                                        timeout_s=update.manifest.timeout_s or DEFAULT_RELAY_TIMEOUT_S)
+                except RelayError as e:
+                    raise HTTPError(504, str(e)) from None
+            return digest_hex
 
         digest_hex = await run_in_threadpool(work)
         return answer("bucket staged", digest=digest_hex)
@@ -382,6 +395,12 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         undone = await run_in_threadpool(updater.rollback, body.version, owner=body.owner)
         message = f"v{body.version} rolled back" if undone else f"v{body.version} is not served: nothing to roll back"
         return answer(message, rolled_back=undone, weight_version=updater.version)
+
+
+def _relay_info(state: ServerState) -> dict[str, Any]:
+    """What this engine forwarded of each recent relayed update (version -> buckets), and
+    why forwarding stopped where it did."""
+    return {"forwarded": state.relay.forwarded_counts(), "errors": state.relay.errors()}
 
 
 def _commit(state: ServerState, request: CommitRequest) -> Ack:

@@ -17,6 +17,7 @@ from weightsync.receive_path import ReceiveHooks, ReceivePath
 from weightsync.server.config import ServerConfig
 from weightsync.server.lora import LoraStore
 from weightsync.server.memory import MemoryOccupation
+from weightsync.server.relay import Relay
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
@@ -48,6 +49,8 @@ class ServerState:
     receiver keeps one session (the shm segment, mapped at its first bucket and kept while
     its name stays the same: a fresh mapping page-faults every byte of the first copy out
     of it)."""
+    relay: Relay = field(default_factory=Relay)
+    """Where this engine forwards the buckets of a relayed push (`weightsync.server.relay`)."""
     groups: dict[str, JoinedGroup] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -89,6 +92,7 @@ class ServerState:
     def close(self) -> None:
         self.scheduler.stop()
         self.receive_path.close()
+        self.relay.close()
         with self.groups_lock:
             for joined in self.groups.values():
                 joined.group.destroy()

@@ -10,7 +10,9 @@ For each rate it measures, in the same run:
   what the links can at best carry;
 - broadcast and http pushes (`full`, 64 MiB buckets) of one model to 1, 2, 4
   `weightsync serve` replicas on their own hosts, best of `--repeats` after a
-  warm-up push (which forms the group).
+  warm-up push (which forms the group); and http relayed engine to engine
+  (`fan_out="relay"`, 8 MiB buckets, shown as "relay"), where the trainer's
+  link carries the model once.
 
 It prints a table (seconds, GB/s of model delivered per replica, and the
 trainer link's share: bytes that left the trainer / time / rate) and ends with
@@ -36,6 +38,12 @@ from weightsync_tools.netns import Network, remove_stale, unavailable
 
 CHUNK = 4 << 20
 BUCKET_BYTES = 64 << 20
+RELAY_BUCKET_BYTES = 8 << 20
+"""A relay's buckets: each hop forwards a bucket once it holds all of it, so a push takes
+about the model over one link plus a bucket per hop; small buckets keep that second part
+small for the bench's small model (a 140 GB model in 256 MiB buckets has over 500)."""
+CASES = [("broadcast", "direct", BUCKET_BYTES), ("http", "direct", BUCKET_BYTES), ("http", "relay", RELAY_BUCKET_BYTES)]
+"""(transport, fan_out, bucket bytes) pushed at every rate and replica count."""
 RAW_BYTES = 256 << 20
 
 
@@ -91,18 +99,19 @@ def trainer(spec: dict[str, Any]) -> int:
 
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     version = spec["first_version"]
-    for transport in spec["transports"]:
+    for transport, fan_out, bucket_bytes in spec["cases"]:
         for n in spec["replicas"]:
             engines = [ws.SGLangEngine(url) for url in spec["engines"][:n]]
             times = []
-            with ws.WeightSync(engines, transport=transport, bucket_bytes=BUCKET_BYTES, timeout_s=300,
-                               master_address=spec["master_address"], pause="none") as sync:
+            with ws.WeightSync(engines, transport=transport, bucket_bytes=bucket_bytes, timeout_s=300,
+                               master_address=spec["master_address"], pause="none", fan_out=fan_out) as sync:
                 for _ in range(1 + spec["repeats"]):
                     report = sync.push(model, version=version)
                     version += 1
                     assert report.verified, report
                     times.append(report.seconds)
-            print(json.dumps({"transport": transport, "replicas": n, "seconds": min(times[1:]),
+            print(json.dumps({"transport": transport, "fan_out": fan_out, "bucket_bytes": bucket_bytes,
+                              "replicas": n, "seconds": min(times[1:]),
                               "num_bytes": report.num_bytes, "stages": report.stages.to_dict()}), flush=True)
     return 0
 
@@ -154,14 +163,14 @@ def run(rates_gbit: list[float], replicas: list[int], model_mb: int, repeats: in
                     row["raw"][n] = {"seconds": seconds, "gbit_per_replica": RAW_BYTES * 8 / seconds / 1e9}
                 spec = {"model_dir": str(model_dir), "engines": [s.url for s in servers],
                         "master_address": net.address("trainer"), "replicas": replicas,
-                        "transports": ["broadcast", "http"], "repeats": repeats, "first_version": version}
+                        "cases": CASES, "repeats": repeats, "first_version": version}
                 env = {**os.environ, "PYTHONUNBUFFERED": "1"}
                 done = subprocess.run(_python(net, "trainer", "trainer", json.dumps(spec)), capture_output=True,
                                       text=True, timeout=1800, env=env)
                 if done.returncode != 0:
                     raise RuntimeError(f"the trainer failed:\n{done.stderr[-4000:]}")
                 row["pushes"] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-                version += (1 + repeats) * len(replicas) * 2
+                version += (1 + repeats) * len(replicas) * len(CASES)
                 results["rates"].append(row)
         finally:
             for s in servers:
@@ -179,8 +188,10 @@ def format_table(results: dict[str, Any]) -> str:
                          f"{per * int(n) / rate:>11.0%}")
         for p in row["pushes"]:
             per = p["num_bytes"] / p["seconds"] / 1e9
-            lines.append(f"{rate:>5g}G {p['transport']:>9} {p['replicas']:>8} {p['seconds']:>8.2f} {per:>12.3f} "
-                         f"{per * 8 * p['replicas'] / rate:>11.0%}")
+            relayed = p.get("fan_out") == "relay"  # the trainer's link carries the model once
+            what = "relay" if relayed else p["transport"]
+            lines.append(f"{rate:>5g}G {what:>9} {p['replicas']:>8} {p['seconds']:>8.2f} {per:>12.3f} "
+                         f"{per * 8 * (1 if relayed else p['replicas']) / rate:>11.0%}")
     return "\n".join(lines)
 
 

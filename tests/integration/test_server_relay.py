@@ -1,0 +1,112 @@
+"""A push to several `weightsync serve` replicas relayed along them (`fan_out="relay"`): the
+trainer sends each bucket to the first engine, which checks its digest, stages it and
+forwards it to the next, and so on. Real servers on 127.0.0.1; the faults are injected by
+the fault rig's transport (`FaultyTransport`): the middle engine killed mid-relay, and a
+corrupted bucket. Every push is all or nothing across the replicas."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import weightsync as ws
+from weightsync.integrity import digest
+from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.transports import make_transport
+from weightsync_tools.faults.inject import FaultyTransport
+
+BUCKET_BYTES = 256 << 10
+"""The tiny model (~1.7 MB) goes as several buckets, so a fault lands mid-relay."""
+TIMEOUT_S = 20.0
+
+
+@contextlib.contextmanager
+def three_engines(model_dir: Path) -> Iterator[list[ServerProcess]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(launch_server(model_dir, args=["--num-threads", "1"])) for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path) -> Iterator[list[ServerProcess]]:
+    with three_engines(tiny_model_dir) as servers:
+        yield servers
+
+
+def trainer(model_dir: Path, seed: int) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    return model
+
+
+def trainer_digests(model: torch.nn.Module) -> dict[str, str]:
+    return {name: digest(t.contiguous()) for name, t in model.state_dict().items()}
+
+
+def relay_info(server: ServerProcess) -> dict[str, dict[str, object]]:
+    return httpx.get(f"{server.url}/weightsync/info", timeout=10).json()["relay"]
+
+
+def test_a_relayed_push_goes_engine_to_engine_and_every_replica_serves_it(servers: list[ServerProcess],
+                                                                          tiny_model_dir: Path) -> None:
+    engines = [ws.SGLangEngine(s.url) for s in servers]
+    model = trainer(tiny_model_dir, seed=1)
+    with ws.WeightSync(engines, transport="http", fan_out="relay", bucket_bytes=BUCKET_BYTES,
+                       timeout_s=TIMEOUT_S) as sync:
+        report = sync.push(model, version=(version := 101))
+    assert report.verified and report.num_buckets > 2
+    assert any(note.startswith("relayed: the trainer sent each bucket to") for note in report.notes)
+    want = trainer_digests(model)
+    for engine in engines:
+        assert engine.weight_version() == str(version) and engine.digests() == want
+    # the first two engines forwarded every bucket (trainer -> 0 -> 1 -> 2); the last one none
+    forwarded = [relay_info(s)["forwarded"].get(str(version), 0) for s in servers]
+    assert forwarded == [report.num_buckets, report.num_buckets, 0]
+
+
+def test_a_corrupted_bucket_goes_no_further_and_no_replica_changes(servers: list[ServerProcess],
+                                                                   tiny_model_dir: Path) -> None:
+    engines = [ws.SGLangEngine(s.url) for s in servers]
+    before = [(e.weight_version(), e.digests()) for e in engines]
+    faulty = FaultyTransport(make_transport("http", timeout_s=TIMEOUT_S), "flip", at_bucket=2)
+    with ws.WeightSync(engines, transport=faulty, fan_out="relay", bucket_bytes=BUCKET_BYTES,
+                       timeout_s=TIMEOUT_S) as sync, pytest.raises(ws.WeightSyncError, match="bucket 2"):
+        sync.push(trainer(tiny_model_dir, seed=2), version=(version := 102))
+    assert faulty.fired.is_set()
+    assert [(e.weight_version(), e.digests()) for e in engines] == before
+    assert relay_info(servers[0])["forwarded"].get(str(version), 0) <= 2, "bucket 2 was never forwarded"
+    model = trainer(tiny_model_dir, seed=3)
+    with ws.WeightSync(engines, transport="http", fan_out="relay", bucket_bytes=BUCKET_BYTES,
+                       timeout_s=TIMEOUT_S) as sync:
+        assert sync.push(model, version=103).verified
+    assert all(e.digests() == trainer_digests(model) for e in engines)
+
+
+def test_the_middle_engine_lost_mid_relay_fails_the_push_naming_the_hop(tiny_model_dir: Path) -> None:
+    with three_engines(tiny_model_dir) as servers:
+        engines = [ws.SGLangEngine(s.url) for s in servers]
+        first = trainer(tiny_model_dir, seed=4)
+        with ws.WeightSync(engines, transport="http", fan_out="relay", bucket_bytes=BUCKET_BYTES,
+                           timeout_s=TIMEOUT_S) as sync:
+            assert sync.push(first, version=201).verified
+        faulty = FaultyTransport(make_transport("http", timeout_s=TIMEOUT_S), "kill", at_bucket=2, at_push=1,
+                                 rig=servers[1])
+        with ws.WeightSync(engines, transport=faulty, fan_out="relay", bucket_bytes=BUCKET_BYTES,
+                           timeout_s=TIMEOUT_S) as sync, pytest.raises(ws.EngineError) as failed:
+            sync.push(trainer(tiny_model_dir, seed=5), version=202)
+        assert failed.value.engine == servers[0].url and f"to {servers[1].url} failed" in str(failed.value)
+        survivors = [engines[0], engines[2]]
+        assert all(e.weight_version() == "201" and e.digests() == trainer_digests(first) for e in survivors)
+        again = trainer(tiny_model_dir, seed=6)
+        with ws.WeightSync(survivors, transport="http", fan_out="relay", bucket_bytes=BUCKET_BYTES,
+                           timeout_s=TIMEOUT_S) as sync:
+            assert sync.push(again, version=203).verified
+        assert all(e.digests() == trainer_digests(again) for e in survivors)
