@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import weightsync as ws
+from contract_helpers import load_trainer, perturb
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.transports import make_transport
@@ -39,11 +39,8 @@ def servers(tiny_model_dir: Path) -> Iterator[list[ServerProcess]]:
 
 
 def trainer(model_dir: Path, seed: int) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    model = load_trainer(model_dir)
+    perturb(model, seed)
     return model
 
 
