@@ -158,18 +158,18 @@ class Replicas:
         try:
             self.connect(links, establish=transport.establish, what=f"joining the {self.transport} session")
         except BaseException:
-            transport.close()
-            self.disconnect(links)
-            self.forget_capabilities()
+            self.leave(transport, links)
             raise
 
-    def leave(self, transport: Transport | None) -> None:
-        """End the session: the transport closes, every engine leaves, and the next session
-        asks every engine's capabilities again (an engine may have been restarted)."""
+    def leave(self, transport: Transport | None, links: Sequence[Link] | None = None) -> None:
+        """End the session (`links`, by default the one joined): the transport closes, every
+        engine leaves, and the next session asks every engine's capabilities again (an engine
+        may have been restarted)."""
+        links = self.links if links is None else links
         if transport is not None:
             transport.close()
-        if self.links is not None:
-            self.disconnect(self.links)
+        if links is not None:
+            self.disconnect(links)
         self.forget_capabilities()
 
     def connect(self, links: Sequence[Link], *, establish: Callable[[], None], what: str) -> None:
@@ -190,8 +190,7 @@ class Replicas:
         self.links = list(links)
 
     def disconnect(self, links: Sequence[Link]) -> None:
-        """Every engine leaves the session at once; the links carry the cleanup bound. Its
-        capabilities are asked again in the next session (an engine may have restarted)."""
+        """Every engine leaves the session at once; the links carry the cleanup bound."""
         def leave(engine: Engine, link: Link) -> None:
             engine.disconnect(replace(link, timeout_s=self.cleanup_timeout_s))
 

@@ -180,8 +180,13 @@ class SGLangEngine:
         if self._commit_pauses():
             self._pause_at_commit = mode
             return
+        self._pause(mode, timeout_s)
+
+    def _pause(self, mode: str, timeout_s: float | None) -> None:
+        """POST /pause_generation; to `weightsync serve` named, so that the resume that ends it
+        cancels it should it reach the engine after that resume."""
         body: dict[str, str] = {"mode": mode}
-        if self._native:  # named, so that its resume cancels it should it reach the engine late
+        if self._native:
             self._pause_id = body["pause_id"] = secrets.token_hex(8)
         self._http.post("/pause_generation", body, timeout_s=timeout_s)
 
@@ -243,11 +248,7 @@ class SGLangEngine:
         deadline = time.monotonic() + link.timeout_s
         backoff = 0.005
         while True:
-            info = decode(self._http.request("GET", INFO_ROUTE, timeout_s=link.timeout_s))
-            session, relay = info.get("session") or {}, info.get("relay") or {}
-            if session.get("kind") != "weightsync" or session.get("version") != manifest.version:
-                raise EngineError(self.label, f"update v{manifest.version} is no longer open on this engine (its "
-                                  f"open session: {session or None})")
+            session, relay = self._open_session(manifest.version, link.timeout_s)
             error = (relay.get("errors") or {}).get(str(manifest.version))
             if error:
                 raise EngineError(self.label, f"relay of v{manifest.version}: {error}")
@@ -260,6 +261,16 @@ class SGLangEngine:
                                        "before this one stopped forwarding)")
             time.sleep(backoff)
             backoff = min(2 * backoff, 0.1)
+
+    def _open_session(self, version: int, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The engine's open update session and relay state (`/weightsync/info?only=session`, without
+        the model's parameter list); raises unless update `version` is still open there."""
+        info = decode(self._http.request("GET", f"{INFO_ROUTE}?only=session", timeout_s=timeout_s))
+        session = info.get("session") or {}
+        if session.get("kind") != "weightsync" or session.get("version") != version:
+            raise EngineError(self.label, f"update v{version} is no longer open on this engine (its open "
+                              f"session: {session or None}); it expired, was replaced, or the engine restarted")
+        return session, info.get("relay") or {}
 
     def _receive(self, bucket: BucketMeta, delivery: Delivery, forward: tuple[str, ...]) -> None:
         assert self._open is not None, "begin() first"
@@ -290,13 +301,10 @@ class SGLangEngine:
         if not self._is_native(link.timeout_s):  # a stock SGLang holds no session: reachable is all it can say
             self._http.request("GET", "/health", timeout_s=link.timeout_s)
             return
-        session = decode(self._http.request("GET", INFO_ROUTE, timeout_s=link.timeout_s)).get("session") or {}
-        if session.get("kind") != "weightsync" or session.get("version") != version:
-            raise EngineError(self.label, f"update v{version} is no longer open on this engine (its open "
-                              f"session: {session or None}); it expired, was replaced, or the engine restarted")
+        self._open_session(version, link.timeout_s)
         mode, self._pause_at_commit = self._pause_at_commit, None
         if mode is not None:
-            self._http.post("/pause_generation", {"mode": mode}, timeout_s=link.timeout_s)
+            self._pause(mode, link.timeout_s)
 
     def commit(self, manifest: Manifest, link: Link) -> Ack:
         self._open = None

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -29,8 +30,9 @@ log = logging.getLogger(__name__)
 
 DEPTH = 2
 """Buckets staged here and not yet forwarded, at most (each held in memory until sent)."""
-RELAY_ERRORS_KEPT = 16
-"""Versions whose relay error is remembered (the open one is all the trainer asks about)."""
+VERSIONS_KEPT = 16
+"""Versions whose forwarded counts and relay errors are remembered (the trainer asks about
+the open one)."""
 
 
 @dataclass(frozen=True)
@@ -82,17 +84,13 @@ class Relay:
                        f"were not taken within {hop.timeout_s:.0f}s (the next engine is slow, gone or unreachable)")
             with self._lock:
                 self._errors.setdefault(header.version, message)
+                _keep_recent(self._errors)
             raise RelayError(message) from None
 
     def error(self, version: int) -> str | None:
         """Why relaying a bucket of `version` failed here, or None."""
         with self._lock:
             return self._errors.get(version)
-
-    def forwarded(self, version: int) -> int:
-        """Buckets of `version` this engine forwarded."""
-        with self._lock:
-            return self._forwarded.get(version, 0)
 
     def forwarded_counts(self) -> dict[str, int]:
         """Version -> buckets forwarded, for the recent versions (JSON keys)."""
@@ -122,13 +120,11 @@ class Relay:
                 log.warning("%s", message)
                 with self._lock:
                     self._errors.setdefault(version, message)
-                    while len(self._errors) > RELAY_ERRORS_KEPT:
-                        del self._errors[next(iter(self._errors))]
+                    _keep_recent(self._errors)
                 continue
             with self._lock:
                 self._forwarded[version] = self._forwarded.get(version, 0) + 1
-                while len(self._forwarded) > RELAY_ERRORS_KEPT:
-                    del self._forwarded[next(iter(self._forwarded))]
+                _keep_recent(self._forwarded)
 
     def _send(self, hop: _Hop) -> None:
         headers = {"Content-Type": "application/octet-stream"}
@@ -138,3 +134,9 @@ class Relay:
         response = self._client.post(f"{hop.url}{BUCKET_ROUTE}", content=body, headers=headers, timeout=hop.timeout_s)
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+
+
+def _keep_recent(by_version: dict[int, Any]) -> None:
+    """Drop the oldest entries beyond `VERSIONS_KEPT` (dicts keep insertion order)."""
+    while len(by_version) > VERSIONS_KEPT:
+        del by_version[next(iter(by_version))]

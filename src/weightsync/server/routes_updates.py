@@ -289,7 +289,11 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     updater = state.updater
 
     @app.get(INFO_ROUTE)
-    async def info() -> dict[str, Any]:
+    async def info(only: str | None = None) -> dict[str, Any]:
+        if only == "session":  # what a trainer polls during a push: no parameter list, no capabilities
+            return {"success": True, "message": "", "session": updater.session_info(), "relay": _relay_info(state)}
+        if only is not None:
+            raise HTTPError(400, f"unknown view only={only!r}; the one view is only=session")
         lora_enabled = state.lora_store is not None
         dtype = _serving_dtype(updater.weights.metas.values())
         capabilities = EngineCapabilities(
