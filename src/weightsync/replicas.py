@@ -34,6 +34,7 @@ from weightsync.engines.base import (
     PausePolicy,
     Relayer,
     Rollbacker,
+    ShareReceiver,
 )
 from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
 from weightsync.hosts import check_reachable
@@ -42,6 +43,7 @@ from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import ExpertLayout
 from weightsync.reports import Ack
+from weightsync.shares import Share
 from weightsync.transports import receiver_class, same_host_only
 from weightsync.transports.base import Transport
 
@@ -58,11 +60,13 @@ class Replicas:
     """
 
     def __init__(self, engines: Sequence[Engine], *, timeout_s: float, cleanup_timeout_s: float,
-                 transport: str, mode: str, sends_adapter: bool, relay: bool = False) -> None:
+                 transport: str, mode: str, sends_adapter: bool, relay: bool = False, shares: bool = False) -> None:
         self.engines = list(engines)
         self.transport, self.mode, self.sends_adapter = transport, mode, sends_adapter
         self.relay = relay
         """Buckets go to the first engine, which forwards them along the others (`fan_out="relay"`)."""
+        self.shares = shares
+        """Every trainer rank sends its own share of each bucket (`SyncConfig.send_shares`)."""
         self.timeout_s = timeout_s
         self.cleanup_timeout_s = cleanup_timeout_s
         # per engine: a call of the push and a background cleanup task (which waits for that call)
@@ -91,6 +95,9 @@ class Replicas:
                 if self.relay and not c.relays:
                     raise EngineError(engine.label, "this engine does not forward buckets to other engines "
                                       "(no `relays` capability): use fan_out='direct'")
+                if self.shares and not c.assembles_shares:
+                    raise EngineError(engine.label, "this engine does not assemble buckets from trainer ranks' "
+                                      "shares (no `assembles_shares` capability): use send_shares=False")
             self._caps = caps
         return self._caps
 
@@ -126,6 +133,8 @@ class Replicas:
                                  f"it supports {sorted(allowed)}" + (f": {note}" if note else ""))
         if self.relay:
             self._refuse_unfit_relay()
+        if self.shares:
+            self._refuse_unfit_shares()
         check_reachable(
             [(e.label, e.url, [t for t in sorted(self._allowed(e)) if not same_host_only(t)]) for e in self.engines],
             transport=self.transport, same_host_only=transport.same_host_only,
@@ -140,6 +149,15 @@ class Replicas:
                 raise ValueError(f"{e.label} cannot be part of a relay (it needs an engine client that relays, "
                                  "with a URL the other engines reach: SGLangEngine on weightsync serve); "
                                  "use fan_out='direct'")
+
+    def _refuse_unfit_shares(self) -> None:
+        if not receiver_class(self.transport).bytes_in_delivery:
+            raise ValueError(f"send_shares=True sends each trainer rank's share of a bucket in a request of its own, "
+                             f"which transport={self.transport!r} does not: use transport='http'")
+        for e in self.engines:
+            if not isinstance(e, ShareReceiver):
+                raise ValueError(f"{e.label} cannot take buckets in shares (it needs an engine client that sends "
+                                 "them: SGLangEngine on weightsync serve); use send_shares=False")
 
     def _allowed(self, engine: Engine) -> frozenset[str]:
         return engine.lora_transports if self.sends_adapter else engine.transports
@@ -265,6 +283,21 @@ class Replicas:
             raise
         for i, future in enumerate(futures):
             self.wait(future, f"{self.engines[i].label}: receiving bucket {bucket.index}", index=i,
+                      deadline=deadline)
+
+    def receive_share(self, share: Share) -> None:
+        """Every engine takes this trainer rank's `share` of a bucket, within timeout_s;
+        relayed, the first engine takes it and forwards it along the others."""
+        deadline = time.monotonic() + self.timeout_s
+        receivers = [e for e in self.engines if isinstance(e, ShareReceiver)]
+        assert len(receivers) == len(self.engines), "refuse_unfit refuses engines that take no shares"
+        if self.relay:
+            chain = [e.url for e in self.engines[1:] if e.url is not None]
+            futures = [self.pool.submit(receivers[0].receive_share, share, chain, timeout_s=self.timeout_s)]
+        else:
+            futures = [self.pool.submit(e.receive_share, share, (), timeout_s=self.timeout_s) for e in receivers]
+        for i, future in enumerate(futures):
+            self.wait(future, f"{self.engines[i].label}: receiving a share of bucket {share.index}", index=i,
                       deadline=deadline)
 
     def ready(self, manifest: Manifest) -> None:

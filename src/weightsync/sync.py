@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync.change_encoding import ENCODINGS
-from weightsync.digests import ALGORITHMS, COMBINABLE, for_device
+from weightsync.digests import ALGORITHMS, COMBINABLE, WSMIX64, for_device
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
@@ -57,6 +57,7 @@ from weightsync.naming import ExpertLayout
 from weightsync.owners import session_owner
 from weightsync.pipeline import Stages, stream_buckets
 from weightsync.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, expert_layout, sent_dtype
+from weightsync.rank_shares import ShareOrder, send_shares
 from weightsync.replicas import Replicas
 from weightsync.reports import Ack, SyncReport
 from weightsync.sources import WeightSource
@@ -123,6 +124,13 @@ class SyncConfig:
     stages it and forwards it to the next, and so on along the engines in order (a chain),
     so the trainer's link carries the model once. "relay" needs a transport whose bytes
     travel in the delivery (http) and engines that declare `relays` (`weightsync serve`)."""
+    send_shares: bool = False
+    """With a `process_group` (FSDP2), every trainer rank sends its own rows of each bucket
+    (`weightsync.rank_shares`): nothing is gathered to one rank, and each rank's link
+    carries its share of the model; each engine assembles the bucket and checks its whole
+    digest (wsmix64, combined from the ranks' parts). Needs mode "full", transport "http"
+    and engines that declare `assembles_shares` (`weightsync serve`); every rank's engine
+    clients send (give every rank the same engines)."""
     digest_algorithm: str | None = None
     """How bucket digests are computed, one of `weightsync.digests.ALGORITHMS`. None: by
     where the transport's buffers live: "wsmix64" on a device (CUDA buckets are hashed
@@ -207,10 +215,16 @@ class WeightSync:
             raise ValueError(f"mode={mode!r} with a process_group digests each whole tensor from its ranks' parts, "
                              f"which only {', '.join(sorted(COMBINABLE))} can: leave digest_algorithm unset or "
                              f"pass {', '.join(repr(a) for a in sorted(COMBINABLE))}")
+        if self.config.send_shares and not self._mode.sends_shares:
+            raise ValueError(f"send_shares=True sends every tensor as the trainer ranks hold it, which "
+                             f"mode={mode!r} does not: use mode='full'")
+        if self.config.send_shares and algorithm not in (None, *COMBINABLE):
+            raise ValueError("send_shares=True combines each bucket's digest from the ranks' shares, which only "
+                             f"{', '.join(sorted(COMBINABLE))} can: leave digest_algorithm unset")
         self._replicas = Replicas(engines, timeout_s=self.config.timeout_s,
                                   cleanup_timeout_s=self.config.cleanup_timeout_s, transport=self.config.transport,
                                   mode=self.config.mode, sends_adapter=self._mode.sends_adapter,
-                                  relay=self.config.fan_out == "relay")
+                                  relay=self.config.fan_out == "relay", shares=self.config.send_shares)
         """The engines, called together, each round bounded (`weightsync.replicas`)."""
         if self.ranks.is_sender:
             # now: an engine that cannot take the transport, or a missing transport option, fails here
@@ -246,7 +260,7 @@ class WeightSync:
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
         if not self.ranks.is_sender:
             return follow(model, self._mode, self.ranks, adapter_name=self.config.adapter_name,
-                          timeout_s=self.config.timeout_s)
+                          timeout_s=self.config.timeout_s, send=self._send_shares)
         backlog = self._replicas.backlog
         try:
             backlog.wait(self.config.timeout_s, f"the push of v{version}")
@@ -376,14 +390,21 @@ class WeightSync:
             assert self._transport is not None
             self._transport.begin(manifest)
             step = plan.selection.follower_step
-            self._tell_followers({"mode": source.mode, "order": plan.buckets.order,
-                                  "expert_layout": self._expert_layout, **({"step": step} if step else {})})
-            digests = stream_buckets(
-                plan.selection.stream or source, manifest.buckets, plan.buckets.order, plan.buckets.to_engine,
-                slot=self._transport.slot,
-                deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
-                drain=self.ranks.is_distributed,  # the other ranks must finish their gathers
-                digest_algorithm=manifest.digest_algorithm)
+            order = {"mode": source.mode, "order": plan.buckets.order, "expert_layout": self._expert_layout,
+                     **({"step": step} if step else {})}
+            if self.config.send_shares:
+                renamed = {e: n for n, e in plan.buckets.to_engine.items() if e != n}
+                shares = ShareOrder(version=version, buckets=manifest.buckets, to_source=renamed or None)
+                self._tell_followers({**order, "shares": shares.to_message()})
+                digests = self._send_shares(source, shares, stages)
+            else:
+                self._tell_followers(order)
+                digests = stream_buckets(
+                    plan.selection.stream or source, manifest.buckets, plan.buckets.order, plan.buckets.to_engine,
+                    slot=self._transport.slot,
+                    deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
+                    drain=self.ranks.is_distributed,  # the other ranks must finish their gathers
+                    digest_algorithm=manifest.digest_algorithm)
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:
@@ -416,6 +437,13 @@ class WeightSync:
         delivery = transport.deliver(bucket, buffer)
         if transport.per_bucket_delivery:
             self._replicas.receive(bucket, delivery, lambda: transport.send(bucket, buffer))
+
+    def _send_shares(self, source: WeightSource, order: ShareOrder, stages: Stages | None = None) -> list[str]:
+        """This rank's share of every bucket, to every engine (`weightsync.rank_shares`); on the
+        sender, the buckets' whole digests."""
+        return send_shares(source, order, self.ranks, deliver=self._replicas.receive_share,
+                           timeout_s=self.config.timeout_s, allow_overflow=self.config.allow_overflow,
+                           stages=stages) or []
 
     def _fail(self, version: int, begun: bool, error: BaseException, *, committing: bool = False) -> None:
         """Leave every engine on its last good version after `error`; `committing`: it came in
@@ -457,6 +485,8 @@ class WeightSync:
 
     def _digest_algorithm(self) -> str:
         """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`)."""
+        if self.config.send_shares:
+            return WSMIX64
         return self.config.digest_algorithm or for_device(self._make_transport().buffer_device)
 
     def _tell_followers(self, message: dict[str, Any]) -> None:

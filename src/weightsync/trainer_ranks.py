@@ -59,6 +59,17 @@ class TrainerRanks:
             self._broadcast(data, src, timeout_s)
         return message if self.is_sender else json.loads(bytes(data.numpy()))  # type: ignore[return-value]
 
+    def all_gather_json(self, message: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
+        """Every rank's `message` (JSON), on every rank, in rank order."""
+        payload = json.dumps(message, separators=(",", ":")).encode()
+        if not self.is_distributed:
+            return [json.loads(payload)]
+        sizes = self.all_gather(torch.tensor([len(payload)], dtype=torch.int64), timeout_s=timeout_s)
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        everyone = self.all_gather(padded, timeout_s=timeout_s)
+        return [json.loads(bytes(everyone[r, : int(sizes[r, 0])].numpy())) for r in range(self.world_size)]
+
     def all_gather(self, tensor: torch.Tensor, *, timeout_s: float) -> torch.Tensor:
         """Every rank's `tensor` (same shape on every rank), stacked in rank order."""
         if not self.is_distributed:

@@ -2,9 +2,11 @@
 
     offset 0   4 bytes  magic b"WSB1"
     offset 4   4 bytes  header length N, uint32 little-endian
-    offset 8   N bytes  header: UTF-8 JSON {"version", "index", "nbytes", "digest"} and, in a
-                        relayed push, "forward": the engines the bucket goes on to, in order
-    offset 8+N          the packed bucket, exactly `nbytes` raw bytes
+    offset 8   N bytes  header: UTF-8 JSON {"version", "index", "nbytes", "digest"}; in a
+                        relayed push, "forward": the engines the bucket goes on to, in order;
+                        for one trainer rank's share of the bucket, "share": {"ranges",
+                        "digest"} (`weightsync.shares`: "digest" is then the whole bucket's)
+    offset 8+N          the packed bucket (or the share), exactly `nbytes` raw bytes
 
 No base64, no pickle: the payload is the bucket buffer as it sits in memory,
 and the receiver checks its length and digest against the header (and the
@@ -43,11 +45,24 @@ class FrameHeader:
     in order; the receiving engine checks it, stages it, then sends it to the first of them
     with the rest (`weightsync.server.relay`)."""
 
+    share_ranges: int = 0
+    """A share (`weightsync.shares`): the payload is one trainer rank's ranges of the bucket,
+    after a table of this many (offset, length) pairs; `nbytes` is the payload's length and
+    `digest` the WHOLE bucket's. 0: the payload is the whole bucket."""
+    share_digest: str | None = None
+    """A share's own digest, over its payload (`shares.SHARE_DIGEST`)."""
+
+    @property
+    def is_share(self) -> bool:
+        return self.share_ranges > 0
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"version": self.version, "index": self.index, "nbytes": self.nbytes,
                              "digest": self.digest}
         if self.forward:
             d["forward"] = list(self.forward)
+        if self.is_share:
+            d["share"] = {"ranges": self.share_ranges, "digest": self.share_digest}
         return d
 
 
@@ -76,10 +91,13 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, me
         raise IntegrityError("bucket frame truncated inside its header")
     try:
         raw = json.loads(bytes(view[_PREFIX.size:end]))
+        share = raw.get("share") or {}
         header = FrameHeader(
             version=int(raw["version"]), index=int(raw["index"]),
             nbytes=int(raw["nbytes"]), digest=str(raw["digest"]),
             forward=tuple(str(url) for url in raw.get("forward") or ()),
+            share_ranges=int(share.get("ranges", 0)),
+            share_digest=str(share["digest"]) if share else None,
         )
     except (ValueError, KeyError, TypeError) as e:
         raise IntegrityError(f"malformed bucket frame header: {e}") from None

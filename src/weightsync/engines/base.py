@@ -36,6 +36,7 @@ from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import EXPERT_LAYOUTS, ExpertLayout
 from weightsync.reports import Ack
+from weightsync.shares import Share
 
 __all__ = ["CLEANUP_TIMEOUT_S", "AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine",
            "EngineCapabilities", "Link", "PausePolicy"]
@@ -145,6 +146,10 @@ class EngineCapabilities:
     """The engine forwards each bucket frame it received over http, after checking and
     staging it, to the next engine the frame names (`fan_out="relay"`): a push to several
     replicas then crosses the trainer's link once."""
+    assembles_shares: bool = False
+    """The engine takes a bucket in shares, one per trainer rank, over http, and assembles
+    it (`weightsync.shares`, `SyncConfig.send_shares`): a sharded trainer's ranks then each
+    send their own rows, with no gather to one rank."""
     transports: frozenset[str] = frozenset()
     """Transports the engine takes full, delta and merged updates over, as it reports
     them now (a stock SGLang: fewer than its client's `Engine.transports`)."""
@@ -169,6 +174,7 @@ class EngineCapabilities:
             "adopts_shm": self.adopts_shm, "reads_digests": self.reads_digests,
             "unloads_adapters": self.unloads_adapters, "rolls_back": self.rolls_back,
             **({"relays": True} if self.relays else {}),
+            **({"assembles_shares": True} if self.assembles_shares else {}),
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
             **({"fused_groups": [list(g) for g in self.fused_groups]} if self.fused_groups else {}),
             "expert_layout": self.expert_layout,
@@ -189,6 +195,7 @@ class EngineCapabilities:
             unloads_adapters=bool(d.get("unloads_adapters", False)),
             rolls_back=bool(d.get("rolls_back", False)),
             relays=bool(d.get("relays", False)),
+            assembles_shares=bool(d.get("assembles_shares", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),
             fused_groups=tuple(tuple(str(n) for n in g) for g in d.get("fused_groups") or ()),
             expert_layout=_expert_layout(d.get("expert_layout", "per-expert")),
@@ -287,6 +294,18 @@ class Relayer(Protocol):
     def wait_relayed(self, manifest: Manifest, link: Link) -> None:
         """Return once every bucket of `manifest` is staged here; raise, naming the engine
         and the hop, where the relay into this engine or out of it failed."""
+
+
+@runtime_checkable
+class ShareReceiver(Protocol):
+    """An engine client that sends one trainer rank's share of a bucket (`assembles_shares`)."""
+
+    label: str
+
+    def receive_share(self, share: Share, forward: Sequence[str], *, timeout_s: float) -> None:
+        """Send `share` (`weightsync.shares`) to this engine, which checks it, copies it into
+        its bucket and, where `forward` names further engines (their URLs, in order), sends
+        it on along them; any trainer rank may call it, without a session of its own."""
 
 
 @runtime_checkable

@@ -52,6 +52,7 @@ from weightsync.protocol import (
     WeightsyncRequest,
 )
 from weightsync.reports import Ack
+from weightsync.shares import Share
 from weightsync.transports import TRANSPORTS, receiver_class
 from weightsync.transports.base import typed
 from weightsync.wire import FrameHeader, body_chunks, encode_prefix
@@ -239,6 +240,15 @@ class SGLangEngine:
         if not receiver_class(delivery.transport).bytes_in_delivery:
             raise ValueError(f"{self.label}: buckets are relayed over http only, not {delivery.transport!r}")
         self._receive(bucket, delivery, tuple(forward))
+
+    def receive_share(self, share: Share, forward: Sequence[str], *, timeout_s: float) -> None:
+        """One trainer rank's share of a bucket (`weightsync serve`: `EngineCapabilities.assembles_shares`);
+        any rank sends its own, so this needs no `begin` from this client."""
+        header = FrameHeader(version=share.version, index=share.index, nbytes=share.nbytes, digest=share.digest,
+                             forward=tuple(forward), share_ranges=len(share.ranges),
+                             share_digest=share.payload_digest())
+        self._http.request("POST", BUCKET_ROUTE, content=body_chunks(encode_prefix(header), *share.payload()),
+                           headers={"Content-Type": "application/octet-stream"}, timeout_s=timeout_s)
 
     def wait_relayed(self, manifest: Manifest, link: Link) -> None:
         """Return once every bucket of `manifest` is staged here (they come from the engine

@@ -148,6 +148,9 @@ class PushMode(Protocol):
     digests_from_parts: ClassVar[bool]
     """With a `process_group`, the digest of each whole tensor is combined from its ranks'
     parts ("sparse"), which only `digests.COMBINABLE` algorithms can."""
+    sends_shares: ClassVar[bool]
+    """Every trainer rank can send its own rows of the model's tensors as they are held
+    (`SyncConfig.send_shares`): the mode sends every tensor whole, chooses nothing."""
 
     @property
     def lora_name(self) -> str | None:
@@ -200,6 +203,7 @@ class ModeDefaults:
     casts: ClassVar[bool] = True
     sends_adapter: ClassVar[bool] = False
     digests_from_parts: ClassVar[bool] = False
+    sends_shares: ClassVar[bool] = False
 
     def __init__(self, options: ModeOptions | None = None) -> None:
         self.options = options or ModeOptions()

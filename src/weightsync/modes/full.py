@@ -11,3 +11,4 @@ class FullMode(ModeDefaults):
     """The whole model; nothing is remembered between pushes."""
 
     name: ClassVar[str] = "full"
+    sends_shares: ClassVar[bool] = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -70,8 +70,7 @@ class Relay:
         if failed is not None:  # the relay of this version already broke here: say where, at once
             raise RelayError(failed)
         url, *rest = header.forward
-        hop = _Hop(header=FrameHeader(version=header.version, index=header.index, nbytes=header.nbytes,
-                                      digest=header.digest, forward=tuple(rest)),
+        hop = _Hop(header=replace(header, forward=tuple(rest)),
                    payload=payload, url=url.rstrip("/"), authorization=authorization, timeout_s=timeout_s / 2)
         with self._lock:
             if self._thread is None:

@@ -9,7 +9,7 @@ collectives, disk reads) runs in worker threads.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +59,10 @@ from weightsync.server.relay import RelayError
 from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
+from weightsync.shares import RANGE_BYTES
 from weightsync.transports import TRANSPORTS
 from weightsync.transports.shm import ShmLink, ShmTransport
-from weightsync.wire import MAX_HEADER_BYTES, decode_frame
+from weightsync.wire import MAX_HEADER_BYTES, FrameHeader, decode_frame
 
 FRAME_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES
 
@@ -299,7 +300,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
-            unloads_adapters=lora_enabled, rolls_back=True, relays=True, expert_layout="fused",
+            unloads_adapters=lora_enabled, rolls_back=True, relays=True, assembles_shares=True, expert_layout="fused",
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,
@@ -343,29 +344,35 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         update = updater.session.open_update
         if update is None:
             raise ConflictError("no weightsync update session is open; call /weightsync/begin")
-        largest = max((b.nbytes for b in update.manifest.buckets), default=0)
+        buckets = update.manifest.buckets
+        largest = max((b.nbytes + RANGE_BYTES * (len(b.entries) + 1) for b in buckets), default=0)  # a share's table
         try:
             frame = await read_body(request, largest + FRAME_OVERHEAD_BYTES)
         except ClientDisconnect:  # the trainer vanished mid-body: its update cannot complete
             updater.abort(update.version, owner=update.owner)
             raise
 
-        def work() -> str:
+        def forward(header: FrameHeader, payload: memoryview) -> None:
+            try:
+                state.relay.forward(header, payload, authorization=request.headers.get("authorization"),
+                                    timeout_s=update.manifest.timeout_s or DEFAULT_RELAY_TIMEOUT_S)
+            except RelayError as e:
+                raise HTTPError(504, str(e)) from None
+
+        def work() -> str | None:
             header, payload = decode_frame(frame)
+            if header.is_share:
+                return _stage_share(state, header, payload, forward)
             buffer = updater.weights.buffers.take(len(payload))
             computed = copy_hashed(buffer, bytes_tensor(payload), updater.session.digest_algorithm(header.version))
             digest_hex = updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
                                               digest_hex=header.digest, computed=computed)
             if header.forward:  # checked and staged here: now the next engine of the relay
-                try:
-                    state.relay.forward(header, payload, authorization=request.headers.get("authorization"),
-                                        timeout_s=update.manifest.timeout_s or DEFAULT_RELAY_TIMEOUT_S)
-                except RelayError as e:
-                    raise HTTPError(504, str(e)) from None
+                forward(header, payload)
             return digest_hex
 
         digest_hex = await run_in_threadpool(work)
-        return answer("bucket staged", digest=digest_hex)
+        return answer("bucket staged" if digest_hex else "share taken", digest=digest_hex)
 
     @app.post(ShmBucketRequest.ROUTE)
     async def shm_bucket(request: Request) -> JSONResponse:
@@ -391,6 +398,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
     async def abort(request: Request) -> JSONResponse:
         body = AbortRequest.from_json(await admin_json(request, state.config))
         dropped = updater.abort(body.version, owner=body.owner)
+        state.assembly.drop(body.version)
         return answer(f"update v{body.version} aborted" if dropped else "nothing to abort", aborted=dropped)
 
     @app.post(RollbackRequest.ROUTE)
@@ -419,6 +427,24 @@ def _commit(state: ServerState, request: CommitRequest) -> Ack:
         return state.updater.commit(request.version, held_slots=held_slots)
     finally:
         state.scheduler.resume()
+
+
+def _stage_share(state: ServerState, header: FrameHeader, payload: memoryview,
+                 forward: Callable[[FrameHeader, memoryview], None]) -> str | None:
+    """One trainer rank's share of a bucket (`weightsync.shares`): checked, forwarded where
+    the push is relayed, copied into the bucket; the whole bucket is staged (its digest
+    checked against the whole-bucket digest) once its shares tile it. Returns its digest
+    then, else None."""
+    updater = state.updater
+    bucket = updater.session.bucket(header.version, header.index)  # an open update, a valid index
+    whole = state.assembly.add(version=header.version, index=header.index, nbytes=bucket.nbytes,
+                               whole_digest=header.digest, num_ranges=header.share_ranges,
+                               share_digest=header.share_digest, payload=payload, alloc=updater.weights.buffers.take)
+    if header.forward:  # this share is what the trainer rank sent: the next engine checks it as this one did
+        forward(header, payload)
+    if whole is None:
+        return None
+    return updater.stage_bucket(version=header.version, index=header.index, buffer=whole, digest_hex=header.digest)
 
 
 def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:

@@ -21,6 +21,7 @@ from weightsync.server.relay import Relay
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
+from weightsync.shares import Assembly
 from weightsync.transports import make_receiver
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class ServerState:
     of it)."""
     relay: Relay = field(default_factory=Relay)
     """Where this engine forwards the buckets of a relayed push (`weightsync.server.relay`)."""
+    assembly: Assembly = field(default_factory=Assembly)
+    """The buckets arriving in shares, one per trainer rank (`weightsync.shares`)."""
     groups: dict[str, JoinedGroup] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -1,0 +1,232 @@
+"""Every trainer rank sends its own share of each bucket (`SyncConfig.send_shares`).
+
+Under FSDP2 each rank holds its rows of every weight (dim 0, in rank order). With
+`send_shares` nothing is gathered to the sending rank: the sender plans and begins
+as usual, tells the other ranks the buckets (`ShareOrder`), and then every rank, the
+sender included, runs `send_shares`:
+
+    layout    one all_gather of how many elements of each tensor each rank holds:
+              where each rank's rows start in the whole tensor, and so in the bucket
+    per bucket (a producer thread packs bucket k+1 while this thread sends bucket k)
+              pack this rank's rows of the bucket's tensors, cast to the engines'
+              dtype, into one of two reused buffers; the wsmix64 terms of its byte
+              ranges (`digests.wsmix64_part`); an all_gather of every rank's terms
+              (a few numbers), from which every rank combines the WHOLE bucket's
+              digest; the share (`weightsync.shares.Share`) goes to every engine
+              (relayed: to the first, which forwards it)
+    outcome   one all_gather of every rank's error, if any: all ranks return the
+              same digests, or every rank learns the same failure
+
+A plain tensor (not a DTensor: every rank holds all of it) is the sender's to send.
+The trainer's memory beyond its shard stays two buffers of its share of a bucket.
+Every collective is bounded by `timeout_s`. A rank that fails (an overflowing cast,
+an engine that refused its share) does not raise alone: it says so in the next
+all_gather and every rank stops at the same bucket; the sender raises for all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from weightsync.bucketing import castable, check_cast
+from weightsync.digests import MASK64, Wsmix64Part, combine_wsmix64, wsmix64_part
+from weightsync.errors import CastError, WeightSyncError
+from weightsync.integrity import byte_view
+from weightsync.manifest import BucketMeta
+from weightsync.pipeline import Stages
+from weightsync.shares import Share, merge_ranges
+from weightsync.sources.fsdp import local_shard
+from weightsync.trainer_ranks import TrainerRanks
+
+Deliver = Callable[[Share], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShareOrder:
+    """What the sending rank tells the others to send: the push's buckets, as planned."""
+
+    version: int
+    buckets: tuple[BucketMeta, ...]
+    """The manifest's buckets (engine names, sent dtypes, offsets), without digests."""
+    to_source: Mapping[str, str] | None = None
+    """Engine name -> the source's name, where they differ (`SyncConfig.rename`)."""
+
+    def to_message(self) -> dict[str, Any]:
+        return {"version": self.version, "buckets": [b.to_dict() for b in self.buckets],
+                "to_source": dict(self.to_source) if self.to_source else None}
+
+    @classmethod
+    def from_message(cls, d: Mapping[str, Any]) -> ShareOrder:
+        return cls(version=int(d["version"]), buckets=tuple(BucketMeta.from_dict(b) for b in d["buckets"]),
+                   to_source=d.get("to_source"))
+
+
+@runtime_checkable
+class ShareSource(Protocol):
+    """What `send_shares` reads: each tensor as the model holds it, an FSDP2 parameter as
+    this rank's DTensor (`sources.ModuleSource.param`)."""
+
+    def param(self, hf_name: str) -> torch.Tensor:
+        ...
+
+
+def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliver: Deliver, timeout_s: float,
+                allow_overflow: bool = False, stages: Stages | None = None) -> list[str] | None:
+    """This rank's part of a push sent in shares (see the module docstring); every rank
+    of `ranks` calls it at once. Returns the buckets' whole digests on the sender, None
+    on the others; the sender raises (WeightSyncError, CastError) where any rank failed."""
+    if not isinstance(source, ShareSource):
+        raise ValueError(f"send_shares=True reads each rank's rows of the model's parameters: push the model "
+                         f"(an nn.Module), not a {type(source).__name__}")
+    stages = stages or Stages()
+    rows, starts = _layout(source, order, ranks, timeout_s)
+    failed: list[str] = []
+    """This rank's first failure, as text (the producer reads it at its next all_gather)."""
+    ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+    free = threading.Semaphore(2)
+    buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for k, bucket in enumerate(order.buckets):
+                while not free.acquire(timeout=0.1):
+                    if stop.is_set():
+                        return
+                t0 = time.perf_counter()
+                mine = sum(rows[e.hf_name].numel() * e.dtype.itemsize for e in bucket.entries)
+                if buffers[k % 2].numel() < mine:
+                    buffers[k % 2] = torch.empty(mine, dtype=torch.uint8)
+                share, terms, error = _pack(bucket, rows, starts, buffers[k % 2][:mine],
+                                            allow_overflow=allow_overflow)
+                t1 = time.perf_counter()
+                stages.pack += t1 - t0
+                answers = ranks.all_gather_json({"terms": terms, "error": error or (failed[0] if failed else None)},
+                                                timeout_s=timeout_s)
+                errors = [(r, a["error"]) for r, a in enumerate(answers) if a["error"]]
+                if errors:
+                    ready.put(errors)
+                    return
+                digest = combine_wsmix64((_part(t) for a in answers for t in a["terms"]), bucket.nbytes)
+                stages.hash += time.perf_counter() - t1
+                ready.put(Share(version=order.version, index=bucket.index, digest=digest, ranges=share[0],
+                                data=share[1]))
+            ready.put(None)
+        except BaseException as e:
+            ready.put(e)
+
+    producer = threading.Thread(target=produce, name="weightsync-shares", daemon=True)
+    producer.start()
+    digests: list[str] = []
+    stopped: list[tuple[int, str]] = []
+    try:
+        while True:
+            item = ready.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, list):
+                stopped = item
+                break
+            digests.append(item.digest)
+            if item.ranges and not failed:
+                t0 = time.perf_counter()
+                try:
+                    deliver(item)
+                except Exception as e:  # told to every rank at the next all_gather
+                    failed.append(f"{type(e).__name__}: {e}")
+                stages.wire += time.perf_counter() - t0
+            free.release()
+    finally:
+        stop.set()
+        while producer.is_alive():
+            with contextlib.suppress(queue.Empty):
+                ready.get(timeout=0.1)
+            free.release()
+        producer.join()
+    answers = ranks.all_gather_json({"error": failed[0] if failed else None}, timeout_s=timeout_s)
+    stopped += [(r, a["error"]) for r, a in enumerate(answers) if a["error"]]
+    if not ranks.is_sender:
+        return None
+    if stopped:
+        rank, error = stopped[0]
+        kind = CastError if error.startswith(f"{CastError.__name__}:") else WeightSyncError
+        raise kind(f"trainer rank {rank} could not send its share: {error}")
+    return digests
+
+
+def _layout(source: ShareSource, order: ShareOrder, ranks: TrainerRanks,
+            timeout_s: float) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """This rank's rows of every tensor of the order (flat; empty where it holds none) and
+    the element each starts at in the whole tensor, from one all_gather of the counts."""
+    entries = [e for b in order.buckets for e in b.entries]
+    to_source = order.to_source or {}
+    rows: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        name = to_source.get(entry.hf_name, entry.hf_name)
+        held = source.param(name).detach()
+        mine = local_shard(held, name, rank=ranks.rank, world_size=ranks.world_size)
+        if mine is None:  # a plain tensor: the sender's
+            mine = held if ranks.is_sender else held.new_empty(0)
+        rows[entry.hf_name] = mine.reshape(-1)
+    counts = torch.tensor([rows[e.hf_name].numel() for e in entries], dtype=torch.int64)
+    table = ranks.all_gather(counts, timeout_s=timeout_s)  # [rank, tensor]
+    totals = table.sum(dim=0)
+    starts: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        if int(totals[i]) != entry.numel:
+            raise ValueError(f"{entry.hf_name}: the trainer ranks hold {int(totals[i])} of its {entry.numel} "
+                             "elements; send_shares takes FSDP2's layout only (Shard(0) over the process group's "
+                             "ranks, or a tensor every rank holds whole)")
+        starts[entry.hf_name] = int(table[: ranks.rank, i].sum())
+    return rows, starts
+
+
+def _pack(bucket: BucketMeta, rows: Mapping[str, torch.Tensor], starts: Mapping[str, int], into: torch.Tensor,
+          *, allow_overflow: bool
+          ) -> tuple[tuple[tuple[tuple[int, int], ...], torch.Tensor], list[list[Any]], str | None]:
+    """This rank's rows of `bucket`, cast and packed into `into`: ((ranges, bytes), the
+    wsmix64 terms of each range as JSON-able lists, an overflow as text or None)."""
+    ranges: list[tuple[int, int]] = []
+    at = 0
+    error = None
+    for entry in bucket.entries:
+        mine = rows[entry.hf_name]
+        if not mine.numel():
+            continue
+        nbytes = mine.numel() * entry.dtype.itemsize
+        out = into[at: at + nbytes]
+        cast = mine if mine.dtype == entry.dtype else mine.to(entry.dtype)
+        if cast is not mine and castable(mine.dtype, entry.dtype) and error is None:
+            try:
+                check_cast(entry.hf_name, mine, cast, allow_overflow=allow_overflow)
+            except CastError as e:
+                error = f"{CastError.__name__}: {e}"
+        out.copy_(byte_view(cast.contiguous()))
+        ranges.append((entry.offset + starts[entry.hf_name] * entry.dtype.itemsize, nbytes))
+        at += nbytes
+    merged = merge_ranges(ranges)
+    terms = []
+    read = 0
+    for offset, length in merged:
+        part = wsmix64_part(into[read: read + length], offset)
+        terms.append([part.total, [list(edge) for edge in part.edges]])
+        read += length
+    return (merged, into[:at]), terms, error
+
+
+def _part(term: Sequence[Any]) -> Wsmix64Part:
+    total, edges = term
+    return Wsmix64Part(total=int(total) & MASK64, edges=tuple((int(i), int(w) & MASK64) for i, w in edges))
+
+
+__all__ = ["ShareOrder", "send_shares"]
