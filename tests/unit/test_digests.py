@@ -79,6 +79,15 @@ def test_chunked_and_fed_in_pieces_equals_one_shot(data: bytes, chunk_words: int
         digests.CHUNK_WORDS.update(saved)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.binary(min_size=0, max_size=400).map(lambda b: b[: len(b) // 8 * 8]), st.integers(0, 2**40))
+def test_the_device_ops_equal_the_host_ops(data: bytes, first_word: int) -> None:
+    """The torch ops a device runs (here on the CPU) give the host's numpy sum, bit for bit."""
+    tensor = as_tensor(data)
+    device = int(digests._mix_device(tensor, first_word)) & digests.MASK64
+    assert device == digests._mix_host(tensor.numpy(), first_word)
+
+
 def test_large_buffers_span_many_chunks() -> None:
     """5 MiB: several 1 MiB CPU chunks and a tail; an unaligned start copies per chunk."""
     gen = torch.Generator().manual_seed(0)
