@@ -551,3 +551,32 @@ def test_a_relay_is_refused_where_it_cannot_run() -> None:
         ws.WeightSync(engines, transport="shm", fan_out="relay")
     with pytest.raises(ValueError, match="a cannot be part of a relay.*use fan_out='direct'"):
         ws.WeightSync(engines, transport="http", fan_out="relay")
+
+
+def test_shares_are_refused_where_they_cannot_run() -> None:
+    """send_shares=True sends each trainer rank's rows of every tensor in http frames of their own,
+    digested in wsmix64: another mode, another transport, another digest algorithm and an engine
+    client that sends no shares are refused when the WeightSync is built, naming the fix."""
+    engines = [MemoryEngine({}, "a")]
+    with pytest.raises(ValueError, match="mode='delta' does not: use mode='full'"):
+        ws.WeightSync(engines, transport="http", mode="delta", send_shares=True)
+    with pytest.raises(ValueError, match="only wsmix64 can: leave digest_algorithm unset"):
+        ws.WeightSync(engines, transport="http", send_shares=True, digest_algorithm="xxh3_64")
+    with pytest.raises(ValueError, match="transport='shm' does not: use transport='http'"):
+        ws.WeightSync(engines, transport="shm", send_shares=True)
+    with pytest.raises(ValueError, match="a cannot take buckets in shares .* use send_shares=False"):
+        ws.WeightSync(engines, transport="http", send_shares=True)
+
+
+def test_an_engine_that_does_not_assemble_shares_is_refused_before_any_byte_moves() -> None:
+    """An engine client that can send shares, to an engine that declares no `assembles_shares`
+    (an older weightsync serve): the first push names it, and nothing is sent."""
+    class OldServe(MemoryEngine):
+        def receive_share(self, share: Any, forward: Any, *, timeout_s: float) -> None:
+            raise AssertionError("a share was sent")
+
+    engine = OldServe({k: torch.zeros_like(v) for k, v in tiny().state_dict().items()}, "old-serve")
+    with ws.WeightSync([engine], transport="http", send_shares=True) as sync, \
+            pytest.raises(ws.EngineError, match="old-serve.*does not assemble buckets from trainer ranks' shares"):
+        sync.push(tiny(), version=1)
+    assert engine.version == 0 and "begin" not in " ".join(engine.calls)
