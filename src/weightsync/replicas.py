@@ -48,6 +48,10 @@ from weightsync.transports.base import Transport
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+RELAY_CAUSE_S = 2.0
+"""How long the trainer asks the engines of a relay in a group why it stopped, after its own
+hop failed (the engine whose hop failed records why a moment after the trainer sees it)."""
+
 
 class Replicas:
     """The engines of one `WeightSync`, called together.
@@ -74,6 +78,8 @@ class Replicas:
         self._caps: list[EngineCapabilities] | None = None
         self._cleanup_by: float | None = None
         """While a failed push cleans up: when every cleanup round must have answered."""
+        self._relaying: int | None = None
+        """The version relayed in a group now (the trainer's first hop names the engines' errors)."""
 
     # -- what the engines declare --------------------------------------------
 
@@ -253,6 +259,7 @@ class Replicas:
                 backoff = min(2 * backoff, 1.0)
                 continue
             if self.relay and receiver_class(self.transport).collective:
+                self._relaying = manifest.version
                 self._relay_in_group(manifest)
             notes = [f"{e.label}: {a}" for e, a in zip(self.engines, answers, strict=True) if a]
             if self.relay:
@@ -311,12 +318,36 @@ class Replicas:
         first = self.engines[0].label
         try:
             send()
-        except SyncTimeoutError as e:
-            raise SyncTimeoutError(f"{first}: sending it bucket {bucket.index} (the relay's first hop, from the "
-                                   f"trainer): {e}") from e
         except WeightSyncError as e:
-            raise EngineError(first, f"sending it bucket {bucket.index} (the relay's first hop, from the trainer) "
-                              f"failed: {e}") from e
+            # gloo closes a process's connections when one of its operations times out: a hop
+            # further down that timed out breaks this one too, and that engine says which
+            cause = self._relay_cause()
+            if cause is not None:
+                label, message = cause
+                raise EngineError(label, f"relay of v{self._relaying}: {message}") from e
+            what = f"sending it bucket {bucket.index} (the relay's first hop, from the trainer)"
+            if isinstance(e, SyncTimeoutError):
+                raise SyncTimeoutError(f"{first}: {what}: {e}") from e
+            raise EngineError(first, f"{what} failed: {e}") from e
+
+    def _relay_cause(self) -> tuple[str, str] | None:
+        """(label, error) of the first engine, in relay order, that says why the relay of the
+        version under way stopped there, asked for up to `RELAY_CAUSE_S`; None if none does."""
+        version = self._relaying
+        if version is None:
+            return None
+        limit_s = min(RELAY_CAUSE_S, self.timeout_s)
+        deadline = time.monotonic() + limit_s
+        asking: dict[int, Future[str | None]] = {}
+        while time.monotonic() < deadline:
+            for i, engine in enumerate(self.engines):  # each asked again once it answered: a silent one holds none up
+                if isinstance(engine, Relayer) and (i not in asking or asking[i].done()):
+                    asking[i] = self.pool.submit(engine.relay_error, version, timeout_s=limit_s)
+            time.sleep(0.05)
+            for i, future in sorted(asking.items()):
+                if future.done() and future.exception() is None and (error := future.result()) is not None:
+                    return self.engines[i].label, error
+        return None
 
     def ready(self, manifest: Manifest) -> None:
         """With several replicas, find an engine that cannot commit before any does; relayed,

@@ -229,17 +229,19 @@ def test_lora_after_an_engine_restart_syncs_the_base_again(trainer: Trainer, eng
         trainer.call("close", sync=sync)
 
 
-@pytest.mark.parametrize("fault", ["kill", "cut"])
-def test_relay_across_hosts_and_the_next_host_lost_mid_relay(fault: str, trainer: Trainer, engines: Engines,
-                                                            net: Network) -> None:
-    sync = f"relay-{fault}"
+@pytest.mark.parametrize(("transport", "fault"), [("http", "kill"), ("http", "cut"), ("broadcast", "cut")])
+def test_relay_across_hosts_and_the_next_host_lost_mid_relay(transport: str, fault: str, trainer: Trainer,
+                                                            engines: Engines, net: Network) -> None:
+    """Over broadcast the relay's hops are point-to-point sends in the group: the cut leaves
+    the first engine's send to the second unanswered, which it reports after half timeout_s."""
+    sync = f"relay-{transport}-{fault}"
     good = next(_versions)
-    assert_served_exactly(trainer.call("push", sync=sync, transport="http", mode="full", version=good,
+    assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode="full", version=good,
                                        timeout_s=FAULT_TIMEOUT_S, fan_out="relay"), good)
     bad = next(_versions)
     injected = {"kill": engines.pid(1)} if fault == "kill" else {"run": net.cut_command("engine1")}
     try:
-        failed = trainer.call("push", sync=sync, transport="http", mode="full", version=bad, fan_out="relay",
+        failed = trainer.call("push", sync=sync, transport=transport, mode="full", version=bad, fan_out="relay",
                               timeout_s=FAULT_TIMEOUT_S, fault={"at_bucket": 1, **injected})
         assert not failed["ok"], "a relay whose next host is lost fails"
         assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed
@@ -253,7 +255,7 @@ def test_relay_across_hosts_and_the_next_host_lost_mid_relay(fault: str, trainer
     if fault == "cut":
         assert trainer.call("serving", engines=[1])["serves"] == [good], "the cut-off replica kept its version"
     following = next(_versions)
-    assert_served_exactly(trainer.call("push", sync=sync, transport="http", mode="full", version=following,
+    assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode="full", version=following,
                                        timeout_s=FAULT_TIMEOUT_S, fan_out="relay"), following)
     trainer.call("close", sync=sync)
 

@@ -297,6 +297,10 @@ class Relayer(Protocol):
         """Return once every bucket of `manifest` is staged here; raise, naming the engine
         and the hop, where the relay into this engine or out of it failed."""
 
+    def relay_error(self, version: int, *, timeout_s: float) -> str | None:
+        """Why the relay of `version` stopped at this engine, naming the hop, or None (one
+        look, within `timeout_s`)."""
+
 
 @runtime_checkable
 class Rollbacker(Protocol):

@@ -288,6 +288,11 @@ class SGLangEngine:
             time.sleep(backoff)
             backoff = min(2 * backoff, 0.1)
 
+    def relay_error(self, version: int, *, timeout_s: float) -> str | None:
+        info = decode(self._http.request("GET", f"{INFO_ROUTE}?only=session", timeout_s=timeout_s))
+        error = ((info.get("relay") or {}).get("errors") or {}).get(str(version))
+        return None if error is None else str(error)
+
     def _open_session(self, version: int, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """The engine's open update session and relay state (`/weightsync/info?only=session`, without
         the model's parameter list); raises unless update `version` is still open there."""

@@ -14,6 +14,11 @@ dropping) what the rank before it still sends of the version, so that no sender 
 a receiver that stopped. Every receive and send is bounded by the update's timeout_s
 (a send and the wait for room by half of it, so this engine names its broken hop before
 the trainer's own bound runs out).
+
+gloo closes every connection of a process's group when one of its operations times out,
+so the other thread's operation then fails too, and so do its neighbours' with this
+engine: the operation that timed out is the cause, and the failures it brings about
+here are not recorded in its place (`_failed`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.errors import WeightSyncError
+from weightsync.errors import SyncTimeoutError, WeightSyncError
 from weightsync.groups import UpdateGroup
 from weightsync.protocol import GroupRelayRequest
 from weightsync.server.relay import DEPTH, Relay
@@ -33,6 +38,10 @@ from weightsync.server.updates import WeightUpdater
 from weightsync.transports.broadcast import HopHeader, recv_hop_header, recv_hop_payload, send_hop
 
 log = logging.getLogger(__name__)
+
+KNOCK_ON_S = 0.5
+"""How long a failed operation waits to learn whether the other thread's timed out (and
+closed the group's connections here, the cause to report)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,9 @@ class GroupRelay:
         self._outgoing: queue.Queue[_Outgoing | None] = queue.Queue(maxsize=DEPTH)
         self._stopped: str | None = None
         """Why the relay of this version stopped here (its buckets are then dropped)."""
+        self._lock = threading.Lock()
+        self._timed_out = threading.Event()
+        """An operation of this relay timed out: gloo closed the group's connections here."""
 
     def start(self) -> None:
         name = f"weightsync-group-relay-v{self.request.version}"
@@ -73,7 +85,7 @@ class GroupRelay:
                 try:
                     header = recv_hop_header(self.group, src=src, timeout_s=self.timeout_s)
                 except WeightSyncError as e:
-                    self._stop(f"receiving a bucket of v{version} from {source} failed: {e}")
+                    self._failed(e, f"receiving a bucket of v{version} from {source} failed: {e}")
                     return
                 if header.error is not None:  # the sender stopped: nothing more comes
                     self._stop(f"the relay stopped before this engine: {header.error}")
@@ -102,7 +114,7 @@ class GroupRelay:
         try:
             recv_hop_payload(self.group, buffer, src=src, timeout_s=self.timeout_s)
         except WeightSyncError as e:
-            self._stop(f"receiving bucket {header.index} of v{version} from {source} failed: {e}")
+            self._failed(e, f"receiving bucket {header.index} of v{version} from {source} failed: {e}")
             return False
         if self._stopped is not None:
             return True  # dropped: the relay of this version already stopped here
@@ -121,15 +133,28 @@ class GroupRelay:
             self._outgoing.put(item, timeout=self.timeout_s / 2)
         except queue.Full:
             self._stop(f"forwarding bucket {item.header.index} of v{self.request.version} to "
-                           f"{self.request.forward_label} (rank {self.request.forward_rank}): the buckets before it "
-                           f"were not taken within {self.timeout_s / 2:.0f}s (the next engine is slow or gone)",
-                           tell_next=False)
+                       f"{self.request.forward_label} (rank {self.request.forward_rank}): the buckets before it "
+                       f"were not taken within {self.timeout_s / 2:.0f}s (the next engine is slow or gone)",
+                       tell_next=False)
+
+    def _failed(self, error: WeightSyncError, message: str, *, tell_next: bool = True) -> None:
+        """An operation in the group failed with `error`: stop, with `message` unless the
+        failure followed from the other thread's timeout (which is reported instead)."""
+        if isinstance(error, SyncTimeoutError):
+            self._stop(message, tell_next=tell_next)
+            self._timed_out.set()  # once recorded: the failures it brings about come after
+            return
+        if self._timed_out.wait(KNOCK_ON_S):
+            message = f"{message} (after the timeout reported first)"
+            tell_next = False  # the group's connections here are closed
+        self._stop(message, tell_next=tell_next)
 
     def _stop(self, message: str, *, tell_next: bool = True) -> None:
         """The relay of this version stops here: recorded, and (`tell_next`) passed down the chain."""
-        if self._stopped is not None:
-            return
-        self._stopped = message
+        with self._lock:
+            if self._stopped is not None:
+                return
+            self._stopped = message
         log.warning("relay of v%d: %s", self.request.version, message)
         self.record.fail(self.request.version, message)
         if tell_next:
@@ -149,11 +174,8 @@ class GroupRelay:
             except WeightSyncError as e:
                 broken = True
                 what = (f"bucket {item.header.index}" if item.header.error is None else "the relay's stop")
-                message = (f"forwarding {what} of v{version} to {self.request.forward_label} (rank {dst}) "
-                           f"failed: {e}")
-                log.warning("%s", message)
-                self._stopped = self._stopped or message
-                self.record.fail(version, message)
+                self._failed(e, f"forwarding {what} of v{version} to {self.request.forward_label} (rank {dst}) "
+                             f"failed: {e}", tell_next=False)
                 continue
             if item.header.error is None:
                 self.record.count_forwarded(version)
