@@ -319,15 +319,15 @@ class Replicas:
         try:
             send()
         except WeightSyncError as e:
+            what = f"sending it bucket {bucket.index} (the relay's first hop, from the trainer)"
+            if isinstance(e, SyncTimeoutError):  # this hop is the slow one
+                raise SyncTimeoutError(f"{first}: {what}: {e}") from e
             # gloo closes a process's connections when one of its operations times out: a hop
             # further down that timed out breaks this one too, and that engine says which
             cause = self._relay_cause()
             if cause is not None:
                 label, message = cause
                 raise EngineError(label, f"relay of v{self._relaying}: {message}") from e
-            what = f"sending it bucket {bucket.index} (the relay's first hop, from the trainer)"
-            if isinstance(e, SyncTimeoutError):
-                raise SyncTimeoutError(f"{first}: {what}: {e}") from e
             raise EngineError(first, f"{what} failed: {e}") from e
 
     def _relay_cause(self) -> tuple[str, str] | None:
