@@ -283,7 +283,10 @@ class Replicas:
             engine.relay_in_group(manifest, link, source=hops[i - 1] if i else None,
                                   forward=hops[i + 1] if i + 1 < len(hops) else None)
 
-        self.all(start, "starting its relay in the group")
+        try:
+            self.all(start, "starting its relay in the group")
+        except EngineError as e:  # not the engine refusing the manifest (a mode would plan again): a failure
+            raise EngineError(e.engine, f"starting its relay in the group: {e.remote_message}") from e
 
     def receive(self, bucket: BucketMeta, delivery: Delivery, send: Callable[[], None]) -> None:
         """Every engine takes `bucket` while `send` (the transport's side of it) runs here,
