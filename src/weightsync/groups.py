@@ -65,6 +65,26 @@ class UpdateGroup:
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         _wait(work, timeout_s, f"broadcast in group {self.group_name!r}")
 
+    def send(self, tensor: torch.Tensor, *, dst: int, tag: int, timeout_s: float) -> None:
+        """Send `tensor` to rank `dst` alone (a relayed push's hop); `tag` pairs it with the
+        receiver's `recv`. Raises SyncTimeoutError past `timeout_s`, WeightSyncError when
+        the peer is gone."""
+        what = f"send to rank {dst} in group {self.group_name!r}"
+        try:  # group ranks: this side group's own (no global mapping); a pair already broken raises here
+            work = self.group.send([tensor], dst, tag)
+        except RuntimeError as e:
+            raise WeightSyncError(f"{what} failed (did a peer die or leave the group?): {e}") from e
+        _wait(work, timeout_s, what)
+
+    def recv(self, tensor: torch.Tensor, *, src: int, tag: int, timeout_s: float) -> None:
+        """Receive into `tensor` (its exact size) what rank `src` sends with `tag`."""
+        what = f"receive from rank {src} in group {self.group_name!r}"
+        try:
+            work = self.group.recv([tensor], src, tag)
+        except RuntimeError as e:
+            raise WeightSyncError(f"{what} failed (did a peer die or leave the group?): {e}") from e
+        _wait(work, timeout_s, what)
+
     def all_gather(self, tensor: torch.Tensor, *, timeout_s: float) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape and dtype on every rank), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]

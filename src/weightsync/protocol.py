@@ -212,8 +212,41 @@ class DigestsRequest:
         return cls(names=tuple(names))
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupRelayRequest:
+    """Relay the open update `version` in weight-update group `group_name` (a relayed
+    broadcast push): take each of its buckets from rank `source_rank`, check its digest,
+    stage it, and send it on to rank `forward_rank` (None: this engine is the last). The
+    engine answers at once; the trainer learns the outcome from `/weightsync/info`."""
+
+    ROUTE: ClassVar[str] = "/weightsync/relay"
+    version: int
+    group_name: str
+    source_rank: int
+    source_label: str
+    """How errors name the sender (the trainer, or the engine before this one)."""
+    forward_rank: int | None = None
+    forward_label: str | None = None
+    """How errors name the next engine (its label)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "group_name": self.group_name, "source_rank": self.source_rank,
+                "source_label": self.source_label, "forward_rank": self.forward_rank,
+                "forward_label": self.forward_label}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> GroupRelayRequest:
+        forward_rank = _opt_int(body, "forward_rank")
+        forward_label = _opt_str(body, "forward_label")
+        if (forward_rank is None) != (forward_label is None):
+            raise ValueError("'forward_rank' and 'forward_label' go together (both, or neither for the last engine)")
+        return cls(version=_int(body, "version"), group_name=_str(body, "group_name"),
+                   source_rank=_int(body, "source_rank"), source_label=_str(body, "source_label"),
+                   forward_rank=forward_rank, forward_label=forward_label)
+
+
 WeightsyncRequest = (BeginRequest | ReceiveRequest | ShmBucketRequest | CommitRequest | AbortRequest | RollbackRequest
-                     | DigestsRequest)
+                     | DigestsRequest | GroupRelayRequest)
 """Any request of weightsync's own POST routes: `ROUTE` and `to_json()`."""
 
 INFO_ROUTE = "/weightsync/info"

@@ -50,6 +50,10 @@ from weightsync.transports.base import Transport
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+RELAY_CAUSE_S = 2.0
+"""How long the trainer asks the engines of a relay in a group why it stopped, after its own
+hop failed (the engine whose hop failed records why a moment after the trainer sees it)."""
+
 
 class Replicas:
     """The engines of one `WeightSync`, called together.
@@ -78,6 +82,8 @@ class Replicas:
         self._caps: list[EngineCapabilities] | None = None
         self._cleanup_by: float | None = None
         """While a failed push cleans up: when every cleanup round must have answered."""
+        self._relaying: int | None = None
+        """The version relayed in a group now (the trainer's first hop names the engines' errors)."""
 
     # -- what the engines declare --------------------------------------------
 
@@ -94,7 +100,11 @@ class Replicas:
                                       f"{sorted(declared)}, not transport={self.transport!r}")
                 if self.relay and not c.relays:
                     raise EngineError(engine.label, "this engine does not forward buckets to other engines "
-                                      "(no `relays` capability): use fan_out='direct'")
+                                      "(no `relays` capability: a stock SGLang cannot relay, `weightsync serve` "
+                                      "can): use fan_out='direct'")
+                if self.relay and receiver_class(self.transport).collective and c.num_ranks != 1:
+                    raise EngineError(engine.label, f"relayed over {self.transport}, each engine takes part with "
+                                      f"one rank; this one has {c.num_ranks}: use fan_out='direct'")
                 if self.shares and not c.assembles_shares:
                     raise EngineError(engine.label, "this engine does not assemble buckets from trainer ranks' "
                                       "shares (no `assembles_shares` capability): use send_shares=False")
@@ -131,8 +141,8 @@ class Replicas:
                 note = e.transports_note
                 raise ValueError(f"{e.label} cannot take mode={self.mode!r} over transport={self.transport!r}; "
                                  f"it supports {sorted(allowed)}" + (f": {note}" if note else ""))
-        if self.relay:
-            self._refuse_unfit_relay()
+        if self.relay or transport.relays:
+            self._refuse_unfit_relay(transport)
         if self.shares:
             self._refuse_unfit_shares()
         check_reachable(
@@ -140,10 +150,22 @@ class Replicas:
             transport=self.transport, same_host_only=transport.same_host_only,
             trainer_address=transport.trainer_address)
 
-    def _refuse_unfit_relay(self) -> None:
-        if not receiver_class(self.transport).bytes_in_delivery:
-            raise ValueError(f"fan_out='relay' forwards the bucket frames engines receive, which "
-                             f"transport={self.transport!r} does not send: use transport='http', or fan_out='direct'")
+    def _refuse_unfit_relay(self, transport: Transport) -> None:
+        """Relays run over http (engines forward the frames they received) and broadcast
+        (point-to-point sends in the group, from a transport built with `relay=True`); disk
+        engines each read the shared directory, and shm reaches one host, where every engine
+        maps the trainer's segment itself: nothing to relay."""
+        receiver = receiver_class(self.transport)
+        if not self.relay:
+            raise ValueError(f"this {self.transport} transport was built to relay (relay=True): pass fan_out='relay', "
+                             "or build it with relay=False")
+        if receiver.collective and not transport.relays:
+            raise ValueError(f"fan_out='relay' over transport={self.transport!r} needs the transport built to relay: "
+                             "pass it by name, or build BroadcastTransport(relay=True)")
+        if not (receiver.bytes_in_delivery or receiver.collective):
+            raise ValueError(f"fan_out='relay' forwards buckets engine to engine over http or broadcast, and "
+                             f"transport={self.transport!r} does not send: use transport='http' or 'broadcast', or "
+                             "fan_out='direct'")
         for e in self.engines:
             if not isinstance(e, Relayer) or e.url is None:
                 raise ValueError(f"{e.label} cannot be part of a relay (it needs an engine client that relays, "
@@ -254,6 +276,9 @@ class Replicas:
                 time.sleep(min(backoff, expires + 0.05))
                 backoff = min(2 * backoff, 1.0)
                 continue
+            if self.relay and receiver_class(self.transport).collective:
+                self._relaying = manifest.version
+                self._relay_in_group(manifest)
             notes = [f"{e.label}: {a}" for e, a in zip(self.engines, answers, strict=True) if a]
             if self.relay:
                 notes.append("relayed: the trainer sent each bucket to " + " -> ".join(e.label for e in self.engines))
@@ -262,11 +287,34 @@ class Replicas:
                              "trainer's update session to end or expire")
             return notes
 
+    def _relay_in_group(self, manifest: Manifest) -> None:
+        """Relayed over a group: every engine starts taking the buckets of `manifest` from
+        the rank before it (the first: the trainer's) and sending them to the next one's."""
+        links = self.links
+        assert links is not None, "join() first"
+        hops = [(e.label, link) for e, link in zip(self.engines, links, strict=True)]
+        position = {id(e): i for i, e in enumerate(self.engines)}
+
+        def start(engine: Any, link: Link | None) -> None:
+            assert isinstance(engine, Relayer) and link is not None
+            i = position[id(engine)]
+            engine.relay_in_group(manifest, link, source=hops[i - 1] if i else None,
+                                  forward=hops[i + 1] if i + 1 < len(hops) else None)
+
+        try:
+            self.all(start, "starting its relay in the group")
+        except EngineError as e:  # not the engine refusing the manifest (a mode would plan again): a failure
+            raise EngineError(e.engine, f"starting its relay in the group: {e.remote_message}") from e
+
     def receive(self, bucket: BucketMeta, delivery: Delivery, send: Callable[[], None]) -> None:
         """Every engine takes `bucket` while `send` (the transport's side of it) runs here,
         all within timeout_s; relayed, the first engine takes it and forwards it along the
-        others (`wait_relayed` in `ready` finds where it stopped)."""
+        others (`wait_relayed` in `ready` finds where it stopped): over http in the engine
+        call, in a group from the trainer's send alone."""
         deadline = time.monotonic() + self.timeout_s  # the collective is bounded by timeout_s too
+        if self.relay and receiver_class(self.transport).collective:
+            self._send_first_hop(bucket, send)
+            return
         if self.relay:
             first = self.engines[0]
             assert isinstance(first, Relayer)
@@ -299,6 +347,43 @@ class Replicas:
         for i, future in enumerate(futures):
             self.wait(future, f"{self.engines[i].label}: receiving a share of bucket {share.index}", index=i,
                       deadline=deadline)
+
+    def _send_first_hop(self, bucket: BucketMeta, send: Callable[[], None]) -> None:
+        """The trainer's hop of a relay in a group: `bucket` to the first engine's rank; an
+        error names that engine and the hop."""
+        first = self.engines[0].label
+        try:
+            send()
+        except WeightSyncError as e:
+            what = f"sending it bucket {bucket.index} (the relay's first hop, from the trainer)"
+            if isinstance(e, SyncTimeoutError):  # this hop is the slow one
+                raise SyncTimeoutError(f"{first}: {what}: {e}") from e
+            # gloo closes a process's connections when one of its operations times out: a hop
+            # further down that timed out breaks this one too, and that engine says which
+            cause = self._relay_cause()
+            if cause is not None:
+                label, message = cause
+                raise EngineError(label, f"relay of v{self._relaying}: {message}") from e
+            raise EngineError(first, f"{what} failed: {e}") from e
+
+    def _relay_cause(self) -> tuple[str, str] | None:
+        """(label, error) of the first engine, in relay order, that says why the relay of the
+        version under way stopped there, asked for up to `RELAY_CAUSE_S`; None if none does."""
+        version = self._relaying
+        if version is None:
+            return None
+        limit_s = min(RELAY_CAUSE_S, self.timeout_s)
+        deadline = time.monotonic() + limit_s
+        asking: dict[int, Future[str | None]] = {}
+        while time.monotonic() < deadline:
+            for i, engine in enumerate(self.engines):  # each asked again once it answered: a silent one holds none up
+                if isinstance(engine, Relayer) and (i not in asking or asking[i].done()):
+                    asking[i] = self.pool.submit(engine.relay_error, version, timeout_s=limit_s)
+            time.sleep(0.05)
+            for i, future in sorted(asking.items()):
+                if future.done() and future.exception() is None and (error := future.result()) is not None:
+                    return self.engines[i].label, error
+        return None
 
     def ready(self, manifest: Manifest) -> None:
         """With several replicas, find an engine that cannot commit before any does; relayed,

@@ -122,8 +122,9 @@ class SyncConfig:
     """How a push reaches several engines: "direct", the trainer sends each engine every
     bucket; "relay", the trainer sends each bucket to the first engine, which checks it,
     stages it and forwards it to the next, and so on along the engines in order (a chain),
-    so the trainer's link carries the model once. "relay" needs a transport whose bytes
-    travel in the delivery (http) and engines that declare `relays` (`weightsync serve`)."""
+    so the trainer's link carries the model once. "relay" needs engines that declare `relays`
+    (`weightsync serve`) and transport "http" (engines forward over HTTP) or "broadcast"
+    (point-to-point sends in the group, gloo); disk and shm do not relay (docs/SCALE.md)."""
     send_shares: bool = False
     """With a `process_group` (FSDP2), every trainer rank sends its own rows of each bucket
     (`weightsync.rank_shares`): nothing is gathered to one rank, and each rank's link
@@ -467,7 +468,7 @@ class WeightSync:
             self._transport = make_transport(
                 self.config.transport, timeout_s=self.config.timeout_s, disk_root=self.config.disk_root,
                 keep_versions=self.config.keep_versions, master_address=self.config.master_address,
-                backend=self.config.backend,
+                backend=self.config.backend, relay=self.config.fan_out == "relay",
             )
         return self._transport
 

@@ -20,12 +20,12 @@ committed and before its own commit goes out), the push fails and the replica th
 committed is rolled back: it serves its last version again, bit for bit, under its
 last version label, with no adapter of the failed push loaded.
 
-Relayed over http (`fan_out="relay"`: trainer -> engine0 -> engine1, each bucket crossing the
-trainer's link once): served exactly on both hosts; the second engine host killed, or its link
-cut, mid-relay: the push fails within its bound naming the first engine's hop, both replicas
-keep their last version, and the next push succeeds once the host is back; the first engine
-on a slow link (tc tbf): the push completes, or fails within its bound with both replicas on
-their last version.
+Relayed (`fan_out="relay"`: trainer -> engine0 -> engine1, each bucket crossing the trainer's
+link once), over http and over broadcast (point-to-point sends in the group): served exactly on
+both hosts; the second engine host's link cut (http: or its engine killed) mid-relay: the push
+fails within its bound naming the first engine's hop, both replicas keep their last version,
+and the next push succeeds once the host is back; the first engine on a slow link (tc tbf):
+the push completes, or (http) fails within its bound with both replicas on their last version.
 """
 
 from __future__ import annotations
@@ -229,17 +229,19 @@ def test_lora_after_an_engine_restart_syncs_the_base_again(trainer: Trainer, eng
         trainer.call("close", sync=sync)
 
 
-@pytest.mark.parametrize("fault", ["kill", "cut"])
-def test_relay_across_hosts_and_the_next_host_lost_mid_relay(fault: str, trainer: Trainer, engines: Engines,
-                                                            net: Network) -> None:
-    sync = f"relay-{fault}"
+@pytest.mark.parametrize(("transport", "fault"), [("http", "kill"), ("http", "cut"), ("broadcast", "cut")])
+def test_relay_across_hosts_and_the_next_host_lost_mid_relay(transport: str, fault: str, trainer: Trainer,
+                                                            engines: Engines, net: Network) -> None:
+    """Over broadcast the relay's hops are point-to-point sends in the group: the cut leaves
+    the first engine's send to the second unanswered, which it reports after half timeout_s."""
+    sync = f"relay-{transport}-{fault}"
     good = next(_versions)
-    assert_served_exactly(trainer.call("push", sync=sync, transport="http", mode="full", version=good,
+    assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode="full", version=good,
                                        timeout_s=FAULT_TIMEOUT_S, fan_out="relay"), good)
     bad = next(_versions)
     injected = {"kill": engines.pid(1)} if fault == "kill" else {"run": net.cut_command("engine1")}
     try:
-        failed = trainer.call("push", sync=sync, transport="http", mode="full", version=bad, fan_out="relay",
+        failed = trainer.call("push", sync=sync, transport=transport, mode="full", version=bad, fan_out="relay",
                               timeout_s=FAULT_TIMEOUT_S, fault={"at_bucket": 1, **injected})
         assert not failed["ok"], "a relay whose next host is lost fails"
         assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed
@@ -253,26 +255,28 @@ def test_relay_across_hosts_and_the_next_host_lost_mid_relay(fault: str, trainer
     if fault == "cut":
         assert trainer.call("serving", engines=[1])["serves"] == [good], "the cut-off replica kept its version"
     following = next(_versions)
-    assert_served_exactly(trainer.call("push", sync=sync, transport="http", mode="full", version=following,
+    assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode="full", version=following,
                                        timeout_s=FAULT_TIMEOUT_S, fan_out="relay"), following)
     trainer.call("close", sync=sync)
 
 
-@pytest.mark.parametrize(("rate_bits", "completes"), [(40e6, True), (0.25e6, False)])
-def test_a_slow_engine_in_the_middle_of_the_relay(rate_bits: float, completes: bool, trainer: Trainer,
-                                                  net: Network) -> None:
+@pytest.mark.parametrize(("transport", "rate_bits", "completes"),
+                         [("http", 40e6, True), ("http", 0.25e6, False), ("broadcast", 40e6, True)])
+def test_a_slow_engine_in_the_middle_of_the_relay(transport: str, rate_bits: float, completes: bool,
+                                                  trainer: Trainer, net: Network) -> None:
     """The first engine of trainer -> engine0 -> engine1 on a slow link: at 40 Mbit/s the push
     completes (about 1.7 MB each way); at 0.25 Mbit/s one 256 KiB bucket takes about 8 s, twice
-    timeout_s, so the push fails within its bound. Either way both replicas end on one version,
-    and the next push, at full speed, succeeds."""
-    sync = f"relay-slow-{int(rate_bits)}"
+    timeout_s, so the push fails within its bound (http; over broadcast that case is the
+    trainer's own send timing out, which the faults suite covers). Either way both replicas end
+    on one version, and the next push, at full speed, succeeds."""
+    sync = f"relay-slow-{transport}-{int(rate_bits)}"
     good = next(_versions)
-    assert_served_exactly(trainer.call("push", sync=sync, transport="http", mode="full", version=good,
+    assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode="full", version=good,
                                        timeout_s=FAULT_TIMEOUT_S, fan_out="relay"), good)
     pushed = next(_versions)
     net.shape("engine0", rate_bits=rate_bits, burst_bytes=16 << 10)
     try:
-        answer = trainer.call("push", sync=sync, transport="http", mode="full", version=pushed, fan_out="relay",
+        answer = trainer.call("push", sync=sync, transport=transport, mode="full", version=pushed, fan_out="relay",
                               timeout_s=FAULT_TIMEOUT_S)
     finally:
         net.unshape("engine0")
@@ -284,6 +288,6 @@ def test_a_slow_engine_in_the_middle_of_the_relay(rate_bits: float, completes: b
         assert answer["seconds"] < error_bound_s(FAULT_TIMEOUT_S), answer
         assert trainer.call("serving", engines=[0, 1])["serves"] == [good, good], "no mix of versions"
     following = next(_versions)
-    assert_served_exactly(trainer.call("push", sync=sync, transport="http", mode="full", version=following,
+    assert_served_exactly(trainer.call("push", sync=sync, transport=transport, mode="full", version=following,
                                        timeout_s=FAULT_TIMEOUT_S, fan_out="relay"), following)
     trainer.call("close", sync=sync)

@@ -98,7 +98,8 @@ class Trainer:
         if sync is None:
             transport = make_transport(cmd["transport"], timeout_s=cmd.get("timeout_s", 30.0),
                                        disk_root=self.spec.get("disk_root"),
-                                       master_address=self.spec["master_address"])
+                                       master_address=self.spec["master_address"],
+                                       relay=cmd.get("fan_out") == "relay")
             sync = self.syncs[name] = ws.WeightSync(
                 self.engines, transport=transport, mode=cmd["mode"], bucket_bytes=BUCKET_BYTES,
                 timeout_s=cmd.get("timeout_s", 30.0), pause=cmd.get("pause", "retract"),

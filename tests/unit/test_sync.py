@@ -31,6 +31,7 @@ from weightsync.integrity import digest
 from weightsync.links import Link
 from weightsync.manifest import Manifest
 from weightsync.reports import Ack
+from weightsync.transports.broadcast import BroadcastTransport
 
 
 def tiny() -> nn.Module:
@@ -540,17 +541,44 @@ def test_replicas_of_both_expert_layouts_take_a_dense_model_and_refuse_an_moe_on
     assert all(e.version == 0 and "begin" not in " ".join(e.calls) for e in engines)
 
 
+class _StockLikeRelayer(MemoryEngine):
+    """A client that could relay, of an engine that does not declare `relays` (a stock SGLang)."""
+
+    transports = frozenset({"http", "broadcast"})
+    url = "http://127.0.0.1:1"
+
+    def relay(self, *args: Any) -> None:
+        raise AssertionError("never called: the engine was refused")
+
+    relay_in_group = wait_relayed = relay_error = relay
+
+
 def test_a_relay_is_refused_where_it_cannot_run() -> None:
-    """fan_out='relay' forwards http bucket frames between engines that relay: an unknown fan_out,
-    a transport whose bytes are not in the frames, and an engine client that cannot relay are
-    refused when the WeightSync is built, naming the fix."""
+    """fan_out='relay' forwards buckets between engines that relay, over http or broadcast: an
+    unknown fan_out, a transport that does not relay (shm: one host; disk: every engine reads the
+    directory), a broadcast transport built otherwise than the fan_out says, and an engine client
+    that cannot relay are refused when the WeightSync is built, naming the fix; an engine that
+    does not declare `relays` (a stock SGLang) before anything moves."""
     engines = [MemoryEngine({}, "a"), MemoryEngine({}, "b")]
     with pytest.raises(ValueError, match="unknown fan_out 'sideways'; one of direct, relay"):
         ws.WeightSync(engines, transport="http", fan_out="sideways")
-    with pytest.raises(ValueError, match="transport='shm' does not send: use transport='http'"):
-        ws.WeightSync(engines, transport="shm", fan_out="relay")
+    for transport in ("shm", "disk"):
+        with pytest.raises(ValueError, match=f"transport='{transport}' does not send: use transport='http' or "
+                                             "'broadcast'"):
+            ws.WeightSync(engines, transport=transport, fan_out="relay", disk_root="/nonexistent")
     with pytest.raises(ValueError, match="a cannot be part of a relay.*use fan_out='direct'"):
         ws.WeightSync(engines, transport="http", fan_out="relay")
+    stock = [_StockLikeRelayer({}, "stock")]
+    with pytest.raises(ValueError, match=r"needs the transport built to relay.*BroadcastTransport\(relay=True\)"):
+        ws.WeightSync(stock, transport=BroadcastTransport(), fan_out="relay")
+    with pytest.raises(ValueError, match="built to relay \\(relay=True\\): pass fan_out='relay'"):
+        ws.WeightSync(stock, transport=BroadcastTransport(relay=True))
+    with pytest.raises(ValueError, match="relay=True forwards buckets between engines over gloo"):
+        BroadcastTransport(relay=True, backend="nccl")
+    with ws.WeightSync(stock, transport="http", fan_out="relay") as sync, \
+            pytest.raises(ws.EngineError, match="no `relays` capability: a stock SGLang cannot relay"):
+        sync.push(nn.Linear(2, 2), version=1)
+    assert "begin" not in stock[0].calls
 
 
 def test_shares_are_refused_where_they_cannot_run() -> None:

@@ -143,9 +143,10 @@ class EngineCapabilities:
     coordinator commits these engines first and rolls them back when another engine does
     not commit, so a push to several replicas is all or nothing."""
     relays: bool = False
-    """The engine forwards each bucket frame it received over http, after checking and
-    staging it, to the next engine the frame names (`fan_out="relay"`): a push to several
-    replicas then crosses the trainer's link once."""
+    """The engine forwards each bucket it received, after checking and staging it, to the
+    next engine (`fan_out="relay"`, `Relayer`): over http, to the engine the frame names;
+    over broadcast, to the next engine's rank in the group. A push to several replicas
+    then crosses the trainer's link once."""
     assembles_shares: bool = False
     """The engine takes a bucket in shares, one per trainer rank, over http, and assembles
     it (`weightsync.shares`, `SyncConfig.send_shares`): a sharded trainer's ranks then each
@@ -289,11 +290,23 @@ class Relayer(Protocol):
 
     def relay(self, bucket: BucketMeta, delivery: Delivery, forward: Sequence[str]) -> None:
         """Take one bucket, as `Engine.receive`, and have it forwarded along `forward` (the
-        URLs of the other engines, in order), each engine checking its digest first."""
+        URLs of the other engines, in order), each engine checking its digest first (http)."""
+
+    def relay_in_group(self, manifest: Manifest, link: Link, *, source: tuple[str, Link] | None,
+                       forward: tuple[str, Link] | None) -> None:
+        """Over a collective transport (broadcast), before the first bucket: have the engine
+        take every bucket of `manifest` from the rank of `source` (its label and link; None:
+        the trainer, rank 0), check its digest, stage it and send it on to the rank of
+        `forward` (None: this engine is the last). Returns once the engine has started;
+        `wait_relayed` says how the relay ended."""
 
     def wait_relayed(self, manifest: Manifest, link: Link) -> None:
         """Return once every bucket of `manifest` is staged here; raise, naming the engine
         and the hop, where the relay into this engine or out of it failed."""
+
+    def relay_error(self, version: int, *, timeout_s: float) -> str | None:
+        """Why the relay of `version` stopped at this engine, naming the hop, or None (one
+        look, within `timeout_s`)."""
 
 
 @runtime_checkable

@@ -47,6 +47,7 @@ from weightsync.protocol import (
     BeginRequest,
     CommitRequest,
     DigestsRequest,
+    GroupRelayRequest,
     ReceiveRequest,
     RollbackRequest,
     WeightsyncRequest,
@@ -102,6 +103,8 @@ class SGLangEngine:
         """The id of the pause sent last (`weightsync serve` only), which the next resume names."""
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
         self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
+        self._forwarding: int | None = None
+        """The version this engine relays on to another in a group (`relay_in_group`)."""
 
     def _cleanup_timeout_s(self, timeout_s: float | None) -> float:
         return min(CLEANUP_TIMEOUT_S, self.timeout_s if timeout_s is None else timeout_s)
@@ -238,7 +241,8 @@ class SGLangEngine:
         """`receive`, and the engine sends the bucket on along `forward` (`weightsync serve`,
         over http: `EngineCapabilities.relays`)."""
         if not receiver_class(delivery.transport).bytes_in_delivery:
-            raise ValueError(f"{self.label}: buckets are relayed over http only, not {delivery.transport!r}")
+            raise ValueError(f"{self.label}: buckets are relayed along URLs over http only, not "
+                             f"{delivery.transport!r} (a group relays with relay_in_group)")
         self._receive(bucket, delivery, tuple(forward))
 
     def receive_share(self, share: Share, forward: Sequence[str], *, timeout_s: float) -> None:
@@ -250,11 +254,29 @@ class SGLangEngine:
         self._http.request("POST", BUCKET_ROUTE, content=body_chunks(encode_prefix(header), *share.payload()),
                            headers={"Content-Type": "application/octet-stream"}, timeout_s=timeout_s)
 
+    def relay_in_group(self, manifest: Manifest, link: Link, *, source: tuple[str, Link] | None,
+                       forward: tuple[str, Link] | None) -> None:
+        """`weightsync serve` takes the buckets of `manifest` from the rank before it in the
+        broadcast group and sends them to the next (`/weightsync/relay`)."""
+        from weightsync.transports.broadcast import BroadcastLink
+
+        group = typed(link, BroadcastLink)
+        source_label, source_rank = (("the trainer", 0) if source is None
+                                     else (source[0], typed(source[1], BroadcastLink).rank_offset))
+        request = GroupRelayRequest(
+            version=manifest.version, group_name=group.group_name, source_rank=source_rank, source_label=source_label,
+            forward_rank=None if forward is None else typed(forward[1], BroadcastLink).rank_offset,
+            forward_label=None if forward is None else forward[0])
+        self._forwarding = manifest.version if forward is not None else None
+        self._send(request, link.timeout_s)
+
     def wait_relayed(self, manifest: Manifest, link: Link) -> None:
         """Return once every bucket of `manifest` is staged here (they come from the engine
-        before this one in the relay); raise, naming this engine and the hop, where
-        forwarding out of here failed, or where buckets are still missing after timeout_s."""
+        before this one in the relay) and, relayed in a group, sent on to the next engine;
+        raise, naming this engine and the hop, where the relay into or out of here failed,
+        or where buckets are still missing after timeout_s."""
         want = set(range(len(manifest.buckets)))
+        forwards = self._forwarding == manifest.version
         deadline = time.monotonic() + link.timeout_s
         backoff = 0.005
         while True:
@@ -263,14 +285,23 @@ class SGLangEngine:
             if error:
                 raise EngineError(self.label, f"relay of v{manifest.version}: {error}")
             missing = want - set(session.get("buckets_received") or ())
-            if not missing:
+            forwarded = int((relay.get("forwarded") or {}).get(str(manifest.version), 0))
+            if not missing and (not forwards or forwarded >= len(want)):
                 return
             if time.monotonic() >= deadline:
+                if not missing:
+                    raise SyncTimeoutError(f"{self.label}: {len(want) - forwarded} bucket(s) of v{manifest.version} "
+                                           f"not sent on to the next engine within {link.timeout_s:.0f}s")
                 raise SyncTimeoutError(f"{self.label}: bucket(s) {sorted(missing)[:8]} of v{manifest.version} did "
                                        f"not arrive through the relay within {link.timeout_s:.0f}s (an engine "
                                        "before this one stopped forwarding)")
             time.sleep(backoff)
-            backoff = min(2 * backoff, 0.1)
+            backoff = min(2 * backoff, 0.02)  # a cheap view; the last buckets arrive a hop apart
+
+    def relay_error(self, version: int, *, timeout_s: float) -> str | None:
+        info = decode(self._http.request("GET", f"{INFO_ROUTE}?only=session", timeout_s=timeout_s))
+        error = ((info.get("relay") or {}).get("errors") or {}).get(str(version))
+        return None if error is None else str(error)
 
     def _open_session(self, version: int, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """The engine's open update session and relay state (`/weightsync/info?only=session`, without

@@ -11,6 +11,9 @@ not a growing queue). A bucket that cannot be forwarded (the next engine is gone
 it, or does not answer within the update's timeout) is this engine's relay error for that
 version: `/weightsync/info` reports it, and the trainer's wait for the relay to end names
 this engine and the hop. Buckets of a version that already failed are not forwarded.
+
+A relayed broadcast push forwards in its group instead (`weightsync.server.group_relay`),
+and records what it forwarded and why it stopped here too.
 """
 
 from __future__ import annotations
@@ -81,10 +84,20 @@ class Relay:
         except queue.Full:
             message = (f"forwarding bucket {header.index} of v{header.version} to {hop.url}: the buckets before it "
                        f"were not taken within {hop.timeout_s:.0f}s (the next engine is slow, gone or unreachable)")
-            with self._lock:
-                self._errors.setdefault(header.version, message)
-                _keep_recent(self._errors)
+            self.fail(header.version, message)
             raise RelayError(message) from None
+
+    def fail(self, version: int, message: str) -> None:
+        """Record why relaying `version` stopped here (the first reason is kept)."""
+        with self._lock:
+            self._errors.setdefault(version, message)
+            _keep_recent(self._errors)
+
+    def count_forwarded(self, version: int) -> None:
+        """One more bucket of `version` went to the next engine."""
+        with self._lock:
+            self._forwarded[version] = self._forwarded.get(version, 0) + 1
+            _keep_recent(self._forwarded)
 
     def error(self, version: int) -> str | None:
         """Why relaying a bucket of `version` failed here, or None."""
@@ -117,13 +130,9 @@ class Relay:
             except Exception as e:  # recorded for the trainer, which fails the push naming it
                 message = f"forwarding bucket {hop.header.index} of v{version} to {hop.url} failed: {e}"
                 log.warning("%s", message)
-                with self._lock:
-                    self._errors.setdefault(version, message)
-                    _keep_recent(self._errors)
+                self.fail(version, message)
                 continue
-            with self._lock:
-                self._forwarded[version] = self._forwarded.get(version, 0) + 1
-                _keep_recent(self._forwarded)
+            self.count_forwarded(version)
 
     def _send(self, hop: _Hop) -> None:
         headers = {"Content-Type": "application/octet-stream"}

@@ -35,6 +35,7 @@ from weightsync.protocol import (
     BeginRequest,
     CommitRequest,
     DigestsRequest,
+    GroupRelayRequest,
     ReceiveRequest,
     RollbackRequest,
     ShmBucketRequest,
@@ -43,6 +44,7 @@ from weightsync.reports import Ack
 from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
 from weightsync.server.experts import read_checkpoint_version
+from weightsync.server.group_relay import GroupRelay
 from weightsync.server.http import (
     HTTPError,
     admin_json,
@@ -104,7 +106,8 @@ def _serving_dtype(metas: Iterable[TensorMeta]) -> str | None:
 
 
 DEFAULT_RELAY_TIMEOUT_S = 60.0
-"""How long one forward of a relayed bucket may take when the manifest names no timeout."""
+"""How long one forward (or, in a group, one receive) of a relayed bucket may take when
+the manifest names no timeout."""
 
 
 def _pause_mode(mode: str | None) -> str:
@@ -373,6 +376,22 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
         digest_hex = await run_in_threadpool(work)
         return answer("bucket staged" if digest_hex else "share taken", digest=digest_hex)
+
+    @app.post(GroupRelayRequest.ROUTE)
+    async def group_relay(request: Request) -> JSONResponse:
+        body = GroupRelayRequest.from_json(await admin_json(request, state.config))
+        with state.groups_lock:
+            joined = state.groups.get(body.group_name)
+        if joined is None:
+            raise HTTPError(400, f"no weight update group named {body.group_name!r}; call /init_weights_update_group")
+        update = updater.session.open_update
+        if update is None or update.version != body.version:
+            raise ConflictError(f"update v{body.version} is not open here; call /weightsync/begin first")
+        GroupRelay(body, group=joined.group, updater=updater, record=state.relay,
+                   num_buckets=len(update.manifest.buckets),
+                   timeout_s=update.manifest.timeout_s or DEFAULT_RELAY_TIMEOUT_S).start()
+        forward = f", then to rank {body.forward_rank}" if body.forward_rank is not None else ""
+        return answer(f"relaying v{body.version}: from rank {body.source_rank}{forward}")
 
     @app.post(ShmBucketRequest.ROUTE)
     async def shm_bucket(request: Request) -> JSONResponse:

@@ -98,11 +98,14 @@ def make_transport(
     keep_versions: int = 2,
     master_address: str = "127.0.0.1",
     backend: str | None = None,
+    relay: bool = False,
 ) -> Transport:
-    """The trainer-side transport called `name`, given the options of its constructor."""
+    """The trainer-side transport called `name`, given the options of its constructor
+    (`relay`: for `fan_out="relay"`, to a transport that takes it, broadcast; the others
+    ignore it)."""
     cls = transport_class(name)
     options: dict[str, Any] = {"timeout_s": timeout_s, "root": disk_root, "keep_versions": keep_versions,
-                               "master_address": master_address, "backend": backend}
+                               "master_address": master_address, "backend": backend, "relay": relay or None}
     kwargs: dict[str, Any] = {}
     for parameter in inspect.signature(cls).parameters.values():
         value = options.get(parameter.name)

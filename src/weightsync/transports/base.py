@@ -81,6 +81,13 @@ class Transport(Protocol):
         ...
 
     @property
+    def relays(self) -> bool:
+        """Buckets go to the first engine alone, which forwards them along the others
+        (`fan_out="relay"`: broadcast built with `relay=True`); False where every engine
+        gets every bucket from the trainer (http relays through its engines' own requests)."""
+        ...
+
+    @property
     def trainer_address(self) -> str | None:
         """The address of the trainer's host that engines connect to (broadcast: the group's
         `master_address`); None where they connect to nothing of the trainer's."""
@@ -319,6 +326,11 @@ class TransportDefaults:
     def trainer_address(self) -> str | None:
         """Engines connect to nothing of the trainer's (see `Transport.trainer_address`)."""
         return None
+
+    @property
+    def relays(self) -> bool:
+        """Every engine gets every bucket from the trainer (see `Transport.relays`)."""
+        return False
 
     @property
     def buffer_device(self) -> torch.device:

@@ -7,20 +7,31 @@ engines' receive calls (SGLang's `update_weights_from_distributed`) are in fligh
 NCCL when buckets live on a GPU. The group is created once, reused across
 pushes, and destroyed on close or after any failure (a collective that timed
 out leaves the group unusable).
+
+Relayed (`BroadcastTransport(relay=True)`, `fan_out="relay"`), the same group carries a
+pipeline of point-to-point sends instead: rank 0 sends each bucket to the first engine's
+rank alone, and each engine, once it checked the bucket's digest and staged it, sends it
+to the next engine's rank (`weightsync.server.group_relay`). Every hop is a `HopHeader`
+(`HOP_HEADER_BYTES`, tag `HEADER_TAG`) and then, unless the header says the relay stopped,
+the bucket's bytes (tag `PAYLOAD_TAG`); a hop carries one version's buckets in the order
+they were sent, so tags need not tell buckets apart.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from weightsync.errors import IntegrityError
 from weightsync.groups import UpdateGroup, finish_hosting, host_group, join_group
 from weightsync.links import Delivery, Link
-from weightsync.manifest import BucketMeta
+from weightsync.manifest import BucketMeta, Manifest
 from weightsync.transports.base import (
     Joined,
     Receiver,
@@ -47,6 +58,83 @@ class BroadcastLink(Link, transport="broadcast"):
     """This engine's first rank in the group."""
     backend: str
     """"gloo" or "nccl"."""
+
+
+HOP_HEADER_BYTES = 512
+"""Size of a relay hop's header tensor (zero-padded JSON behind a magic and a length)."""
+HEADER_TAG = 0x5753
+"""The tag of a relay hop's headers."""
+PAYLOAD_TAG = 0x5754
+"""The tag of a relay hop's bucket bytes."""
+_HOP_MAGIC = b"WSR1"
+_HOP_PREFIX = struct.Struct("<4sI")
+_MAX_ERROR_CHARS = 300
+
+
+@dataclass(frozen=True, kw_only=True)
+class HopHeader:
+    """What comes before a bucket's bytes on each hop of a relayed push: the bucket, and the
+    digest the trainer computed for it (each engine checks the bytes against it before it
+    stages or forwards them). With `error`, the relay of `version` stopped before this hop
+    (a bucket refused, a peer gone): no bytes follow, and nothing more of this version."""
+
+    version: int
+    index: int = -1
+    nbytes: int = 0
+    digest: str = ""
+    error: str | None = None
+
+    def encode(self) -> torch.Tensor:
+        """The header as a `HOP_HEADER_BYTES` uint8 tensor."""
+        fields: dict[str, Any] = {"version": self.version, "index": self.index, "nbytes": self.nbytes,
+                                  "digest": self.digest}
+        if self.error is not None:
+            fields["error"] = self.error[:_MAX_ERROR_CHARS]
+        body = json.dumps(fields, separators=(",", ":")).encode()
+        if _HOP_PREFIX.size + len(body) > HOP_HEADER_BYTES:  # an error of many escaped characters
+            fields["error"] = "(message too long to relay)"
+            body = json.dumps(fields, separators=(",", ":")).encode()
+        raw = bytearray(HOP_HEADER_BYTES)
+        raw[: _HOP_PREFIX.size + len(body)] = _HOP_PREFIX.pack(_HOP_MAGIC, len(body)) + body
+        return torch.frombuffer(raw, dtype=torch.uint8)
+
+    @classmethod
+    def decode(cls, raw: torch.Tensor) -> HopHeader:
+        """Parse `encode`'s tensor; IntegrityError for anything else."""
+        data = raw.numpy().tobytes()
+        magic, length = _HOP_PREFIX.unpack_from(data)
+        if magic != _HOP_MAGIC or _HOP_PREFIX.size + length > len(data):
+            raise IntegrityError(f"not a relay hop header (magic {bytes(magic)!r}, length {length})")
+        try:
+            d = json.loads(data[_HOP_PREFIX.size : _HOP_PREFIX.size + length])
+            error = d.get("error")
+            return cls(version=int(d["version"]), index=int(d["index"]), nbytes=int(d["nbytes"]),
+                       digest=str(d["digest"]), error=None if error is None else str(error))
+        except (ValueError, KeyError, TypeError) as e:
+            raise IntegrityError(f"malformed relay hop header: {e}") from None
+
+
+def send_hop(group: UpdateGroup, header: HopHeader, payload: torch.Tensor | None, *, dst: int,
+             timeout_s: float) -> None:
+    """Send `header` and then, unless it carries an error, `payload` (host uint8, the
+    bucket's bytes) to rank `dst`; each send bounded by `timeout_s`."""
+    group.send(header.encode(), dst=dst, tag=HEADER_TAG, timeout_s=timeout_s)
+    if header.error is None:
+        assert payload is not None and payload.numel() == header.nbytes
+        group.send(payload, dst=dst, tag=PAYLOAD_TAG, timeout_s=timeout_s)
+
+
+def recv_hop_header(group: UpdateGroup, *, src: int, timeout_s: float) -> HopHeader:
+    """The next hop header from rank `src`; its bytes follow (`recv_hop_payload`) unless it
+    carries an error."""
+    raw = torch.empty(HOP_HEADER_BYTES, dtype=torch.uint8)
+    group.recv(raw, src=src, tag=HEADER_TAG, timeout_s=timeout_s)
+    return HopHeader.decode(raw)
+
+
+def recv_hop_payload(group: UpdateGroup, into: torch.Tensor, *, src: int, timeout_s: float) -> None:
+    """The bucket bytes that follow a header from rank `src`, into `into` (exactly its size)."""
+    group.recv(into, src=src, tag=PAYLOAD_TAG, timeout_s=timeout_s)
 
 
 class BroadcastReceiver(ReceiverDefaults):
@@ -97,7 +185,8 @@ class BroadcastReceiver(ReceiverDefaults):
 
 
 class BroadcastTransport(TransportDefaults):
-    """Buckets broadcast from the trainer (rank 0) to every engine rank."""
+    """Buckets broadcast from the trainer (rank 0) to every engine rank; with `relay`, sent
+    to the first engine's rank alone, which forwards them along the others."""
 
     name: ClassVar[str] = "broadcast"
     receiver: ClassVar[type[Receiver]] = BroadcastReceiver
@@ -108,6 +197,12 @@ class BroadcastTransport(TransportDefaults):
     @property
     def buffer_device(self) -> torch.device:
         return self.device
+
+    @property
+    def relays(self) -> bool:
+        """Each bucket goes to the first engine's rank alone, which forwards it along the
+        others (`fan_out="relay"`); needs engines that relay in the group (gloo, one rank each)."""
+        return self._relay
 
     @property
     def trainer_address(self) -> str:
@@ -121,19 +216,26 @@ class BroadcastTransport(TransportDefaults):
         backend: str | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = 60.0,
+        relay: bool = False,
     ) -> None:
         self.master_address = master_address
+        self._relay = relay
         # NCCL moves CUDA buffers, gloo host buffers: one follows from the other.
         if device is None:
             device = "cuda" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if relay and self.backend != "gloo":
+            raise ValueError("relay=True forwards buckets between engines over gloo, from host memory; "
+                             "use backend='gloo' (device='cpu'), or relay=False")
         self.timeout_s = timeout_s
         self._slots = SlotBuffers(self.device)
         self._group: UpdateGroup | None = None
         self._pending: UpdateGroup | None = None
         self._links: list[Link] = []
         self._engine_ranks: tuple[int, ...] = ()
+        self._version: int | None = None
+        """The version streaming now (relayed: each hop header names it)."""
 
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
         if self._group is not None and tuple(engine_ranks) == self._engine_ranks:
@@ -168,12 +270,23 @@ class BroadcastTransport(TransportDefaults):
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         return self._slots.get(index, nbytes)
 
+    def begin(self, manifest: Manifest) -> None:
+        self._version = manifest.version
+
     def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
         return Delivery(transport=self.name)
 
     def send(self, bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        """Broadcast the bucket; relayed, send it to the first engine's rank alone (its hop
+        header carries the digest the engines check it against)."""
         assert self._group is not None, "establish() first"
-        self._group.broadcast(buffer, src=0, timeout_s=self.timeout_s)
+        if not self.relays:
+            self._group.broadcast(buffer, src=0, timeout_s=self.timeout_s)
+            return
+        assert self._version is not None and bucket.digest is not None, "begin() first; buckets are hashed"
+        first = typed(self._links[0], BroadcastLink)
+        header = HopHeader(version=self._version, index=bucket.index, nbytes=bucket.nbytes, digest=bucket.digest)
+        send_hop(self._group, header, buffer, dst=first.rank_offset, timeout_s=self.timeout_s)
 
     def close(self) -> None:
         if self._group is not None:

@@ -106,6 +106,7 @@ class DiskTransport:
     adapter_in_one_bucket: ClassVar[bool] = True
     survives_failure: ClassVar[bool] = True
     same_host_only: ClassVar[bool] = False
+    relays: ClassVar[bool] = False
     trainer_address: ClassVar[str | None] = None
 
     @property

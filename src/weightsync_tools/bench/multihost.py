@@ -3,6 +3,7 @@ namespaces (`weightsync_tools.netns`), every host's link limited with `tc tbf` t
 the same rate, like hosts whose NICs run at that rate.
 
     sudo python -m weightsync_tools.bench.multihost [--rates-gbit 1,5] [--replicas 1,2,4] [--model-mb 120]
+                                                    [--cases broadcast,http,http-relay,broadcast-relay]
 
 For each rate it measures, in the same run:
 - raw: plain TCP from the trainer host to 1, 2, 4 engine hosts at once (one
@@ -10,9 +11,10 @@ For each rate it measures, in the same run:
   what the links can at best carry;
 - broadcast and http pushes (`full`, 64 MiB buckets) of one model to 1, 2, 4
   `weightsync serve` replicas on their own hosts, best of `--repeats` after a
-  warm-up push (which forms the group); and http relayed engine to engine
-  (`fan_out="relay"`, 8 MiB buckets, shown as "relay"), where the trainer's
-  link carries the model once.
+  warm-up push (which forms the group); and both relayed engine to engine
+  (`fan_out="relay"`, shown as "http relay", 8 MiB buckets, engines forwarding over
+  HTTP, and "broadcast relay", 4 MiB buckets, point to point in the group), where
+  the trainer's link carries the model once.
 
 It prints a table (seconds, GB/s of model delivered per replica, and the
 trainer link's share: bytes that left the trainer / time / rate) and ends with
@@ -42,8 +44,14 @@ RELAY_BUCKET_BYTES = 8 << 20
 """A relay's buckets: each hop forwards a bucket once it holds all of it, so a push takes
 about the model over one link plus a bucket per hop; small buckets keep that second part
 small for the bench's small model (a 140 GB model in 256 MiB buckets has over 500)."""
-CASES = [("broadcast", "direct", BUCKET_BYTES), ("http", "direct", BUCKET_BYTES), ("http", "relay", RELAY_BUCKET_BYTES)]
-"""(transport, fan_out, bucket bytes) pushed at every rate and replica count."""
+GROUP_RELAY_BUCKET_BYTES = 4 << 20
+"""A relay in a broadcast group: its hops cost less per bucket than an HTTP request, so
+smaller buckets pay (4 MiB: 1.25x the 1-replica push at 4 replicas, 8 MiB: 1.38x, on the
+2-core rig at 1 Gbit/s); http relays fastest at 8 MiB."""
+CASES = {"broadcast": ("broadcast", "direct", BUCKET_BYTES), "http": ("http", "direct", BUCKET_BYTES),
+         "http-relay": ("http", "relay", RELAY_BUCKET_BYTES),
+         "broadcast-relay": ("broadcast", "relay", GROUP_RELAY_BUCKET_BYTES)}
+"""Case name -> (transport, fan_out, bucket bytes), pushed at every rate and replica count."""
 RAW_BYTES = 256 << 20
 
 
@@ -138,10 +146,12 @@ def measure_raw(net: Network, hosts: list[str], num_bytes: int) -> float:
             s.wait()
 
 
-def run(rates_gbit: list[float], replicas: list[int], model_mb: int, repeats: int) -> dict[str, Any]:
+def run(rates_gbit: list[float], replicas: list[int], model_mb: int, repeats: int,
+        cases: list[str] | None = None) -> dict[str, Any]:
     from weightsync.server.launch import launch_server
     from weightsync.tiny import TinyModelConfig, make_tiny_model
 
+    chosen = [CASES[c] for c in (cases or list(CASES))]
     engine_hosts = [f"engine{i}" for i in range(max(replicas))]
     results: dict[str, Any] = {"rates": []}
     remove_stale()
@@ -163,14 +173,14 @@ def run(rates_gbit: list[float], replicas: list[int], model_mb: int, repeats: in
                     row["raw"][n] = {"seconds": seconds, "gbit_per_replica": RAW_BYTES * 8 / seconds / 1e9}
                 spec = {"model_dir": str(model_dir), "engines": [s.url for s in servers],
                         "master_address": net.address("trainer"), "replicas": replicas,
-                        "cases": CASES, "repeats": repeats, "first_version": version}
+                        "cases": chosen, "repeats": repeats, "first_version": version}
                 env = {**os.environ, "PYTHONUNBUFFERED": "1"}
                 done = subprocess.run(_python(net, "trainer", "trainer", json.dumps(spec)), capture_output=True,
                                       text=True, timeout=1800, env=env)
                 if done.returncode != 0:
                     raise RuntimeError(f"the trainer failed:\n{done.stderr[-4000:]}")
                 row["pushes"] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-                version += (1 + repeats) * len(replicas) * len(CASES)
+                version += (1 + repeats) * len(replicas) * len(chosen)
                 results["rates"].append(row)
         finally:
             for s in servers:
@@ -179,18 +189,18 @@ def run(rates_gbit: list[float], replicas: list[int], model_mb: int, repeats: in
 
 
 def format_table(results: dict[str, Any]) -> str:
-    lines = [f"{'link':>6} {'what':>9} {'replicas':>8} {'seconds':>8} {'GB/s/replica':>12} {'trainer link':>12}"]
+    lines = [f"{'link':>6} {'what':>15} {'replicas':>8} {'seconds':>8} {'GB/s/replica':>12} {'trainer link':>12}"]
     for row in results["rates"]:
         rate = row["rate_gbit"]
         for n, raw_row in row["raw"].items():
             per = raw_row["gbit_per_replica"]
-            lines.append(f"{rate:>5g}G {'raw tcp':>9} {n:>8} {raw_row['seconds']:>8.2f} {per / 8:>12.3f} "
+            lines.append(f"{rate:>5g}G {'raw tcp':>15} {n:>8} {raw_row['seconds']:>8.2f} {per / 8:>12.3f} "
                          f"{per * int(n) / rate:>11.0%}")
         for p in row["pushes"]:
             per = p["num_bytes"] / p["seconds"] / 1e9
             relayed = p.get("fan_out") == "relay"  # the trainer's link carries the model once
-            what = "relay" if relayed else p["transport"]
-            lines.append(f"{rate:>5g}G {what:>9} {p['replicas']:>8} {p['seconds']:>8.2f} {per:>12.3f} "
+            what = f"{p['transport']} relay" if relayed else p["transport"]
+            lines.append(f"{rate:>5g}G {what:>15} {p['replicas']:>8} {p['seconds']:>8.2f} {per:>12.3f} "
                          f"{per * 8 * (1 if relayed else p['replicas']) / rate:>11.0%}")
     return "\n".join(lines)
 
@@ -209,13 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", default="1,2,4", help="replica counts (default 1,2,4)")
     parser.add_argument("--model-mb", type=int, default=120, help="float32 model size, MB (default 120)")
     parser.add_argument("--repeats", type=int, default=2, help="timed pushes per case after a warm-up (default 2)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"what to push, comma-separated (default {','.join(CASES)})")
     args = parser.parse_args(argv)
+    cases = args.cases.split(",")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; one of {', '.join(CASES)}")
     reason = unavailable()
     if reason is not None:
         print(f"error: {reason}", file=sys.stderr)
         return 1
     results = run([float(r) for r in args.rates_gbit.split(",")], [int(n) for n in args.replicas.split(",")],
-                  args.model_mb, args.repeats)
+                  args.model_mb, args.repeats, cases)
     print(format_table(results), file=sys.stderr)
     print(json.dumps(results))
     return 0

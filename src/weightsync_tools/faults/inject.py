@@ -67,6 +67,7 @@ class FaultyTransport:
         self.survives_failure = inner.survives_failure
         self.buffer_device = inner.buffer_device
         self.same_host_only = inner.same_host_only
+        self.relays = inner.relays
         self.trainer_address = inner.trainer_address
         self.fault = fault
         self.at_bucket = at_bucket
