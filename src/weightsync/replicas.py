@@ -42,6 +42,7 @@ from weightsync.integrity import ack_problems, digest_checked
 from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import ExpertLayout
+from weightsync.relay_chain import RelayChain
 from weightsync.reports import Ack
 from weightsync.shares import Share
 from weightsync.transports import receiver_class, same_host_only
@@ -49,10 +50,6 @@ from weightsync.transports.base import Transport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-RELAY_CAUSE_S = 2.0
-"""How long the trainer asks the engines of a relay in a group why it stopped, after its own
-hop failed (the engine whose hop failed records why a moment after the trainer sees it)."""
 
 
 class Replicas:
@@ -82,8 +79,8 @@ class Replicas:
         self._caps: list[EngineCapabilities] | None = None
         self._cleanup_by: float | None = None
         """While a failed push cleans up: when every cleanup round must have answered."""
-        self._relaying: int | None = None
-        """The version relayed in a group now (the trainer's first hop names the engines' errors)."""
+        self.chain = RelayChain(self) if relay and receiver_class(transport).collective else None
+        """Relayed in a broadcast group: the trainer's side of the chain of hops."""
 
     # -- what the engines declare --------------------------------------------
 
@@ -276,9 +273,6 @@ class Replicas:
                 time.sleep(min(backoff, expires + 0.05))
                 backoff = min(2 * backoff, 1.0)
                 continue
-            if self.relay and receiver_class(self.transport).collective:
-                self._relaying = manifest.version
-                self._relay_in_group(manifest)
             notes = [f"{e.label}: {a}" for e, a in zip(self.engines, answers, strict=True) if a]
             if self.relay:
                 notes.append("relayed: the trainer sent each bucket to " + " -> ".join(e.label for e in self.engines))
@@ -287,24 +281,10 @@ class Replicas:
                              "trainer's update session to end or expire")
             return notes
 
-    def _relay_in_group(self, manifest: Manifest) -> None:
-        """Relayed over a group: every engine starts taking the buckets of `manifest` from
-        the rank before it (the first: the trainer's) and sending them to the next one's."""
-        links = self.links
-        assert links is not None, "join() first"
-        hops = [(e.label, link) for e, link in zip(self.engines, links, strict=True)]
-        position = {id(e): i for i, e in enumerate(self.engines)}
-
-        def start(engine: Any, link: Link | None) -> None:
-            assert isinstance(engine, Relayer) and link is not None
-            i = position[id(engine)]
-            engine.relay_in_group(manifest, link, source=hops[i - 1] if i else None,
-                                  forward=hops[i + 1] if i + 1 < len(hops) else None)
-
-        try:
-            self.all(start, "starting its relay in the group")
-        except EngineError as e:  # not the engine refusing the manifest (a mode would plan again): a failure
-            raise EngineError(e.engine, f"starting its relay in the group: {e.remote_message}") from e
+    def start_relay(self, manifest: Manifest) -> None:
+        """After begin, relayed in a group: every engine starts its hop (`RelayChain.start`)."""
+        if self.chain is not None:
+            self.chain.start(manifest)
 
     def receive(self, bucket: BucketMeta, delivery: Delivery, send: Callable[[], None]) -> None:
         """Every engine takes `bucket` while `send` (the transport's side of it) runs here,
@@ -312,8 +292,8 @@ class Replicas:
         others (`wait_relayed` in `ready` finds where it stopped): over http in the engine
         call, in a group from the trainer's send alone."""
         deadline = time.monotonic() + self.timeout_s  # the collective is bounded by timeout_s too
-        if self.relay and receiver_class(self.transport).collective:
-            self._send_first_hop(bucket, send)
+        if self.chain is not None:
+            self.chain.send_first_hop(bucket, send)
             return
         if self.relay:
             first = self.engines[0]
@@ -347,43 +327,6 @@ class Replicas:
         for i, future in enumerate(futures):
             self.wait(future, f"{self.engines[i].label}: receiving a share of bucket {share.index}", index=i,
                       deadline=deadline)
-
-    def _send_first_hop(self, bucket: BucketMeta, send: Callable[[], None]) -> None:
-        """The trainer's hop of a relay in a group: `bucket` to the first engine's rank; an
-        error names that engine and the hop."""
-        first = self.engines[0].label
-        try:
-            send()
-        except WeightSyncError as e:
-            what = f"sending it bucket {bucket.index} (the relay's first hop, from the trainer)"
-            if isinstance(e, SyncTimeoutError):  # this hop is the slow one
-                raise SyncTimeoutError(f"{first}: {what}: {e}") from e
-            # gloo closes a process's connections when one of its operations times out: a hop
-            # further down that timed out breaks this one too, and that engine says which
-            cause = self._relay_cause()
-            if cause is not None:
-                label, message = cause
-                raise EngineError(label, f"relay of v{self._relaying}: {message}") from e
-            raise EngineError(first, f"{what} failed: {e}") from e
-
-    def _relay_cause(self) -> tuple[str, str] | None:
-        """(label, error) of the first engine, in relay order, that says why the relay of the
-        version under way stopped there, asked for up to `RELAY_CAUSE_S`; None if none does."""
-        version = self._relaying
-        if version is None:
-            return None
-        limit_s = min(RELAY_CAUSE_S, self.timeout_s)
-        deadline = time.monotonic() + limit_s
-        asking: dict[int, Future[str | None]] = {}
-        while time.monotonic() < deadline:
-            for i, engine in enumerate(self.engines):  # each asked again once it answered: a silent one holds none up
-                if isinstance(engine, Relayer) and (i not in asking or asking[i].done()):
-                    asking[i] = self.pool.submit(engine.relay_error, version, timeout_s=limit_s)
-            time.sleep(0.05)
-            for i, future in sorted(asking.items()):
-                if future.done() and future.exception() is None and (error := future.result()) is not None:
-                    return self.engines[i].label, error
-        return None
 
     def ready(self, manifest: Manifest) -> None:
         """With several replicas, find an engine that cannot commit before any does; relayed,

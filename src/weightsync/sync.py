@@ -388,6 +388,7 @@ class WeightSync:
                 begun = True  # the engine may still open the update when it answers: abort it
                 raise
             begun = True
+            replicas.start_relay(manifest)
             assert self._transport is not None
             self._transport.begin(manifest)
             step = plan.selection.follower_step

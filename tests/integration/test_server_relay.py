@@ -104,6 +104,37 @@ def test_a_corrupted_bucket_goes_no_further_and_no_replica_changes(transport: st
     assert all(e.digests() == trainer_digests(model) for e in engines)
 
 
+class _CannotRelay(ws.SGLangEngine):
+    """A client whose engine cannot take its part in the relay (after begin): over broadcast it
+    cannot start its hop in the group, over http it cannot take the first bucket."""
+
+    def relay_in_group(self, *args: Any, **kwargs: Any) -> None:
+        raise ws.EngineError(self.label, "injected: this engine cannot start its hop")
+
+    def relay(self, *args: Any, **kwargs: Any) -> None:
+        raise ws.EngineError(self.label, "injected: this engine cannot relay")
+
+
+def test_a_relay_that_cannot_run_after_begin_leaves_no_update_open(transport: str, servers: list[ServerProcess],
+                                                                   tiny_model_dir: Path) -> None:
+    """Every engine has begun when the relay fails: each one's update is aborted (none stays
+    open until it expires), no replica changes, and the next push succeeds."""
+    engines = [ws.SGLangEngine(s.url) for s in servers]
+    before = [(e.weight_version(), e.digests()) for e in engines]
+    with ws.WeightSync([_CannotRelay(servers[0].url), *engines[1:]], transport=transport, fan_out="relay",
+                       bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S) as sync, \
+            pytest.raises(ws.EngineError, match="injected: this engine cannot"):
+        sync.push(trainer(tiny_model_dir, seed=7), version=150)
+    sessions = [httpx.get(f"{s.url}/weightsync/info?only=session", timeout=10).json()["session"] for s in servers]
+    assert sessions == [None, None, None], "every engine's update was aborted"
+    assert [(e.weight_version(), e.digests()) for e in engines] == before
+    model = trainer(tiny_model_dir, seed=8)
+    with ws.WeightSync(engines, transport=transport, fan_out="relay", bucket_bytes=BUCKET_BYTES,
+                       timeout_s=TIMEOUT_S) as sync:
+        assert sync.push(model, version=151).verified
+    assert all(e.digests() == trainer_digests(model) for e in engines)
+
+
 def test_the_middle_engine_lost_mid_relay_fails_the_push_naming_the_hop(transport: str, servers: list[ServerProcess],
                                                                         tiny_model_dir: Path) -> None:
     """Last in the module: it kills the middle engine of this transport's servers."""
