@@ -246,8 +246,7 @@ class SGLangEngine:
         self._receive(bucket, delivery, tuple(forward))
 
     def receive_share(self, share: Share, forward: Sequence[str], *, timeout_s: float) -> None:
-        """One trainer rank's share of a bucket (`weightsync serve`: `EngineCapabilities.assembles_shares`);
-        any rank sends its own, so this needs no `begin` from this client."""
+        """One trainer rank's share of a bucket (`assembles_shares`); needs no `begin` here."""
         header = FrameHeader(version=share.version, index=share.index, nbytes=share.nbytes, digest=share.digest,
                              forward=tuple(forward), share_ranges=len(share.ranges),
                              share_digest=share.payload_digest())
