@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -28,6 +28,8 @@ from weightsync.manifest import BucketMeta
 from weightsync.reports import StageSeconds
 from weightsync.sources import WeightSource
 from weightsync.transports.base import NUM_SLOTS
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,6 +48,57 @@ class Stages:
                             diff=self.diff)
 
 
+class Handoff(Generic[T]):
+    """Items made on a producer thread of their own, taken one at a time by the caller:
+
+        with Handoff(produce, name=...) as items:
+            for item in items: ...
+
+    The thread runs `produce(put, stop)`; `put` waits while the caller has not taken the
+    last item, so at most one item waits. An exception in `produce` is raised to the
+    caller when it reaches it. When the caller leaves early (its own exception), `stop`
+    is set, and what the producer still puts is taken and dropped until it returns: a
+    producer waiting for something (a free slot) must watch `stop`."""
+
+    def __init__(self, produce: Callable[[Callable[[T], None], threading.Event], None], *, name: str) -> None:
+        self._produce = produce
+        self._ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def __enter__(self) -> Handoff[T]:
+        self._thread.start()
+        return self
+
+    def __iter__(self) -> Iterator[T]:
+        while (item := self._ready.get()) is not _DONE:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        while self._thread.is_alive():  # unblock a producer waiting to hand over an item
+            with contextlib.suppress(queue.Empty):
+                self._ready.get(timeout=0.1)
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self._produce(self._ready.put, self.stop)
+            self._ready.put(_DONE)
+        except BaseException as e:
+            self._ready.put(_Failed(e))
+
+
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
 def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequence[str],
                    to_engine: Mapping[str, str] | None, *, slot: Callable[[int, int], torch.Tensor],
                    deliver: Callable[[BucketMeta, torch.Tensor], None], stages: Stages,
@@ -61,69 +114,47 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
     each bucket before its tensors are asked for. `slot(index, nbytes)` is the buffer
     bucket `index` is packed into.
     """
-    ready: queue.Queue[Any] = queue.Queue(maxsize=1)
     free_slots = threading.Semaphore(NUM_SLOTS)
-    failed = threading.Event()
     waited = 0.0
 
-    def alloc(bucket: BucketMeta) -> torch.Tensor | None:
-        nonlocal waited
-        t0 = time.perf_counter()
-        try:
-            while not failed.is_set():
-                if free_slots.acquire(timeout=0.1):
-                    return slot(bucket.index, bucket.nbytes)
-            return None
-        finally:
-            waited += time.perf_counter() - t0
+    def produce(put: Callable[[tuple[BucketMeta, torch.Tensor]], None], stop: threading.Event) -> None:
+        def alloc(bucket: BucketMeta) -> torch.Tensor | None:
+            nonlocal waited
+            t0 = time.perf_counter()
+            try:
+                while not stop.is_set():
+                    if free_slots.acquire(timeout=0.1):
+                        return slot(bucket.index, bucket.nbytes)
+                return None
+            finally:
+                waited += time.perf_counter() - t0
 
-    def produce() -> None:
-        try:
-            tensors = _timed(source.tensors(order), stages, "gather")
-            if to_engine is not None:
-                tensors = ((to_engine[n], t) for n, t in tensors)
+        tensors = _timed(source.tensors(order), stages, "gather")
+        if to_engine is not None:
+            tensors = ((to_engine[n], t) for n, t in tensors)
+        t_prev = time.perf_counter()
+        for bucket, buffer in pack_stream(plan, tensors, alloc=alloc, allow_overflow=allow_overflow):
+            if buffer is None:
+                if not drain:
+                    break
+                continue
+            t_hash = time.perf_counter()
+            bucket = bucket.with_digest(digest(buffer, digest_algorithm))
+            now = time.perf_counter()
+            stages.hash += now - t_hash
+            stages.pack += t_hash - t_prev
+            put((bucket, buffer))
             t_prev = time.perf_counter()
-            for bucket, buffer in pack_stream(plan, tensors, alloc=alloc, allow_overflow=allow_overflow):
-                if buffer is None:
-                    if not drain:
-                        break
-                    continue
-                t_hash = time.perf_counter()
-                bucket = bucket.with_digest(digest(buffer, digest_algorithm))
-                now = time.perf_counter()
-                stages.hash += now - t_hash
-                stages.pack += t_hash - t_prev
-                ready.put((bucket, buffer))
-                t_prev = time.perf_counter()
-            ready.put(None)
-        except BaseException as e:
-            ready.put(e)
 
-    producer = threading.Thread(target=produce, name="weightsync-pack", daemon=True)
-    producer.start()
     digests: list[str] = []
-    try:
-        while True:
-            item = ready.get()
-            if item is None:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            bucket, buffer = item
+    with Handoff(produce, name="weightsync-pack") as packed:
+        for bucket, buffer in packed:
             t0 = time.perf_counter()
             deliver(bucket, buffer)
             stages.wire += time.perf_counter() - t0
             free_slots.release()
             assert bucket.digest is not None
             digests.append(bucket.digest)
-    except BaseException:
-        failed.set()
-        while producer.is_alive():  # unblock a producer waiting to hand over a bucket
-            with contextlib.suppress(queue.Empty):
-                ready.get(timeout=0.1)
-        raise
-    finally:
-        producer.join()
     stages.pack = max(0.0, stages.pack - stages.gather - waited)
     return digests
 

@@ -7,13 +7,16 @@ sender included, runs `send_shares`:
 
     layout    one all_gather of how many elements of each tensor each rank holds:
               where each rank's rows start in the whole tensor, and so in the bucket
-    per bucket (a producer thread packs bucket k+1 while this thread sends bucket k)
-              pack this rank's rows of the bucket's tensors, cast to the engines'
-              dtype, into one of two reused buffers; the wsmix64 terms of its byte
-              ranges (`digests.wsmix64_part`); an all_gather of every rank's terms
-              (a few numbers), from which every rank combines the WHOLE bucket's
-              digest; the share (`weightsync.shares.Share`) goes to every engine
-              (relayed: to the first, which forwards it)
+    digests   this rank's rows of every bucket, cast to the engines' dtype into a
+              reused buffer, and the wsmix64 terms of their byte ranges
+              (`digests.wsmix64_part`); one all_gather of every rank's terms (a few
+              numbers per range) and of any overflowing cast: every rank combines
+              the WHOLE buckets' digests (`digests.combine_wsmix64`) before a byte
+              is sent, and an overflow anywhere stops every rank here
+    send      a producer thread packs the share of bucket k+1 (cast again, into one
+              of two reused buffers) while this thread sends the share of bucket k
+              (`weightsync.shares.Share`) to every engine, or relayed to the first:
+              no collective while bytes move
     outcome   one all_gather of every rank's error, if any: all ranks return the
               same digests, or every rank learns the same failure
 
@@ -21,13 +24,13 @@ A plain tensor (not a DTensor: every rank holds all of it) is the sender's to se
 The trainer's memory beyond its shard stays two buffers of its share of a bucket.
 Every collective is bounded by `timeout_s`. A rank that fails (an overflowing cast,
 an engine that refused its share) does not raise alone: it says so in the next
-all_gather and every rank stops at the same bucket; the sender raises for all.
+all_gather, and the sender raises for all. Casting twice is the price of a stream with
+no collective in it: a per-bucket exchange of terms waits, per bucket, a round trip
+through trainer links that the shares keep busy (docs/SCALE.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +44,7 @@ from weightsync.digests import MASK64, Wsmix64Part, combine_wsmix64, wsmix64_par
 from weightsync.errors import CastError, WeightSyncError
 from weightsync.integrity import byte_view
 from weightsync.manifest import BucketMeta
-from weightsync.pipeline import Stages
+from weightsync.pipeline import Handoff, Stages
 from weightsync.shares import Share, merge_ranges
 from weightsync.sources.fsdp import local_shard
 from weightsync.trainer_ranks import TrainerRanks
@@ -88,79 +91,63 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
                          f"(an nn.Module), not a {type(source).__name__}")
     stages = stages or Stages()
     rows, starts = _layout(source, order, ranks, timeout_s)
-    failed: list[str] = []
-    """This rank's first failure, as text (the producer reads it at its next all_gather)."""
-    ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+    buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+    """Two reused buffers (grown, never shrunk): the first is also the digest pass's scratch."""
+
+    def pack(bucket: BucketMeta, slot: int) -> tuple[tuple[tuple[int, int], ...], torch.Tensor,
+                                                     list[list[Any]], str | None]:
+        mine = sum(rows[e.hf_name].numel() * e.dtype.itemsize for e in bucket.entries)
+        if buffers[slot].numel() < mine:
+            buffers[slot] = torch.empty(mine, dtype=torch.uint8)
+        return _pack(bucket, rows, starts, buffers[slot][:mine], allow_overflow=allow_overflow)
+
+    # 1. the whole digest of every bucket, from every rank's terms, before a byte is sent
+    t0 = time.perf_counter()
+    terms, error = [], None
+    for bucket in order.buckets:
+        _, _, bucket_terms, overflow = pack(bucket, 0)
+        terms.append(bucket_terms)
+        error = error or overflow
+    stages.hash += time.perf_counter() - t0
+    answers = ranks.all_gather_json({"terms": terms, "error": error}, timeout_s=timeout_s)
+    stopped = [(r, a["error"]) for r, a in enumerate(answers) if a["error"]]
+    digests = [combine_wsmix64((_part(t) for a in answers for t in a["terms"][k]), bucket.nbytes)
+               for k, bucket in enumerate(order.buckets)] if not stopped else []
+
+    # 2. the shares, packed on a thread of their own while this one sends the one before
     free = threading.Semaphore(2)
-    buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-    stop = threading.Event()
 
-    def produce() -> None:
-        try:
-            for k, bucket in enumerate(order.buckets):
-                while not free.acquire(timeout=0.1):
-                    if stop.is_set():
-                        return
-                t0 = time.perf_counter()
-                mine = sum(rows[e.hf_name].numel() * e.dtype.itemsize for e in bucket.entries)
-                if buffers[k % 2].numel() < mine:
-                    buffers[k % 2] = torch.empty(mine, dtype=torch.uint8)
-                share, terms, error = _pack(bucket, rows, starts, buffers[k % 2][:mine],
-                                            allow_overflow=allow_overflow)
-                t1 = time.perf_counter()
-                stages.pack += t1 - t0
-                answers = ranks.all_gather_json({"terms": terms, "error": error or (failed[0] if failed else None)},
-                                                timeout_s=timeout_s)
-                errors = [(r, a["error"]) for r, a in enumerate(answers) if a["error"]]
-                if errors:
-                    ready.put(errors)
+    def produce(put: Callable[[Share], None], stop: threading.Event) -> None:
+        for k, bucket in enumerate(order.buckets):
+            while not free.acquire(timeout=0.1):
+                if stop.is_set():
                     return
-                digest = combine_wsmix64((_part(t) for a in answers for t in a["terms"]), bucket.nbytes)
-                stages.hash += time.perf_counter() - t1
-                ready.put(Share(version=order.version, index=bucket.index, digest=digest, ranges=share[0],
-                                data=share[1]))
-            ready.put(None)
-        except BaseException as e:
-            ready.put(e)
+            t1 = time.perf_counter()
+            ranges, data, _, _ = pack(bucket, k % 2)
+            stages.pack += time.perf_counter() - t1
+            put(Share(version=order.version, index=bucket.index, digest=digests[k], ranges=ranges, data=data))
 
-    producer = threading.Thread(target=produce, name="weightsync-shares", daemon=True)
-    producer.start()
-    digests: list[str] = []
-    stopped: list[tuple[int, str]] = []
-    try:
-        while True:
-            item = ready.get()
-            if item is None:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, list):
-                stopped = item
-                break
-            digests.append(item.digest)
-            if item.ranges and not failed:
-                t0 = time.perf_counter()
-                try:
-                    deliver(item)
-                except Exception as e:  # told to every rank at the next all_gather
-                    failed.append(f"{type(e).__name__}: {e}")
-                stages.wire += time.perf_counter() - t0
-            free.release()
-    finally:
-        stop.set()
-        while producer.is_alive():
-            with contextlib.suppress(queue.Empty):
-                ready.get(timeout=0.1)
-            free.release()
-        producer.join()
-    answers = ranks.all_gather_json({"error": failed[0] if failed else None}, timeout_s=timeout_s)
-    stopped += [(r, a["error"]) for r, a in enumerate(answers) if a["error"]]
+    failed = None
+    if not stopped:
+        with Handoff(produce, name="weightsync-shares") as packed:
+            for share in packed:
+                if share.ranges and failed is None:
+                    t1 = time.perf_counter()
+                    try:
+                        deliver(share)
+                    except Exception as e:  # told to every rank below
+                        failed = f"{type(e).__name__}: {e}"
+                    stages.wire += time.perf_counter() - t1
+                free.release()
+        # 3. how it went on every rank
+        answers = ranks.all_gather_json({"error": failed}, timeout_s=timeout_s)
+        stopped = [(r, a["error"]) for r, a in enumerate(answers) if a["error"]]
     if not ranks.is_sender:
         return None
     if stopped:
-        rank, error = stopped[0]
-        kind = CastError if error.startswith(f"{CastError.__name__}:") else WeightSyncError
-        raise kind(f"trainer rank {rank} could not send its share: {error}")
+        rank, why = stopped[0]
+        kind = CastError if why.startswith(f"{CastError.__name__}:") else WeightSyncError
+        raise kind(f"trainer rank {rank} could not send its share: {why}")
     return digests
 
 
@@ -192,10 +179,9 @@ def _layout(source: ShareSource, order: ShareOrder, ranks: TrainerRanks,
 
 
 def _pack(bucket: BucketMeta, rows: Mapping[str, torch.Tensor], starts: Mapping[str, int], into: torch.Tensor,
-          *, allow_overflow: bool
-          ) -> tuple[tuple[tuple[tuple[int, int], ...], torch.Tensor], list[list[Any]], str | None]:
-    """This rank's rows of `bucket`, cast and packed into `into`: ((ranges, bytes), the
-    wsmix64 terms of each range as JSON-able lists, an overflow as text or None)."""
+          *, allow_overflow: bool) -> tuple[tuple[tuple[int, int], ...], torch.Tensor, list[list[Any]], str | None]:
+    """This rank's rows of `bucket`, cast and packed into `into`: (its ranges in the bucket,
+    their bytes, the wsmix64 terms of each range as JSON-able lists, an overflow as text or None)."""
     ranges: list[tuple[int, int]] = []
     at = 0
     error = None
@@ -204,14 +190,13 @@ def _pack(bucket: BucketMeta, rows: Mapping[str, torch.Tensor], starts: Mapping[
         if not mine.numel():
             continue
         nbytes = mine.numel() * entry.dtype.itemsize
-        out = into[at: at + nbytes]
         cast = mine if mine.dtype == entry.dtype else mine.to(entry.dtype)
         if cast is not mine and castable(mine.dtype, entry.dtype) and error is None:
             try:
                 check_cast(entry.hf_name, mine, cast, allow_overflow=allow_overflow)
             except CastError as e:
                 error = f"{CastError.__name__}: {e}"
-        out.copy_(byte_view(cast.contiguous()))
+        into[at: at + nbytes].copy_(byte_view(cast.contiguous()))
         ranges.append((entry.offset + starts[entry.hf_name] * entry.dtype.itemsize, nbytes))
         at += nbytes
     merged = merge_ranges(ranges)
@@ -221,7 +206,7 @@ def _pack(bucket: BucketMeta, rows: Mapping[str, torch.Tensor], starts: Mapping[
         part = wsmix64_part(into[read: read + length], offset)
         terms.append([part.total, [list(edge) for edge in part.edges]])
         read += length
-    return (merged, into[:at]), terms, error
+    return merged, into[:at], terms, error
 
 
 def _part(term: Sequence[Any]) -> Wsmix64Part:
