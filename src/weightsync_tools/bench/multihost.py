@@ -149,7 +149,6 @@ def measure_raw(net: Network, hosts: list[str], num_bytes: int) -> float:
 def run(rates_gbit: list[float], replicas: list[int], model_mb: int, repeats: int,
         cases: list[str] | None = None) -> dict[str, Any]:
     from weightsync.server.launch import launch_server
-    from weightsync.tiny import TinyModelConfig, make_tiny_model
 
     chosen = [CASES[c] for c in (cases or list(CASES))]
     engine_hosts = [f"engine{i}" for i in range(max(replicas))]
@@ -157,9 +156,7 @@ def run(rates_gbit: list[float], replicas: list[int], model_mb: int, repeats: in
     remove_stale()
     with tempfile.TemporaryDirectory(prefix="weightsync-multihost-") as scratch, \
             Network(["trainer", *engine_hosts]) as net:
-        layers = max(1, round(model_mb / 15))  # ~15 MB of float32 per layer at hidden 512, MLP 2048
-        model_dir = make_tiny_model(Path(scratch) / "model", TinyModelConfig(
-            num_layers=layers, num_heads=8, num_kv_heads=2, intermediate_size=2048, vocab_size=512))
+        model_dir = bench_model(Path(scratch) / "model", model_mb)
         servers = [launch_server(model_dir, args=["--host", net.address(h), "--num-threads", "1"],
                                  prefix=net.prefix(h)) for h in engine_hosts]
         try:
@@ -186,6 +183,37 @@ def run(rates_gbit: list[float], replicas: list[int], model_mb: int, repeats: in
             for s in servers:
                 s.close()
     return results
+
+
+def bench_model(directory: Path, model_mb: int) -> Path:
+    """A tiny Qwen2 of about `model_mb` MB of float32 weights, written to `directory`."""
+    from weightsync.tiny import TinyModelConfig, make_tiny_model
+
+    layers = max(1, round(model_mb / 15))  # ~15 MB of float32 per layer at hidden 512, MLP 2048
+    return make_tiny_model(directory, TinyModelConfig(num_layers=layers, num_heads=8, num_kv_heads=2,
+                                                      intermediate_size=2048, vocab_size=512))
+
+
+def add_push_options(parser: argparse.ArgumentParser) -> None:
+    """The options every multihost bench takes: the model's size and the pushes per case."""
+    parser.add_argument("--model-mb", type=int, default=120, help="float32 model size, MB (default 120)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed pushes per case after a warm-up (default 2)")
+
+
+def report(results: dict[str, Any], table: str) -> int:
+    """The table on stderr, the results as one JSON line on stdout."""
+    print(table, file=sys.stderr)
+    print(json.dumps(results))
+    return 0
+
+
+def cannot_run() -> int:
+    """1, saying why, where network namespaces cannot be made here; 0 where they can."""
+    reason = unavailable()
+    if reason is not None:
+        print(f"error: {reason}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -217,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates-gbit", default="1,5", help="link rates to shape to, Gbit/s (default 1,5)")
     parser.add_argument("--replicas", default="1,2,4", help="replica counts (default 1,2,4)")
-    parser.add_argument("--model-mb", type=int, default=120, help="float32 model size, MB (default 120)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed pushes per case after a warm-up (default 2)")
+    add_push_options(parser)
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"what to push, comma-separated (default {','.join(CASES)})")
     args = parser.parse_args(argv)
@@ -226,15 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; one of {', '.join(CASES)}")
-    reason = unavailable()
-    if reason is not None:
-        print(f"error: {reason}", file=sys.stderr)
+    if cannot_run():
         return 1
     results = run([float(r) for r in args.rates_gbit.split(",")], [int(n) for n in args.replicas.split(",")],
                   args.model_mb, args.repeats, cases)
-    print(format_table(results), file=sys.stderr)
-    print(json.dumps(results))
-    return 0
+    return report(results, format_table(results))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightsync_tools.netns import Network, remove_stale, unavailable
+from weightsync_tools.bench.multihost import add_push_options, bench_model, cannot_run, report
+from weightsync_tools.netns import Network, remove_stale
 
 BUCKET_BYTES = 8 << 20
 """Buckets small enough that a relay's hops add little for the bench's small model."""
@@ -80,7 +81,6 @@ def rank(spec: dict[str, Any]) -> int:
 
 def run(rate_gbit: float, engine_rate_gbit: float, model_mb: int, repeats: int) -> dict[str, Any]:
     from weightsync.server.launch import launch_server
-    from weightsync.tiny import TinyModelConfig, make_tiny_model
 
     trainers = ["trainer0", "trainer1"]
     engine_hosts = [f"engine{i}" for i in range(max(c[4] for c in CASES))]
@@ -88,9 +88,7 @@ def run(rate_gbit: float, engine_rate_gbit: float, model_mb: int, repeats: int) 
     remove_stale()
     with tempfile.TemporaryDirectory(prefix="weightsync-shares-") as scratch, \
             Network([*trainers, *engine_hosts]) as net:
-        layers = max(1, round(model_mb / 15))  # ~15 MB of float32 per layer at hidden 512, MLP 2048
-        model_dir = make_tiny_model(Path(scratch) / "model", TinyModelConfig(
-            num_layers=layers, num_heads=8, num_kv_heads=2, intermediate_size=2048, vocab_size=512))
+        model_dir = bench_model(Path(scratch) / "model", model_mb)
         for host, rate in [*((h, rate_gbit) for h in trainers), *((h, engine_rate_gbit) for h in engine_hosts)]:
             net.shape(host, rate_bits=rate * 1e9, burst_bytes=max(1 << 20, int(rate * 1e9 / 8 / 250)))
         servers = [launch_server(model_dir, args=["--host", net.address(h), "--num-threads", "1"],
@@ -154,17 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate-gbit", type=float, default=1.0, help="each trainer host's link (default 1)")
     parser.add_argument("--engine-rate-gbit", type=float, default=2.0, help="each engine host's link (default 2)")
-    parser.add_argument("--model-mb", type=int, default=120, help="float32 model size, MB (default 120)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed pushes per case after a warm-up (default 2)")
+    add_push_options(parser)
     args = parser.parse_args(argv)
-    reason = unavailable()
-    if reason is not None:
-        print(f"error: {reason}", file=sys.stderr)
+    if cannot_run():
         return 1
     results = run(args.rate_gbit, args.engine_rate_gbit, args.model_mb, args.repeats)
-    print(format_table(results), file=sys.stderr)
-    print(json.dumps(results))
-    return 0
+    return report(results, format_table(results))
 
 
 if __name__ == "__main__":
