@@ -238,6 +238,8 @@ class WeightSync:
         self.owner = session_owner()
         """This trainer's identity on the engines: its sessions are never taken by another
         live trainer, and it takes over those of a dead one (see `weightsync.sessions`)."""
+        self._share_buffers: list[torch.Tensor] = []
+        """`send_shares`: this rank's two buffers, kept across pushes."""
         self._closed = False
 
     # -- public ------------------------------------------------------------
@@ -395,8 +397,7 @@ class WeightSync:
             order = {"mode": source.mode, "order": plan.buckets.order, "expert_layout": self._expert_layout,
                      **({"step": step} if step else {})}
             if self.config.send_shares:
-                renamed = {e: n for n, e in plan.buckets.to_engine.items() if e != n}
-                shares = ShareOrder(version=version, buckets=manifest.buckets, to_source=renamed or None)
+                shares = ShareOrder.of(manifest, plan.buckets.to_engine)
                 self._tell_followers({**order, "shares": shares.to_message()})
                 digests = self._send_shares(source, shares, stages)
             else:
@@ -441,11 +442,10 @@ class WeightSync:
             self._replicas.receive(bucket, delivery, lambda: transport.send(bucket, buffer))
 
     def _send_shares(self, source: WeightSource, order: ShareOrder, stages: Stages | None = None) -> list[str]:
-        """This rank's share of every bucket, to every engine (`weightsync.rank_shares`); on the
-        sender, the buckets' whole digests."""
+        """This rank's share of every bucket to the engines; on the sender, their digests."""
         return send_shares(source, order, self.ranks, deliver=self._replicas.receive_share,
                            timeout_s=self.config.timeout_s, allow_overflow=self.config.allow_overflow,
-                           stages=stages) or []
+                           stages=stages, buffers=self._share_buffers) or []
 
     def _fail(self, version: int, begun: bool, error: BaseException, *, committing: bool = False) -> None:
         """Leave every engine on its last good version after `error`; `committing`: it came in
