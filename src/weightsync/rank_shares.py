@@ -7,14 +7,14 @@ sender included, runs `send_shares`:
 
     layout    one all_gather of how many elements of each tensor each rank holds:
               where each rank's rows start in the whole tensor, and so in the bucket
-    digests   this rank's rows of every bucket, cast to the engines' dtype into a
-              reused buffer, and the wsmix64 terms of their byte ranges
+    digests   this rank's rows of every bucket, cast to the engines' dtype, and the
+              wsmix64 terms of each tensor's rows where they lie in the bucket
               (`digests.wsmix64_part`); one all_gather of every rank's terms (a few
               numbers per range) and of any overflowing cast: every rank combines
               the WHOLE buckets' digests (`digests.combine_wsmix64`) before a byte
               is sent, and an overflow anywhere stops every rank here
     send      a producer thread packs the share of bucket k+1 (cast again, into one
-              of two reused buffers) while this thread sends the share of bucket k
+              of two buffers kept across pushes) while this thread sends the share of bucket k
               (`weightsync.shares.Share`) to every engine, or relayed to the first:
               no collective while bytes move
     outcome   one all_gather of every rank's error, if any: all ranks return the
@@ -102,21 +102,19 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
     rows, starts = _layout(source, order, ranks, timeout_s)
     if buffers is None:
         buffers = []
-    buffers.extend(torch.empty(0, dtype=torch.uint8) for _ in range(2 - len(buffers)))
-    # two reused buffers (grown, never shrunk): the first is also the digest pass's scratch
+    buffers.extend(torch.empty(0, dtype=torch.uint8) for _ in range(2 - len(buffers)))  # grown, never shrunk
 
-    def pack(bucket: BucketMeta, slot: int) -> tuple[tuple[tuple[int, int], ...], torch.Tensor,
-                                                     list[list[Any]], str | None]:
+    def pack(bucket: BucketMeta, slot: int) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
         mine = sum(rows[e.hf_name].numel() * e.dtype.itemsize for e in bucket.entries)
         if buffers[slot].numel() < mine:
             buffers[slot] = torch.empty(mine, dtype=torch.uint8)
-        return _pack(bucket, rows, starts, buffers[slot][:mine], allow_overflow=allow_overflow)
+        return _pack(bucket, rows, starts, buffers[slot][:mine])
 
     # 1. the whole digest of every bucket, from every rank's terms, before a byte is sent
     t0 = time.perf_counter()
     terms, error = [], None
     for bucket in order.buckets:
-        _, _, bucket_terms, overflow = pack(bucket, 0)
+        bucket_terms, overflow = _terms(bucket, rows, starts, allow_overflow=allow_overflow)
         terms.append(bucket_terms)
         error = error or overflow
     stages.hash += time.perf_counter() - t0
@@ -134,7 +132,7 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
                 if stop.is_set():
                     return
             t1 = time.perf_counter()
-            ranges, data, _, _ = pack(bucket, k % 2)
+            ranges, data = pack(bucket, k % 2)
             stages.pack += time.perf_counter() - t1
             put(Share(version=order.version, index=bucket.index, digest=digests[k], ranges=ranges, data=data))
 
@@ -189,35 +187,41 @@ def _layout(source: ShareSource, order: ShareOrder, ranks: TrainerRanks,
     return rows, starts
 
 
-def _pack(bucket: BucketMeta, rows: Mapping[str, torch.Tensor], starts: Mapping[str, int], into: torch.Tensor,
-          *, allow_overflow: bool) -> tuple[tuple[tuple[int, int], ...], torch.Tensor, list[list[Any]], str | None]:
-    """This rank's rows of `bucket`, cast and packed into `into`: (its ranges in the bucket,
-    their bytes, the wsmix64 terms of each range as JSON-able lists, an overflow as text or None)."""
-    ranges: list[tuple[int, int]] = []
-    at = 0
-    error = None
+def _terms(bucket: BucketMeta, rows: Mapping[str, torch.Tensor], starts: Mapping[str, int], *,
+           allow_overflow: bool) -> tuple[list[list[Any]], str | None]:
+    """The wsmix64 terms (JSON-able) of this rank's rows of `bucket`, cast to the engines' dtype,
+    where they lie in the bucket; and an overflowing cast as text, or None."""
+    terms, error = [], None
     for entry in bucket.entries:
         mine = rows[entry.hf_name]
         if not mine.numel():
             continue
-        nbytes = mine.numel() * entry.dtype.itemsize
         cast = mine if mine.dtype == entry.dtype else mine.to(entry.dtype)
         if cast is not mine and castable(mine.dtype, entry.dtype) and error is None:
             try:
                 check_cast(entry.hf_name, mine, cast, allow_overflow=allow_overflow)
             except CastError as e:
                 error = f"{CastError.__name__}: {e}"
-        into[at: at + nbytes].copy_(byte_view(cast.contiguous()))
+        part = wsmix64_part(cast, entry.offset + starts[entry.hf_name] * entry.dtype.itemsize)
+        terms.append([part.total, [list(edge) for edge in part.edges]])
+    return terms, error
+
+
+def _pack(bucket: BucketMeta, rows: Mapping[str, torch.Tensor], starts: Mapping[str, int],
+          into: torch.Tensor) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
+    """This rank's rows of `bucket`, cast exactly as `tensor.to(dtype)` and packed into `into`:
+    (their ranges in the bucket, touching ones joined; their bytes)."""
+    ranges: list[tuple[int, int]] = []
+    at = 0
+    for entry in bucket.entries:
+        mine = rows[entry.hf_name]
+        if not mine.numel():
+            continue
+        nbytes = mine.numel() * entry.dtype.itemsize
+        into[at: at + nbytes].copy_(byte_view(mine.to(entry.dtype).contiguous()))
         ranges.append((entry.offset + starts[entry.hf_name] * entry.dtype.itemsize, nbytes))
         at += nbytes
-    merged = merge_ranges(ranges)
-    terms = []
-    read = 0
-    for offset, length in merged:
-        part = wsmix64_part(into[read: read + length], offset)
-        terms.append([part.total, [list(edge) for edge in part.edges]])
-        read += length
-    return merged, into[:at], terms, error
+    return merge_ranges(ranges), into[:at]
 
 
 def _part(term: Sequence[Any]) -> Wsmix64Part:

@@ -7,7 +7,8 @@ Hosts are network namespaces (`weightsync_tools.netns`): trainer0 and trainer1, 
 link limited with `tc tbf` to `--rate-gbit` (a trainer GPU's NIC), and engine hosts,
 each running one `weightsync serve`, limited to `--engine-rate-gbit` (an engine spread
 over several GPUs has one NIC per GPU; two by default, so that two senders can be told
-apart from one). The trainer ranks' gloo group crosses the same shaped links. Cases,
+apart from one). The trainer ranks' gloo group crosses the same shaped links; the ranks
+share this machine's cores (torch threads: cores / ranks each). Cases,
 each the best of `--repeats` pushes (`full`, http) after a warm-up:
 
 - single:      one trainer process on trainer0, the whole model, to 1 replica
@@ -52,6 +53,9 @@ def rank(spec: dict[str, Any]) -> int:
     import weightsync as ws
 
     world, me = spec["world"], spec["rank"]
+    # the ranks share this machine's cores: oversubscribed, torch's OpenMP copies spin (a 31 MB
+    # copy took 0.3 s with 2 threads in each of 2 ranks on 2 cores, 0.01 s with 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = None
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     if world > 1:
