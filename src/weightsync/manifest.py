@@ -240,19 +240,25 @@ class BucketMeta:
 
     def with_digest(self, digest: str) -> BucketMeta:
         bucket = replace(self, digest=digest)
-        if "_tensors_json" in self.__dict__:  # the same entries: their JSON goes along
-            bucket.__dict__["_tensors_json"] = self.__dict__["_tensors_json"]
+        bucket.__dict__["_entries_json"] = self._entries_json  # the same entries: one JSON for both
         return bucket
 
     def to_json(self) -> str:
         """`to_dict` as JSON text (sorted keys, no spaces), its entries' part made once per
-        plan: a push of tens of thousands of tensors builds no dict per tensor."""
+        plan (shared by the copies `with_digest` makes, made when one of them needs it): a
+        push of tens of thousands of tensors builds no dict per tensor."""
+        entries_json = self._entries_json
+        if not entries_json:
+            entries_json.append(json.dumps([e.to_dict() for e in self.entries], separators=(",", ":"),
+                                           sort_keys=True))
         return (f'{{"digest":{json.dumps(self.digest)},"index":{self.index},"nbytes":{self.nbytes},'
-                f'"tensors":{self._tensors_json}}}')
+                f'"tensors":{entries_json[0]}}}')
 
     @computed_once
-    def _tensors_json(self) -> str:
-        return json.dumps([e.to_dict() for e in self.entries], separators=(",", ":"), sort_keys=True)
+    def _entries_json(self) -> list[str]:
+        """The JSON text of the entries once made (one item), shared by every copy of this
+        bucket that differs in its digest only."""
+        return []
 
     def to_dict(self) -> dict[str, Any]:
         return {
