@@ -209,13 +209,34 @@ def bucket_views(buffer: torch.Tensor, bucket: BucketMeta) -> list[torch.Tensor]
     order: what `entry_view` gives for a dense entry, `payload_view` for a sparse one.
 
     One `as_strided` per entry on a typed view of each run of one dtype (half the calls
-    of a slice and two views), so that staging tens of thousands of small tensors costs
-    about a microsecond each. The views alias the buffer."""
+    of a slice and two views), from a plan of the runs made once per bucket layout
+    (`BucketMeta.memo`, shared push after push while the plan stays), so that staging
+    tens of thousands of small tensors costs about a microsecond each. The views alias
+    the buffer."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != bucket.nbytes:
         raise ValueError(f"bucket {bucket.index}: expected a 1-d uint8 buffer of {bucket.nbytes} bytes, got "
                          f"{tuple(buffer.shape)} {buffer.dtype}")
+    runs = bucket.memo.get("view_runs")
+    if runs is None:
+        runs = bucket.memo["view_runs"] = _view_runs(bucket)
     views: list[torch.Tensor] = []
-    typed, dtype, itemsize, base = buffer, torch.uint8, 1, buffer.storage_offset()
+    for dtype, start, end, places in runs:
+        typed = buffer[start:end].view(dtype)
+        base = typed.storage_offset()
+        views += [typed.as_strided(shape, strides, base + offset) for shape, strides, offset in places]
+    return views
+
+
+_Place = tuple[tuple[int, ...], tuple[int, ...], int]
+"""An entry's view of a typed run: its shape, its contiguous strides, its offset in the run's elements."""
+
+
+def _view_runs(bucket: BucketMeta) -> list[tuple[torch.dtype, int, int, list[_Place]]]:
+    """The runs of one stored dtype in `bucket` (dtype, first byte, end byte of the typed
+    view, and each entry's place in it), checking that the entries lie back to back."""
+    runs: list[tuple[torch.dtype, int, int, list[_Place]]] = []
+    places: list[_Place] = []
+    dtype, itemsize, start = None, 1, 0
     offset = 0
     for entry in bucket.entries:
         if entry.offset != offset:
@@ -227,12 +248,12 @@ def bucket_views(buffer: torch.Tensor, bucket: BucketMeta) -> list[torch.Tensor]
         if entry.stored_dtype != dtype:  # a run of another dtype starts: view the rest of the bucket as it
             dtype = entry.stored_dtype
             itemsize = dtype.itemsize
-            end = entry.offset + (bucket.nbytes - entry.offset) // itemsize * itemsize
-            typed = buffer[entry.offset:end].view(dtype)
-            base = typed.storage_offset() - entry.offset // itemsize
+            start = entry.offset
+            places = []
+            runs.append((dtype, start, start + (bucket.nbytes - start) // itemsize * itemsize, places))
         shape = entry.stored_shape
-        views.append(typed.as_strided(shape, _contiguous_strides(shape), base + entry.offset // itemsize))
-    return views
+        places.append((shape, _contiguous_strides(shape), (entry.offset - start) // itemsize))
+    return runs
 
 
 _STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
