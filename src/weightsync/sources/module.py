@@ -24,8 +24,10 @@ class ModuleSource:
 
     For FSDP2 models `tensors()` gathers: every rank must call it with the
     same names in the same order (see `sources.fsdp`). Parameters are looked
-    up when read, not when the source is made: FSDP2 swaps a module's
-    parameters between sharded and unsharded tensors around forward passes.
+    up in their module when read, not when the source is made: FSDP2 swaps a
+    module's parameters between sharded and unsharded tensors around forward
+    passes. The modules themselves are the tree's when the source was made:
+    after replacing a module, make a new source (a push mode does).
 
     `expert_layout` ("per-expert" by default, the checkpoint layout): fused expert
     parameters are sent as one tensor per expert and projection, each a view of
