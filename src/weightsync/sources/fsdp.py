@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_PLAIN = (torch.Tensor, nn.Parameter)
-"""Tensor types that are never a DTensor (checked first: no import, no isinstance)."""
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+"""Tensor types that are never a DTensor: `full_tensor` of one is its `detach()`."""
 _dtensor_type: type | None = None
 
 
@@ -23,7 +23,7 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
     """True for a torch.distributed DTensor (an FSDP2-sharded parameter). A plain tensor or
     parameter costs one type check: a push asks this of every tensor it reads."""
     global _dtensor_type
-    if type(tensor) in _PLAIN:
+    if type(tensor) in PLAIN_TENSORS:
         return False
     if _dtensor_type is None:  # imported on first need (torch.distributed is a heavy import)
         from torch.distributed.tensor import DTensor

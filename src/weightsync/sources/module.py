@@ -16,7 +16,7 @@ from torch import nn
 
 from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertLayout, ParamName, map_names
-from weightsync.sources.fsdp import full_tensor, global_shape, is_dtensor
+from weightsync.sources.fsdp import PLAIN_TENSORS, full_tensor, global_shape, is_dtensor
 
 
 class ModuleSource:
@@ -124,11 +124,13 @@ class ModuleSource:
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         gathered: tuple[str, torch.Tensor] | None = None  # the fused parameter whose experts are being read
-        for hf_name in self._names if hf_names is None else hf_names:
-            name = self._name(hf_name)
+        names = self._names
+        for hf_name in names if hf_names is None else hf_names:
+            name = names.get(hf_name) or self._name(hf_name)  # (which raises, naming it)
             if name.expert is None:
                 gathered = None
-                yield hf_name, full_tensor(self._held(name))
+                held = self._held(name)
+                yield hf_name, held.detach() if type(held) in PLAIN_TENSORS else full_tensor(held)
                 continue
             if gathered is None or gathered[0] != name.trainer_name:
                 gathered = None  # drop the last one before gathering the next
