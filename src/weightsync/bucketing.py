@@ -10,8 +10,8 @@ Planning is greedy in the order the tensors are given (the module order of the
 trainer), so every rank that plans the same metas gets the same plan. A tensor
 larger than `bucket_bytes` is never split: it gets a bucket of its own.
 
-Packing a stream (`pack_stream`) copies runs of small tensors with one
-`torch.cat` into their place in the bucket (tens of thousands of expert
+Packing a stream (`pack_stream`) copies runs of small tensors with one call
+(`torch._chunk_cat`) into their place in the bucket (tens of thousands of expert
 matrices cost a C++ loop, not a Python call each); the bytes are exactly those
 `pack_one` writes tensor by tensor.
 """
@@ -209,13 +209,34 @@ def bucket_views(buffer: torch.Tensor, bucket: BucketMeta) -> list[torch.Tensor]
     order: what `entry_view` gives for a dense entry, `payload_view` for a sparse one.
 
     One `as_strided` per entry on a typed view of each run of one dtype (half the calls
-    of a slice and two views), so that staging tens of thousands of small tensors costs
-    about a microsecond each. The views alias the buffer."""
+    of a slice and two views), from a plan of the runs made once per bucket layout
+    (`BucketMeta.memo`, shared push after push while the plan stays), so that staging
+    tens of thousands of small tensors costs about a microsecond each. The views alias
+    the buffer."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != bucket.nbytes:
         raise ValueError(f"bucket {bucket.index}: expected a 1-d uint8 buffer of {bucket.nbytes} bytes, got "
                          f"{tuple(buffer.shape)} {buffer.dtype}")
+    runs = bucket.memo.get("view_runs")
+    if runs is None:
+        runs = bucket.memo["view_runs"] = _view_runs(bucket)
     views: list[torch.Tensor] = []
-    typed, dtype, itemsize, base = buffer, torch.uint8, 1, buffer.storage_offset()
+    for dtype, start, end, places in runs:
+        typed = buffer[start:end].view(dtype)
+        base = typed.storage_offset()
+        views += [typed.as_strided(shape, strides, base + offset) for shape, strides, offset in places]
+    return views
+
+
+_Place = tuple[tuple[int, ...], tuple[int, ...], int]
+"""An entry's view of a typed run: its shape, its contiguous strides, its offset in the run's elements."""
+
+
+def _view_runs(bucket: BucketMeta) -> list[tuple[torch.dtype, int, int, list[_Place]]]:
+    """The runs of one stored dtype in `bucket` (dtype, first byte, end byte of the typed
+    view, and each entry's place in it), checking that the entries lie back to back."""
+    runs: list[tuple[torch.dtype, int, int, list[_Place]]] = []
+    places: list[_Place] = []
+    dtype, itemsize, start = None, 1, 0
     offset = 0
     for entry in bucket.entries:
         if entry.offset != offset:
@@ -227,12 +248,12 @@ def bucket_views(buffer: torch.Tensor, bucket: BucketMeta) -> list[torch.Tensor]
         if entry.stored_dtype != dtype:  # a run of another dtype starts: view the rest of the bucket as it
             dtype = entry.stored_dtype
             itemsize = dtype.itemsize
-            end = entry.offset + (bucket.nbytes - entry.offset) // itemsize * itemsize
-            typed = buffer[entry.offset:end].view(dtype)
-            base = typed.storage_offset() - entry.offset // itemsize
+            start = entry.offset
+            places = []
+            runs.append((dtype, start, start + (bucket.nbytes - start) // itemsize * itemsize, places))
         shape = entry.stored_shape
-        views.append(typed.as_strided(shape, _contiguous_strides(shape), base + entry.offset // itemsize))
-    return views
+        places.append((shape, _contiguous_strides(shape), (entry.offset - start) // itemsize))
+    return runs
 
 
 _STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -305,34 +326,44 @@ def pack_stream(
 
 
 class _Run:
-    """Consecutive entries of one bucket whose tensors are packed with one `torch.cat`:
-    dense, contiguous, on the buffer's device, all of one dtype cast to one entry dtype.
-    Anything else is packed on its own by `pack_one` (after the run so far)."""
+    """Consecutive entries of one bucket whose tensors are packed with one call
+    (`torch._chunk_cat`, which flattens each tensor in C++ and casts into the bucket's view
+    exactly as `.to()` does): dense, contiguous, non-empty tensors of at least one
+    dimension on the buffer's device, all of one dtype cast to one entry dtype. Anything
+    else is packed on its own by `pack_one` (after the run so far)."""
 
     def __init__(self, buffer: torch.Tensor, *, allow_overflow: bool) -> None:
         self.buffer = buffer
+        self.device = buffer.device
         self.allow_overflow = allow_overflow
         self.entries: list[TensorEntry] = []
         self.tensors: list[torch.Tensor] = []
         self.nbytes = 0
-        self.key: tuple[torch.dtype, torch.dtype] | None = None
+        self.end = 0
+        """The offset just past the run's last entry."""
+        self.src: torch.dtype | None = None
+        self.dst: torch.dtype | None = None
 
     def add(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
         nbytes = entry.nbytes
-        if (nbytes >= RUN_MAX_BYTES or entry.encoding != "dense" or tensor.device != self.buffer.device
-                or not tensor.is_contiguous()):
+        if (not 0 < nbytes < RUN_MAX_BYTES or entry.encoding != "dense" or not tensor.dim()
+                or not tensor.is_contiguous() or tensor.device != self.device):
             self.flush()
             pack_one(self.buffer, entry, tensor, allow_overflow=self.allow_overflow)
             return
-        key = (tensor.dtype, entry.dtype)
-        if (key != self.key or len(self.tensors) >= RUN_MAX_TENSORS or self.nbytes + nbytes > RUN_MAX_BYTES
-                or (self.entries and entry.offset != self.entries[0].offset + self.nbytes)):
+        src, dst = tensor.dtype, entry.dtype
+        if (src is not self.src or dst is not self.dst or len(self.tensors) >= RUN_MAX_TENSORS
+                or self.nbytes + nbytes > RUN_MAX_BYTES or entry.offset != self.end):
             self.flush()
-            self.key = key
-        _check_fits(entry, tensor)
+            if not castable(src, dst):
+                _check_fits(entry, tensor)  # raises, naming the tensor
+            self.src, self.dst = src, dst
+        if tensor.shape != entry.shape:
+            _check_fits(entry, tensor)
         self.entries.append(entry)
         self.tensors.append(tensor)
         self.nbytes += nbytes
+        self.end = entry.offset + nbytes
 
     def flush(self) -> None:
         entries, tensors = self.entries, self.tensors
@@ -341,15 +372,15 @@ class _Run:
         elif entries:
             first, dtype = entries[0], entries[0].dtype
             out = self.buffer[first.offset : first.offset + self.nbytes].view(dtype)
-            with torch.no_grad():  # casts into `out`'s dtype, as .to() does
-                torch.cat([t.view(-1) for t in tensors], out=out)
+            with torch.no_grad():  # one row of every tensor flattened, cast into `out`'s dtype as .to() casts
+                torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
             if tensors[0].dtype != dtype and not self.allow_overflow \
                     and torch.finfo(dtype).max < torch.finfo(tensors[0].dtype).max:
                 low, high = torch.aminmax(out)  # one reduction for the run; per tensor only to name one
                 if not (torch.isfinite(low) and torch.isfinite(high)):
                     for entry, tensor in zip(entries, tensors, strict=True):
                         check_cast(entry.hf_name, tensor, entry_view(self.buffer, entry))
-        self.entries, self.tensors, self.nbytes, self.key = [], [], 0, None
+        self.entries, self.tensors, self.nbytes, self.src, self.dst = [], [], 0, None, None
 
 
 def _check_fits(entry: TensorEntry, tensor: torch.Tensor) -> None:

@@ -93,15 +93,22 @@ def check_fits(
     equal shape and dtype (and, unless `partial`, every expected name sent). Raises
     ManifestMismatchError starting with `refused` and naming every offender."""
     by_name = {m.hf_name: m for m in sent}
-    unexpected = sorted(set(by_name) - set(expected))
-    missing = [] if partial else sorted(set(expected) - set(by_name))
-    mismatched = [
-        f"{name}: sent {tuple(m.shape)} {m.dtype}, {holder} has {tuple(want.shape)} {want.dtype}"
-        for name, m in by_name.items()
-        if (want := expected.get(name)) is not None and (want.shape != m.shape or want.dtype != m.dtype)
-    ]
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    get = expected.get
+    for name, m in by_name.items():  # one lookup per name: a manifest may list tens of thousands
+        want = get(name)
+        if want is None:
+            unexpected.append(name)
+        elif want.shape != m.shape or want.dtype != m.dtype:
+            mismatched.append(f"{name}: sent {tuple(m.shape)} {m.dtype}, {holder} has {tuple(want.shape)} "
+                              f"{want.dtype}")
+    # every name sent is known but `unexpected`: as many known as expected means none is missing
+    missing = [] if partial or len(by_name) - len(unexpected) == len(expected) \
+        else sorted(set(expected) - set(by_name))
     if not (unexpected or missing or mismatched):
         return
+    unexpected.sort()
     parts = []
     if unexpected:
         parts.append(f"{len(unexpected)} unknown name(s): {format_names(unexpected)}")

@@ -234,25 +234,36 @@ class BucketMeta:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
+    @computed_once
+    def memo(self) -> dict[str, Any]:
+        """Values derived from this bucket's entries, made once and shared with every copy of
+        it that differs in its digest only (`with_digest`, and `from_dict` reusing a known
+        bucket): its entries' JSON, their names, its staging plan (`bucketing.bucket_views`).
+        A plan reused push after push derives them once."""
+        return {}
+
     @property
     def hf_names(self) -> tuple[str, ...]:
-        return tuple(e.hf_name for e in self.entries)
+        names: tuple[str, ...] | None = self.memo.get("hf_names")
+        if names is None:
+            names = self.memo["hf_names"] = tuple(e.hf_name for e in self.entries)
+        return names
 
-    def with_digest(self, digest: str) -> BucketMeta:
+    def with_digest(self, digest: str | None) -> BucketMeta:
         bucket = replace(self, digest=digest)
-        if "_tensors_json" in self.__dict__:  # the same entries: their JSON goes along
-            bucket.__dict__["_tensors_json"] = self.__dict__["_tensors_json"]
+        bucket.__dict__["nbytes"] = self.nbytes
+        bucket.__dict__["memo"] = self.memo  # the same entries: one memo for both
         return bucket
 
     def to_json(self) -> str:
         """`to_dict` as JSON text (sorted keys, no spaces), its entries' part made once per
-        plan: a push of tens of thousands of tensors builds no dict per tensor."""
+        plan (`memo`): a push of tens of thousands of tensors builds no dict per tensor."""
+        entries_json = self.memo.get("json")
+        if entries_json is None:
+            entries_json = self.memo["json"] = json.dumps([e.to_dict() for e in self.entries],
+                                                          separators=(",", ":"), sort_keys=True)
         return (f'{{"digest":{json.dumps(self.digest)},"index":{self.index},"nbytes":{self.nbytes},'
-                f'"tensors":{self._tensors_json}}}')
-
-    @computed_once
-    def _tensors_json(self) -> str:
-        return json.dumps([e.to_dict() for e in self.entries], separators=(",", ":"), sort_keys=True)
+                f'"tensors":{entries_json}}}')
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -263,10 +274,21 @@ class BucketMeta:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> BucketMeta:
+    def from_dict(cls, d: Mapping[str, Any], *, known: BucketMeta | None = None) -> BucketMeta:
+        """Parse and check a bucket's JSON form. `known`: a bucket parsed before (the last
+        update's at the same index); an entry whose JSON equals its entry at the same place
+        (`TensorEntry.to_dict`) parses to that entry, so it is reused instead of parsed
+        again, and a bucket whose every entry is reused is `known` with this digest."""
         try:
             index = int(d["index"])
-            entries = tuple(TensorEntry.from_dict(t) for t in d["tensors"])
+            raw = d["tensors"]
+            if known is not None and index == known.index and isinstance(raw, list) \
+                    and len(raw) == len(known.entries):
+                entries = tuple(k if r == k._wire else TensorEntry.from_dict(r)
+                                for r, k in zip(raw, known.entries, strict=True))
+            else:
+                known = None
+                entries = tuple(TensorEntry.from_dict(t) for t in raw)
             nbytes = int(d["nbytes"])
             digest = d.get("digest")
         except (KeyError, TypeError, ValueError) as e:
@@ -275,8 +297,13 @@ class BucketMeta:
             raise ManifestError(f"malformed bucket: {e}") from None
         if digest is not None and not isinstance(digest, str):
             raise ManifestError(f"bucket {index}: digest must be a hex string or null")
-        bucket = cls(index=index, entries=entries, digest=digest)
-        _check_layout(bucket)
+        if known is not None and all(a is b for a, b in zip(entries, known.entries, strict=True)):
+            bucket = known.with_digest(digest)
+        else:
+            bucket = cls(index=index, entries=entries, digest=digest)
+        if not bucket.memo.get("layout_checked"):
+            _check_layout(bucket)
+            bucket.memo["layout_checked"] = True
         if nbytes != bucket.nbytes:
             raise ManifestError(f"bucket {index}: nbytes {nbytes} != sum of its tensors {bucket.nbytes}")
         return bucket
@@ -353,7 +380,7 @@ class Manifest:
         return replace(self, buckets=tuple(b.with_digest(d) for b, d in zip(self.buckets, digests, strict=True)))
 
     def without_digests(self) -> Manifest:
-        return replace(self, buckets=tuple(replace(b, digest=None) for b in self.buckets))
+        return replace(self, buckets=tuple(b.with_digest(None) for b in self.buckets))
 
     def to_dict(self, *, buckets: bool = True) -> dict[str, Any]:
         """The JSON form (`buckets=False`: every field but the buckets)."""
@@ -383,7 +410,10 @@ class Manifest:
         return text.replace('"buckets":null', f'"buckets":[{buckets}]', 1)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
+    def from_dict(cls, d: Mapping[str, Any], *, known: Manifest | None = None) -> Manifest:
+        """Parse and check a manifest's JSON form. `known`: a manifest parsed before (an
+        engine passes the last one it began); its buckets' entries are reused where their
+        JSON is the same (`BucketMeta.from_dict`), as a plan reused push after push sends."""
         if not isinstance(d, Mapping):
             raise ManifestError("manifest must be a JSON object")
         if d.get("format") != MANIFEST_FORMAT or d.get("format_version") != MANIFEST_FORMAT_VERSION:
@@ -406,7 +436,9 @@ class Manifest:
         raw_buckets = d.get("buckets")
         if not isinstance(raw_buckets, list):
             raise ManifestError("manifest 'buckets' must be a list")
-        buckets = tuple(BucketMeta.from_dict(b) for b in raw_buckets)
+        known_buckets = known.buckets if known is not None else ()
+        buckets = tuple(BucketMeta.from_dict(b, known=known_buckets[i] if i < len(known_buckets) else None)
+                        for i, b in enumerate(raw_buckets))
         for i, b in enumerate(buckets):
             if b.index != i:
                 raise ManifestError(f"bucket at position {i} has index {b.index}")

@@ -68,11 +68,13 @@ class BeginRequest:
         return f'{{"manifest":{self.manifest.to_json()}}}'
 
     @classmethod
-    def from_json(cls, body: Mapping[str, Any]) -> BeginRequest:
+    def from_json(cls, body: Mapping[str, Any], *, known: Manifest | None = None) -> BeginRequest:
+        """`known`: the manifest the engine began last, whose entries are reused where the same
+        (`Manifest.from_dict`)."""
         manifest = body.get("manifest")
         if not isinstance(manifest, Mapping):
             raise ValueError("field 'manifest' must be a JSON object (a weightsync manifest)")
-        return cls(manifest=Manifest.from_dict(manifest))
+        return cls(manifest=Manifest.from_dict(manifest, known=known))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -138,3 +138,48 @@ def test_manifest_json_text_is_json_dumps_of_its_dict_byte_for_byte() -> None:
         assert text == json.dumps(manifest.to_dict(), separators=(",", ":"), sort_keys=True)
         assert Manifest.from_json(text) == manifest
         assert json.loads(BeginRequest(manifest=manifest).to_json_text()) == BeginRequest(manifest=manifest).to_json()
+
+
+def _many(n: int = 40) -> Manifest:
+    metas = [TensorMeta(hf_name=f"model.layers.{i}.w", dtype=torch.float32 if i % 3 else torch.bfloat16,
+                        shape=(i % 5 + 1, 3)) for i in range(n)]
+    return Manifest(version=3, buckets=tuple(b.with_digest(f"{b.index:016x}") for b in plan_buckets(metas, 200)))
+
+
+def test_a_known_manifest_is_reused_where_the_json_is_the_same() -> None:
+    """An engine parses each begin against the last manifest it began: entries whose JSON is
+    the same are the known objects, buckets whose entries all are share their memo, and the
+    result equals a parse from scratch (new digests and version included)."""
+    known = Manifest.from_dict(json.loads(_many().to_json()))
+    again = json.loads(_many().to_json().replace('"version":3', '"version":4'))
+    again["buckets"][1]["digest"] = "ffffffffffffffff"
+    parsed = Manifest.from_dict(again, known=known)
+    assert parsed == Manifest.from_dict(again) and parsed.version == 4
+    assert parsed.buckets[1].digest == "ffffffffffffffff"
+    for new, old in zip(parsed.buckets, known.buckets, strict=True):
+        assert new.memo is old.memo
+        assert all(a is b for a, b in zip(new.entries, old.entries, strict=True))
+
+
+@pytest.mark.parametrize("change", [("shape", [9, 3]), ("dtype", "float16"), ("hf_name", "model.other.w"),
+                                    ("offset", 4)])
+def test_a_changed_entry_is_parsed_and_checked_again(change: tuple[str, object]) -> None:
+    """An entry that differs from the known one in any field is parsed (and refused where
+    wrong) as without a known manifest: reuse never skips a check of what changed."""
+    known = Manifest.from_dict(json.loads(_many().to_json()))
+    raw = json.loads(_many().to_json())
+    key, value = change
+    raw["buckets"][0]["tensors"][0][key] = value
+    try:
+        want: Manifest | str = Manifest.from_dict(json.loads(json.dumps(raw)))
+    except ManifestError as e:
+        want = str(e)
+    try:
+        got: Manifest | str = Manifest.from_dict(raw, known=known)
+    except ManifestError as e:
+        got = str(e)
+    assert got == want
+    if isinstance(got, Manifest):
+        assert got.buckets[0].entries[0] is not known.buckets[0].entries[0]
+        assert got.buckets[0].memo is not known.buckets[0].memo
+        assert got.buckets[1].memo is known.buckets[1].memo

@@ -337,7 +337,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post(BeginRequest.ROUTE)
     async def begin(request: Request) -> JSONResponse:
-        manifest = BeginRequest.from_json(await admin_json(request, state.config)).manifest
+        manifest = BeginRequest.from_json(await admin_json(request, state.config), known=updater.last_manifest).manifest
         preempted = await run_in_threadpool(updater.begin, manifest)
         return answer(f"update v{manifest.version} begun ({len(manifest.buckets)} bucket(s))", preempted=preempted)
 

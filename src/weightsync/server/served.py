@@ -78,6 +78,8 @@ class ServedWeights:
         parameter. Every assignment to a parameter's `.data` below records it here."""
         self._backing: dict[str, torch.Tensor] = {}
         """hf_name -> the received bucket buffer its served parameter views."""
+        self._devices = {p.device for p in self.params.values()}
+        """The devices the served parameters live on (one: this engine's)."""
 
     @property
     def version(self) -> int:
@@ -133,13 +135,20 @@ class ServedWeights:
         and never written again); `owners` names the bucket buffer each one views.
         """
         owners = owners or {}
+        params, metas = self.params, self.metas
         for name, tensor in staged.items():
-            param = self.params[name]
-            assert tensor.shape == param.shape and tensor.dtype == param.dtype, f"unchecked tensor {name}"
-            assert tensor.device == param.device and tensor.is_contiguous(), f"unadoptable tensor {name}"
+            meta = metas[name]  # the served shape and dtype, which never change
+            assert tensor.shape == meta.shape and tensor.dtype is meta.dtype and tensor.is_contiguous(), \
+                f"unchecked or unadoptable tensor {name}"
+        # a view lives on its buffer's device: one check per buffer, not per tensor
+        devices = {b.device for b in {id(b): b for b in owners.values()}.values()}
+        devices.update(t.device for name, t in staged.items() if name not in owners)
+        if len(self._devices) != 1 or not devices <= self._devices:
+            for name, tensor in staged.items():
+                assert tensor.device == params[name].device, f"unadoptable tensor {name} on {tensor.device}"
         with self.between_steps():
             for name, tensor in staged.items():
-                self.params[name].data = tensor
+                params[name].data = tensor
             self._data.update(staged)
             self.served = served
             released = self._rebind_backing(staged, owners)

@@ -117,6 +117,9 @@ class WeightUpdater:
         self._sglang: SglangSession | None = None
         self._update_label: str | None = None
         """The label the open weightsync update is served under; None: "N"."""
+        self.last_manifest: Manifest | None = None
+        """The manifest of the last begin, accepted or not: parsing the next one reuses its
+        entries where they are the same (`Manifest.from_dict`'s `known`)."""
 
     @property
     def version(self) -> int:
@@ -152,6 +155,7 @@ class WeightUpdater:
         (see `receiving.UpdateSession.begin`); returns what was discarded. An empty
         SGLang session gives way; one holding tensors is taken like an idle trainer's."""
         with self._lock:
+            self.last_manifest = manifest
             self._expire_sglang()  # an open weightsync update is left to the takeover rule
             preempted = None
             sglang = self._sglang

@@ -14,12 +14,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+"""Tensor types that are never a DTensor: `full_tensor` of one is its `detach()`."""
+_dtensor_type: type | None = None
+
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
-    """True for a torch.distributed DTensor (an FSDP2-sharded parameter)."""
-    from torch.distributed.tensor import DTensor
+    """True for a torch.distributed DTensor (an FSDP2-sharded parameter). A plain tensor or
+    parameter costs one type check: a push asks this of every tensor it reads."""
+    global _dtensor_type
+    if type(tensor) in PLAIN_TENSORS:
+        return False
+    if _dtensor_type is None:  # imported on first need (torch.distributed is a heavy import)
+        from torch.distributed.tensor import DTensor
 
-    return isinstance(tensor, DTensor)
+        _dtensor_type = DTensor
+    return isinstance(tensor, _dtensor_type)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

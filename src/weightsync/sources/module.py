@@ -16,7 +16,7 @@ from torch import nn
 
 from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertLayout, ParamName, map_names
-from weightsync.sources.fsdp import full_tensor, global_shape, is_dtensor
+from weightsync.sources.fsdp import PLAIN_TENSORS, full_tensor, global_shape, is_dtensor
 
 
 class ModuleSource:
@@ -24,8 +24,10 @@ class ModuleSource:
 
     For FSDP2 models `tensors()` gathers: every rank must call it with the
     same names in the same order (see `sources.fsdp`). Parameters are looked
-    up when read, not when the source is made: FSDP2 swaps a module's
-    parameters between sharded and unsharded tensors around forward passes.
+    up in their module when read, not when the source is made: FSDP2 swaps a
+    module's parameters between sharded and unsharded tensors around forward
+    passes. The modules themselves are the tree's when the source was made:
+    after replacing a module, make a new source (a push mode does).
 
     `expert_layout` ("per-expert" by default, the checkpoint layout): fused expert
     parameters are sent as one tensor per expert and projection, each a view of
@@ -49,27 +51,39 @@ class ModuleSource:
             p.hf_name: p
             for p in map_names(model, adapter_name=adapter_name, expected=expected, expert_layout=expert_layout).params
         }
-        self._paths: dict[str, list[str]] = {}
-        """trainer name -> its segments, split once."""
+        self._slots: dict[str, tuple[dict[str, torch.Tensor | None], str]] = {}
+        """trainer name -> the `_parameters` (or `_buffers`) dict of the module that holds it,
+        and its key there: found once by walking the tree, then read with one lookup."""
         self._metas: dict[str, TensorMeta] = {}
         """hf_name -> the meta `metas` gave last (immutable, so shared)."""
 
     def _held(self, name: ParamName) -> torch.Tensor:
-        """The parameter or buffer as the model holds it now, through the module tree's own
-        dicts, one lookup per path segment: what get_parameter finds, at a fraction of its
-        cost (it goes through getattr on every segment)."""
-        trainer_name = name.trainer_name
+        """The parameter or buffer as the model holds it now, read from its module's own dict
+        (what get_parameter finds, at a fraction of its cost: it goes through getattr on
+        every segment). The modules are the ones this source named: a module replaced in
+        the tree since needs a new source (a mode makes one, `modes.base.tree_fingerprint`);
+        a parameter replaced within its module (FSDP2 swaps sharded and unsharded ones) is
+        read as it is now."""
+        slot = self._slots.get(name.trainer_name)
+        if slot is None:
+            slot = self._slot(name)
+        held = slot[0].get(slot[1])
+        if held is None or (not name.is_buffer and not isinstance(held, nn.Parameter)):
+            trainer_name = name.trainer_name  # anything unusual: its own lookup (and error)
+            return self.model.get_buffer(trainer_name) if name.is_buffer else self.model.get_parameter(trainer_name)
+        return held
+
+    def _slot(self, name: ParamName) -> tuple[dict[str, torch.Tensor | None], str]:
+        *path, leaf = name.trainer_name.split(".")
         module: nn.Module | None = self.model
-        *path, leaf = self._paths.get(trainer_name) or self._paths.setdefault(trainer_name, trainer_name.split("."))
         for segment in path:
             module = module._modules.get(segment) if module is not None else None
-        if name.is_buffer:
-            buffer = module._buffers.get(leaf) if module is not None else None
-            return buffer if buffer is not None else self.model.get_buffer(trainer_name)
-        param = module._parameters.get(leaf) if module is not None else None
-        if isinstance(param, nn.Parameter):
-            return param
-        return self.model.get_parameter(trainer_name)  # anything unusual: its own lookup (and error)
+        if module is None:
+            return {}, leaf  # not cached: the fallback lookup raises, naming it
+        slot: tuple[dict[str, torch.Tensor | None], str] = (
+            module._buffers if name.is_buffer else module._parameters, leaf)  # type: ignore[assignment]
+        self._slots[name.trainer_name] = slot
+        return slot
 
     def _name(self, hf_name: str) -> ParamName:
         try:
@@ -97,22 +111,26 @@ class ModuleSource:
         known = self._metas
         for hf_name, name in self._names.items():
             held = self._held(name)
-            shape = global_shape(held)
-            if name.expert is not None:
-                shape = name.expert.shape(shape)
             meta = known.get(hf_name)
-            if meta is None or meta.dtype != held.dtype or meta.shape != shape:
-                meta = known[hf_name] = TensorMeta(hf_name=hf_name, dtype=held.dtype, shape=shape)
+            if name.expert is None:  # the common case: the held tensor's own shape (a DTensor's is global)
+                if meta is None or meta.dtype != held.dtype or meta.shape != held.shape:
+                    meta = known[hf_name] = TensorMeta(hf_name=hf_name, dtype=held.dtype, shape=global_shape(held))
+            else:
+                shape = name.expert.shape(global_shape(held))
+                if meta is None or meta.dtype != held.dtype or meta.shape != shape:
+                    meta = known[hf_name] = TensorMeta(hf_name=hf_name, dtype=held.dtype, shape=shape)
             out.append(meta)
         return out
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         gathered: tuple[str, torch.Tensor] | None = None  # the fused parameter whose experts are being read
-        for hf_name in self._names if hf_names is None else hf_names:
-            name = self._name(hf_name)
+        names = self._names
+        for hf_name in names if hf_names is None else hf_names:
+            name = names.get(hf_name) or self._name(hf_name)  # (which raises, naming it)
             if name.expert is None:
                 gathered = None
-                yield hf_name, full_tensor(self._held(name))
+                held = self._held(name)
+                yield hf_name, held.detach() if type(held) in PLAIN_TENSORS else full_tensor(held)
                 continue
             if gathered is None or gathered[0] != name.trainer_name:
                 gathered = None  # drop the last one before gathering the next

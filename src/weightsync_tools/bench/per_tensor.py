@@ -227,7 +227,7 @@ def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: i
         for buffer, data in zip(buffers, packed, strict=True):
             buffer.copy_(data)
         started = time.perf_counter()
-        manifest = BeginRequest.from_json(json.loads(body)).manifest
+        manifest = BeginRequest.from_json(json.loads(body), known=updater.last_manifest).manifest  # as the route
         updater.begin(manifest)
         for bucket, buffer, sent in zip(manifest.buckets, buffers, digests, strict=True):
             updater.stage_bucket(version=version, index=bucket.index, buffer=buffer, digest_hex=sent)

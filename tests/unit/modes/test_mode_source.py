@@ -82,3 +82,30 @@ def test_a_source_reads_parameters_swapped_behind_its_back() -> None:
     m[2]._parameters["weight"] = swapped
     assert read(source)["2.weight"].eq(2.0).all()
     assert source.param("2.weight") is swapped  # type: ignore[attr-defined]
+
+
+def test_fingerprints_record_empty_slots_and_where_names_end() -> None:
+    """An empty child slot and a parameter set to None are part of the tree; a name moved
+    from parameters to children is another tree."""
+    m = model()
+    base = tree_fingerprint(m)
+    m.register_module("gap", None)
+    with_gap = tree_fingerprint(m)
+    assert with_gap != base
+    m[0].register_parameter("bias", None)
+    assert tree_fingerprint(m) != with_gap
+    a, b = nn.Module(), nn.Module()
+    a.register_parameter("w", nn.Parameter(torch.zeros(1)))
+    b.add_module("w", nn.Identity())
+    assert tree_fingerprint(a)[2:] != tree_fingerprint(b)[2:]
+
+
+def test_metas_follow_a_dtype_change_in_place() -> None:
+    """`model.to(dtype)` keeps the Parameter objects (same tree, same walk) and changes what
+    they hold: the reused source reports the new dtype and shape."""
+    m, mode = model(), make_mode("full")
+    assert {meta.dtype for meta in mode.source(m).metas()} == {torch.float32}
+    m.to(torch.bfloat16)
+    metas = mode.source(m).metas()
+    assert {meta.dtype for meta in metas} == {torch.bfloat16}
+    assert [meta.shape for meta in metas] == [(6, 4), (6,), (3, 6), (3,)]
