@@ -13,15 +13,16 @@ sender included, runs `send_shares`:
               numbers per range) and of any overflowing cast: every rank combines
               the WHOLE buckets' digests (`digests.combine_wsmix64`) before a byte
               is sent, and an overflow anywhere stops every rank here
-    send      a producer thread packs the share of bucket k+1 (cast again, into one
-              of two buffers kept across pushes) while this thread sends the share of bucket k
-              (`weightsync.shares.Share`) to every engine, or relayed to the first:
-              no collective while bytes move
+    send      a producer thread packs the share of bucket k+2 (cast again, into one
+              of three buffers kept across pushes) while the shares of buckets k and
+              k+1 go out (`weightsync.shares.Share`; IN_FLIGHT at once, so the link
+              stays busy while an engine takes one) to every engine, or relayed to
+              the first: no collective while bytes move
     outcome   one all_gather of every rank's error, if any: all ranks return the
               same digests, or every rank learns the same failure
 
 A plain tensor (not a DTensor: every rank holds all of it) is the sender's to send.
-The trainer's memory beyond its shard stays two buffers of its share of a bucket.
+The trainer's memory beyond its shard stays three buffers of its share of a bucket.
 Every collective is bounded by `timeout_s`. A rank that fails (an overflowing cast,
 an engine that refused its share) does not raise alone: it says so in the next
 all_gather, and the sender raises for all. Casting twice is the price of a stream with
@@ -33,7 +34,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -50,6 +53,8 @@ from weightsync.sources.fsdp import local_shard
 from weightsync.trainer_ranks import TrainerRanks
 
 Deliver = Callable[[Share], None]
+IN_FLIGHT = 2
+"""Shares of one rank being sent at once (each in a buffer of its own, plus the one being packed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +98,7 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
     """This rank's part of a push sent in shares (see the module docstring); every rank
     of `ranks` calls it at once. Returns the buckets' whole digests on the sender, None
     on the others; the sender raises (WeightSyncError, CastError) where any rank failed.
-    `buffers`: the two reused buffers, kept by the caller across pushes (a fresh buffer
+    `buffers`: the reused buffers, kept by the caller across pushes (a fresh buffer
     page-faults on its first write: 0.1 s per 62 MB here)."""
     if not isinstance(source, ShareSource):
         raise ValueError(f"send_shares=True reads each rank's rows of the model's parameters: push the model "
@@ -102,7 +107,7 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
     rows, starts = _layout(source, order, ranks, timeout_s)
     if buffers is None:
         buffers = []
-    buffers.extend(torch.empty(0, dtype=torch.uint8) for _ in range(2 - len(buffers)))  # grown, never shrunk
+    buffers.extend(torch.empty(0, dtype=torch.uint8) for _ in range(IN_FLIGHT + 1 - len(buffers)))
 
     def pack(bucket: BucketMeta, slot: int) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
         mine = sum(rows[e.hf_name].numel() * e.dtype.itemsize for e in bucket.entries)
@@ -123,8 +128,9 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
     digests = [combine_wsmix64((_part(t) for a in answers for t in a["terms"][k]), bucket.nbytes)
                for k, bucket in enumerate(order.buckets)] if not stopped else []
 
-    # 2. the shares, packed on a thread of their own while this one sends the one before
-    free = threading.Semaphore(2)
+    # 2. the shares, packed on a thread of their own while this one sends the ones before:
+    # IN_FLIGHT shares sent at once (the link stays busy while an engine takes the last one)
+    free = threading.Semaphore(IN_FLIGHT + 1)
 
     def produce(put: Callable[[Share], None], stop: threading.Event) -> None:
         for k, bucket in enumerate(order.buckets):
@@ -132,24 +138,35 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
                 if stop.is_set():
                     return
             t1 = time.perf_counter()
-            ranges, data = pack(bucket, k % 2)
+            ranges, data = pack(bucket, k % (IN_FLIGHT + 1))
             stages.pack += time.perf_counter() - t1
             put(Share(version=order.version, index=bucket.index, digest=digests[k], ranges=ranges, data=data))
 
-    failed = None
+    failed: list[str] = []
+
+    def send(share: Share) -> None:
+        try:
+            if share.ranges and not failed:
+                deliver(share)
+        except Exception as e:  # told to every rank below
+            failed.append(f"{type(e).__name__}: {e}")
+        finally:
+            free.release()
+
     if not stopped:
-        with Handoff(produce, name="weightsync-shares") as packed:
+        t1 = time.perf_counter()
+        with Handoff(produce, name="weightsync-shares") as packed, \
+                ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="weightsync-share") as pool:
+            sending: deque[Future[None]] = deque()
             for share in packed:
-                if share.ranges and failed is None:
-                    t1 = time.perf_counter()
-                    try:
-                        deliver(share)
-                    except Exception as e:  # told to every rank below
-                        failed = f"{type(e).__name__}: {e}"
-                    stages.wire += time.perf_counter() - t1
-                free.release()
+                if len(sending) == IN_FLIGHT:
+                    sending.popleft().result()
+                sending.append(pool.submit(send, share))
+            for future in sending:
+                future.result()
+        stages.wire += time.perf_counter() - t1
         # 3. how it went on every rank
-        answers = ranks.all_gather_json({"error": failed}, timeout_s=timeout_s)
+        answers = ranks.all_gather_json({"error": failed[0] if failed else None}, timeout_s=timeout_s)
         stopped = [(r, a["error"]) for r, a in enumerate(answers) if a["error"]]
     if not ranks.is_sender:
         return None

@@ -239,7 +239,7 @@ class WeightSync:
         """This trainer's identity on the engines: its sessions are never taken by another
         live trainer, and it takes over those of a dead one (see `weightsync.sessions`)."""
         self._share_buffers: list[torch.Tensor] = []
-        """`send_shares`: this rank's two buffers, kept across pushes."""
+        """`send_shares`: this rank's share buffers, kept across pushes."""
         self._closed = False
 
     # -- public ------------------------------------------------------------
