@@ -150,8 +150,6 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
                 deliver(share)
         except Exception as e:  # told to every rank below
             failed.append(f"{type(e).__name__}: {e}")
-        finally:
-            free.release()
 
     if not stopped:
         t1 = time.perf_counter()
@@ -159,8 +157,9 @@ def send_shares(source: object, order: ShareOrder, ranks: TrainerRanks, *, deliv
                 ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="weightsync-share") as pool:
             sending: deque[Future[None]] = deque()
             for share in packed:
-                if len(sending) == IN_FLIGHT:
+                if len(sending) == IN_FLIGHT:  # the oldest first: buffers are reused in bucket order
                     sending.popleft().result()
+                    free.release()
                 sending.append(pool.submit(send, share))
             for future in sending:
                 future.result()
