@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,6 +59,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "/weightsync/commit": ("version",),
     "/weightsync/abort": ("version",),
     "/weightsync/rollback": ("version", "owner"),
+    "/weightsync/relay": ("version", "group_name", "source_rank", "source_label", "forward_rank", "forward_label"),
     "/load_lora_adapter": ("lora_name", "lora_path", "pinned"),
     "/load_lora_adapter_from_tensors": ("lora_name", "config_dict", "serialized_named_tensors", "load_format",
                                         "expected_checksums", "pinned"),
@@ -154,7 +156,8 @@ def field_values(name: str, ctx: dict[str, Any]) -> st.SearchStrategy[Any]:
     }
     for key in ("weight_version", "new_version", "version", "weightsync_version"):
         typed[key] = version_like
-    for key in ("index", "slot", "slot_bytes", "num_slots", "weightsync_bucket", "rank_offset", "world_size"):
+    for key in ("index", "slot", "slot_bytes", "num_slots", "weightsync_bucket", "rank_offset", "world_size",
+                "source_rank", "forward_rank"):
         typed[key] = ints
     for key in ("flush_cache", "abort_all_requests", "pinned", "abort_all", "allow_quant_error"):
         typed[key] = bools
@@ -210,9 +213,13 @@ def frames(draw: st.DrawFn, version: int, sizes: list[int]) -> bytes:
               "index": draw(st.one_of(st.integers(-1, len(sizes) + 1), json_values)),
               "nbytes": draw(st.one_of(st.sampled_from(sizes), st.integers(-1, 1 << 40), json_values)),
               "digest": draw(st.one_of(st.text(max_size=16), json_values))}
-    raw = json.dumps({k: v for k, v in header.items() if draw(st.booleans()) or k == "version"}).encode()
-    declared = draw(st.one_of(st.just(len(raw)), st.integers(0, (1 << 32) - 1)))
     payload = draw(st.binary(max_size=256))
+    if draw(st.booleans()):  # a trainer rank's share: often its own digest right, so its range table is parsed
+        header["nbytes"] = draw(st.one_of(st.just(len(payload)), st.integers(-1, 300)))
+        header["share"] = {"ranges": draw(st.one_of(st.integers(-2, 20), json_values)),
+                           "digest": draw(st.one_of(st.just(xxhash.xxh3_64_hexdigest(payload)), json_values))}
+    raw = json.dumps({k: v for k, v in header.items() if draw(st.booleans()) or k in ("version", "share")}).encode()
+    declared = draw(st.one_of(st.just(len(raw)), st.integers(0, (1 << 32) - 1)))
     return MAGIC + struct.pack("<I", declared) + raw + payload
 
 
