@@ -25,11 +25,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
 
-from weightsync.digests import XXH3_64, digest, hasher
+from weightsync.digests import XXH3_64, bytes_tensor, digest, hasher
 from weightsync.errors import IntegrityError
 
 RANGE_BYTES = 16
@@ -59,13 +60,20 @@ class Share:
 
     def payload(self) -> list[memoryview]:
         """The frame payload: the range table, then the bytes (no copy of the bytes)."""
-        table = np.asarray(self.ranges, dtype="<u8").reshape(-1, 2)
-        return [memoryview(table.tobytes()), self.data.numpy().data.cast("B")]
+        return [memoryview(self._table), self.data.numpy().data.cast("B")]
 
     def payload_digest(self) -> str:
-        """The share's own digest, over its payload (`SHARE_DIGEST`)."""
-        table = torch.from_numpy(np.asarray(self.ranges, dtype="<u8").reshape(-1).view(np.uint8).copy())
-        return hasher(SHARE_DIGEST).update(table).update(self.data).hexdigest()
+        """The share's own digest, over its payload (`SHARE_DIGEST`): computed once, however
+        many engines the share goes to."""
+        return self._digest
+
+    @cached_property
+    def _table(self) -> bytes:
+        return np.asarray(self.ranges, dtype="<u8").reshape(-1).tobytes()
+
+    @cached_property
+    def _digest(self) -> str:
+        return hasher(SHARE_DIGEST).update(bytes_tensor(self._table)).update(self.data).hexdigest()
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
