@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from weightsync.dtypes import castable
 from weightsync.errors import CastError
 from weightsync.manifest import BucketMeta, TensorEntry, TensorMeta
 
@@ -97,12 +98,6 @@ def payload_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 def allocate(bucket: BucketMeta, *, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
     """An uninitialised uint8 buffer sized for `bucket`."""
     return torch.empty(bucket.nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
-
-
-def castable(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether a tensor of dtype `src` may travel as `dst`: equal dtypes, or both
-    floating point. Integer, bool and complex tensors are never cast."""
-    return src == dst or (src.is_floating_point and dst.is_floating_point)
 
 
 def pack_one(buffer: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor, *,

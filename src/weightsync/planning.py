@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.bucketing import castable, plan_buckets, stream_order
-from weightsync.dtypes import dtype_name
+from weightsync.bucketing import plan_buckets, stream_order
+from weightsync.dtypes import Cast, dtype_name
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
-from weightsync.errors import CastError
+from weightsync.errors import CastError, format_names
 from weightsync.integrity import digest
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.modes import Selection
@@ -28,25 +28,57 @@ from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 
 
-def sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
-    """What a tensor of `dtype` travels as: `cast_to` if both are floating (bucketing.castable)."""
-    return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
-
-
-def cast_dtype(forced: torch.dtype | None, served: Callable[[], Mapping[str, torch.dtype | None]], *,
-               cast: bool) -> torch.dtype | None:
-    """The dtype floating tensors travel in: `forced` (`SyncConfig.dtype`), else with `cast` the
-    one dtype the engines serve (`served()`: engine label -> its dtype); checked before any byte moves."""
+def cast_dtype(forced: torch.dtype | None, served: Callable[[], Mapping[str, EngineCapabilities]], *,
+               cast: bool, to_engine: Mapping[str, str] | None = None) -> Cast:
+    """The dtype each floating tensor travels in: `forced` (`SyncConfig.dtype`), else with `cast`
+    the one dtype the engines serve; either way, a tensor the engines keep in another dtype
+    (`EngineCapabilities.kept_dtypes`, a router's float32 bias) travels in that one. `served()`:
+    engine label -> its capabilities; `to_engine`: hf_name -> engine name where renamed. Replicas
+    must agree; checked before any byte moves."""
+    capabilities = served() if cast or forced is not None else {}
+    kept_by: dict[str, dict[str, torch.dtype]] = {label: dict(c.kept_dtypes) for label, c in capabilities.items()}
+    if len({tuple(sorted((n, dtype_name(d)) for n, d in k.items())) for k in kept_by.values()}) > 1:
+        listed = "; ".join(f"{label} keeps {', '.join(f'{n} in {dtype_name(d)}' for n, d in sorted(k.items())[:4])}"
+                           if k else f"{label} keeps none" for label, k in kept_by.items())
+        raise CastError(f"engine replicas keep different tensors in another dtype than they serve ({listed}); "
+                        "push to each kind of engine with its own WeightSync")
+    kept_engine = next(iter(kept_by.values()), {})
+    if kept_engine and to_engine:
+        to_hf = {engine_name: hf_name for hf_name, engine_name in to_engine.items()}
+        kept = {to_hf.get(n, n): d for n, d in kept_engine.items()}
+    else:
+        kept = kept_engine
     if forced is not None:
-        return forced
+        return Cast(to=forced, kept=kept)
     if not cast:
-        return None
-    known = {label: d for label, d in served().items() if d is not None}
+        return Cast()
+    known = {label: c.dtype for label, c in capabilities.items() if c.dtype is not None}
     if len(set(known.values())) > 1:
         listed = ", ".join(f"{label} serves {dtype_name(d)}" for label, d in known.items())
         raise CastError(f"engine replicas serve different dtypes ({listed}); start them with one dtype, "
                         "or pass dtype= to send one (an engine that cannot take it refuses at begin)")
-    return next(iter(known.values()), None)
+    return Cast(to=next(iter(known.values()), None), kept=kept)
+
+
+def cast_notes(cast: Cast, metas: Sequence[TensorMeta], held: Mapping[str, torch.dtype]) -> list[str]:
+    """A push report's notes on what was cast in the stream (`metas`: what was sent; `held`:
+    hf_name -> the dtype the trainer holds it in, where that differs from the meta's)."""
+    cast_from: set[str] = set()
+    kept: dict[str, list[str]] = {}
+    for m in metas:
+        held_as = held.get(m.hf_name, m.dtype)
+        sent = cast.of(m.hf_name, held_as)
+        if m.hf_name in cast.kept and sent != cast.to:
+            kept.setdefault(dtype_name(sent), []).append(m.hf_name)
+        elif sent != held_as:
+            cast_from.add(dtype_name(held_as))
+    notes = []
+    if cast.to is not None and cast_from:
+        listed = ", ".join(sorted(cast_from))
+        notes.append(f"floating tensors cast from {listed} to {dtype_name(cast.to)} in the stream")
+    for dtype, names in sorted(kept.items()):
+        notes.append(f"{len(names)} tensor(s) sent in {dtype}, as the engines keep them: {format_names(names)}")
+    return notes
 
 
 def expert_layout(layouts: Mapping[str, ExpertLayout], model: Any) -> ExpertLayout:
@@ -67,7 +99,7 @@ class _PlanKey:
     """Every tensor of the source (the rename covers them all)."""
     metas: list[TensorMeta]
     """The tensors selected, as the trainer holds them."""
-    cast_to: torch.dtype | None
+    cast: Cast
     bucket_bytes: int
     in_one_bucket: bool
 
@@ -92,18 +124,18 @@ class BucketPlanner:
         self.last: tuple[_PlanKey, BucketPlan] | None = None
         """The last plan and its key; plans are immutable, never changed by callers."""
 
-    def plan(self, held: Mapping[str, torch.dtype], metas: Sequence[TensorMeta], *, cast_to: torch.dtype | None,
+    def plan(self, held: Mapping[str, torch.dtype], metas: Sequence[TensorMeta], *, cast: Cast,
              bucket_bytes: int, in_one_bucket: bool) -> BucketPlan:
         """`metas` (the selection, trainer names and dtypes) renamed and cast for the engines and
         cut into buckets of `bucket_bytes` (one bucket with `in_one_bucket`); `held`: every
         tensor of the source -> its dtype as the trainer holds it."""
-        key = _PlanKey(hf_names=list(held), metas=list(metas), cast_to=cast_to, bucket_bytes=bucket_bytes,
+        key = _PlanKey(hf_names=list(held), metas=list(metas), cast=cast, bucket_bytes=bucket_bytes,
                        in_one_bucket=in_one_bucket)
         if self.last is not None and self.last[0] == key:
             return self.last[1]
         # renamed for the whole source, so a rename entry of a tensor left out is not stale
         to_engine = rename(held, self._rename)
-        engine_metas = [replace(m, hf_name=to_engine[m.hf_name], dtype=sent_dtype(m.dtype, cast_to)) for m in metas]
+        engine_metas = [replace(m, hf_name=to_engine[m.hf_name], dtype=cast.of(m.hf_name, m.dtype)) for m in metas]
         if in_one_bucket:
             bucket_bytes = max(1, sum(m.nbytes for m in engine_metas))
         buckets = plan_buckets(engine_metas, bucket_bytes)
@@ -117,7 +149,7 @@ class PushPlanner:
     """What a mode may ask of the coordinator (`modes.base.Planner`) in one phase of a push."""
 
     def __init__(self, replicas: Replicas, ranks: TrainerRanks, *, stages: Stages, allow_overflow: bool,
-                 digest_algorithm: Callable[[], str], cast_dtype: Callable[[bool], torch.dtype | None],
+                 digest_algorithm: Callable[[], str], cast_dtype: Callable[[bool], Cast],
                  expert_layout: ExpertLayout) -> None:
         self._replicas = replicas
         self.ranks = ranks
@@ -143,7 +175,7 @@ class PushPlanner:
     def digest_algorithm(self) -> str:
         return self._digest_algorithm()
 
-    def cast_dtype(self, *, cast: bool) -> torch.dtype | None:
+    def cast_dtype(self, *, cast: bool) -> Cast:
         return self._cast_dtype(cast)
 
     def capabilities(self) -> Sequence[EngineCapabilities]:
@@ -153,11 +185,11 @@ class PushPlanner:
         """Digest of every tensor of `source` as the engines would hold it (cast where floating,
         with `cast`); every trainer rank gathers along."""
         t0 = time.perf_counter()
-        cast_to = self._cast_dtype(cast)
+        sent = self._cast_dtype(cast)
         names = [m.hf_name for m in source.metas()]
         self.ranks.share({"mode": source.mode, "order": names, "expert_layout": self.expert_layout},
                          timeout_s=self.timeout_s)
-        digests = {name: digest(t.to(sent_dtype(t.dtype, cast_to)).contiguous()) for name, t in source.tensors(names)}
+        digests = {name: digest(t.to(sent.of(name, t.dtype)).contiguous()) for name, t in source.tensors(names)}
         self.stages.hash += time.perf_counter() - t0
         return digests
 
@@ -179,7 +211,7 @@ class PushPlan:
 
     selection: Selection
     buckets: BucketPlan
-    cast_to: torch.dtype | None
-    """The dtype floating tensors travel in (None: as the trainer holds them)."""
+    cast: Cast
+    """The dtype each floating tensor travels in."""
     manifest: Manifest
     """Without digests (they are known once the buckets are packed)."""

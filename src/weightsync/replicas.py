@@ -22,8 +22,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any, TypeVar
 
-import torch
-
 from weightsync.cleanup import Backlog
 from weightsync.engines.base import (
     AdapterUnloader,
@@ -108,9 +106,9 @@ class Replicas:
             self._caps = caps
         return self._caps
 
-    def served_dtypes(self) -> dict[str, torch.dtype | None]:
-        """Engine label -> the dtype it serves (`EngineCapabilities.dtype`)."""
-        return {e.label: c.dtype for e, c in zip(self.engines, self.capabilities(), strict=True)}
+    def by_label(self) -> dict[str, EngineCapabilities]:
+        """Engine label -> its capabilities (the dtype it serves, the tensors it keeps in another)."""
+        return dict(zip((e.label for e in self.engines), self.capabilities(), strict=True))
 
     def expert_layouts(self) -> dict[str, ExpertLayout]:
         """Engine label -> the layout it loads Mixture-of-Experts layers in (`EngineCapabilities.expert_layout`)."""

@@ -46,7 +46,7 @@ from torch import nn
 
 from weightsync.change_encoding import ENCODINGS
 from weightsync.digests import ALGORITHMS, COMBINABLE, WSMIX64, for_device
-from weightsync.dtypes import dtype_from_name, dtype_name
+from weightsync.dtypes import Cast, dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.followers import follow
@@ -56,7 +56,7 @@ from weightsync.modes import ModeOptions, PushMode, make_mode
 from weightsync.naming import ExpertLayout
 from weightsync.owners import session_owner
 from weightsync.pipeline import Stages, stream_buckets
-from weightsync.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, expert_layout, sent_dtype
+from weightsync.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, cast_notes, expert_layout
 from weightsync.rank_shares import ShareOrder, send_shares
 from weightsync.replicas import Replicas
 from weightsync.reports import Ack, SyncReport
@@ -334,10 +334,7 @@ class WeightSync:
         metas = plan.selection.metas
         entries = list(manifest.entries())
         encodings = Counter(e.encoding for e in entries)
-        cast = sorted({dtype_name(d) for d in (held.get(m.hf_name, m.dtype) for m in metas)
-                       if sent_dtype(d, plan.cast_to) != d})
-        if plan.cast_to is not None and cast:
-            notes.append(f"floating tensors cast from {', '.join(cast)} to {dtype_name(plan.cast_to)} in the stream")
+        notes += cast_notes(plan.cast, metas, held)
         mode.committed(plan.selection, version, planner)
         return SyncReport(
             version=version, mode=manifest.mode, transport=self.config.transport, num_bytes=manifest.num_bytes,
@@ -352,10 +349,10 @@ class WeightSync:
               held: Mapping[str, torch.dtype]) -> PushPlan:
         """What the mode selects, renamed, cast and cut into buckets; checked before a byte moves.
         `held`: every tensor of `source` -> its dtype."""
-        cast_to = self._cast_dtype(mode.casts)
+        cast = self._cast_dtype(mode.casts)
         selection = mode.select(source, version, planner)
         buckets = self._buckets.plan(
-            held, selection.metas, cast_to=cast_to, bucket_bytes=self.config.bucket_bytes,
+            held, selection.metas, cast=cast, bucket_bytes=self.config.bucket_bytes,
             in_one_bucket=selection.lora_config is not None and self._make_transport().adapter_in_one_bucket)
         manifest = Manifest(
             version=version, mode=selection.mode, buckets=buckets.buckets,
@@ -363,7 +360,7 @@ class WeightSync:
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
             digest_algorithm=selection.digest_algorithm or self._digest_algorithm(),
         )
-        return PushPlan(selection=selection, buckets=buckets, cast_to=cast_to, manifest=manifest)
+        return PushPlan(selection=selection, buckets=buckets, cast=cast, manifest=manifest)
 
     def _transfer(self, mode: PushMode, plan: PushPlan, source: WeightSource,
                   stages: Stages) -> tuple[Manifest, list[Ack], list[str]]:
@@ -480,10 +477,10 @@ class WeightSync:
                            digest_algorithm=self._digest_algorithm, cast_dtype=self._cast_dtype,
                            expert_layout=self._expert_layout)
 
-    def _cast_dtype(self, cast: bool) -> torch.dtype | None:
-        """The dtype floating tensors travel in (see `SyncConfig.dtype`)."""
+    def _cast_dtype(self, cast: bool) -> Cast:
+        """The dtype each floating tensor travels in (see `SyncConfig.dtype`)."""
         assert self.config.dtype is None or isinstance(self.config.dtype, torch.dtype)
-        return cast_dtype(self.config.dtype, self._replicas.served_dtypes, cast=cast)
+        return cast_dtype(self.config.dtype, self._replicas.by_label, cast=cast, to_engine=self.config.rename)
 
     def _digest_algorithm(self) -> str:
         """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`)."""

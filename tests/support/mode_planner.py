@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from weightsync import EngineCapabilities, TensorMeta, WeightSource
+from weightsync.dtypes import Cast
 from weightsync.integrity import digest
 from weightsync.pipeline import Stages
 from weightsync.trainer_ranks import TrainerRanks
@@ -45,14 +46,14 @@ class ModePlanner:
     def metas(self, source: WeightSource) -> list[TensorMeta]:
         return list(source.metas())
 
-    def cast_dtype(self, *, cast: bool) -> torch.dtype | None:
-        return self.cast_to if cast else None
+    def cast_dtype(self, *, cast: bool) -> Cast:
+        return Cast(to=self.cast_to) if cast else Cast()
 
     def capabilities(self) -> Sequence[EngineCapabilities]:
         return self.caps
 
     def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:
-        cast_to = self.cast_dtype(cast=cast)
+        cast_to = self.cast_dtype(cast=cast).to
         return {hf_name: digest(as_engine_holds(tensor, cast_to)) for hf_name, tensor in source.tensors()}
 
     def served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:

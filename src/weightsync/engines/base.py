@@ -25,7 +25,7 @@ the plain `Link` and `Delivery` records of `weightsync.links`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -114,6 +114,11 @@ class EngineCapabilities:
     dtype: torch.dtype | None = None
     """The dtype the engine serves floating weights in; floating tensors are cast to
     it in the stream. None: unknown (a stock SGLang), tensors go as the trainer holds them."""
+    kept_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    """Floating tensors the engine keeps in a dtype other than `dtype` (engine name -> that
+    dtype): transformers' `_keep_in_fp32_modules_strict` and vLLM keep a GLM-4.5 or
+    DeepSeek-V3 router's `e_score_correction_bias` in float32 under a bfloat16 model. These
+    travel in their own dtype, so a float32 master's values reach them exactly."""
     stages_updates: bool = False
     """Updates are staged and swapped in at commit, so the coordinator pauses only
     around the commit; otherwise it pauses from begin to commit."""
@@ -170,6 +175,7 @@ class EngineCapabilities:
         """The JSON form an engine serves (`/weightsync/info` "capabilities")."""
         return {
             "num_ranks": self.num_ranks, "dtype": None if self.dtype is None else dtype_name(self.dtype),
+            **({"kept_dtypes": {n: dtype_name(d) for n, d in self.kept_dtypes.items()}} if self.kept_dtypes else {}),
             "stages_updates": self.stages_updates, "pauses_at_commit": self.pauses_at_commit,
             "supports_delta": self.supports_delta, "supports_sparse": self.supports_sparse,
             "adopts_shm": self.adopts_shm, "reads_digests": self.reads_digests,
@@ -187,6 +193,7 @@ class EngineCapabilities:
         dtype = d.get("dtype")
         return cls(
             num_ranks=int(d.get("num_ranks", 1)), dtype=dtype_from_name(str(dtype)) if dtype else None,
+            kept_dtypes={str(n): dtype_from_name(str(v)) for n, v in (d.get("kept_dtypes") or {}).items()},
             stages_updates=bool(d.get("stages_updates", False)),
             pauses_at_commit=bool(d.get("pauses_at_commit", False)),
             supports_delta=bool(d.get("supports_delta", True)),

@@ -27,9 +27,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-import torch
 from torch import nn
 
+from weightsync.dtypes import Cast
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.manifest import TensorMeta
@@ -108,8 +108,8 @@ class Planner(Protocol):
         milliseconds to read); the list is shared: copy it before changing it."""
         ...
 
-    def cast_dtype(self, *, cast: bool) -> torch.dtype | None:
-        """The dtype floating tensors travel in (None: as the trainer holds them)."""
+    def cast_dtype(self, *, cast: bool) -> Cast:
+        """The dtype each floating tensor travels in (`Cast.to` None: as the trainer holds them)."""
         ...
 
     def capabilities(self) -> Sequence[EngineCapabilities]:

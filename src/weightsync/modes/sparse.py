@@ -36,10 +36,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.bucketing import castable, check_cast
+from weightsync.bucketing import check_cast
 from weightsync.change_encoding import encode
 from weightsync.digests import WSMIX64, digest
-from weightsync.dtypes import dtype_from_name, dtype_name
+from weightsync.dtypes import Cast
 from weightsync.errors import EngineError
 from weightsync.manifest import TensorMeta
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
@@ -110,9 +110,8 @@ class SparseMode(ModeDefaults):
         shards = self._shards_of(ranks)
         if "diff" in step:
             diff = step["diff"]
-            cast_to = dtype_from_name(diff["cast_to"]) if diff["cast_to"] else None
             source = self.source(model, expert_layout=diff.get("expert_layout", "per-expert"))
-            shards.diff(_module_source(source), cast_to=cast_to, sparse=diff["sparse"],
+            shards.diff(_module_source(source), cast=Cast.from_dict(diff["cast"]), sparse=diff["sparse"],
                         allow_overflow=diff["allow_overflow"], timeout_s=timeout_s)
         elif "stream" in step and order is not None:
             for _ in shards.stream(order, {}, full=step["stream"] == "full", payloads={}, timeout_s=timeout_s):
@@ -123,14 +122,14 @@ class SparseMode(ModeDefaults):
     def _select_sharded(self, source: WeightSource, version: int, planner: Planner, base: int | None) -> Selection:
         """`select` on the sending rank of a sharded trainer: every rank diffs its rows."""
         module = _module_source(source)
-        cast_to = planner.cast_dtype(cast=self.casts)
+        cast = planner.cast_dtype(cast=self.casts)
         sparse = base is not None
-        planner.share_step({"diff": {"cast_to": dtype_name(cast_to) if cast_to else None, "sparse": sparse,
+        planner.share_step({"diff": {"cast": cast.to_dict(), "sparse": sparse,
                                      "allow_overflow": planner.allow_overflow,
                                      "expert_layout": module.expert_layout}})
         shards = self._shards_of(planner.ranks)
         t0 = time.perf_counter()
-        diff = shards.diff(module, cast_to=cast_to, sparse=sparse, allow_overflow=planner.allow_overflow,
+        diff = shards.diff(module, cast=cast, sparse=sparse, allow_overflow=planner.allow_overflow,
                            timeout_s=planner.timeout_s)
         planner.stages.diff += time.perf_counter() - t0
         assert diff is not None  # the sender's
@@ -155,12 +154,12 @@ class SparseMode(ModeDefaults):
     def _diff(self, source: WeightSource, planner: Planner, *, sparse: bool) -> _Diff:
         """Read and cast every tensor, encode its change against the snapshot (with
         `sparse`), and write it into the snapshot."""
-        cast_to = planner.cast_dtype(cast=self.casts)
+        cast = planner.cast_dtype(cast=self.casts)
         algorithm = planner.digest_algorithm
         out = _Diff()
         for hf_name, tensor in source.tensors([m.hf_name for m in source.metas()]):
             tensor = tensor.detach()
-            dtype = cast_to if cast_to is not None and castable(tensor.dtype, cast_to) else tensor.dtype
+            dtype = cast.of(hf_name, tensor.dtype)
             new = self._memory.cast(tensor, dtype)
             if dtype != tensor.dtype:
                 check_cast(hf_name, tensor, new, allow_overflow=planner.allow_overflow)

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from weightsync.bucketing import castable, check_cast
+from weightsync.bucketing import check_cast
 from weightsync.change_encoding import INT_OF_SIZE, Changes, encode_positions, smallest_encoding
 from weightsync.digests import MASK64, Wsmix64Part, combine_wsmix64, wsmix64_part
-from weightsync.dtypes import dtype_name
+from weightsync.dtypes import Cast, dtype_name
 from weightsync.errors import CastError
 from weightsync.manifest import TensorMeta
 from weightsync.sources.fsdp import local_shard
@@ -121,7 +121,7 @@ class ShardedSnapshot:
         self._plan: _Plan | None = None
         self.memory = SnapshotMemory(place)
 
-    def diff(self, source: ModuleSource, *, cast_to: torch.dtype | None, sparse: bool, allow_overflow: bool,
+    def diff(self, source: ModuleSource, *, cast: Cast, sparse: bool, allow_overflow: bool,
              timeout_s: float) -> ShardedDiff | None:
         """Cast and compare this rank's rows, update them, and (sender) return what to
         send; None on the other ranks. Every rank of the group calls it at once."""
@@ -136,7 +136,7 @@ class ShardedSnapshot:
             rows = local_shard(param, meta.hf_name, rank=ranks.rank, world_size=ranks.world_size)
             if rows is None:  # a plain tensor: the sender's
                 rows = param if ranks.is_sender else param.new_empty(0)
-            dtype = cast_to if cast_to is not None and castable(rows.dtype, cast_to) else rows.dtype
+            dtype = cast.of(meta.hf_name, rows.dtype)
             dtypes.append(dtype)
             new = self.memory.cast(rows, dtype).view(-1)
             if dtype != rows.dtype and rows.numel():
@@ -165,7 +165,7 @@ class ShardedSnapshot:
                 log.warning("trainer rank %d: %s", ranks.rank, overflow)
             if not ranks.is_sender:
                 return None
-            raise CastError(overflow or _overflow_message(metas, gathered, cast_to))
+            raise CastError(overflow or _overflow_message(metas, gathered, dtypes))
         if not sparse:
             return ShardedDiff() if ranks.is_sender else None
         digests = self._digests(plan, dtypes, timeout_s)
@@ -311,10 +311,10 @@ def _derive(metas: Sequence[TensorMeta], dtypes: Sequence[torch.dtype], table: n
     return _Plan(names=[m.hf_name for m in metas], numels=numels, counts=counts, kinds=kinds)
 
 
-def _overflow_message(metas: Sequence[TensorMeta], table: np.ndarray[Any, Any], cast_to: torch.dtype | None) -> str:
-    where = [(metas[i].hf_name, r) for r, i in zip(*np.nonzero(table[:, :, _OVERFLOW]), strict=True)]
-    listed = ", ".join(f"{name!r} on trainer rank {r}" for name, r in where[:5])
-    return (f"casting to {dtype_name(cast_to) if cast_to else '?'} overflows: {listed} (that rank's log names the "
+def _overflow_message(metas: Sequence[TensorMeta], table: np.ndarray[Any, Any], dtypes: Sequence[torch.dtype]) -> str:
+    where = [(i, r) for r, i in zip(*np.nonzero(table[:, :, _OVERFLOW]), strict=True)]
+    listed = ", ".join(f"{metas[i].hf_name!r} to {dtype_name(dtypes[i])} on trainer rank {r}" for i, r in where[:5])
+    return (f"casting overflows: {listed} (that rank's log names the "
             "values); send a dtype with more range (dtype=torch.bfloat16) or pass allow_overflow=True to accept "
             "infinities")
 

@@ -9,6 +9,7 @@ collectives, disk reads) runs in worker threads.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from weightsync.bucketing import pack_one
 from weightsync.checkpoint import MANIFEST_FILE, confine, read_manifest
 from weightsync.digests import bytes_tensor, copy_hashed
-from weightsync.dtypes import dtype_from_name, dtype_name
+from weightsync.dtypes import dtype_name
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError
 from weightsync.groups import join_group
@@ -99,10 +100,18 @@ def confined_dir(path: str, root: Path) -> Path:
     return real
 
 
-def _serving_dtype(metas: Iterable[TensorMeta]) -> str | None:
-    """The one dtype every floating weight is served in (trainers cast to it), or None if mixed."""
-    dtypes = {m.dtype for m in metas if m.dtype.is_floating_point}
-    return dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
+def _serving_dtypes(metas: Iterable[TensorMeta]) -> tuple[torch.dtype | None, dict[str, torch.dtype]]:
+    """The dtype floating weights are served in (the one holding most of their bytes: trainers
+    cast to it), and the floating tensors held in another (a bf16 GLM-4.5's float32 router
+    bias, which transformers keeps in float32): name -> its dtype."""
+    floating = [m for m in metas if m.dtype.is_floating_point]
+    if not floating:
+        return None, {}
+    held: Counter[torch.dtype] = Counter()
+    for m in floating:
+        held[m.dtype] += m.nbytes
+    dtype = held.most_common(1)[0][0]
+    return dtype, {m.hf_name: m.dtype for m in floating if m.dtype != dtype}
 
 
 DEFAULT_RELAY_TIMEOUT_S = 60.0
@@ -299,9 +308,9 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         if only is not None:
             raise HTTPError(400, f"unknown view only={only!r}; the one view is only=session")
         lora_enabled = state.lora_store is not None
-        dtype = _serving_dtype(updater.weights.metas.values())
+        dtype, kept = _serving_dtypes(updater.weights.metas.values())
         capabilities = EngineCapabilities(
-            num_ranks=1, dtype=dtype_from_name(dtype) if dtype else None, stages_updates=True,
+            num_ranks=1, dtype=dtype, kept_dtypes=kept, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
             unloads_adapters=lora_enabled, rolls_back=True, relays=True, assembles_shares=True, expert_layout="fused",
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
@@ -326,7 +335,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "relay": _relay_info(state),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
                        for n, m in updater.weights.metas.items()},
-            "dtype": dtype,
+            "dtype": None if dtype is None else dtype_name(dtype),
         }
 
     @app.post(DigestsRequest.ROUTE)

@@ -10,7 +10,8 @@ import torch
 from weightsync import EngineCapabilities, PausePolicy
 
 DECLARED = EngineCapabilities(
-    num_ranks=2, dtype=torch.bfloat16, stages_updates=True, pauses_at_commit=True, supports_delta=False,
+    num_ranks=2, dtype=torch.bfloat16, kept_dtypes={"layers.1.mlp.gate.e_score_correction_bias": torch.float32},
+    stages_updates=True, pauses_at_commit=True, supports_delta=False,
     supports_sparse=True, adopts_shm=True, reads_digests=True, unloads_adapters=True, rolls_back=True,
     transports=frozenset({"shm", "http", "disk"}), lora_transports=frozenset({"http"}),
     fused_groups=(("q.weight", "k.weight", "v.weight"),), expert_layout="fused")
@@ -18,7 +19,8 @@ DECLARED = EngineCapabilities(
 
 def test_the_json_form_is_pinned_and_parses_back_whole() -> None:
     assert DECLARED.to_dict() == {
-        "num_ranks": 2, "dtype": "bfloat16", "stages_updates": True, "pauses_at_commit": True,
+        "num_ranks": 2, "dtype": "bfloat16", "kept_dtypes": {"layers.1.mlp.gate.e_score_correction_bias": "float32"},
+        "stages_updates": True, "pauses_at_commit": True,
         "supports_delta": False, "supports_sparse": True, "adopts_shm": True, "reads_digests": True,
         "unloads_adapters": True, "rolls_back": True, "transports": ["disk", "http", "shm"],
         "lora_transports": ["http"], "fused_groups": [["q.weight", "k.weight", "v.weight"]],
@@ -26,6 +28,7 @@ def test_the_json_form_is_pinned_and_parses_back_whole() -> None:
     }
     assert EngineCapabilities.from_dict(DECLARED.to_dict()) == DECLARED
     assert "fused_groups" not in EngineCapabilities().to_dict()  # left out when there are none
+    assert "kept_dtypes" not in EngineCapabilities().to_dict()
 
 
 def test_what_an_engine_leaves_out_takes_the_defaults_and_unknown_keys_are_ignored() -> None:

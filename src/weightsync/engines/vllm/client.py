@@ -112,7 +112,9 @@ class VLLMEngine:
         info = self.info(timeout_s=timeout_s)
         if self._num_ranks is None:
             self._num_ranks = int(info["num_ranks"])
+        kept = {str(n): dtype_from_name(str(d)) for n, d in (info.get("kept_dtypes") or {}).items()}
         return EngineCapabilities(num_ranks=self._num_ranks, dtype=dtype_from_name(str(info["dtype"])),
+                                  kept_dtypes=kept,
                                   stages_updates=True, supports_delta=False, supports_sparse=True,
                                   reads_digests=False,
                                   unloads_adapters=True, transports=self.transports,

@@ -185,6 +185,7 @@ class WorkerSync:
         self.adapters = AdapterDirs()
         """The PEFT directories of the adapters this worker took (engine rank 0 writes them)."""
         self._expected: dict[str, TensorMeta] | None = None
+        self._kept: dict[str, torch.dtype] | None = None
         self.held: dict[str, torch.Tensor] = {}
         """Checkpoint name -> the served tensor as the last committed update left it (what
         sparse updates apply on top of); empty until a full update commits."""
@@ -207,6 +208,8 @@ class WorkerSync:
             "max_lora_rank": lora_config.max_lora_rank if lora_config is not None else None,
             "model": str(self.worker.vllm_config.model_config.model),
             "dtype": dtype_name(self.worker.vllm_config.model_config.dtype),
+            "kept_dtypes": {name: dtype_name(d) for name, d in self.kept_dtypes().items()
+                            if name in (self._expected_metas() or {})},
         }
 
     def connect(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -364,13 +367,28 @@ class WorkerSync:
                 log.warning("no safetensors checkpoint found for %s: updates are not dry-run checked",
                             model_config.model)
                 return None
+            kept = self.kept_dtypes()
             served = model_config.dtype
             self._expected = {
                 m.hf_name: TensorMeta(hf_name=m.hf_name, shape=m.shape,
-                                      dtype=served if m.dtype.is_floating_point else m.dtype)
+                                      dtype=kept.get(m.hf_name, served) if m.dtype.is_floating_point else m.dtype)
                 for m in metas
             }
         return self._expected
+
+    def kept_dtypes(self) -> dict[str, torch.dtype]:
+        """Checkpoint names vLLM holds in a floating dtype other than the one it serves, under
+        the same name: a GLM-4.5 or DeepSeek-V3 router's weight and `e_score_correction_bias`
+        stay float32 in a bfloat16 vLLM (`GateLinear(params_dtype=torch.float32)`). Its loader
+        would cast whatever arrives into them; weightsync sends their own dtype instead."""
+        if self._kept is None:
+            served = self.worker.vllm_config.model_config.dtype
+            model = self._model()
+            if model is None:
+                return {}
+            held = [*model.named_parameters(), *model.named_buffers()]
+            self._kept = {name: t.dtype for name, t in held if t.is_floating_point() and t.dtype != served}
+        return self._kept
 
     # -- helpers -----------------------------------------------------------
 
