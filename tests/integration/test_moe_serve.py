@@ -27,7 +27,7 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import edit_two_experts, make_moe_dir
+from moe_models import as_the_engine_holds, edit_two_experts, make_moe_dir
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.tiny import TinyModelConfig, build_model
@@ -162,5 +162,43 @@ def test_bf16_serve_serves_the_cast_experts(tmp_path: Path) -> None:
         result = ws.probe_logprobs(copy.deepcopy(trainer).to(torch.bfloat16), engine, vf.PROMPTS, max_new_tokens=8)
         assert result.max_gap < BF16_MAX_GAP and result.mean_gap < BF16_MEAN_GAP, result
         print(f"\nbf16 MoE serve: max gap {result.max_gap:.4f}, mean {result.mean_gap:.4f}")
+    finally:
+        server.close()
+
+
+def test_bf16_glm_serve_keeps_its_router_bias_in_float32_and_gets_the_masters_values(tmp_path: Path) -> None:
+    """transformers keeps GLM-4.5's `e_score_correction_bias` in float32 under a bfloat16 model
+    (`_keep_in_fp32_modules_strict`): the engine declares it (`kept_dtypes`), a float32 trainer
+    sends it in float32 (a value no bfloat16 holds arrives exact) and everything else cast."""
+    model_dir = make_moe_dir(tmp_path, "glm4_moe", dtype="bfloat16")
+    bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    server = launch_server(model_dir, args=["--num-threads", "1"])
+    try:
+        engine = ws.SGLangEngine(server.url)
+        assert engine.capabilities(30.0).kept_dtypes == {bias_name: torch.float32}
+        trainer = vf.load_trainer(model_dir).float()  # fp32 master weights
+        vf.perturb(trainer, seed=4)
+        bias = trainer.get_submodule("model.layers.1.mlp.gate").e_score_correction_bias
+        with torch.no_grad():
+            bias.add_(torch.linspace(-0.5, 0.5, 8) + 1e-3 / 3)  # routing moves; not bfloat16 values
+        assert not torch.equal(bias.to(torch.bfloat16).float(), bias)
+        for transport, mode in (("shm", "full"), ("http", "sparse")):
+            with ws.WeightSync([engine], transport=transport, mode=mode) as sync:
+                report = sync.push(trainer, version=(version := next_version(engine)))
+                if mode == "sparse":  # the base this mode remembers, then only the router bias moves
+                    with torch.no_grad():
+                        bias.add_(1e-3 / 7)
+                    report = sync.push(trainer, version=(version := next_version(engine)))
+                    assert report.mode == "sparse" and report.acks[0].loaded_names == {bias_name}, report
+            assert report.verified and engine.weight_version() == str(version)
+            assert any(f"1 tensor(s) sent in float32, as the engines keep them: '{bias_name}'" in n
+                       for n in report.notes), report.notes
+            served = engine.digests()
+            assert served[bias_name] == digest(bias.detach())
+            assert served == {n: digest(t.detach() if n == bias_name else t.detach().to(torch.bfloat16).contiguous())
+                              for n, t in trainer.state_dict().items() if n in served}
+        result = ws.probe_logprobs(as_the_engine_holds(trainer, [bias_name]), engine, vf.PROMPTS, max_new_tokens=8)
+        assert result.max_gap < BF16_MAX_GAP and result.mean_gap < BF16_MEAN_GAP, result
+        print(f"\nbf16 GLM-4-MoE serve: max gap {result.max_gap:.4f}, mean {result.mean_gap:.4f}")
     finally:
         server.close()

@@ -3,7 +3,8 @@ configs: `weightsync.tiny`, archs "qwen3_moe" and "glm4_moe")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import copy
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,22 @@ def edit_two_experts(model: torch.nn.Module, layer: int = 1, chosen: tuple[int, 
             module.down_proj[e].add_(torch.randn(module.down_proj[e].shape, generator=gen) * 0.05)
     return [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in chosen
             for proj in ("gate_proj", "up_proj", "down_proj")]
+
+
+def as_the_engine_holds(trainer: torch.nn.Module, kept: Collection[str]) -> torch.nn.Module:
+    """A bfloat16 copy of `trainer` whose `kept` tensors stay float32, exactly as the engine
+    holds them (the reference transformers scores the engine's tokens with)."""
+    reference = copy.deepcopy(trainer).to(torch.bfloat16)
+    masters = dict(trainer.state_dict())
+    with torch.no_grad():
+        for name in kept:
+            module_name, _, leaf = name.rpartition(".")
+            module = reference.get_submodule(module_name)
+            if leaf in module._parameters:
+                module._parameters[leaf] = torch.nn.Parameter(masters[name].detach().clone(), requires_grad=False)
+            else:
+                module._buffers[leaf] = masters[name].detach().clone()
+    return reference
 
 
 class WithoutTensors:
