@@ -4,11 +4,14 @@ machine); skipped, with the reason, everywhere else.
 
 Shown: float32 Mixture-of-Experts masters on the GPU (Qwen3-MoE: fused experts; GLM-4-MoE:
 the router's float32 bias) reach a bfloat16 engine cast on the device, bucket by bucket,
-over http and shm (host slots: each tensor cast where it lives, then copied), and over a
-broadcast group whose buckets live on the GPU (`BroadcastTransport(device="cuda")`: packed
-and hashed there with wsmix64, the engine recomputing the digest on its CPU). Every push is
-verified and the engine's served digests equal the trainer's tensors cast to bfloat16 on
-the CPU, byte for byte (the router bias: float32, exact)."""
+over http, shm and a gloo broadcast group (host buckets: each tensor cast where it lives,
+then copied into its bucket). Every push is verified and the engine's served digests equal
+the trainer's tensors cast to bfloat16 on the CPU, byte for byte (the router bias: float32,
+exact). Run on an H200 (torch 2.11+cu130): http and shm passed for both models; the
+broadcast case ran then with buckets on the GPU, which gloo refused ("No backend type
+associated with device type cuda"; `BroadcastTransport` now refuses that pairing when built)
+and NCCL hung (trainer and engine on one GPU), so it runs here with host buckets, not yet
+run on a GPU. docs/TESTING.md says how to run this module on a lent GPU."""
 
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ import weightsync as ws
 from moe_models import make_moe_dir
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess, launch_server
-from weightsync.transports.broadcast import BroadcastTransport
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -57,15 +59,14 @@ def expected_digests(trainer: torch.nn.Module, kept: set[str], served: set[str])
             for n, t in trainer.state_dict().items() if n in served}
 
 
-@pytest.mark.parametrize("transport", ["http", "shm", "broadcast-cuda"])
+@pytest.mark.parametrize("transport", ["http", "shm", "broadcast"])
 def test_cuda_fp32_moe_masters_reach_a_bf16_engine_exactly(bf16_serve: tuple[Path, ServerProcess],
                                                            transport: str) -> None:
     model_dir, server = bf16_serve
     engine = ws.SGLangEngine(server.url)
     kept = set(engine.capabilities(30.0).kept_dtypes)
     trainer = cuda_trainer(model_dir, seed=len(transport))
-    chosen = BroadcastTransport(device="cuda") if transport == "broadcast-cuda" else transport
-    with ws.WeightSync([engine], transport=chosen) as sync:
+    with ws.WeightSync([engine], transport=transport, timeout_s=30) as sync:
         report = sync.push(trainer, version=(version := int(engine.weight_version()) + 1))
     assert report.verified and engine.weight_version() == str(version), report
     assert any("cast from float32 to bfloat16" in n for n in report.notes), report.notes

@@ -225,6 +225,12 @@ class BroadcastTransport(TransportDefaults):
             device = "cuda" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.backend == "gloo" and self.device.type != "cpu":
+            # seen on an H200: gloo's group here moves host tensors only ("No backend type associated
+            # with device type cuda" at the first broadcast, after the engines began)
+            raise ValueError(f"backend='gloo' broadcasts buckets from host memory, not {self.device}: use "
+                             "device='cpu' (a trainer on the GPU still casts each tensor there and copies it "
+                             "into the host bucket), or backend='nccl' for buckets on the GPU")
         if relay and self.backend != "gloo":
             raise ValueError("relay=True forwards buckets between engines over gloo, from host memory; "
                              "use backend='gloo' (device='cpu'), or relay=False")

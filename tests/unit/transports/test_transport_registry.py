@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import weightsync
 from weightsync import SGLangEngine, WeightSync
@@ -88,3 +89,15 @@ def test_each_transport_has_its_own_typed_link_that_round_trips(tmp_path: Path) 
                     "rank_offset": 1})
     with pytest.raises(ValueError, match="unknown transport 'nccl'; valid names: disk, http, broadcast, shm"):
         parse_link({"transport": "nccl"})
+
+
+def test_gloo_with_buckets_on_a_gpu_is_refused_when_built() -> None:
+    """Seen on an H200: a gloo group here broadcasts host tensors only, and a CUDA bucket
+    failed at the first broadcast, after the engines had begun. Refused up front, naming
+    both fixes (checked by device type: no GPU needed)."""
+    from weightsync.transports.broadcast import BroadcastTransport
+
+    with pytest.raises(ValueError, match=r"backend='gloo' broadcasts buckets from host memory, not cuda:0: use "
+                                         r"device='cpu' .* or backend='nccl'"):
+        BroadcastTransport(device="cuda:0", backend="gloo")
+    assert BroadcastTransport().device == torch.device("cpu") and BroadcastTransport().backend == "gloo"
