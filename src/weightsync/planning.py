@@ -14,14 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.bucketing import castable, plan_buckets, stream_order
+from weightsync.bucketing import TensorParts, castable, plan_buckets, stream_order
+from weightsync.digests import XXH3_64, hasher
 from weightsync.dtypes import dtype_name
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import CastError
 from weightsync.integrity import digest
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.modes import Selection
-from weightsync.naming import ExpertLayout, has_fused_experts, rename
+from weightsync.naming import ExpertLayout, expert_stacks, has_fused_experts, rename
 from weightsync.pipeline import Stages
 from weightsync.replicas import Replicas
 from weightsync.sources import WeightSource
@@ -31,6 +32,17 @@ from weightsync.trainer_ranks import TrainerRanks
 def sent_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
     """What a tensor of `dtype` travels as: `cast_to` if both are floating (bucketing.castable)."""
     return cast_to if cast_to is not None and castable(dtype, cast_to) else dtype
+
+
+def _digest_as_sent(tensor: torch.Tensor | TensorParts, cast_to: torch.dtype | None) -> str:
+    """The digest of `tensor` as it travels (cast to `cast_to` where floating); one given as its
+    parts is hashed part by part, each cast as it is packed, never made whole."""
+    if isinstance(tensor, TensorParts):
+        hashed = hasher(XXH3_64)
+        for _, part in tensor:
+            hashed.update(part.to(sent_dtype(part.dtype, cast_to)))
+        return hashed.hexdigest()
+    return digest(tensor.to(sent_dtype(tensor.dtype, cast_to)).contiguous())
 
 
 def cast_dtype(forced: torch.dtype | None, served: Callable[[], Mapping[str, torch.dtype | None]], *,
@@ -51,8 +63,10 @@ def cast_dtype(forced: torch.dtype | None, served: Callable[[], Mapping[str, tor
 
 def expert_layout(layouts: Mapping[str, ExpertLayout], model: Any) -> ExpertLayout:
     """The expert layout the engines load (engine label -> `EngineCapabilities.expert_layout`);
-    replicas must agree where the model holds fused experts (elsewhere it names nothing)."""
-    if len(set(layouts.values())) > 1 and isinstance(model, nn.Module) and has_fused_experts(model):
+    replicas must agree where the model holds experts the layout names (fused, or per-expert
+    ones that stack into fused tensors); elsewhere it names nothing."""
+    if len(set(layouts.values())) > 1 and isinstance(model, nn.Module) and (
+            has_fused_experts(model) or expert_stacks(model)):
         listed = ", ".join(f"{label} loads {layout}" for label, layout in layouts.items())
         raise ValueError(f"engine replicas load Mixture-of-Experts layers in different layouts ({listed}); "
                          "push to each kind with its own WeightSync")
@@ -157,7 +171,7 @@ class PushPlanner:
         names = [m.hf_name for m in source.metas()]
         self.ranks.share({"mode": source.mode, "order": names, "expert_layout": self.expert_layout},
                          timeout_s=self.timeout_s)
-        digests = {name: digest(t.to(sent_dtype(t.dtype, cast_to)).contiguous()) for name, t in source.tensors(names)}
+        digests = {name: _digest_as_sent(t, cast_to) for name, t in source.tensors(names)}
         self.stages.hash += time.perf_counter() - t0
         return digests
 

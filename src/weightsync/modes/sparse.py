@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.bucketing import castable, check_cast
+from weightsync.bucketing import TensorParts, castable, check_cast
 from weightsync.change_encoding import encode
 from weightsync.digests import WSMIX64, digest
 from weightsync.dtypes import dtype_from_name, dtype_name
@@ -159,6 +159,10 @@ class SparseMode(ModeDefaults):
         algorithm = planner.digest_algorithm
         out = _Diff()
         for hf_name, tensor in source.tensors([m.hf_name for m in source.metas()]):
+            if isinstance(tensor, TensorParts):
+                raise ValueError(f"{hf_name} is stacked from per-expert tensors (sources.stacked) for an engine that "
+                                 "loads experts fused; mode='sparse' diffs tensors the trainer holds whole: use "
+                                 "mode='delta' (per fused tensor) or 'full'")
             tensor = tensor.detach()
             dtype = cast_to if cast_to is not None and castable(tensor.dtype, cast_to) else tensor.dtype
             new = self._memory.cast(tensor, dtype)
