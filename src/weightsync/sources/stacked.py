@@ -19,7 +19,7 @@ asks for the same names in the same order, and each part is gathered as it is pa
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,15 +28,25 @@ from weightsync.bucketing import TensorParts
 from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertStack, expert_converters, stack_expert_names
 
-if TYPE_CHECKING:
-    from weightsync.sources import WeightSource
+
+class InnerSource(Protocol):
+    """What a stacked source reads: a `weightsync.sources.WeightSource` (restated here, as that
+    package imports this module)."""
+
+    mode: str
+
+    def metas(self) -> Sequence[TensorMeta]:
+        ...
+
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor | TensorParts]]:
+        ...
 
 
 class StackedSource:
     """`inner` with the per-expert tensors of each `ExpertStack` sent as their fused tensor,
     at the place of its first part; every other tensor as `inner` has it."""
 
-    def __init__(self, inner: WeightSource, stacks: Sequence[ExpertStack]) -> None:
+    def __init__(self, inner: InnerSource, stacks: Sequence[ExpertStack]) -> None:
         self.inner = inner
         self.mode = inner.mode
         self.stacks = {stack.hf_name: stack for stack in stacks}
@@ -74,6 +84,19 @@ class StackedSource:
         return TensorMeta(hf_name=stack.hf_name, dtype=first.dtype,
                           shape=(stack.num_experts, stack.num_parts * rows, *rest))
 
+    def param(self, hf_name: str) -> torch.Tensor:
+        """The tensor as the trainer holds it (`sources.ModuleSource.param`), which
+        `send_shares=True` reads each rank's rows of; a fused tensor has none: ValueError."""
+        if hf_name in self.stacks:
+            raise ValueError(f"{hf_name} is stacked from per-expert tensors for an engine that loads experts fused; "
+                             "no trainer rank holds rows of it, which send_shares=True sends: use send_shares=False")
+        inner = getattr(self.inner, "param", None)  # a ModuleSource's
+        if inner is None:
+            raise ValueError(f"send_shares=True reads each rank's rows of the model's parameters: push the model "
+                             f"(an nn.Module), not a {type(self.inner).__name__}")
+        held: torch.Tensor = inner(hf_name)
+        return held
+
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor | TensorParts]]:
         """The named tensors in the order given; a fused one as its parts (`TensorParts`, read
         from `inner` as they are packed; whatever the consumer leaves unread is read before
@@ -110,7 +133,7 @@ def _named_parts(inner: Iterator[tuple[str, torch.Tensor | TensorParts]],
         yield name, tensor
 
 
-def stacked_source(source: WeightSource, conversions_of: nn.Module) -> WeightSource:
+def stacked_source(source: InnerSource, conversions_of: nn.Module) -> InnerSource:
     """`source` (a stream of checkpoint tensors: a Megatron-style export, per-expert tensors
     in hand) with its per-expert tensors stacked into the fused ones an engine of
     `expert_layout="fused"` loads, by the conversion mapping of `conversions_of` (a

@@ -126,3 +126,14 @@ def test_tensor_parts_count() -> None:
         TensorParts(iter([]), shape=(2, 5), part_shape=(3,))
     whole = TensorParts(iter([("a", torch.ones(3)), ("b", torch.full((3,), 2.0))]), shape=(2, 3), part_shape=(3,))
     assert torch.equal(whole.assemble(), torch.tensor([[1.0] * 3, [2.0] * 3]))
+
+
+def test_send_shares_reads_no_rows_of_a_stacked_tensor() -> None:
+    fused, per_expert = trainers()
+    source = make_source(per_expert, expert_layout="fused")
+    assert source.param("model.norm.weight") is per_expert.model.norm.weight  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj is stacked .*use send_shares=False"):
+        source.param("model.layers.0.mlp.experts.gate_up_proj")  # type: ignore[attr-defined]
+    stream = stacked_source(Stream(dict(named_weights(fused))), conversions_of=fused)
+    with pytest.raises(ValueError, match="push the model"):
+        stream.param("model.norm.weight")  # type: ignore[attr-defined]
