@@ -78,3 +78,14 @@ def test_model_stacks_come_from_its_conversion_mapping() -> None:
     dense.model.layers[0].mlp.experts = torch.nn.ModuleList(
         [torch.nn.ModuleDict({"gate_proj": torch.nn.Linear(2, 2), "up_proj": torch.nn.Linear(2, 2)})])
     assert expert_stacks(dense) == ()
+
+
+def test_replicas_of_both_layouts_refuse_a_model_whose_experts_the_layout_names() -> None:
+    from weightsync.planning import expert_layout
+
+    fused = build_model(TinyModelConfig(arch="qwen3_moe"))
+    both = {"vllm": "per-expert", "serve": "fused"}
+    for model in (fused, per_expert_trainer(fused)):  # either way, the two would be sent different names
+        with pytest.raises(ValueError, match="vllm loads per-expert, serve loads fused"):
+            expert_layout(both, model)  # type: ignore[arg-type]
+    assert expert_layout(both, build_model(TinyModelConfig(arch="qwen2"))) == "per-expert"  # type: ignore[arg-type]

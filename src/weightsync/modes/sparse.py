@@ -227,7 +227,8 @@ class _ShardStream:
 def _module_source(source: WeightSource) -> ModuleSource:
     if not isinstance(source, ModuleSource):
         raise TypeError(f"mode='sparse' with a process_group diffs each rank's shard of an nn.Module; got a "
-                        f"{type(source).__name__}")
+                        f"{type(source).__name__} (a StackedSource: per-expert tensors stacked for an engine that "
+                        "loads experts fused; use mode='delta')")
     return source
 
 
