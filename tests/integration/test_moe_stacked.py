@@ -11,11 +11,13 @@ bfloat16 serve, the served experts are the fused parameters `.to(bfloat16)` exac
 missing expert, a gate without its expert, and another expert count are refused before any
 byte moves, naming the tensors, the engine keeping its version; a delta after an edit to
 two experts sends only their layer's two fused tensors; mode="sparse" is refused, naming
-the fix.
+the fix; mode="lora-merged" (PEFT LoRA on attention) serves PEFT's `merge_and_unload()`,
+its experts stacked by torch.stack / torch.cat in the test, bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import edit_two_experts, make_moe_dir, per_expert_trainer
+from moe_models import edit_two_experts, fused_state, make_moe_dir, per_expert_trainer
 from weightsync.errors import NamingError
 from weightsync.integrity import digest
 from weightsync.manifest import TensorMeta
@@ -150,6 +152,32 @@ def test_delta_after_two_experts_sends_their_layer_and_sparse_is_refused(
             ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj is stacked .*mode='delta'"):
         sync.push(trainer, version=version + 1)
     assert engine.weight_version() == str(version)
+
+
+def test_lora_merged_serves_peft_merge_stacked(served: tuple[Path, ServerProcess]) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model_dir, server = served
+    engine = ws.SGLangEngine(server.url)
+    fused = vf.load_trainer(model_dir)
+    vf.perturb(fused, seed=51)
+    # on attention: PEFT 0.21 turns expert targets of a qwen3_moe model into target_parameters on the fused
+    # gate_up_proj / down_proj (the transformers 5 layout), which a per-expert trainer does not have
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft_model = get_peft_model(per_expert_trainer(fused), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    vf.set_adapter_weights(peft_model, seed=6)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    merged = fused_state(copy.deepcopy(peft_model).merge_and_unload())
+    with ws.WeightSync([engine], transport="http", mode="lora-merged") as sync:
+        report = sync.push(peft_model, version=(version := next_version(engine)))
+    assert report.verified and report.mode == "lora-merged" and report.num_tensors == 25, report
+    assert engine.weight_version() == str(version)
+    assert engine.digests() == {n: digest(t) for n, t in merged.items()}, "PEFT's merge, stacked, bit for bit"
+    changed = {n for n, p in fused.named_parameters() if not torch.equal(merged[n], p)}
+    assert changed == {f"model.layers.{i}.self_attn.{m}.weight" for i in (0, 1) for m in targets}
+    assert all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters()), "trainer left bit-identical"
+    fused.load_state_dict(merged)
+    vf.assert_parity(engine, fused)
 
 
 def test_fp32_per_expert_trainer_into_bf16_serve_is_the_cast_fused_params(tmp_path: Path) -> None:

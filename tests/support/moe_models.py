@@ -84,3 +84,20 @@ def per_expert_trainer(fused: torch.nn.Module) -> torch.nn.Module:
         layer.mlp.experts = torch.nn.ModuleList(
             ExpertMLP(gate[e], up[e], down[e]) for e in range(gate_up.shape[0]))
     return model
+
+
+def fused_state(per_expert: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the fused (transformers 5) model holding `per_expert`'s weights, stacked
+    with torch.stack / torch.cat here (independently of weightsync's packing)."""
+    state = dict(per_expert.state_dict())
+    for i in range(len(per_expert.model.layers)):
+        prefix = f"model.layers.{i}.mlp.experts."
+        count = len({n[len(prefix):].split(".")[0] for n in state if n.startswith(prefix)})
+        if not count:
+            continue
+        parts = {proj: [state.pop(f"{prefix}{e}.{proj}.weight") for e in range(count)]
+                 for proj in ("gate_proj", "up_proj", "down_proj")}
+        state[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(parts["gate_proj"], parts["up_proj"], strict=True)])
+        state[prefix + "down_proj"] = torch.stack(parts["down_proj"])
+    return state
