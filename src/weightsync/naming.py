@@ -35,16 +35,15 @@ names and the split come from transformers' own conversion mapping of the model
 The reverse, for a trainer that holds its experts one by one (older transformers'
 `nn.ModuleList` of per-expert MLPs, a Megatron-style export) pushing into an engine
 that loads them fused: `expert_stacks` / `stack_expert_names` group the per-expert
-checkpoint names into the fused tensors they make (`ExpertStack`), by the same
-conversion mapping; a set that is not complete (an expert missing, a gate without its
-up) raises NamingError naming the missing tensors.
+checkpoint names into the fused tensors they make (`stacking.ExpertStack`), by the
+same conversion mapping; a set that is not complete (an expert missing, a gate without
+its up) raises NamingError naming the missing tensors.
 """
 
 from __future__ import annotations
 
-import re
 import sys
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,6 +51,7 @@ import torch
 from torch import nn
 
 from weightsync.errors import NamingError, format_names
+from weightsync.stacking import ExpertStack, stack_expert_names
 
 # Wrappers whose only job is to hold the real module in one attribute.
 _TRANSPARENT_ATTRS = ("module", "_orig_mod", "_checkpoint_wrapped_module")
@@ -86,21 +86,6 @@ class ExpertSlice:
     def shape(self, fused_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The slice's shape, from the fused parameter's full shape."""
         return (fused_shape[1] // self.parts, *fused_shape[2:])
-
-
-@dataclass(frozen=True)
-class ExpertStack:
-    """One fused checkpoint tensor made of per-expert tensors held one by one (the reverse
-    of `ExpertSlice`): `[num_experts, num_parts x rows, cols]`, expert e part k being
-    `parts[e * num_parts + k]`, in the fused tensor's memory order (e0 gate, e0 up, e1 gate...)."""
-
-    hf_name: str
-    """The fused tensor's checkpoint name, e.g. "model.layers.0.mlp.experts.gate_up_proj"."""
-    parts: tuple[str, ...]
-    """The per-expert checkpoint names it is stacked from, in memory order."""
-    num_experts: int
-    num_parts: int
-    """Tensors per expert concatenated on dim 1 (gate and up: 2; down: 1)."""
 
 
 @dataclass(frozen=True)
@@ -414,49 +399,6 @@ def expert_stacks(model: nn.Module, *, adapter_name: str | None = None) -> tuple
         converters = _expert_converters(pretrained)
         if converters:
             stacks += stack_expert_names(hf_names, converters, prefix=prefix)
-    return tuple(stacks)
-
-
-def stack_expert_names(hf_names: Iterable[str], converters: Iterable[tuple[str, Sequence[str]]], *,
-                       prefix: str = "") -> tuple[ExpertStack, ...]:
-    """Group per-expert checkpoint names into the fused tensors they make, by `converters`
-    ((fused target, per-expert source patterns with one "*" for the expert), as
-    `expert_converters` reads them). Names under `prefix` (the transformers model's own, in
-    the checkpoint) that match no pattern are left out; a matched set must be complete: every
-    expert from 0 to the highest present, each with every pattern, or NamingError lists the
-    missing names. Stacks come in the order their first part is met."""
-    rules = [(target, [re.compile(r"(?:(?P<stem>.*)\.)?" + re.escape(pattern).replace(r"\*", r"(?P<expert>\d+)"))
-                       for pattern in patterns], tuple(patterns))
-             for target, patterns in converters]
-    found: dict[str, tuple[tuple[str, ...], str, dict[tuple[int, int], str]]] = {}
-    """fused name -> (its patterns, its stem, (expert, part) -> per-expert name)."""
-    for hf_name in hf_names:
-        if not hf_name.startswith(prefix):
-            continue
-        relative = hf_name[len(prefix):]
-        for target, regexes, patterns in rules:
-            for part, regex in enumerate(regexes):
-                match = regex.fullmatch(relative)
-                if match is None or str(int(match["expert"])) != match["expert"]:
-                    continue
-                stem = prefix + (match["stem"] + "." if match["stem"] is not None else "")
-                entry = found.setdefault(stem + target, (patterns, stem, {}))
-                entry[2][(int(match["expert"]), part)] = hf_name
-    stacks, missing = [], []
-    for fused_name, (patterns, stem, parts) in found.items():
-        num_experts = 1 + max(e for e, _ in parts)
-        absent = [stem + pattern.replace("*", str(e)) for e in range(num_experts)
-                  for k, pattern in enumerate(patterns) if (e, k) not in parts]
-        if absent:
-            missing.append(f"{fused_name} lacks {format_names(absent)}")
-            continue
-        stacks.append(ExpertStack(hf_name=fused_name, num_experts=num_experts, num_parts=len(patterns),
-                                  parts=tuple(parts[(e, k)] for e in range(num_experts) for k in range(len(patterns)))))
-    if missing:
-        raise NamingError(
-            "per-expert tensors do not make whole fused expert tensors (every expert from 0 to the last, each "
-            f"with every projection, is stacked into one): {'; '.join(missing)}; send every expert's tensors, or "
-            "push to an engine that loads experts one by one (expert_layout='per-expert')")
     return tuple(stacks)
 
 

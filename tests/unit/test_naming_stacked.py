@@ -9,7 +9,8 @@ import torch
 
 from moe_models import per_expert_trainer
 from weightsync.errors import NamingError
-from weightsync.naming import ExpertStack, expert_converters, expert_stacks, stack_expert_names
+from weightsync.naming import expert_converters, expert_stacks
+from weightsync.stacking import ExpertStack, stack_expert_names
 from weightsync.tiny import TinyModelConfig, build_model
 
 CONVERTERS = [("mlp.experts.gate_up_proj", ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight")),

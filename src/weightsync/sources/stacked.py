@@ -26,7 +26,8 @@ from torch import nn
 
 from weightsync.bucketing import TensorParts
 from weightsync.manifest import TensorMeta
-from weightsync.naming import ExpertStack, expert_converters, stack_expert_names
+from weightsync.naming import expert_converters
+from weightsync.stacking import ExpertStack, stack_expert_names
 
 
 class InnerSource(Protocol):
@@ -72,8 +73,8 @@ class StackedSource:
     def _fused_meta(self, stack: ExpertStack, by_name: dict[str, TensorMeta]) -> TensorMeta:
         absent = [name for name in stack.parts if name not in by_name]
         if absent:
-            raise ValueError(f"{stack.hf_name} is stacked from {absent[:4]} (and {len(absent)} in all), which this "
-                             "source does not hold; make the StackedSource from the source's own names")
+            raise ValueError(f"{stack.hf_name} is stacked from {len(absent)} tensor(s) this source does not hold "
+                             f"({absent[:4]}...); make the StackedSource from the source's own names")
         first = by_name[stack.parts[0]]
         odd = [name for name in stack.parts if (by_name[name].dtype, by_name[name].shape) != (first.dtype, first.shape)]
         if odd or len(first.shape) < 2:
