@@ -13,11 +13,14 @@ larger than `bucket_bytes` is never split: it gets a bucket of its own.
 Packing a stream (`pack_stream`) copies runs of small tensors with one call
 (`torch._chunk_cat`) into their place in the bucket (tens of thousands of expert
 matrices cost a C++ loop, not a Python call each); the bytes are exactly those
-`pack_one` writes tensor by tensor.
+`pack_one` writes tensor by tensor. A tensor a source holds in parts (`TensorParts`:
+a fused expert tensor stacked from per-expert ones) has each part cast and packed
+straight into its byte range; the whole tensor is never made.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -276,7 +279,7 @@ def stream_order(plan: Sequence[BucketMeta]) -> list[str]:
 
 def pack_stream(
     plan: Iterable[BucketMeta],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | TensorParts]],
     *,
     keep: bool = True,
     alloc: Callable[[BucketMeta], torch.Tensor | None] = allocate,
@@ -311,7 +314,9 @@ def pack_stream(
                 raise ValueError(f"tensor stream ended before {entry.hf_name!r}") from None
             if name != entry.hf_name:
                 raise ValueError(f"tensor stream out of order: got {name!r}, the plan expects {entry.hf_name!r}")
-            if run is not None:
+            if isinstance(tensor, TensorParts):
+                _add_parts(run, entry, tensor)
+            elif run is not None:
                 run.add(entry, tensor)
             del tensor
         if run is not None:
@@ -376,6 +381,71 @@ class _Run:
                     for entry, tensor in zip(entries, tensors, strict=True):
                         check_cast(entry.hf_name, tensor, entry_view(self.buffer, entry))
         self.entries, self.tensors, self.nbytes, self.src, self.dst = [], [], 0, None, None
+
+
+class TensorParts:
+    """One tensor of a stream given as the tensors that lie back to back in it, in memory
+    order, each under a name of its own (the one errors name): a fused expert tensor
+    `[E, 2I, H]` as its experts' gate and up matrices (e0 gate, e0 up, e1 gate, ...), part i
+    at element offset i x `part_shape`'s size. `pack_stream` casts each into its place in the
+    bucket. Iterated once, as the parts are read (an FSDP2 source gathers each as it comes):
+    iterate it before asking the stream for its next tensor."""
+
+    __slots__ = ("_left", "_parts", "num_parts", "part_shape", "shape")
+
+    def __init__(self, parts: Iterable[tuple[str, torch.Tensor]], *, shape: tuple[int, ...],
+                 part_shape: tuple[int, ...]) -> None:
+        self._parts = iter(parts)
+        self.shape = shape
+        """The whole tensor's shape."""
+        self.part_shape = part_shape
+        """Every part's shape; the parts' sizes sum to the whole's."""
+        whole, one = math.prod(shape), math.prod(part_shape)
+        if one == 0 or whole % one:
+            raise ValueError(f"a tensor of shape {shape} is not made of parts of shape {part_shape}")
+        self.num_parts = whole // one
+        self._left = self.num_parts
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each part not read yet: `num_parts` of them in all, or ValueError."""
+        while self._left:
+            item = next(self._parts, None)
+            if item is None:
+                raise ValueError(f"the parts of a {self.shape} tensor ended after "
+                                 f"{self.num_parts - self._left} of {self.num_parts}")
+            self._left -= 1
+            yield item
+
+    def assemble(self) -> torch.Tensor:
+        """The whole tensor, a new one holding the parts (of the first part's dtype and device):
+        for a caller that wants it whole; packing never makes it."""
+        if self._left != self.num_parts:
+            raise ValueError("assemble() reads every part: this TensorParts was read already")
+        whole: torch.Tensor | None = None
+        for i, (_, part) in enumerate(self):
+            if whole is None:
+                whole = torch.empty(self.shape, dtype=part.dtype, device=part.device)
+            whole.view(self.num_parts, *self.part_shape)[i].copy_(part)
+        assert whole is not None
+        return whole
+
+    def drain(self) -> None:
+        """Read whatever parts are left (a rank that packs nothing still takes part in their gathers)."""
+        for _ in self:
+            pass
+
+
+def _add_parts(run: _Run | None, entry: TensorEntry, parts: TensorParts) -> None:
+    """Each part of `parts` cast and packed into its byte range of dense `entry` (read, not packed,
+    without a run)."""
+    if not entry.is_dense or parts.shape != entry.shape:
+        raise ValueError(f"tensor {entry.hf_name!r} comes in parts, {parts.shape}; the plan says {entry.shape} "
+                         f"{entry.encoding}: re-plan after changing the model")
+    offset, step = entry.offset, math.prod(parts.part_shape) * entry.dtype.itemsize
+    for hf_name, tensor in parts:
+        if run is not None:
+            run.add(TensorEntry(hf_name=hf_name, dtype=entry.dtype, shape=parts.part_shape, offset=offset), tensor)
+        offset += step
 
 
 def _check_fits(entry: TensorEntry, tensor: torch.Tensor) -> None:

@@ -31,6 +31,13 @@ transformers' `use_experts_implementation` sets on every experts module
 names and the split come from transformers' own conversion mapping of the model
 (`get_model_conversion_mapping`, the table `from_pretrained` fuses with and
 `save_pretrained` splits by).
+
+The reverse, for a trainer that holds its experts one by one (older transformers'
+`nn.ModuleList` of per-expert MLPs, a Megatron-style export) pushing into an engine
+that loads them fused: `expert_stacks` / `stack_expert_names` group the per-expert
+checkpoint names into the fused tensors they make (`stacking.ExpertStack`), by the
+same conversion mapping; a set that is not complete (an expert missing, a gate without
+its up) raises NamingError naming the missing tensors.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import torch
 from torch import nn
 
 from weightsync.errors import NamingError, format_names
+from weightsync.stacking import ExpertStack, stack_expert_names
 
 # Wrappers whose only job is to hold the real module in one attribute.
 _TRANSPARENT_ATTRS = ("module", "_orig_mod", "_checkpoint_wrapped_module")
@@ -166,6 +174,9 @@ class _Walker:
         """(hf_prefix, model) of the transformers models (`PreTrainedModel`) the walk is
         inside, innermost last: their conversion mappings name fused experts' tensors."""
         self.converters: dict[int, list[tuple[str, tuple[str, ...]]]] = {}
+        self.held_in: dict[int, tuple[str, nn.Module, list[str]]] = {}
+        """id(model) -> (hf_prefix, model, hf_names of the tensors it is the innermost transformers
+        model of): whose conversion mapping names which tensors (`expert_stacks`)."""
         self.params: list[ParamName] = []
         self.adapter_layers: list[AdapterLayer] = []
         self.adapter_param_ids: set[int] = set()
@@ -224,6 +235,9 @@ class _Walker:
         if not slices:
             self.params.append(ParamName(hf_name=hf_name, trainer_name=trainer_name, param=param,
                                          is_buffer=is_buffer))
+            if self.conversions:
+                prefix, model = self.conversions[-1]
+                self.held_in.setdefault(id(model), (prefix, model, []))[2].append(hf_name)
         for slice_name, where in slices:
             self.params.append(ParamName(hf_name=slice_name, trainer_name=trainer_name, param=param, expert=where))
 
@@ -364,6 +378,28 @@ def expert_slices(model: nn.Module, *, adapter_name: str | None = None) -> dict[
         if p.expert is not None:
             out.setdefault(fused[p.trainer_name], []).append((p.hf_name, p.expert))
     return out
+
+
+def expert_converters(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """(fused target pattern, per-expert source patterns) of `model`'s Mixture-of-Experts
+    layers, from transformers' conversion mapping of it (empty for a dense model); `model`
+    is any transformers model of the architecture (one built on the meta device will do)."""
+    return _expert_converters(model) if _is_pretrained(model) else []
+
+
+def expert_stacks(model: nn.Module, *, adapter_name: str | None = None) -> tuple[ExpertStack, ...]:
+    """The fused checkpoint tensors `model`'s per-expert ones make, for an engine that loads
+    experts fused: per transformers model in the tree, its tensors' checkpoint names grouped
+    by its conversion mapping (`stack_expert_names`). Empty for a dense model or one that
+    holds its experts fused already."""
+    walker = _Walker(adapter_name, "fused")
+    walker.walk(model, "", "")
+    stacks: list[ExpertStack] = []
+    for prefix, pretrained, hf_names in walker.held_in.values():
+        converters = _expert_converters(pretrained)
+        if converters:
+            stacks += stack_expert_names(hf_names, converters, prefix=prefix)
+    return tuple(stacks)
 
 
 def _check_complete(model: nn.Module, walker: _Walker) -> None:

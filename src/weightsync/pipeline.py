@@ -159,7 +159,7 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
     return digests
 
 
-def _timed(it: Iterator[tuple[str, torch.Tensor]], stages: Stages, field: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _timed(it: Iterator[T], stages: Stages, field: str) -> Iterator[T]:
     """Count the time spent inside `next(it)` towards `stages.<field>`."""
     while True:
         t0 = time.perf_counter()

@@ -14,18 +14,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.bucketing import plan_buckets, stream_order
+from weightsync.bucketing import TensorParts, plan_buckets, stream_order
+from weightsync.digests import XXH3_64, hasher
 from weightsync.dtypes import Cast, dtype_name
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import CastError, format_names
 from weightsync.integrity import digest
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.modes import Selection
-from weightsync.naming import ExpertLayout, has_fused_experts, rename
+from weightsync.naming import ExpertLayout, expert_stacks, has_fused_experts, rename
 from weightsync.pipeline import Stages
 from weightsync.replicas import Replicas
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
+
+
+def _digest_as_sent(hf_name: str, tensor: torch.Tensor | TensorParts, cast: Cast) -> str:
+    """The digest of `tensor` as it travels (cast as `cast` says for `hf_name`); one given as its
+    parts is hashed part by part, each cast as it is packed, never made whole."""
+    if isinstance(tensor, TensorParts):
+        hashed = hasher(XXH3_64)
+        for _, part in tensor:
+            hashed.update(part.to(cast.of(hf_name, part.dtype)))
+        return hashed.hexdigest()
+    return digest(tensor.to(cast.of(hf_name, tensor.dtype)).contiguous())
 
 
 def cast_dtype(forced: torch.dtype | None, served: Callable[[], Mapping[str, EngineCapabilities]], *,
@@ -83,8 +95,10 @@ def cast_notes(cast: Cast, metas: Sequence[TensorMeta], held: Mapping[str, torch
 
 def expert_layout(layouts: Mapping[str, ExpertLayout], model: Any) -> ExpertLayout:
     """The expert layout the engines load (engine label -> `EngineCapabilities.expert_layout`);
-    replicas must agree where the model holds fused experts (elsewhere it names nothing)."""
-    if len(set(layouts.values())) > 1 and isinstance(model, nn.Module) and has_fused_experts(model):
+    replicas must agree where the model holds experts the layout names (fused, or per-expert
+    ones that stack into fused tensors); elsewhere it names nothing."""
+    if len(set(layouts.values())) > 1 and isinstance(model, nn.Module) and (
+            has_fused_experts(model) or expert_stacks(model)):
         listed = ", ".join(f"{label} loads {layout}" for label, layout in layouts.items())
         raise ValueError(f"engine replicas load Mixture-of-Experts layers in different layouts ({listed}); "
                          "push to each kind with its own WeightSync")
@@ -189,7 +203,7 @@ class PushPlanner:
         names = [m.hf_name for m in source.metas()]
         self.ranks.share({"mode": source.mode, "order": names, "expert_layout": self.expert_layout},
                          timeout_s=self.timeout_s)
-        digests = {name: digest(t.to(sent.of(name, t.dtype)).contiguous()) for name, t in source.tensors(names)}
+        digests = {name: _digest_as_sent(name, t, sent) for name, t in source.tensors(names)}
         self.stages.hash += time.perf_counter() - t0
         return digests
 

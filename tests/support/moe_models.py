@@ -69,3 +69,51 @@ class WithoutTensors:
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return self.inner.tensors([m.hf_name for m in self.metas()] if hf_names is None else hf_names)
+
+
+class ExpertMLP(torch.nn.Module):
+    """One expert as older transformers (4.x) and checkpoints hold it: gate, up and down projections."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(gate.shape[1], gate.shape[0], bias=False, dtype=gate.dtype)
+        self.up_proj = torch.nn.Linear(up.shape[1], up.shape[0], bias=False, dtype=up.dtype)
+        self.down_proj = torch.nn.Linear(down.shape[1], down.shape[0], bias=False, dtype=down.dtype)
+        with torch.no_grad():
+            self.gate_proj.weight.copy_(gate)
+            self.up_proj.weight.copy_(up)
+            self.down_proj.weight.copy_(down)
+
+
+def per_expert_trainer(fused: torch.nn.Module) -> torch.nn.Module:
+    """A copy of transformers-5 MoE model `fused` whose every layer holds its experts one by one
+    (the transformers 4 layout: `mlp.experts` an `nn.ModuleList` of `ExpertMLP`s) with the same
+    weights, in their own storage: what a per-expert trainer pushes. It is for pushing, not for
+    running (the MoE block's forward expects the fused module)."""
+    model = copy.deepcopy(fused)
+    for layer in model.model.layers:
+        held = getattr(layer.mlp, "experts", None)
+        if held is None or not hasattr(held, "gate_up_proj"):
+            continue
+        gate_up, down = held.gate_up_proj.detach(), held.down_proj.detach()
+        gate, up = gate_up.chunk(2, dim=1)
+        layer.mlp.experts = torch.nn.ModuleList(
+            ExpertMLP(gate[e], up[e], down[e]) for e in range(gate_up.shape[0]))
+    return model
+
+
+def fused_state(per_expert: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the fused (transformers 5) model holding `per_expert`'s weights, stacked
+    with torch.stack / torch.cat here (independently of weightsync's packing)."""
+    state = dict(per_expert.state_dict())
+    for i in range(len(per_expert.model.layers)):
+        prefix = f"model.layers.{i}.mlp.experts."
+        count = len({n[len(prefix):].split(".")[0] for n in state if n.startswith(prefix)})
+        if not count:
+            continue
+        parts = {proj: [state.pop(f"{prefix}{e}.{proj}.weight") for e in range(count)]
+                 for proj in ("gate_proj", "up_proj", "down_proj")}
+        state[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(parts["gate_proj"], parts["up_proj"], strict=True)])
+        state[prefix + "down_proj"] = torch.stack(parts["down_proj"])
+    return state

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from weightsync.bucketing import TensorParts
 from weightsync.manifest import MODES
 from weightsync.modes.base import ModeDefaults, ModeOptions, Planner, PushMode, Selection
 from weightsync.naming import ExpertLayout
@@ -54,11 +55,14 @@ def named_weights(model: nn.Module, *, mode: str = "full", adapter_name: str | N
                   expert_layout: ExpertLayout = "per-expert") -> Iterator[tuple[str, torch.Tensor]]:
     """`(hf_name, tensor)` for every weight and persistent buffer of `model` in `mode`, in
     module order; Mixture-of-Experts layers in the checkpoint's per-expert layout unless
-    `expert_layout="fused"`.
+    `expert_layout="fused"` (then a model holding its experts one by one gives each fused
+    tensor whole, assembled from its parts: a copy, which a push never makes).
 
     FSDP2 models: a collective per tensor; call on every rank.
     """
-    return make_source(model, mode, adapter_name=adapter_name, expert_layout=expert_layout).tensors()
+    source = make_source(model, mode, adapter_name=adapter_name, expert_layout=expert_layout)
+    return ((hf_name, tensor.assemble() if isinstance(tensor, TensorParts) else tensor)
+            for hf_name, tensor in source.tensors())
 
 
 __all__ = [

@@ -33,9 +33,10 @@ from weightsync.dtypes import Cast
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.manifest import TensorMeta
-from weightsync.naming import ExpertLayout
+from weightsync.naming import ExpertLayout, expert_stacks
 from weightsync.pipeline import Stages
-from weightsync.sources import ModuleSource, WeightSource, as_source
+from weightsync.sources import ModuleSource, StackedSource, WeightSource, as_source
+from weightsync.stacking import ExpertStack
 from weightsync.trainer_ranks import TrainerRanks
 
 
@@ -207,9 +208,11 @@ class ModeDefaults:
 
     def __init__(self, options: ModeOptions | None = None) -> None:
         self.options = options or ModeOptions()
-        self._named: tuple[weakref.ref[nn.Module], list[object], ModuleSource, ExpertLayout] | None = None
+        self._named: tuple[weakref.ref[nn.Module], list[object], ModuleSource, ExpertLayout,
+                           tuple[ExpertStack, ...]] | None = None
         """The model the last module source named (held weakly: a model the trainer dropped
-        is not kept alive), its tree's fingerprint, and that source without its model."""
+        is not kept alive), its tree's fingerprint, that source without its model, the layout,
+        and the fused tensors its per-expert ones stack into (that layout "fused")."""
 
     @property
     def lora_name(self) -> str | None:
@@ -217,9 +220,10 @@ class ModeDefaults:
 
     def source(self, model: nn.Module | WeightSource, *, expert_layout: ExpertLayout = "per-expert") -> WeightSource:
         """The module's base weights, named by walking its tree (fused experts as
-        `expert_layout` says); the walk of the last push is reused while the tree is the
-        same object for object (`tree_fingerprint`) and the layout the same, as it is when
-        an RL loop pushes one model step after step."""
+        `expert_layout` says: a model holding its experts one by one, into the "fused" layout,
+        sends them stacked, `sources.stacked`); the walk of the last push is reused while the
+        tree is the same object for object (`tree_fingerprint`) and the layout the same, as
+        it is when an RL loop pushes one model step after step."""
         if not isinstance(model, nn.Module):
             return as_source(model, expert_layout=expert_layout)
         fingerprint = tree_fingerprint(model)
@@ -230,9 +234,11 @@ class ModeDefaults:
             source = ModuleSource(model, adapter_name=self.options.adapter_name, expert_layout=expert_layout)
             unbound = copy.copy(source)
             del unbound.model
-            self._named = (weakref.ref(model), fingerprint, unbound, expert_layout)
+            stacks = expert_stacks(model, adapter_name=self.options.adapter_name) if expert_layout == "fused" else ()
+            self._named = (weakref.ref(model), fingerprint, unbound, expert_layout, stacks)
         source.model = model
-        return source
+        stacks = self._named[4]
+        return StackedSource(source, stacks) if stacks else source
 
     def prepare(self, model: Any, version: int, planner: Planner) -> Sequence[PushMode]:
         return ()

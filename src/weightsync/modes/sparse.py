@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.bucketing import check_cast
+from weightsync.bucketing import TensorParts, check_cast
 from weightsync.change_encoding import encode
 from weightsync.digests import WSMIX64, digest
 from weightsync.dtypes import Cast
@@ -158,6 +158,10 @@ class SparseMode(ModeDefaults):
         algorithm = planner.digest_algorithm
         out = _Diff()
         for hf_name, tensor in source.tensors([m.hf_name for m in source.metas()]):
+            if isinstance(tensor, TensorParts):
+                raise ValueError(f"{hf_name} is stacked from per-expert tensors (sources.stacked) for an engine that "
+                                 "loads experts fused; mode='sparse' diffs tensors the trainer holds whole: use "
+                                 "mode='delta' (per fused tensor) or 'full'")
             tensor = tensor.detach()
             dtype = cast.of(hf_name, tensor.dtype)
             new = self._memory.cast(tensor, dtype)
@@ -222,7 +226,8 @@ class _ShardStream:
 def _module_source(source: WeightSource) -> ModuleSource:
     if not isinstance(source, ModuleSource):
         raise TypeError(f"mode='sparse' with a process_group diffs each rank's shard of an nn.Module; got a "
-                        f"{type(source).__name__}")
+                        f"{type(source).__name__} (a StackedSource: per-expert tensors stacked for an engine that "
+                        "loads experts fused; use mode='delta')")
     return source
 
 

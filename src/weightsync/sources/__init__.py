@@ -14,9 +14,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from weightsync.bucketing import TensorParts
 from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertLayout
 from weightsync.sources.module import ModuleSource
+from weightsync.sources.stacked import StackedSource, stacked_source
 
 
 @runtime_checkable
@@ -30,8 +32,10 @@ class WeightSource(Protocol):
         """Name, dtype and full shape of every tensor, in a deterministic order."""
         ...
 
-    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor | TensorParts]]:
         """Yield the named tensors in exactly the order given (default: `metas()` order).
+        A tensor may come as its parts (`TensorParts`: a fused expert tensor stacked from
+        per-expert ones, `sources.stacked`), read before the next tensor is asked for.
 
         Sharded sources gather here: every rank must ask for the same names in
         the same order, or the ranks deadlock.
@@ -42,6 +46,10 @@ class WeightSource(Protocol):
 @runtime_checkable
 class AdapterSource(WeightSource, Protocol):
     """A source of LoRA adapter tensors ("lora" mode), with the adapter's config."""
+
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the named adapter tensors (always whole) in exactly the order given."""
+        ...
 
     def config(self) -> dict[str, Any]:
         """adapter_config.json contents, as PEFT writes them."""
@@ -69,4 +77,5 @@ def as_source(model: object, *, expert_layout: ExpertLayout | None = None) -> We
     return model
 
 
-__all__ = ["AdapterSource", "ExpertSource", "ModuleSource", "WeightSource", "as_source"]
+__all__ = ["AdapterSource", "ExpertSource", "ModuleSource", "StackedSource", "WeightSource", "as_source",
+           "stacked_source"]
