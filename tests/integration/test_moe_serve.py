@@ -27,9 +27,9 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import as_the_engine_holds, edit_two_experts, make_moe_dir
+from moe_models import as_the_engine_holds, edit_two_experts, moe_serve, next_version
 from weightsync.integrity import digest
-from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.server.launch import ServerProcess
 from weightsync.tiny import TinyModelConfig, build_model
 
 BF16_MAX_GAP = 0.05
@@ -42,16 +42,8 @@ stale or skipped tensor fails on those, not on this bound."""
 
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServerProcess]]:
-    model_dir = make_moe_dir(tmp_path_factory.mktemp("moe-serve"), "qwen3_moe")
-    server = launch_server(model_dir, args=["--num-threads", "1"])
-    try:
-        yield model_dir, server
-    finally:
-        server.close()
-
-
-def next_version(engine: ws.SGLangEngine) -> int:
-    return int(engine.weight_version()) + 1
+    with moe_serve(tmp_path_factory.mktemp("moe-serve"), "qwen3_moe") as served:
+        yield served
 
 
 def test_serve_takes_fused_experts_full_delta_sparse(qwen3_moe: tuple[Path, ServerProcess]) -> None:
@@ -110,10 +102,8 @@ def test_lora_merged_on_attention_serves_the_merged_weights(qwen3_moe: tuple[Pat
 
 
 def test_router_buffer_travels_and_a_trainer_without_it_is_refused(tmp_path: Path) -> None:
-    model_dir = make_moe_dir(tmp_path, "glm4_moe")
     bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
-    server = launch_server(model_dir, args=["--num-threads", "1"])
-    try:
+    with moe_serve(tmp_path, "glm4_moe") as (model_dir, server):
         engine = ws.SGLangEngine(server.url)
         trainer = vf.load_trainer(model_dir)
         vf.perturb(trainer, seed=2)
@@ -142,14 +132,10 @@ def test_router_buffer_travels_and_a_trainer_without_it_is_refused(tmp_path: Pat
             assert "model.layers.1.mlp.experts.gate_up_proj" in refused.value.mismatched
         assert engine.weight_version() == str(version)
         assert vf.greedy_tokens(engine) == before
-    finally:
-        server.close()
 
 
 def test_bf16_serve_serves_the_cast_experts(tmp_path: Path) -> None:
-    model_dir = make_moe_dir(tmp_path, "qwen3_moe", dtype="bfloat16")
-    server = launch_server(model_dir, args=["--num-threads", "1"])
-    try:
+    with moe_serve(tmp_path, "qwen3_moe", dtype="bfloat16") as (model_dir, server):
         engine = ws.SGLangEngine(server.url)
         trainer = vf.load_trainer(model_dir).float()  # fp32 master weights
         vf.perturb(trainer, seed=3)
@@ -162,18 +148,14 @@ def test_bf16_serve_serves_the_cast_experts(tmp_path: Path) -> None:
         result = ws.probe_logprobs(copy.deepcopy(trainer).to(torch.bfloat16), engine, vf.PROMPTS, max_new_tokens=8)
         assert result.max_gap < BF16_MAX_GAP and result.mean_gap < BF16_MEAN_GAP, result
         print(f"\nbf16 MoE serve: max gap {result.max_gap:.4f}, mean {result.mean_gap:.4f}")
-    finally:
-        server.close()
 
 
 def test_bf16_glm_serve_keeps_its_router_bias_in_float32_and_gets_the_masters_values(tmp_path: Path) -> None:
     """transformers keeps GLM-4.5's `e_score_correction_bias` in float32 under a bfloat16 model
     (`_keep_in_fp32_modules_strict`): the engine declares it (`kept_dtypes`), a float32 trainer
     sends it in float32 (a value no bfloat16 holds arrives exact) and everything else cast."""
-    model_dir = make_moe_dir(tmp_path, "glm4_moe", dtype="bfloat16")
     bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
-    server = launch_server(model_dir, args=["--num-threads", "1"])
-    try:
+    with moe_serve(tmp_path, "glm4_moe", dtype="bfloat16") as (model_dir, server):
         engine = ws.SGLangEngine(server.url)
         assert engine.capabilities(30.0).kept_dtypes == {bias_name: torch.float32}
         trainer = vf.load_trainer(model_dir).float()  # fp32 master weights
@@ -200,5 +182,3 @@ def test_bf16_glm_serve_keeps_its_router_bias_in_float32_and_gets_the_masters_va
         result = ws.probe_logprobs(as_the_engine_holds(trainer, [bias_name]), engine, vf.PROMPTS, max_new_tokens=8)
         assert result.max_gap < BF16_MAX_GAP and result.mean_gap < BF16_MEAN_GAP, result
         print(f"\nbf16 GLM-4-MoE serve: max gap {result.max_gap:.4f}, mean {result.mean_gap:.4f}")
-    finally:
-        server.close()

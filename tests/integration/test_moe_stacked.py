@@ -26,11 +26,11 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import edit_two_experts, fused_state, make_moe_dir, per_expert_trainer
+from moe_models import edit_two_experts, fused_state, moe_serve, next_version, per_expert_trainer
 from weightsync.errors import NamingError
 from weightsync.integrity import digest
 from weightsync.manifest import TensorMeta
-from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.server.launch import ServerProcess
 from weightsync.sources import stacked_source
 from weightsync.tiny import TinyModelConfig, build_model
 
@@ -39,16 +39,8 @@ FUSED_OF_LAYER_1 = {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.m
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServerProcess]]:
-    model_dir = make_moe_dir(tmp_path_factory.mktemp("moe-stacked"), "qwen3_moe")
-    server = launch_server(model_dir, args=["--num-threads", "1"])
-    try:
-        yield model_dir, server
-    finally:
-        server.close()
-
-
-def next_version(engine: ws.SGLangEngine) -> int:
-    return int(engine.weight_version()) + 1
+    with moe_serve(tmp_path_factory.mktemp("moe-stacked"), "qwen3_moe") as served:
+        yield served
 
 
 def fused_digests(fused: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, str]:
@@ -181,9 +173,7 @@ def test_lora_merged_serves_peft_merge_stacked(served: tuple[Path, ServerProcess
 
 
 def test_fp32_per_expert_trainer_into_bf16_serve_is_the_cast_fused_params(tmp_path: Path) -> None:
-    model_dir = make_moe_dir(tmp_path, "qwen3_moe", dtype="bfloat16")
-    server = launch_server(model_dir, args=["--num-threads", "1"])
-    try:
+    with moe_serve(tmp_path, "qwen3_moe", dtype="bfloat16") as (model_dir, server):
         engine = ws.SGLangEngine(server.url)
         fused = vf.load_trainer(model_dir).float()  # fp32 master weights
         vf.perturb(fused, seed=41)
@@ -192,5 +182,3 @@ def test_fp32_per_expert_trainer_into_bf16_serve_is_the_cast_fused_params(tmp_pa
         assert report.verified and any("cast from float32 to bfloat16" in n for n in report.notes), report
         assert engine.weight_version() == str(version)
         assert engine.digests() == fused_digests(fused, torch.bfloat16)
-    finally:
-        server.close()

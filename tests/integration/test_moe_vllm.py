@@ -14,8 +14,6 @@ before any byte moves, naming the tensors, and vLLM keeps serving its last versi
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,6 @@ import weightsync as ws
 from moe_models import WithoutTensors, edit_two_experts, make_moe_dir
 from vllm_shared_server import ModuleVLLM
 from weightsync.engines.vllm.client import VLLMEngine
-from weightsync.engines.vllm.launch import VLLMServer
 from weightsync.tiny import TinyModelConfig, build_model
 
 vf.require_vllm()
@@ -40,52 +37,45 @@ VLLM_SERVE = ModuleVLLM("qwen3-moe", make_model=lambda root: make_moe_dir(root, 
 """This module's `vllm serve` (tests/support/vllm_shared_server.py starts it in the background)."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(module_vllm_server: tuple[Path, VLLMServer]) -> Path:
-    return module_vllm_server[0]
-
-
-@pytest.fixture(scope="module")
-def engine(module_vllm_server: tuple[Path, VLLMServer]) -> Iterator[VLLMEngine]:
-    with contextlib.closing(VLLMEngine(module_vllm_server[1].url)) as engine:
-        yield engine
-
-
-def test_full_pushes_of_fused_experts_serve_transformers_tokens(engine: VLLMEngine, model_dir: Path) -> None:
-    assert engine.capabilities(30.0).expert_layout == "per-expert"
-    trainer = vf.load_trainer(model_dir)
+def test_full_pushes_of_fused_experts_serve_transformers_tokens(
+        module_engine: VLLMEngine, module_model_dir: Path
+) -> None:
+    assert module_engine.capabilities(30.0).expert_layout == "per-expert"
+    trainer = vf.load_trainer(module_model_dir)
     for transport, seed in (("shm", 1), ("broadcast", 2)):
         vf.perturb(trainer, seed=seed)
-        with ws.WeightSync([engine], transport=transport) as sync:
-            report = sync.push(trainer, version=(version := vf.next_version(engine)))
+        with ws.WeightSync([module_engine], transport=transport) as sync:
+            report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
         vf.assert_verified(report, version)
         assert report.num_tensors == NUM_CHECKPOINT_TENSORS
         assert "model.layers.1.mlp.experts.7.up_proj.weight" in report.acks[0].loaded_names
-        gap = vf.assert_parity(engine, trainer)
+        gap = vf.assert_parity(module_engine, trainer)
         print(f"\n{transport} v{version}: {report.num_tensors} tensors, max logprob gap {gap:.2e}")
 
 
-def test_sparse_push_after_two_experts_changed_sends_only_them(engine: VLLMEngine, model_dir: Path) -> None:
-    trainer = vf.load_trainer(model_dir)
+def test_sparse_push_after_two_experts_changed_sends_only_them(
+        module_engine: VLLMEngine, module_model_dir: Path
+) -> None:
+    trainer = vf.load_trainer(module_model_dir)
     vf.perturb(trainer, seed=3)
-    with ws.WeightSync([engine], transport="shm", mode="sparse") as sync:
+    with ws.WeightSync([module_engine], transport="shm", mode="sparse") as sync:
         for _ in range(2):  # the first sparse push goes out whole (the worker keeps no copy until then)
-            report = sync.push(trainer, version=(version := vf.next_version(engine)))
+            report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
         vf.assert_verified(report, version)
         changed = edit_two_experts(trainer, layer=1, chosen=(2, 5))
-        report = sync.push(trainer, version=(version := vf.next_version(engine)))
+        report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
     vf.assert_verified(report, version)
     assert report.mode == "sparse" and report.num_tensors == len(changed) == 6
     assert report.acks[0].loaded_names == frozenset(changed)
-    vf.assert_parity(engine, trainer)
+    vf.assert_parity(module_engine, trainer)
 
 
-def test_wrong_expert_count_and_missing_expert_are_refused(engine: VLLMEngine, model_dir: Path) -> None:
-    trainer = vf.load_trainer(model_dir)
+def test_wrong_expert_count_and_missing_expert_are_refused(module_engine: VLLMEngine, module_model_dir: Path) -> None:
+    trainer = vf.load_trainer(module_model_dir)
     vf.perturb(trainer, seed=4)
-    with ws.WeightSync([engine], transport="shm") as sync:
-        sync.push(trainer, version=(version := vf.next_version(engine)))
-        before = vf.greedy_tokens(engine)
+    with ws.WeightSync([module_engine], transport="shm") as sync:
+        sync.push(trainer, version=(version := vf.next_version(module_engine)))
+        before = vf.greedy_tokens(module_engine)
         six = build_model(TinyModelConfig(arch="qwen3_moe", num_experts=6))
         with pytest.raises(ws.ManifestMismatchError, match=r"model\.layers\.0\.mlp\.experts\.6\.") as refused:
             sync.push(six, version=version + 1)
@@ -95,12 +85,12 @@ def test_wrong_expert_count_and_missing_expert_are_refused(engine: VLLMEngine, m
         with pytest.raises(ws.ManifestMismatchError, match=r"model\.layers\.0\.mlp\.experts\.3\.") as refused:
             sync.push(WithoutTensors(trainer, lost), version=version + 1)
         assert set(refused.value.missing) == set(lost)
-    assert engine.info()["version"] == version
-    assert vf.greedy_tokens(engine) == before
-    vf.assert_parity(engine, trainer)
+    assert module_engine.info()["version"] == version
+    assert vf.greedy_tokens(module_engine) == before
+    vf.assert_parity(module_engine, trainer)
 
 
-def test_trls_weight_transfer_sends_fused_experts_into_vllm(engine: VLLMEngine, model_dir: Path) -> None:
+def test_trls_weight_transfer_sends_fused_experts_into_vllm(module_engine: VLLMEngine, module_model_dir: Path) -> None:
     """TRL's `AsyncGRPOTrainer` sends what its own `_iter_vllm_named_params` yields, fused
     experts included: `WeightTransfer` with `name_experts(trainer.model)` pushes them into vLLM
     one per expert, verified and served with transformers' tokens; without it the push is
@@ -109,10 +99,10 @@ def test_trls_weight_transfer_sends_fused_experts_into_vllm(engine: VLLMEngine, 
 
     from weightsync.integrations.trl import WeightTransfer
 
-    trainer = vf.load_trainer(model_dir)
+    trainer = vf.load_trainer(module_model_dir)
     vf.perturb(trainer, seed=5)
-    before = (engine.info()["version"], vf.greedy_tokens(engine))
-    unnamed = WeightTransfer(engines=[engine], transport="shm", first_version=vf.next_version(engine))
+    before = (module_engine.info()["version"], vf.greedy_tokens(module_engine))
+    unnamed = WeightTransfer(engines=[module_engine], transport="shm", first_version=vf.next_version(module_engine))
     unnamed.init_weight_transfer()
     try:
         with pytest.raises(ws.ManifestMismatchError, match=r"experts\.gate_up_proj") as refused:
@@ -120,8 +110,9 @@ def test_trls_weight_transfer_sends_fused_experts_into_vllm(engine: VLLMEngine, 
         assert "transfer.name_experts(trainer.model)" in str(refused.value.__notes__)
     finally:
         unnamed.destroy()
-    assert (engine.info()["version"], vf.greedy_tokens(engine)) == before
-    transfer = WeightTransfer(engines=[engine], transport="shm", first_version=(version := vf.next_version(engine)))
+    assert (module_engine.info()["version"], vf.greedy_tokens(module_engine)) == before
+    transfer = WeightTransfer(engines=[module_engine], transport="shm",
+                              first_version=(version := vf.next_version(module_engine)))
     transfer.name_experts(trainer)
     transfer.init_weight_transfer()
     try:
@@ -130,4 +121,4 @@ def test_trls_weight_transfer_sends_fused_experts_into_vllm(engine: VLLMEngine, 
         transfer.destroy()
     vf.assert_verified(transfer.reports[0], version)
     assert transfer.reports[0].num_tensors == NUM_CHECKPOINT_TENSORS
-    vf.assert_parity(engine, trainer)
+    vf.assert_parity(module_engine, trainer)

@@ -17,9 +17,7 @@ before any byte moves, naming it, and vLLM keeps serving its last version.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,6 @@ import weightsync as ws
 from moe_models import as_the_engine_holds, edit_two_experts, make_moe_dir
 from vllm_shared_server import ModuleVLLM
 from weightsync.engines.vllm.client import VLLMEngine
-from weightsync.engines.vllm.launch import VLLMServer
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
@@ -50,17 +47,6 @@ of 12x and 9x."""
 VLLM_SERVE = ModuleVLLM("glm4-moe-bf16", make_model=lambda root: make_moe_dir(root, "glm4_moe", dtype="bfloat16"),
                         args=("--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--seed", "0"))
 """This module's `vllm serve` (tests/support/vllm_shared_server.py starts it in the background)."""
-
-
-@pytest.fixture(scope="module")
-def model_dir(module_vllm_server: tuple[Path, VLLMServer]) -> Path:
-    return module_vllm_server[0]
-
-
-@pytest.fixture(scope="module")
-def engine(module_vllm_server: tuple[Path, VLLMServer]) -> Iterator[VLLMEngine]:
-    with contextlib.closing(VLLMEngine(module_vllm_server[1].url)) as engine:
-        yield engine
 
 
 def fp32_trainer(model_dir: Path, seed: int) -> torch.nn.Module:
@@ -84,55 +70,59 @@ def assert_serves(engine: VLLMEngine, trainer: torch.nn.Module) -> float:
     return result.max_gap
 
 
-def test_full_pushes_send_the_router_in_float32_and_the_rest_in_bf16(engine: VLLMEngine, model_dir: Path) -> None:
-    capabilities = engine.capabilities(30.0)
+def test_full_pushes_send_the_router_in_float32_and_the_rest_in_bf16(
+        module_engine: VLLMEngine, module_model_dir: Path
+) -> None:
+    capabilities = module_engine.capabilities(30.0)
     assert capabilities.dtype == torch.bfloat16 and capabilities.expert_layout == "per-expert"
     assert capabilities.kept_dtypes == {BIAS: torch.float32, ROUTER: torch.float32}
     for transport, seed in (("shm", 1), ("broadcast", 2)):
-        trainer = fp32_trainer(model_dir, seed)
-        before = ws.probe_logprobs(as_the_engine_holds(trainer, [BIAS, ROUTER]), engine, vf.PROMPTS,
+        trainer = fp32_trainer(module_model_dir, seed)
+        before = ws.probe_logprobs(as_the_engine_holds(trainer, [BIAS, ROUTER]), module_engine, vf.PROMPTS,
                                    max_new_tokens=8)
-        with ws.WeightSync([engine], transport=transport) as sync:
-            report = sync.push(trainer, version=(version := vf.next_version(engine)))
+        with ws.WeightSync([module_engine], transport=transport) as sync:
+            report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
         vf.assert_verified(report, version)
         assert report.num_tensors == NUM_CHECKPOINT_TENSORS
         assert any(f"2 tensor(s) sent in float32, as the engines keep them: '{BIAS}', '{ROUTER}'" in n
                    for n in report.notes), report.notes
         assert {BIAS, ROUTER, "model.layers.1.mlp.experts.7.up_proj.weight"} <= report.acks[0].loaded_names
-        gap = assert_serves(engine, trainer)
+        gap = assert_serves(module_engine, trainer)
         # the bound tells these weights from the last ones (measured before each push: mean 0.14)
         assert before.mean_gap > 5 * BF16_MEAN_GAP, before
         print(f"\n{transport} v{version}: max logprob gap {gap:.4f} (before the push: max {before.max_gap:.2f}, "
               f"mean {before.mean_gap:.2f})")
 
 
-def test_sparse_push_sends_the_changed_experts_and_the_bias_in_float32(engine: VLLMEngine, model_dir: Path) -> None:
-    trainer = fp32_trainer(model_dir, seed=3)
-    with ws.WeightSync([engine], transport="shm", mode="sparse") as sync:
+def test_sparse_push_sends_the_changed_experts_and_the_bias_in_float32(
+        module_engine: VLLMEngine, module_model_dir: Path
+) -> None:
+    trainer = fp32_trainer(module_model_dir, seed=3)
+    with ws.WeightSync([module_engine], transport="shm", mode="sparse") as sync:
         for _ in range(2):  # the first sparse push goes out whole (the worker keeps no copy until then)
-            report = sync.push(trainer, version=(version := vf.next_version(engine)))
+            report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
         vf.assert_verified(report, version)
         changed = edit_two_experts(trainer, layer=1, chosen=(2, 5))
         with torch.no_grad():
             trainer.get_buffer(BIAS)[3] += 1e-3 / 7
-        report = sync.push(trainer, version=(version := vf.next_version(engine)))
+        report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
     vf.assert_verified(report, version)
     assert report.mode == "sparse" and report.acks[0].loaded_names == {*changed, BIAS}
     assert any(f"sent in float32, as the engines keep them: '{BIAS}'" in n for n in report.notes), report.notes
-    assert_serves(engine, trainer)
+    assert_serves(module_engine, trainer)
 
 
-def test_a_trainer_without_the_router_bias_is_refused(engine: VLLMEngine, model_dir: Path) -> None:
-    trainer = fp32_trainer(model_dir, seed=4)
-    with ws.WeightSync([engine], transport="shm") as sync:
-        sync.push(trainer, version=(version := vf.next_version(engine)))
-        before = vf.greedy_tokens(engine)
+def test_a_trainer_without_the_router_bias_is_refused(module_engine: VLLMEngine, module_model_dir: Path) -> None:
+    trainer = fp32_trainer(module_model_dir, seed=4)
+    with ws.WeightSync([module_engine], transport="shm") as sync:
+        sync.push(trainer, version=(version := vf.next_version(module_engine)))
+        before = vf.greedy_tokens(module_engine)
         lacking = copy.deepcopy(trainer)  # a router that keeps the bias as derived state: nothing to send
         router = lacking.get_submodule("model.layers.1.mlp.gate")
         router.register_buffer("e_score_correction_bias", router.e_score_correction_bias * 0, persistent=False)
         with pytest.raises(ws.ManifestMismatchError, match="e_score_correction_bias") as refused:
             sync.push(lacking, version=version + 1)
         assert list(refused.value.missing) == [BIAS]
-    assert engine.info()["version"] == version
-    assert vf.greedy_tokens(engine) == before
-    assert_serves(engine, trainer)
+    assert module_engine.info()["version"] == version
+    assert vf.greedy_tokens(module_engine) == before
+    assert_serves(module_engine, trainer)

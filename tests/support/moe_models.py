@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from weightsync.manifest import TensorMeta
+from weightsync.server.launch import ServerProcess, launch_server
 from weightsync.sources import ModuleSource
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 
@@ -19,6 +21,23 @@ def make_moe_dir(root: Path, arch: str, dtype: str = "float32") -> Path:
     """A tiny `arch` model directory: 2 layers, 8 experts of width 64 (glm4_moe: layer 0
     dense, layer 1 MoE with a shared expert and the router bias buffer)."""
     return make_tiny_model(root / f"{arch}-{dtype}", TinyModelConfig(arch=arch, dtype=dtype))
+
+
+@contextmanager
+def moe_serve(root: Path, arch: str, dtype: str = "float32") -> Iterator[tuple[Path, ServerProcess]]:
+    """A tiny `arch` model written under `root` and a `weightsync serve` of it (one torch
+    thread), stopped on leaving: (model directory, server)."""
+    model_dir = make_moe_dir(root, arch, dtype)
+    server = launch_server(model_dir, args=["--num-threads", "1"])
+    try:
+        yield model_dir, server
+    finally:
+        server.close()
+
+
+def next_version(engine: Any) -> int:
+    """One more than the version a `weightsync serve` (through `SGLangEngine`) serves now."""
+    return int(engine.weight_version()) + 1
 
 
 def experts(model: torch.nn.Module, layer: int) -> Any:

@@ -34,10 +34,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -300,3 +301,18 @@ def module_vllm_server(request: pytest.FixtureRequest) -> tuple[Path, VLLMServer
     server = launch.server()
     print(f"\nvLLM server start ({spec.name}): {server.start_seconds:.1f}s, begun in the background")
     return model_dir, server
+
+
+@pytest.fixture(scope="module")
+def module_model_dir(module_vllm_server: tuple[Path, VLLMServer]) -> Path:
+    """The checkpoint directory of the module's `vllm serve` (`VLLM_SERVE`)."""
+    return module_vllm_server[0]
+
+
+@pytest.fixture(scope="module")
+def module_engine(module_vllm_server: tuple[Path, VLLMServer]) -> Iterator[Any]:
+    """A `VLLMEngine` client of the module's `vllm serve` (`VLLM_SERVE`), closed after the module."""
+    from weightsync.engines.vllm.client import VLLMEngine
+
+    with contextlib.closing(VLLMEngine(module_vllm_server[1].url)) as engine:
+        yield engine
