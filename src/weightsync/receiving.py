@@ -49,7 +49,7 @@ from weightsync.change_encoding import apply_payload
 from weightsync.digests import ALGORITHMS
 from weightsync.digests import digest as digest_of
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
-from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
+from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits, names_digest
 from weightsync.manifest import PARTIAL_MODES, BucketMeta, Manifest, TensorMeta
 from weightsync.reports import Ack
 from weightsync.sessions import Holder, SessionBusyError, take_over
@@ -282,7 +282,9 @@ class UpdateSession:
         """Apply the open update (sealing it first if it is not) and return its ack; the
         update is closed after the applier ran, whether it succeeded or not. `held_slots`:
         asked once the applier ran, the transport slots the served weights now live in
-        (`ReceivePath.held_slots`), named in the ack."""
+        (`ReceivePath.held_slots`), named in the ack. Where the names loaded are exactly the
+        manifest's, the ack also carries their digest (`Ack.names_digest`), which its
+        sender may send instead of the list."""
         with self._lock:
             sealed = self.seal(version)
             update = self._require(version)
@@ -295,7 +297,10 @@ class UpdateSession:
             finally:
                 self._close(update)
             held = held_slots() if held_slots is not None else {}
-            return replace(sealed, loaded_names=frozenset(loaded), held_slots=dict(held))
+            names = frozenset(loaded)
+            exact = names == frozenset(update.manifest.hf_names)  # coverage may travel as a digest
+            return replace(sealed, loaded_names=names, names_digest=names_digest(names) if exact else None,
+                           held_slots=dict(held))
 
     def abort(self, version: int | None = None, *, owner: str | None = None) -> bool:
         """Drop the open update (if `version` matches or is None, and it is not another
