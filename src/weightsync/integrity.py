@@ -136,9 +136,11 @@ def names_digest(names: Iterable[str]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _sent_names_digest(names: tuple[str, ...]) -> str:
-    """`names_digest` of what a push sent, kept for the pushes that send the same names."""
-    return names_digest(names)
+def manifest_names_digest(hf_names: tuple[str, ...]) -> str:
+    """`names_digest` of a manifest's names (`Manifest.hf_names`), kept for the pushes that
+    send the same names, on the trainer and on the engine: an RL loop sends one model's
+    names push after push, and a tuple of the same strings hashes and compares in a pass."""
+    return names_digest(hf_names)
 
 
 def with_sent_names(ack: Ack, sent_names: Sequence[str]) -> Ack:
@@ -146,7 +148,7 @@ def with_sent_names(ack: Ack, sent_names: Sequence[str]) -> Ack:
     digest (`Ack.names_digest`) and that digest is the one of `sent_names`: the engine
     loaded exactly those. Any other ack as it is (`ack_problems` refuses one whose digest
     differs)."""
-    if ack.loaded_names or ack.names_digest is None or ack.names_digest != _sent_names_digest(tuple(sent_names)):
+    if ack.loaded_names or ack.names_digest is None or ack.names_digest != manifest_names_digest(tuple(sent_names)):
         return ack
     return replace(ack, loaded_names=frozenset(sent_names))
 
@@ -186,9 +188,9 @@ def ack_problems(manifest: Manifest, ack: Ack, *, engine_names: Iterable[str] | 
                             f"for {format_names(wrong)}")
     sent = tuple(engine_names) if engine_names is not None else manifest.hf_names
     if not ack.loaded_names and ack.names_digest is not None:  # the digest of names other than those sent
-        if ack.names_digest != _sent_names_digest(sent):
+        if ack.names_digest != manifest_names_digest(sent):
             problems.append(f"{ack.engine}: the names it loaded (digest {ack.names_digest}) are not the "
-                            f"{len(set(sent))} names sent (digest {_sent_names_digest(sent)})")
+                            f"{len(set(sent))} names sent (digest {manifest_names_digest(sent)})")
         return problems
     want_names = set(sent)
     if set(ack.loaded_names) != want_names:
