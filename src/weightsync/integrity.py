@@ -10,7 +10,10 @@ safetensors file, a vLLM loader) checks a bucket.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -124,6 +127,32 @@ def check_fits(
     )
 
 
+def names_digest(names: Iterable[str]) -> str:
+    """The digest of a set of names, whatever their order: xxh3_64 of the UTF-8 JSON array
+    of the names sorted by code point, without spaces (`["a","b"]`). Two sets of names
+    have the same digest only if they are equal (but for a 64-bit collision)."""
+    text = json.dumps(sorted(names), ensure_ascii=False, separators=(",", ":"))
+    return digest(text.encode("utf-8"))
+
+
+@functools.lru_cache(maxsize=8)
+def manifest_names_digest(hf_names: tuple[str, ...]) -> str:
+    """`names_digest` of a manifest's names (`Manifest.hf_names`), kept for the pushes that
+    send the same names, on the trainer and on the engine: an RL loop sends one model's
+    names push after push, and a tuple of the same strings hashes and compares in a pass."""
+    return names_digest(hf_names)
+
+
+def with_sent_names(ack: Ack, sent_names: Sequence[str]) -> Ack:
+    """`ack` with its loaded names filled in from `sent_names` where it carries only their
+    digest (`Ack.names_digest`) and that digest is the one of `sent_names`: the engine
+    loaded exactly those. Any other ack as it is (`ack_problems` refuses one whose digest
+    differs)."""
+    if ack.loaded_names or ack.names_digest is None or ack.names_digest != manifest_names_digest(tuple(sent_names)):
+        return ack
+    return replace(ack, loaded_names=frozenset(sent_names))
+
+
 def digest_checked(ack: Ack) -> bool:
     """Whether `ack` carries the digests to check: a stock SGLang's reports none."""
     return not (ack.digests and all(d is None for d in ack.digests))
@@ -135,7 +164,11 @@ def ack_problems(manifest: Manifest, ack: Ack, *, engine_names: Iterable[str] | 
     A "sparse" update must also ack, for every tensor it touched, the digest of the
     whole tensor the engine holds now, equal to the trainer's (`TensorEntry.tensor_digest`).
     `engine_names` are the names the engine should report as loaded (the sent
-    names after any hf -> engine renaming); defaults to the manifest's names.
+    names after any hf -> engine renaming); defaults to the manifest's names. An ack
+    that still carries only the digest of its loaded names (`Ack.names_digest`; see
+    `with_sent_names`) is checked against the digest of those: a problem that cannot
+    name the tensors (an engine sends the list when its loaded names are not its
+    manifest's, so this means the engine's manifest was not the trainer's).
     """
     problems: list[str] = []
     if ack.version != manifest.version:
@@ -153,7 +186,13 @@ def ack_problems(manifest: Manifest, ack: Ack, *, engine_names: Iterable[str] | 
         if wrong:
             problems.append(f"{ack.engine}: whole-tensor digest differs from the trainer's (or was not acked) "
                             f"for {format_names(wrong)}")
-    want_names = set(engine_names if engine_names is not None else manifest.hf_names)
+    sent = tuple(engine_names) if engine_names is not None else manifest.hf_names
+    if not ack.loaded_names and ack.names_digest is not None:  # the digest of names other than those sent
+        if ack.names_digest != manifest_names_digest(sent):
+            problems.append(f"{ack.engine}: the names it loaded (digest {ack.names_digest}) are not the "
+                            f"{len(set(sent))} names sent (digest {manifest_names_digest(sent)})")
+        return problems
+    want_names = set(sent)
     if set(ack.loaded_names) != want_names:
         missing = want_names - set(ack.loaded_names)
         extra = set(ack.loaded_names) - want_names

@@ -103,7 +103,7 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
                    to_engine: Mapping[str, str] | None, *, slot: Callable[[int, int], torch.Tensor],
                    deliver: Callable[[BucketMeta, torch.Tensor], None], stages: Stages,
                    allow_overflow: bool = False, drain: bool = False,
-                   digest_algorithm: str = XXH3_64) -> list[str]:
+                   digest_algorithm: str = XXH3_64, first: Callable[[], None] | None = None) -> list[str]:
     """Gather/pack/hash on a producer thread while this thread calls `deliver(bucket,
     buffer)` for each bucket in plan order; returns the buckets' digests (computed with
     `digest_algorithm` on the device of the slot: wsmix64 hashes a CUDA slot in place).
@@ -113,6 +113,11 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
     may be laid out as the stream is read (`integrations.verl_plan`): it is iterated once,
     each bucket before its tensors are asked for. `slot(index, nbytes)` is the buffer
     bucket `index` is packed into.
+
+    `first`: called on this thread once the producer has started, before the first
+    `deliver` (the engines' begin, so that its round trip overlaps the packing of the
+    first buckets); when it raises, the producer stops at its next slot and nothing is
+    delivered.
     """
     free_slots = threading.Semaphore(NUM_SLOTS)
     waited = 0.0
@@ -148,6 +153,8 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
 
     digests: list[str] = []
     with Handoff(produce, name="weightsync-pack") as packed:
+        if first is not None:
+            first()
         for bucket, buffer in packed:
             t0 = time.perf_counter()
             deliver(bucket, buffer)

@@ -150,13 +150,25 @@ class CommitRequest:
     """An SGLang pause mode to hold generation in for the commit (the engine resumes
     when the commit ends, failed or not), so a push needs no pause and resume round
     trips; None: no pause, or the trainer paused the engine itself."""
+    names_digest: bool = False
+    """The trainer checks an ack whose loaded names come as their digest (`Ack.names_digest`):
+    the engine sends it instead of the list where it loaded exactly the manifest's names.
+    False (what trainers before it send): the list."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version} if self.pause is None else {"version": self.version, "pause": self.pause}
+        body: dict[str, Any] = {"version": self.version}
+        if self.pause is not None:
+            body["pause"] = self.pause
+        if self.names_digest:
+            body["names_digest"] = True
+        return body
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> CommitRequest:
-        return cls(version=_int(body, "version"), pause=_opt_str(body, "pause"))
+        names_digest = body.get("names_digest", False)
+        if not isinstance(names_digest, bool):
+            raise ValueError(f"field 'names_digest' must be a boolean, got {names_digest!r:.80}")
+        return cls(version=_int(body, "version"), pause=_opt_str(body, "pause"), names_digest=names_digest)
 
 
 @dataclass(frozen=True, kw_only=True)

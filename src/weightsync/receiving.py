@@ -49,7 +49,13 @@ from weightsync.change_encoding import apply_payload
 from weightsync.digests import ALGORITHMS
 from weightsync.digests import digest as digest_of
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, format_names
-from weightsync.integrity import BucketHasher, check_bucket, check_fits, check_manifest_fits
+from weightsync.integrity import (
+    BucketHasher,
+    check_bucket,
+    check_fits,
+    check_manifest_fits,
+    manifest_names_digest,
+)
 from weightsync.manifest import PARTIAL_MODES, BucketMeta, Manifest, TensorMeta
 from weightsync.reports import Ack
 from weightsync.sessions import Holder, SessionBusyError, take_over
@@ -76,6 +82,9 @@ class OpenUpdate:
     """Bucket index -> the digest computed here on receipt of the whole bucket."""
     buffers: list[torch.Tensor] = field(default_factory=list)
     """The received bucket buffers `tensors` view (the session owns them)."""
+    views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+    """Bucket index -> the buffer it arrived in and the views of it staged for its entries,
+    in bucket order (a staged tensor that is still one of them lives in that buffer)."""
     sealed: Ack | None = None
     """Set by `UpdateSession.seal`: every check passed, the ack it will commit with
     (its loaded names still to come from the applier)."""
@@ -228,8 +237,10 @@ class UpdateSession:
         with self._lock:
             if self._open is not update:
                 raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
-            update.tensors.update(zip(bucket.hf_names, bucket_views(buffer, bucket), strict=True))
+            views = bucket_views(buffer, bucket)
+            update.tensors.update(zip(bucket.hf_names, views, strict=True))
             update.buffers.append(buffer)
+            update.views[index] = (buffer, views)
             update.digests[index] = got
             update.touched = time.monotonic()
         return got
@@ -282,7 +293,9 @@ class UpdateSession:
         """Apply the open update (sealing it first if it is not) and return its ack; the
         update is closed after the applier ran, whether it succeeded or not. `held_slots`:
         asked once the applier ran, the transport slots the served weights now live in
-        (`ReceivePath.held_slots`), named in the ack."""
+        (`ReceivePath.held_slots`), named in the ack. Where the names loaded are exactly the
+        manifest's, the ack also carries their digest (`Ack.names_digest`), which its
+        sender may send instead of the list."""
         with self._lock:
             sealed = self.seal(version)
             update = self._require(version)
@@ -295,7 +308,10 @@ class UpdateSession:
             finally:
                 self._close(update)
             held = held_slots() if held_slots is not None else {}
-            return replace(sealed, loaded_names=frozenset(loaded), held_slots=dict(held))
+            names, sent = frozenset(loaded), update.manifest.hf_names
+            exact = len(names) == len(sent) and names == frozenset(sent)  # so their digests are equal too
+            return replace(sealed, loaded_names=names, names_digest=manifest_names_digest(sent) if exact else None,
+                           held_slots=dict(held))
 
     def abort(self, version: int | None = None, *, owner: str | None = None) -> bool:
         """Drop the open update (if `version` matches or is None, and it is not another
@@ -426,6 +442,7 @@ class UpdateSession:
         self.applier.release(update)
         update.tensors = {}
         update.buffers = []
+        update.views = {}
 
 
 def _check_sent(version: int, here: Sequence[str], sent: Sequence[str | None]) -> None:

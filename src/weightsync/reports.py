@@ -24,7 +24,13 @@ class Ack:
     """Per-bucket digests the engine computed on receipt, in manifest order; None where
     the engine cannot report one (a stock SGLang)."""
     loaded_names: frozenset[str] = frozenset()
-    """Names the engine loaded (its checkpoint names)."""
+    """Names the engine loaded (its checkpoint names); empty in an ack that came as
+    `names_digest` alone."""
+    names_digest: str | None = None
+    """The digest of the loaded names (`integrity.names_digest`), set by an engine whose
+    loaded names are exactly the manifest's; on the wire it replaces the list where the
+    trainer asked for it (`to_wire(names_digest=True)`), and the trainer compares it with
+    the digest of the names it sent. None: the list is the ack's only word on coverage."""
     tensor_digests: Mapping[str, str] = field(default_factory=dict)
     """"sparse" updates: name -> digest of every touched tensor WHOLE, as the engine holds
     it after applying (the manifest's digest algorithm); empty otherwise."""
@@ -36,11 +42,17 @@ class Ack:
     def to_dict(self) -> dict[str, Any]:
         return {"engine": self.engine, **self.to_wire()}
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, *, names_digest: bool = False) -> dict[str, Any]:
         """The ack as an engine sends it in its commit answer: no `engine` (the client
-        names the engine it asked). `from_dict(d, engine=...)` reads it back."""
-        d: dict[str, Any] = {"version": self.version, "digests": list(self.digests),
-                             "loaded_names": sorted(self.loaded_names)}
+        names the engine it asked). `from_dict(d, engine=...)` reads it back. With
+        `names_digest` and a `names_digest` set, the loaded names travel as their digest
+        instead of the sorted list (tens of thousands of names for an MoE model), as they
+        do when the digest is all this ack holds; otherwise as the list."""
+        d: dict[str, Any] = {"version": self.version, "digests": list(self.digests)}
+        if self.names_digest is not None and (names_digest or not self.loaded_names):
+            d["names_digest"] = self.names_digest
+        else:
+            d["loaded_names"] = sorted(self.loaded_names)
         if self.tensor_digests:
             d["tensor_digests"] = dict(sorted(self.tensor_digests.items()))
         if self.held_slots:
@@ -54,6 +66,7 @@ class Ack:
             version=int(d["version"]),
             digests=tuple(d.get("digests") or ()),
             loaded_names=frozenset(d.get("loaded_names") or ()),
+            names_digest=None if d.get("names_digest") is None else str(d["names_digest"]),
             tensor_digests={str(k): str(v) for k, v in (d.get("tensor_digests") or {}).items()},
             held_slots={str(k): tuple(int(s) for s in v) for k, v in (d.get("held_slots") or {}).items()},
         )

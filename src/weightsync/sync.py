@@ -373,10 +373,10 @@ class WeightSync:
         replicas.join(self._make_transport(), max_bucket_bytes=max((b.nbytes for b in manifest.buckets), default=1),
                       leased_buckets=len(manifest.buckets) if adopting else 0)
         paused = begun = committing = failed = False
-        try:
-            if not all(c.stages_updates for c in caps):
-                paused = True  # before asking: a pause that timed out may land when the engine wakes
-                replicas.pause(self.config.pause)
+        begin_notes: list[str] = []
+
+        def begin() -> None:
+            nonlocal begun, begin_notes
             try:
                 begin_notes = replicas.begin(manifest)
             except EngineError as e:
@@ -388,6 +388,17 @@ class WeightSync:
                 raise
             begun = True
             replicas.start_relay(manifest)
+
+        # one sending rank streams on its own: its producer starts packing while the engines
+        # check the manifest (nothing is delivered before they all began); with other ranks
+        # (their gathers are collectives) or shares, nothing starts before begin
+        overlap = not self.ranks.is_distributed and not self.config.send_shares
+        try:
+            if not all(c.stages_updates for c in caps):
+                paused = True  # before asking: a pause that timed out may land when the engine wakes
+                replicas.pause(self.config.pause)
+            if not overlap:
+                begin()
             assert self._transport is not None
             self._transport.begin(manifest)
             step = plan.selection.follower_step
@@ -404,7 +415,7 @@ class WeightSync:
                     slot=self._transport.slot,
                     deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
                     drain=self.ranks.is_distributed,  # the other ranks must finish their gathers
-                    digest_algorithm=manifest.digest_algorithm)
+                    digest_algorithm=manifest.digest_algorithm, first=begin if overlap else None)
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:

@@ -20,7 +20,7 @@ import torch
 
 from weightsync.dtypes import dtype_name
 from weightsync.groups import UpdateGroup, finish_hosting, host_group
-from weightsync.integrity import digest
+from weightsync.integrity import digest, names_digest
 from weightsync.shmem import SharedSlots
 
 # fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
@@ -82,6 +82,23 @@ def test_http_frames_begin_bucket_commit(client: Any, kit: SimpleNamespace, tiny
     assert client.version() == version - 1  # nothing is served before commit
     ack = client.ok("/weightsync/commit", {"version": version})["ack"]
     assert ack == {"version": version, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
+    assert_served(client, weights, version)
+
+
+def test_a_trainer_that_asks_gets_the_loaded_names_as_their_digest(client: Any, kit: SimpleNamespace,
+                                                                   tiny_model: Path) -> None:
+    """`"names_digest": true` in the commit: the ack's loaded names come as the digest of
+    the names loaded (they are exactly the manifest's), not as the list."""
+    version = client.version() + 1
+    weights = kit.perturbed(tiny_model, seed=13)
+    manifest, buffers = kit.make_update(weights, version=version, bucket_bytes=100_000)
+    client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
+    for index, buffer in enumerate(buffers):
+        got = client.http.post("/weightsync/bucket", content=kit.frame(manifest, index, buffer),
+                               headers={"Content-Type": "application/octet-stream"})
+        assert got.status_code == 200, got.text
+    ack = client.ok("/weightsync/commit", {"version": version, "names_digest": True})["ack"]
+    assert ack == {"version": version, "digests": list(manifest.digests), "names_digest": names_digest(weights)}
     assert_served(client, weights, version)
 
 

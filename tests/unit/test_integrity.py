@@ -15,6 +15,8 @@ from weightsync.integrity import (
     check_bucket,
     check_manifest_fits,
     digest,
+    names_digest,
+    with_sent_names,
 )
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.reports import Ack
@@ -104,3 +106,30 @@ def test_ack_problems() -> None:
     assert any("digest mismatch in bucket(s) [0]" in p for p in ack_problems(manifest, corrupt))
     partial = Ack(engine="e", version=5, digests=manifest.digests, loaded_names=frozenset({"a.weight"}))
     assert any("did not load" in p for p in ack_problems(manifest, partial))
+
+
+def test_names_digest_is_the_digest_of_the_sorted_names_as_json() -> None:
+    """Pinned: an engine and a trainer of other releases must compute the same digest."""
+    assert names_digest(["b", "a"]) == "7fbae1a42803cdc1" == digest(b'["a","b"]')
+    assert names_digest(["model.embed_tokens.weight", "lm_head.weight", "\u00e9"]) == "d37403e00ae4e189"
+    assert names_digest(["a", "b"]) != names_digest(["a"]) != names_digest(["a,b"])
+    assert names_digest(["a\"", "b"]) != names_digest(['a","b'])  # JSON, not a bare join: no two sets alike
+
+
+def test_an_ack_of_the_names_digest_proves_coverage_or_is_refused() -> None:
+    params = _engine_params()
+    plan = plan_buckets(params.values(), 40)
+    manifest = Manifest(version=5, buckets=tuple(b.with_digest(f"{i:016x}") for i, b in enumerate(plan)))
+    sent = manifest.hf_names
+    exact = Ack(engine="e", version=5, digests=manifest.digests, names_digest=names_digest(reversed(sent)))
+    filled = with_sent_names(exact, sent)
+    assert filled.loaded_names == frozenset(sent) and ack_problems(manifest, filled) == []
+    assert ack_problems(manifest, exact) == [], "the digest of the names sent is coverage"
+    fewer = Ack(engine="e", version=5, digests=manifest.digests, names_digest=names_digest(sent[1:]))
+    assert with_sent_names(fewer, sent) == fewer, "names are filled in only from their own digest"
+    assert any("not the 3 names sent" in p for p in ack_problems(manifest, fewer))
+    listed = Ack(engine="e", version=5, digests=manifest.digests, loaded_names=frozenset(sent[1:]),
+                 names_digest=names_digest(sent[1:]))
+    assert with_sent_names(listed, sent) == listed
+    assert any("did not load" in p and repr(sent[0]) in p for p in ack_problems(manifest, listed)), \
+        "a list names the tensors"

@@ -183,3 +183,16 @@ def test_a_changed_entry_is_parsed_and_checked_again(change: tuple[str, object])
         assert got.buckets[0].entries[0] is not known.buckets[0].entries[0]
         assert got.buckets[0].memo is not known.buckets[0].memo
         assert got.buckets[1].memo is known.buckets[1].memo
+
+
+def test_commit_request_golden() -> None:
+    """The commit body as engines of earlier releases read it: `names_digest` only when asked."""
+    from weightsync.protocol import CommitRequest
+
+    assert CommitRequest(version=3).to_json() == {"version": 3}
+    asked = CommitRequest(version=3, pause="retract", names_digest=True)
+    assert asked.to_json() == {"version": 3, "pause": "retract", "names_digest": True}
+    assert CommitRequest.from_json(asked.to_json()) == asked
+    assert CommitRequest.from_json({"version": 3}) == CommitRequest(version=3)
+    with pytest.raises(ValueError, match="names_digest"):
+        CommitRequest.from_json({"version": 3, "names_digest": "yes"})

@@ -16,7 +16,7 @@ import torch
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.change_encoding import encode
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, ManifestMismatchError
-from weightsync.integrity import digest
+from weightsync.integrity import digest, names_digest, with_sent_names
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.owners import session_owner
 from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
@@ -95,6 +95,26 @@ def unchanged(applier: DictApplier) -> bool:
     return all(torch.equal(applier.weights[k], v) for k, v in WEIGHTS.items())
 
 
+class ShortApplier(DictApplier):
+    """An applier that loads all but one of the names staged (a loader that skips one)."""
+
+    def apply(self, update: OpenUpdate) -> Sequence[str]:
+        return list(super().apply(update))[1:]
+
+
+def test_an_engine_that_loaded_other_names_than_its_manifests_acks_them_as_a_list() -> None:
+    """The digest stands for the list only where the engine loaded exactly the manifest's
+    names; otherwise the trainer gets the list, so its error names the tensors."""
+    s = session(ShortApplier(WEIGHTS))
+    manifest, buffers = update(new_weights(1), 4)
+    s.begin(manifest.without_digests())
+    stage_all(s, manifest, buffers)
+    ack = s.commit(4)
+    assert ack.names_digest is None and len(ack.loaded_names) == len(WEIGHTS) - 1
+    assert "names_digest" not in ack.to_wire(names_digest=True)
+    assert ack.to_wire(names_digest=True)["loaded_names"] == sorted(ack.loaded_names)
+
+
 def test_commit_acks_what_arrived_and_applies_it_at_once() -> None:
     applier = DictApplier(WEIGHTS)
     s = session(applier)
@@ -107,9 +127,13 @@ def test_commit_acks_what_arrived_and_applies_it_at_once() -> None:
     assert unchanged(applier) and applier.version == 3, "nothing is applied before commit"
     ack = s.commit(4)
     assert ack == Ack(engine="test engine", version=4, digests=manifest.digests,
-                      loaded_names=frozenset(weights))
+                      loaded_names=frozenset(weights), names_digest=names_digest(weights))
     assert ack.to_wire() == {"version": 4, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
-    assert Ack.from_dict(ack.to_wire(), engine="test engine") == ack
+    assert Ack.from_dict(ack.to_wire(), engine="test engine") == replace(ack, names_digest=None)
+    # where the trainer asks for it (CommitRequest.names_digest), the names travel as their digest
+    short = ack.to_wire(names_digest=True)
+    assert short == {"version": 4, "digests": list(manifest.digests), "names_digest": names_digest(weights)}
+    assert with_sent_names(Ack.from_dict(short, engine="test engine"), manifest.hf_names) == ack
     assert all(torch.equal(applier.weights[k], v) for k, v in weights.items()) and applier.version == 4
     assert s.open_update is None and applier.released[-1].version == 4
 

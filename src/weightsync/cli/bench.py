@@ -99,6 +99,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the dtype engines serve; the trainer keeps float32 weights, cast in the stream "
                         "(default float32)")
+    p.add_argument("--trainer-threads", type=int, default=None,
+                   help="per-tensor: torch's intra-op threads in the trainer's process (default torch's, one per "
+                        "core; the engine runs one)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory (default runs/bench)")
     p.add_argument("--json", action="store_true", help="only the JSON line on stdout (the table goes to stderr)")
 

@@ -38,7 +38,7 @@ from weightsync.dtypes import dtype_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient, decode
 from weightsync.errors import AdapterNotLoadedError, EngineError, SyncTimeoutError
-from weightsync.integrity import byte_view
+from weightsync.integrity import byte_view, with_sent_names
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.protocol import (
     BUCKET_ROUTE,
@@ -354,12 +354,13 @@ class SGLangEngine:
         if self._is_native(link.timeout_s):
             pause, self._pause_at_commit = self._pause_at_commit, None
             try:
-                body = self._send(CommitRequest(version=manifest.version, pause=pause), link.timeout_s)
+                body = self._send(CommitRequest(version=manifest.version, pause=pause, names_digest=True),
+                                  link.timeout_s)
             except EngineError as e:
                 self._resumed_by_commit = pause is not None and e.status is not None  # it answered
                 raise
             self._resumed_by_commit = pause is not None
-            ack = Ack.from_dict(body["ack"], engine=self.label)
+            ack = with_sent_names(Ack.from_dict(body["ack"], engine=self.label), manifest.hf_names)
         if self._session_open:
             self._session_open = False
             self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=link.timeout_s)

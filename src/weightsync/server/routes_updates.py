@@ -420,7 +420,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         if body.pause is not None:
             _pause_mode(body.pause)
         ack = await run_in_threadpool(_commit, state, body)
-        return answer(f"v{body.version} committed", ack=ack.to_wire())
+        return answer(f"v{body.version} committed", ack=ack.to_wire(names_digest=body.names_digest))
 
     @app.post(AbortRequest.ROUTE)
     async def abort(request: Request) -> JSONResponse:

@@ -17,6 +17,7 @@ parameters are freed, then allocated again empty.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -132,7 +133,8 @@ class ServedWeights:
         returns the receive buffers no parameter views any more (the caller gives them back).
 
         The staged tensors are adopted, not copied (they are owned by this update
-        and never written again); `owners` names the bucket buffer each one views.
+        and never written again); `owners` names the bucket buffer each one views (names
+        of `staged` only).
         """
         owners = owners or {}
         params, metas = self.params, self.metas
@@ -215,14 +217,14 @@ class ServedWeights:
         backed the replaced parameters, which no parameter views any more. Parameters
         left on such a buffer by a partial update are cloned out of it first, so no
         buffer is kept alive for a few of its bytes."""
-        replaced = {id(b): b for name in staged if (b := self._backing.pop(name, None)) is not None}
-        for name in staged:
-            if name in owners:
-                self._backing[name] = owners[name]
-        for name, buffer in list(self._backing.items()):
-            if id(buffer) in replaced:
+        backing = self._backing
+        replaced = {id(b): b for b in map(backing.pop, staged, itertools.repeat(None)) if b is not None}
+        kept = backing.keys() - staged.keys()  # served as before (none, in a full update)
+        backing.update(owners)
+        for name in kept:
+            if id(backing[name]) in replaced:
                 self.params[name].data = self._data[name] = self.params[name].detach().clone()
-                del self._backing[name]
+                del backing[name]
         return list(replaced.values())
 
 

@@ -30,7 +30,6 @@ label on every bucket of a multi-request update, each applied on arrival).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 import time
@@ -395,14 +394,12 @@ class WeightUpdater:
 
 
 def _owners(update: OpenUpdate) -> dict[str, torch.Tensor]:
-    """name -> the update's bucket buffer its staged tensor views (none for clones), by
-    address: adopted shm slots are buffers of one storage, the segment's."""
-    spans = sorted(((b.data_ptr(), b.data_ptr() + b.numel()), id(b)) for b in update.buffers if b.numel())
-    by_id = {id(b): b for b in update.buffers}
-    starts = [start for (start, _), _ in spans]
+    """name -> the update's bucket buffer its staged tensor views (none for copies, nor for
+    the tensors a sparse update rebuilt): a staged tensor that is still the view staged
+    from its bucket lives in that bucket's buffer."""
+    tensors, buckets = update.tensors, update.manifest.buckets
     owners: dict[str, torch.Tensor] = {}
-    for name, t in update.tensors.items():
-        k = bisect.bisect_right(starts, t.data_ptr()) - 1
-        if k >= 0 and t.data_ptr() < spans[k][0][1]:
-            owners[name] = by_id[spans[k][1]]
+    for index, (buffer, views) in update.views.items():
+        owners.update((name, buffer) for name, view in zip(buckets[index].hf_names, views, strict=True)
+                      if tensors.get(name) is view)
     return owners

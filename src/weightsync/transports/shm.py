@@ -176,6 +176,8 @@ class ShmTransport(TransportDefaults):
         push that failed since (it may have committed on some engine)."""
         self._slots: list[int] = []
         """The slots of the push under way, by bucket index (modulo their number)."""
+        self._delivered: set[int] = set()
+        """The slots of the push under way handed to engines so far (only those can be held)."""
 
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
         seg, wanted = self._segment, leased_buckets or NUM_SLOTS
@@ -200,13 +202,16 @@ class ShmTransport(TransportDefaults):
             raise RuntimeError(f"the shm segment has {len(free)} free slots, the push needs {wanted}: open() "
                                "with leased_buckets first")
         self._slots = free[:wanted]
+        self._delivered = set()
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         assert self._segment is not None and self._slots, "open() and begin() first"
         return self._segment.slot(self._slots[index % len(self._slots)], nbytes)
 
     def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
-        return Delivery(transport=self.name, slot=self._slots[bucket.index % len(self._slots)])
+        slot = self._slots[bucket.index % len(self._slots)]
+        self._delivered.add(slot)
+        return Delivery(transport=self.name, slot=slot)
 
     def committed(self, acks: Sequence[Ack]) -> None:
         if self._segment is not None:
@@ -214,8 +219,8 @@ class ShmTransport(TransportDefaults):
             self._held = {s for ack in acks for s in ack.held_slots.get(name, ())}
 
     def discard(self, version: int) -> None:
-        if self._leasing:
-            self._held.update(self._slots)  # some engine may have committed before the push failed
+        if self._leasing:  # some engine may have committed before the push failed, serving from what it got
+            self._held.update(self._delivered)
 
     def _free(self) -> list[int]:
         assert self._segment is not None
@@ -228,3 +233,4 @@ class ShmTransport(TransportDefaults):
         self._links = []
         self._held = set()
         self._slots = []
+        self._delivered = set()

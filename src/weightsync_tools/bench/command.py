@@ -143,13 +143,16 @@ def _run_per_tensor(args: argparse.Namespace) -> int:
         run_per_tensor_suite,
     )
 
+    if args.trainer_threads is not None and args.trainer_threads < 1:
+        print(f"error: --trainer-threads must be at least 1, got {args.trainer_threads}", file=sys.stderr)
+        return 2
     quiet_transformers()
     root = suite_root(args, "per-tensor")
     result = run_per_tensor_suite(
         root=root, model_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else 512 << 20),
         bucket_bytes=args.bucket_bytes[0] if args.bucket_bytes else BUCKET_BYTES,
         transports=args.transports or TRANSPORTS, scenarios=args.scenarios or SCENARIOS,
-        repeats=args.repeats or (2 if args.quick else 5), progress=progress)
+        repeats=args.repeats or (2 if args.quick else 5), trainer_threads=args.trainer_threads, progress=progress)
     print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     print(json.dumps(result.to_dict()), flush=True)
     return 0 if not result.errors and all(p.verified for p in result.pushes) else 1

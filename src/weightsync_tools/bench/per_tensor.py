@@ -92,13 +92,16 @@ class SideFigures:
 class PerTensorResult:
     model_bytes: int
     bucket_bytes: int
+    machine: dict[str, Any] = field(default_factory=dict)
+    """The CPU, torch and its threads in the trainer, the load average at start and end
+    (`bench.suite.describe_machine`)."""
     scenarios: list[Scenario] = field(default_factory=list)
     pushes: list[PushFigures] = field(default_factory=list)
     sides: list[SideFigures] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model_bytes": self.model_bytes, "bucket_bytes": self.bucket_bytes,
+        return {"model_bytes": self.model_bytes, "bucket_bytes": self.bucket_bytes, "machine": self.machine,
                 "scenarios": [s.to_dict() for s in self.scenarios],
                 "pushes": [{**asdict(p), "seconds": p.seconds} for p in self.pushes],
                 "sides": [{**asdict(t), "seconds": t.seconds} for t in self.sides],
@@ -107,12 +110,32 @@ class PerTensorResult:
 
 def run_per_tensor_suite(*, root: Path, model_bytes: int = DEFAULT_MODEL_BYTES, bucket_bytes: int = BUCKET_BYTES,
                          transports: Sequence[str] = TRANSPORTS, scenarios: Sequence[str] = SCENARIOS,
-                         repeats: int = 5, progress: Progress = lambda _: None) -> PerTensorResult:
-    """Every scenario's pushes and trainer pass (see the module docstring)."""
+                         repeats: int = 5, trainer_threads: int | None = None,
+                         progress: Progress = lambda _: None) -> PerTensorResult:
+    """Every scenario's pushes and trainer pass (see the module docstring). `trainer_threads`:
+    torch's intra-op threads in this process, the trainer's, for the run (None: torch's
+    default, one per core); the engine runs one."""
+    import torch
+
+    before = torch.get_num_threads()
+    if trainer_threads is not None:
+        torch.set_num_threads(trainer_threads)
+    try:
+        return _run(root=root, model_bytes=model_bytes, bucket_bytes=bucket_bytes, transports=transports,
+                    scenarios=scenarios, repeats=repeats, progress=progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(*, root: Path, model_bytes: int, bucket_bytes: int, transports: Sequence[str], scenarios: Sequence[str],
+         repeats: int, progress: Progress) -> PerTensorResult:
+    import os
+
     from weightsync_tools.bench.engines import start_engine
     from weightsync_tools.bench.scenarios import trainer_model
+    from weightsync_tools.bench.suite import describe_machine
 
-    result = PerTensorResult(model_bytes=model_bytes, bucket_bytes=bucket_bytes)
+    result = PerTensorResult(model_bytes=model_bytes, bucket_bytes=bucket_bytes, machine=describe_machine())
     for name in dict.fromkeys(("dense", *scenarios)):  # dense first: every other one is compared with it
         scenario = make_scenario(name, model_bytes)
         result.scenarios.append(scenario)
@@ -130,6 +153,7 @@ def run_per_tensor_suite(*, root: Path, model_bytes: int = DEFAULT_MODEL_BYTES, 
         result.sides.append(trainer_pass(scenario, model, bucket_bytes=bucket_bytes, repeats=max(repeats, 7)))
         result.sides.append(engine_pass(scenario, model, bucket_bytes=bucket_bytes, repeats=max(repeats, 7)))
         del model
+    result.machine["load_average_end"] = list(os.getloadavg())
     return result
 
 
@@ -275,6 +299,13 @@ def format_table(result: PerTensorResult) -> str:
     """The figures, then the targets of issue 33 (reported, never asserted)."""
     lines = [f"per-tensor cost: full pushes into weightsync serve, {result.bucket_bytes >> 20} MiB buckets, "
              "median of the measured pushes (one side alone: best run); dense's time scaled to each scenario's bytes"]
+    m = result.machine
+    if m:
+        load, load_end = (" ".join(f"{x:.2f}" for x in m.get(k) or ()) for k in ("load_average_start",
+                                                                                 "load_average_end"))
+        lines.append(f"  {m.get('cpu_model') or '?'}, {m.get('cpu_count')} CPUs; torch {m.get('torch')}, "
+                     f"{m.get('torch_threads')} intra-op thread(s) in the trainer; load average {load} at start, "
+                     f"{load_end} at end")
     lines += [f"  {s.describe()}" for s in result.scenarios]
     header = ("scenario", "transport", "tensors", "s", "dense s", "ratio", "us/tensor", "manifest KiB",
               "peak extra MiB", "verified")

@@ -98,3 +98,25 @@ def test_shm_slots_an_engine_adopted_are_not_written_until_it_lets_them_go() -> 
     finally:
         receiver.close()
         transport.close()
+
+
+def test_a_failed_shm_push_keeps_only_the_slots_it_delivered_from_the_next_pushes() -> None:
+    """After a failure an engine may serve from what it got (it may have committed), so
+    those slots stay unwritten; the slots of buckets never delivered (the producer packs
+    while the engines begin, so a refused begin leaves some packed) are free again."""
+    m1, _ = manifest(1, seed=1)
+    transport = make_transport("shm")
+    try:
+        transport.open([1], max_bucket_bytes=64, leased_buckets=len(m1.buckets))
+        transport.begin(m1)
+        delivered = transport.deliver(m1.buckets[0], transport.slot(0, m1.buckets[0].nbytes)).slot
+        transport.slot(1, m1.buckets[1].nbytes)  # packed, never delivered: the push fails here
+        transport.discard(1)
+        m2, _ = manifest(2, seed=2)
+        transport.begin(m2)
+        slots = {transport.deliver(b, transport.slot(k, b.nbytes)).slot for k, b in enumerate(m2.buckets)}
+        assert delivered not in slots, "a slot an engine got stays unwritten"
+        first_push = set(range(len(m1.buckets)))  # a fresh segment's free slots go lowest first
+        assert slots & (first_push - {delivered}), "the slots no engine got are free again"
+    finally:
+        transport.close()

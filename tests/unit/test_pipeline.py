@@ -1,0 +1,80 @@
+"""The streaming pipeline of a push (`weightsync.pipeline.stream_buckets`): the producer
+packs while the caller delivers, and while its `first` call (the engines' begin) runs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from weightsync.bucketing import plan_buckets, stream_order, unpack
+from weightsync.manifest import BucketMeta, TensorMeta
+from weightsync.pipeline import Stages, stream_buckets
+
+WEIGHTS = {f"w{i}": torch.full((4, 8), float(i)) for i in range(6)}
+
+
+class DictSource:
+    """A `WeightSource` over a dict of tensors."""
+
+    mode = "full"
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta.of(n, t) for n, t in WEIGHTS.items()]
+
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in WEIGHTS if hf_names is None else hf_names:
+            yield name, WEIGHTS[name]
+
+
+def _plan() -> list[BucketMeta]:
+    return plan_buckets([TensorMeta.of(n, t) for n, t in WEIGHTS.items()], 2 * 4 * 8 * 4)
+
+
+def test_the_producer_packs_while_first_runs_and_delivery_waits_for_it() -> None:
+    """`first` (the engines' begin) returns only once the producer has packed a bucket:
+    it would wait forever if packing started after it; nothing is delivered before it returns."""
+    plan = _plan()
+    packed = threading.Event()
+    events: list[str] = []
+
+    def slot(index: int, nbytes: int) -> torch.Tensor:
+        packed.set()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def first() -> None:
+        assert packed.wait(timeout=60), "the producer did not start before first() returned"
+        events.append("first")
+
+    delivered: dict[str, torch.Tensor] = {}
+
+    def deliver(bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        events.append(f"deliver {bucket.index}")
+        delivered.update((n, t.clone()) for n, t in unpack(buffer, bucket))
+
+    digests = stream_buckets(DictSource(), plan, stream_order(plan), None, slot=slot, deliver=deliver,
+                             stages=Stages(), first=first)
+    assert events == ["first", *(f"deliver {b.index}" for b in plan)]
+    assert len(digests) == len(plan) == 3
+    assert all(torch.equal(delivered[n], t) for n, t in WEIGHTS.items())
+
+
+def test_when_first_raises_nothing_is_delivered_and_the_producer_stops() -> None:
+    plan = _plan()
+    slots: list[int] = []
+    delivered: list[int] = []
+
+    def slot(index: int, nbytes: int) -> torch.Tensor:
+        slots.append(index)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def first() -> None:
+        raise RuntimeError("begin refused")
+
+    with pytest.raises(RuntimeError, match="begin refused"):
+        stream_buckets(DictSource(), plan, stream_order(plan), None, slot=slot,
+                       deliver=lambda b, _: delivered.append(b.index), stages=Stages(), first=first)
+    assert delivered == []
+    assert len(slots) <= 2, "at most the two slots in flight are packed before the producer stops"
