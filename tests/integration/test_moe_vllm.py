@@ -20,7 +20,7 @@ import pytest
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import WithoutTensors, edit_two_experts, make_moe_dir
+from moe_models import WithoutTensors, edit_two_experts, make_moe_dir, per_expert_trainer
 from vllm_shared_server import ModuleVLLM
 from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.tiny import TinyModelConfig, build_model
@@ -122,3 +122,19 @@ def test_trls_weight_transfer_sends_fused_experts_into_vllm(module_engine: VLLME
     vf.assert_verified(transfer.reports[0], version)
     assert transfer.reports[0].num_tensors == NUM_CHECKPOINT_TENSORS
     vf.assert_parity(module_engine, trainer)
+
+
+def test_a_trainer_holding_experts_one_by_one_pushes_as_it_holds_them(
+        module_engine: VLLMEngine, module_model_dir: Path
+) -> None:
+    """A per-expert trainer (the transformers 4 layout) into vLLM, which loads per expert:
+    nothing to stack, its names are the checkpoint's; served with the tokens transformers
+    computes from the fused model of the same weights."""
+    fused = vf.load_trainer(module_model_dir)
+    vf.perturb(fused, seed=6)
+    with ws.WeightSync([module_engine], transport="shm") as sync:
+        report = sync.push(per_expert_trainer(fused), version=(version := vf.next_version(module_engine)))
+    vf.assert_verified(report, version)
+    assert report.num_tensors == NUM_CHECKPOINT_TENSORS
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in report.acks[0].loaded_names
+    vf.assert_parity(module_engine, fused)
