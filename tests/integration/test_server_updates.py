@@ -69,9 +69,9 @@ def test_disk_plain_hf_checkpoint_is_a_full_update(client: Any, kit: SimpleNames
     assert_served(client, weights, version)
 
 
-def test_http_frames_begin_bucket_commit(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
-    version = client.version() + 1
-    weights = kit.perturbed(tiny_model, seed=12)
+def begin_and_send_frames(client: Any, kit: SimpleNamespace, weights: dict[str, Any], version: int) -> Any:
+    """Begin `version` of `weights` over http and send every bucket as a frame (each acked with
+    its digest); returns the manifest. Nothing is committed."""
     manifest, buffers = kit.make_update(weights, version=version, bucket_bytes=100_000)
     client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
     for index, buffer in enumerate(buffers):
@@ -79,6 +79,13 @@ def test_http_frames_begin_bucket_commit(client: Any, kit: SimpleNamespace, tiny
                                headers={"Content-Type": "application/octet-stream"})
         assert got.status_code == 200, got.text
         assert got.json()["digest"] == manifest.buckets[index].digest
+    return manifest
+
+
+def test_http_frames_begin_bucket_commit(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
+    version = client.version() + 1
+    weights = kit.perturbed(tiny_model, seed=12)
+    manifest = begin_and_send_frames(client, kit, weights, version)
     assert client.version() == version - 1  # nothing is served before commit
     ack = client.ok("/weightsync/commit", {"version": version})["ack"]
     assert ack == {"version": version, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
@@ -91,12 +98,7 @@ def test_a_trainer_that_asks_gets_the_loaded_names_as_their_digest(client: Any, 
     the names loaded (they are exactly the manifest's), not as the list."""
     version = client.version() + 1
     weights = kit.perturbed(tiny_model, seed=13)
-    manifest, buffers = kit.make_update(weights, version=version, bucket_bytes=100_000)
-    client.ok("/weightsync/begin", {"manifest": manifest.without_digests().to_dict()})
-    for index, buffer in enumerate(buffers):
-        got = client.http.post("/weightsync/bucket", content=kit.frame(manifest, index, buffer),
-                               headers={"Content-Type": "application/octet-stream"})
-        assert got.status_code == 200, got.text
+    manifest = begin_and_send_frames(client, kit, weights, version)
     ack = client.ok("/weightsync/commit", {"version": version, "names_digest": True})["ack"]
     assert ack == {"version": version, "digests": list(manifest.digests), "names_digest": names_digest(weights)}
     assert_served(client, weights, version)
