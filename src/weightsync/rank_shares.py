@@ -42,8 +42,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from weightsync.bucketing import castable, check_cast
+from weightsync.bucketing import check_cast
 from weightsync.digests import MASK64, Wsmix64Part, combine_wsmix64, wsmix64_part
+from weightsync.dtypes import castable
 from weightsync.errors import CastError, WeightSyncError
 from weightsync.integrity import byte_view
 from weightsync.manifest import BucketMeta, Manifest
