@@ -27,7 +27,7 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import as_the_engine_holds, edit_two_experts, moe_serve, next_version
+from moe_models import as_the_engine_holds, edit_two_experts, engine_and_trainer, moe_serve, next_version
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess
 from weightsync.tiny import TinyModelConfig, build_model
@@ -136,9 +136,7 @@ def test_router_buffer_travels_and_a_trainer_without_it_is_refused(tmp_path: Pat
 
 def test_bf16_serve_serves_the_cast_experts(tmp_path: Path) -> None:
     with moe_serve(tmp_path, "qwen3_moe", dtype="bfloat16") as (model_dir, server):
-        engine = ws.SGLangEngine(server.url)
-        trainer = vf.load_trainer(model_dir).float()  # fp32 master weights
-        vf.perturb(trainer, seed=3)
+        engine, trainer = engine_and_trainer(model_dir, server, seed=3)  # fp32 master weights
         with ws.WeightSync([engine], transport="shm") as sync:
             report = sync.push(trainer, version=(version := next_version(engine)))
         assert report.verified and any("cast from float32 to bfloat16" in n for n in report.notes)

@@ -26,7 +26,7 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import edit_two_experts, fused_state, moe_serve, next_version, per_expert_trainer
+from moe_models import edit_two_experts, engine_and_trainer, fused_state, moe_serve, next_version, per_expert_trainer
 from weightsync.errors import NamingError
 from weightsync.integrity import digest
 from weightsync.manifest import TensorMeta
@@ -92,10 +92,7 @@ def test_per_expert_trainer_is_served_as_the_fused_one(served: tuple[Path, Serve
 
 def test_incomplete_experts_and_another_count_are_refused_before_a_byte_moves(
         served: tuple[Path, ServerProcess]) -> None:
-    model_dir, server = served
-    engine = ws.SGLangEngine(server.url)
-    fused = vf.load_trainer(model_dir)
-    vf.perturb(fused, seed=21)
+    engine, fused = engine_and_trainer(*served, seed=21)
     with ws.WeightSync([engine], transport="http") as sync:
         sync.push(per_expert_trainer(fused), version=(version := next_version(engine)))
         before = engine.digests()
@@ -126,10 +123,7 @@ def test_incomplete_experts_and_another_count_are_refused_before_a_byte_moves(
 
 def test_delta_after_two_experts_sends_their_layer_and_sparse_is_refused(
         served: tuple[Path, ServerProcess]) -> None:
-    model_dir, server = served
-    engine = ws.SGLangEngine(server.url)
-    fused = vf.load_trainer(model_dir)
-    vf.perturb(fused, seed=31)
+    engine, fused = engine_and_trainer(*served, seed=31)
     with ws.WeightSync([engine], transport="http", mode="delta") as sync:
         sync.push(per_expert_trainer(fused), version=next_version(engine))  # the base delta remembers
         edit_two_experts(fused, layer=1)  # the same edit, made on the fused copy: the expected weights
@@ -149,10 +143,7 @@ def test_delta_after_two_experts_sends_their_layer_and_sparse_is_refused(
 def test_lora_merged_serves_peft_merge_stacked(served: tuple[Path, ServerProcess]) -> None:
     from peft import LoraConfig, get_peft_model
 
-    model_dir, server = served
-    engine = ws.SGLangEngine(server.url)
-    fused = vf.load_trainer(model_dir)
-    vf.perturb(fused, seed=51)
+    engine, fused = engine_and_trainer(*served, seed=51)
     # on attention: PEFT 0.21 turns expert targets of a qwen3_moe model into target_parameters on the fused
     # gate_up_proj / down_proj (the transformers 5 layout), which a per-expert trainer does not have
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -174,9 +165,7 @@ def test_lora_merged_serves_peft_merge_stacked(served: tuple[Path, ServerProcess
 
 def test_fp32_per_expert_trainer_into_bf16_serve_is_the_cast_fused_params(tmp_path: Path) -> None:
     with moe_serve(tmp_path, "qwen3_moe", dtype="bfloat16") as (model_dir, server):
-        engine = ws.SGLangEngine(server.url)
-        fused = vf.load_trainer(model_dir).float()  # fp32 master weights
-        vf.perturb(fused, seed=41)
+        engine, fused = engine_and_trainer(model_dir, server, seed=41)  # fp32 master weights
         with ws.WeightSync([engine], transport="shm") as sync:
             report = sync.push(per_expert_trainer(fused), version=(version := next_version(engine)))
         assert report.verified and any("cast from float32 to bfloat16" in n for n in report.notes), report

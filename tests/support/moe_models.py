@@ -40,6 +40,18 @@ def next_version(engine: Any) -> int:
     return int(engine.weight_version()) + 1
 
 
+def engine_and_trainer(model_dir: Path, server: Any, *, seed: int, dtype: torch.dtype = torch.float32
+                       ) -> tuple[Any, torch.nn.Module]:
+    """An `SGLangEngine` client of `server` (a `weightsync serve`) and a trainer loaded from
+    `model_dir` in `dtype` (float32: master weights), every weight moved by seeded noise."""
+    import weightsync as ws
+    from vllm_fixtures import load_trainer, perturb
+
+    trainer = load_trainer(model_dir).to(dtype)
+    perturb(trainer, seed=seed)
+    return ws.SGLangEngine(server.url), trainer
+
+
 def experts(model: torch.nn.Module, layer: int) -> Any:
     """The fused experts module of `layer` (transformers 5: gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
     return model.get_submodule(f"model.layers.{layer}.mlp.experts")
