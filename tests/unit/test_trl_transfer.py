@@ -187,5 +187,37 @@ def test_fused_experts_from_trls_iterator_reach_a_per_expert_engine_bit_for_bit(
 
 def test_name_experts_needs_a_model_with_fused_experts() -> None:
     transfer = WeightTransfer(engines=[MemoryEngine({})], transport="http")
-    with pytest.raises(ValueError, match="holds no fused Mixture-of-Experts parameters"):
+    with pytest.raises(ValueError, match="holds no fused Mixture-of-Experts parameters and no persistent buffers"):
         transfer.name_experts(build_model(TinyModelConfig()))
+
+
+class FusedMemoryEngine(MemoryEngine):
+    """Declares that it loads fused 3-D experts (as `weightsync serve` does)."""
+
+    def capabilities(self, timeout_s: float) -> ws.EngineCapabilities:
+        return ws.EngineCapabilities(stages_updates=True, expert_layout="fused")
+
+
+def test_trls_iterator_leaves_the_router_bias_out_and_name_experts_sends_it() -> None:
+    """TRL's `_iter_vllm_named_params` yields parameters only: a GLM-4.5-style router's
+    `e_score_correction_bias` (a persistent buffer the engines load) is not among them, so
+    the push is refused naming it and the fix; after `name_experts(model)` it is sent with
+    the rest, bit for bit."""
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    model = build_model(TinyModelConfig(arch="glm4_moe"))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    engine = FusedMemoryEngine({n: torch.zeros_like(t) for n, t in model.state_dict().items()})
+    transfer = WeightTransfer(engines=[engine], transport="http")
+    transfer.init_weight_transfer()
+    with pytest.raises(ws.ManifestMismatchError) as refused:
+        transfer.send_weights(_iter_vllm_named_params(model))
+    assert list(refused.value.missing) == [bias]
+    assert "transfer.name_experts(trainer.model)" in str(refused.value.__notes__)
+    assert engine.version == 0
+    transfer.name_experts(model)
+    transfer.send_weights(_iter_vllm_named_params(model))
+    transfer.destroy()
+    assert engine.version == 1
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(engine.weights[name], tensor), name

@@ -35,7 +35,8 @@ iterator for its `full_tensor()` collectives and never call the transfer.
   generating while the bytes stream), and resumes them whatever happened.
 - `name_experts(model)`: TRL sends a Mixture-of-Experts model's experts fused, as
   transformers 5 holds them; vLLM loads them one per expert. With it, the push sends
-  each engine the layout it declares (views of TRL's tensors, no copy).
+  each engine the layout it declares (views of TRL's tensors, no copy), and the model's
+  persistent buffers TRL's iterator of parameters leaves out (router biases).
 - `keep_base_exact(model)`: TRL's in-place `merge_adapter()` /
   `unmerge_adapter()` does not give the base weights back bit for bit in
   float32 (W + d - d != W for some elements). With it, `pause()` copies the
@@ -57,7 +58,7 @@ from torch import nn
 from weightsync.engines.base import Engine
 from weightsync.errors import IntegrityError, ManifestMismatchError, WeightSyncError, format_names
 from weightsync.manifest import TensorMeta
-from weightsync.naming import ExpertLayout, ExpertSlice, expert_slices
+from weightsync.naming import ExpertLayout, ExpertSlice, expert_slices, map_names
 from weightsync.reports import SyncReport
 from weightsync.sync import WeightSync
 from weightsync.transports.base import Transport
@@ -78,12 +79,15 @@ class HeldTensors:
     mode = "full"
 
     def __init__(self, named: Iterator[tuple[str, torch.Tensor]], *,
-                 experts: Mapping[str, Sequence[tuple[str, ExpertSlice]]] | None = None) -> None:
+                 experts: Mapping[str, Sequence[tuple[str, ExpertSlice]]] | None = None,
+                 buffers: Mapping[str, torch.Tensor] | None = None) -> None:
         self._held: dict[str, torch.Tensor] = {}
         for name, tensor in named:
             if name in self._held:
                 raise ValueError(f"the weight iterator yielded {name!r} twice; each weight must come once")
             self._held[name] = tensor
+        for name, buffer in (buffers or {}).items():  # persistent buffers the iterator (parameters) left out
+            self._held.setdefault(name, buffer.detach())
         self._experts = dict(experts or {})
         self._split: dict[str, tuple[str, ExpertSlice]] = {}
         """Per-expert checkpoint name -> (the fused tensor's name, where it lies), when sent per expert."""
@@ -146,6 +150,9 @@ class WeightTransfer:
         """One verified report per `send_weights`, in order."""
         self._experts: dict[str, list[tuple[str, ExpertSlice]]] = {}
         """Fused expert tensor name -> its per-expert checkpoint tensors (`name_experts`)."""
+        self._buffers: dict[str, torch.Tensor] = {}
+        """Checkpoint name -> the model's persistent buffer (`name_experts`), sent where TRL's
+        iterator leaves it out."""
         self._exact_model: nn.Module | None = None
         self._saved_base: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """(parameter, its host copy) for every LoRA layer's base weight, between pause and resume."""
@@ -168,7 +175,7 @@ class WeightTransfer:
         if self.sync is None:
             raise WeightSyncError("send_weights before init_weight_transfer: TRL calls init_weight_transfer on "
                                   "train begin; outside TRL, call it first")
-        source = HeldTensors(iterator, experts=self._experts)
+        source = HeldTensors(iterator, experts=self._experts, buffers=self._buffers)
         version = self.next_version
         try:
             report = self.sync.push(source, version=version)
@@ -177,6 +184,9 @@ class WeightTransfer:
             if fused and not self._experts:
                 e.add_note(f"TRL sends Mixture-of-Experts experts fused ({format_names(fused)}); an engine that "
                            "loads them one per expert (vLLM) needs transfer.name_experts(trainer.model)")
+            if e.missing and not self._buffers:
+                e.add_note("TRL's iterator yields parameters only; a persistent buffer the engine loads (a "
+                           "router's e_score_correction_bias) is sent after transfer.name_experts(trainer.model)")
             raise
         if not report.verified:  # push raises on every refusal; an unverified report is still no sync
             raise IntegrityError(f"the push of v{version} was not verified by every engine: {report.notes}")
@@ -204,11 +214,15 @@ class WeightTransfer:
         tensors), so each engine gets them in the layout it loads: vLLM one tensor per
         expert and projection, as `save_pretrained` writes them (views, no copy);
         `weightsync serve` fused, as sent. TRL sends them fused, so without this a push into
-        vLLM is refused before any byte moves, naming them."""
+        vLLM is refused before any byte moves, naming them. Also reads the model's persistent
+        buffers (a GLM-4.5 or DeepSeek-V3 router's `e_score_correction_bias`), which TRL's
+        iterator of parameters leaves out and the engines load: each push sends them too
+        (without them it is refused, naming them, and the engine keeps its router)."""
         self._experts = expert_slices(model)
-        if not self._experts:
-            raise ValueError(f"{type(model).__name__} holds no fused Mixture-of-Experts parameters: "
-                             "nothing to name (dense models need no call)")
+        self._buffers = {p.hf_name: p.param for p in map_names(model, expert_layout="fused").params if p.is_buffer}
+        if not self._experts and not self._buffers:
+            raise ValueError(f"{type(model).__name__} holds no fused Mixture-of-Experts parameters and no "
+                             "persistent buffers: nothing to name (dense models need no call)")
 
     # -- exact base weights under PEFT -------------------------------------------
 
