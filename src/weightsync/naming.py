@@ -425,16 +425,19 @@ def map_names(
     return names
 
 
-def expert_slices(model: nn.Module, *, adapter_name: str | None = None) -> dict[str, list[tuple[str, ExpertSlice]]]:
-    """Every fused expert parameter of `model`, by the name it is held under (its checkpoint
-    name in the "fused" layout, as TRL names what it sends), -> its per-expert checkpoint
-    tensors in order: (name, where it lies in the fused tensor). Empty for a model without
-    fused experts."""
+def checkpoint_slices(model: nn.Module, *, adapter_name: str | None = None
+                      ) -> dict[str, list[tuple[str, ExpertSlice | None]]]:
+    """Every tensor of `model` that the per-expert (checkpoint) layout names otherwise than the
+    model holds it, by the name it is held under (its "fused" layout name, as TRL names what it
+    sends) -> its checkpoint tensors in order: (name, where it lies in the fused tensor), or
+    (name, None) for a whole tensor the model's renamings name otherwise (Mixtral's router,
+    `mlp.gate.weight` -> `block_sparse_moe.gate.weight`). Empty for a model held as its
+    checkpoint names it (a dense one)."""
     fused = {p.trainer_name: p.hf_name
              for p in map_names(model, adapter_name=adapter_name, expert_layout="fused").params}
-    out: dict[str, list[tuple[str, ExpertSlice]]] = {}
+    out: dict[str, list[tuple[str, ExpertSlice | None]]] = {}
     for p in map_names(model, adapter_name=adapter_name, expert_layout="per-expert").params:
-        if p.expert is not None:
+        if p.expert is not None or p.hf_name != fused[p.trainer_name]:
             out.setdefault(fused[p.trainer_name], []).append((p.hf_name, p.expert))
     return out
 
