@@ -118,14 +118,16 @@ def _hf_config(cfg: TinyModelConfig) -> Any:
         # qk_rope_head_dim 64 (`CPUMLABackend.get_supported_head_sizes() == [576]`). transformers
         # always routes DeepSeek-V3 by sigmoid scores and the correction bias, but its config writes
         # neither `topk_method` nor `scoring_func`, which vLLM reads (DeepSeek's own config.json has
-        # both): without them vLLM builds no `e_score_correction_bias` and refuses the checkpoint's. MLA gives every head its own key
-        # and value (num_key_value_heads = heads: fewer would be repeated into too many).
+        # both): without them vLLM builds no `e_score_correction_bias` and refuses the checkpoint's.
+        # MLA gives every head its own key and value (num_key_value_heads = heads: fewer would be
+        # repeated into too many).
+        vllm_routing: dict[str, Any] = dict(topk_method="noaux_tc", scoring_func="sigmoid")
         return DeepseekV3Config(**{**common, "num_key_value_heads": cfg.num_heads},
                                 moe_intermediate_size=cfg.moe_intermediate_size, n_routed_experts=cfg.num_experts,
                                 n_shared_experts=1, num_experts_per_tok=2,
                                 first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=64,
                                 kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=HEAD_DIM,
-                                v_head_dim=HEAD_DIM, topk_method="noaux_tc", scoring_func="sigmoid")
+                                v_head_dim=HEAD_DIM, **vllm_routing)
     raise ValueError(f"unknown arch {cfg.arch!r}; use 'qwen2', 'llama', 'qwen3_moe', 'mixtral', 'glm4_moe' "
                      "or 'deepseek_v3'")
 
