@@ -30,7 +30,11 @@ transformers' `use_experts_implementation` sets on every experts module
 (`is_concatenated`, `is_transposed`, `has_gate`, `has_bias`), and the checkpoint
 names and the split come from transformers' own conversion mapping of the model
 (`get_model_conversion_mapping`, the table `from_pretrained` fuses with and
-`save_pretrained` splits by).
+`save_pretrained` splits by). The per-expert layout is the checkpoint's names throughout:
+where that table also renames (Mixtral's `WeightRenaming(".block_sparse_moe.", ".mlp.")`),
+its renamings are reversed as `save_pretrained` reverses them, so a Mixtral's router and
+experts go as `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w1.weight`,
+the names vLLM's loader reads; the "fused" layout keeps the names the model holds.
 
 The reverse, for a trainer that holds its experts one by one (older transformers'
 `nn.ModuleList` of per-expert MLPs, a Megatron-style export) pushing into an engine
@@ -42,10 +46,11 @@ its up) raises NamingError naming the missing tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -177,6 +182,10 @@ class _Walker:
         self.held_in: dict[int, tuple[str, nn.Module, list[str]]] = {}
         """id(model) -> (hf_prefix, model, hf_names of the tensors it is the innermost transformers
         model of): whose conversion mapping names which tensors (`expert_stacks`)."""
+        self.outermost: dict[int, tuple[str, nn.Module, list[int]]] = {}
+        """id(model) -> (hf_prefix, model, indexes in `params` of the names under it) for each
+        outermost transformers model: the one `save_pretrained` is called on, whose reversed
+        renamings name its checkpoint (`_checkpoint_names`)."""
         self.params: list[ParamName] = []
         self.adapter_layers: list[AdapterLayer] = []
         self.adapter_param_ids: set[int] = set()
@@ -232,6 +241,7 @@ class _Walker:
             return  # tied: already emitted under its first name
         self.seen[id(param)] = trainer_name
         slices = list(slices)
+        first = len(self.params)
         if not slices:
             self.params.append(ParamName(hf_name=hf_name, trainer_name=trainer_name, param=param,
                                          is_buffer=is_buffer))
@@ -240,6 +250,9 @@ class _Walker:
                 self.held_in.setdefault(id(model), (prefix, model, []))[2].append(hf_name)
         for slice_name, where in slices:
             self.params.append(ParamName(hf_name=slice_name, trainer_name=trainer_name, param=param, expert=where))
+        if self.conversions:
+            prefix, model = self.conversions[0]
+            self.outermost.setdefault(id(model), (prefix, model, []))[2].extend(range(first, len(self.params)))
 
     def _fused_experts(self, module: nn.Module, hf_prefix: str, trainer_prefix: str) -> None:
         """Each fused 3-D parameter of a transformers experts module, as its per-expert
@@ -318,7 +331,11 @@ def _expert_converters(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
     that stacks per-expert tensors on dim 0 and, for several, concatenates them on dim 1:
     the two transformers declares for its MoE families (its `MergeModulelist(dim=0)`,
     then `Concatenate(dim=1)` for gate and up). Other conversions are left out, so a
-    fused parameter converted another way (transposed, interleaved) is refused by name."""
+    fused parameter converted another way (transposed, interleaved) is refused by name.
+
+    A leading "." of a pattern is dropped: Mixtral's (`.experts.*.w1.weight`) anchor the
+    pattern at a name's segment boundary, which matching a pattern as the name's last whole
+    segments (here and in `stack_expert_names`) does already."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
@@ -334,8 +351,45 @@ def _expert_converters(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
         merged = len(ops) == 1 and len(sources) == 1
         concatenated = len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1 and len(sources) > 1
         if merged or concatenated:
-            out.append((conversion.target_patterns[0], sources))
+            out.append((conversion.target_patterns[0].removeprefix("."), tuple(p.removeprefix(".") for p in sources)))
     return out
+
+
+def _reverse_renamings(model: nn.Module) -> list[Any]:
+    """`model`'s `WeightRenaming`s reversed, in the order `save_pretrained` applies them
+    (transformers' `revert_weight_conversion`): the conversions `from_pretrained` used
+    (`_weight_conversions`), or for a model built another way its default conversion mapping
+    without `PrefixChange`s (nothing says whether its checkpoint had the prefix)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightRenaming
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+                       if not isinstance(c, PrefixChange)]
+    reversed_ = [c.reverse_transform() for c in conversions[::-1]]
+    return [r for r in reversed_ if isinstance(r, WeightRenaming)]
+
+
+def _checkpoint_names(walker: _Walker) -> None:
+    """Rename every name under a transformers model to its checkpoint name: the model's
+    reversed `WeightRenaming`s (Mixtral's `.block_sparse_moe.` -> `.mlp.` on load, so `mlp.`
+    -> `block_sparse_moe.` here, router and experts alike), applied as `save_pretrained`
+    applies them (transformers' own `rename_source_key(..., reverse=True)`, names in its
+    sorted order, as a group renaming depends on it). The per-expert names the conversions
+    made (`_fused_experts`) are already the converters' reversed targets; only the renamings
+    are left. Nothing is renamed for a model without renamings (Qwen3-MoE, GLM-4.5, DeepSeek-V3)."""
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+    for prefix, model, indexes in walker.outermost.values():
+        renamings = _reverse_renamings(model)
+        if not renamings:
+            continue
+        for i in sorted(indexes, key=lambda i: dot_natural_key(walker.params[i].hf_name[len(prefix):])):
+            p = walker.params[i]
+            renamed, _ = rename_source_key(p.hf_name[len(prefix):], renamings, [], reverse=True)
+            if prefix + renamed != p.hf_name:
+                walker.params[i] = dataclasses.replace(p, hf_name=prefix + renamed)
 
 
 def map_names(
@@ -351,13 +405,18 @@ def map_names(
     (default: the first). With `expected` (the checkpoint's keys), any name not
     in it, or any expected name not produced, raises NamingError listing them.
     `expert_layout`: "per-expert" names each fused expert parameter as its
-    per-expert checkpoint tensors (`ExpertSlice`s); "fused" or None (default)
-    leaves the experts as the model holds them.
+    per-expert checkpoint tensors (`ExpertSlice`s), and every name as the checkpoint
+    does (the model's reversed `WeightRenaming`s: Mixtral's `mlp.` is `block_sparse_moe.`
+    there), which is what engines that load checkpoints (vLLM, SGLang) take; "fused" or
+    None (default) leaves the experts and names as the model holds them (`weightsync
+    serve`, which holds transformers' own model).
     """
     if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown expert_layout {expert_layout!r}; one of {list(EXPERT_LAYOUTS)}")
     walker = _Walker(adapter_name, expert_layout)
     walker.walk(model, "", "")
+    if expert_layout == "per-expert":
+        _checkpoint_names(walker)
     names = ModelNames(params=tuple(walker.params), adapter_layers=tuple(walker.adapter_layers))
     _check_complete(model, walker)
     _check_unique(names)
@@ -366,16 +425,19 @@ def map_names(
     return names
 
 
-def expert_slices(model: nn.Module, *, adapter_name: str | None = None) -> dict[str, list[tuple[str, ExpertSlice]]]:
-    """Every fused expert parameter of `model`, by the name it is held under (its checkpoint
-    name in the "fused" layout, as TRL names what it sends), -> its per-expert checkpoint
-    tensors in order: (name, where it lies in the fused tensor). Empty for a model without
-    fused experts."""
+def checkpoint_slices(model: nn.Module, *, adapter_name: str | None = None
+                      ) -> dict[str, list[tuple[str, ExpertSlice | None]]]:
+    """Every tensor of `model` that the per-expert (checkpoint) layout names otherwise than the
+    model holds it, by the name it is held under (its "fused" layout name, as TRL names what it
+    sends) -> its checkpoint tensors in order: (name, where it lies in the fused tensor), or
+    (name, None) for a whole tensor the model's renamings name otherwise (Mixtral's router,
+    `mlp.gate.weight` -> `block_sparse_moe.gate.weight`). Empty for a model held as its
+    checkpoint names it (a dense one)."""
     fused = {p.trainer_name: p.hf_name
              for p in map_names(model, adapter_name=adapter_name, expert_layout="fused").params}
-    out: dict[str, list[tuple[str, ExpertSlice]]] = {}
+    out: dict[str, list[tuple[str, ExpertSlice | None]]] = {}
     for p in map_names(model, adapter_name=adapter_name, expert_layout="per-expert").params:
-        if p.expert is not None:
+        if p.expert is not None or p.hf_name != fused[p.trainer_name]:
             out.setdefault(fused[p.trainer_name], []).append((p.hf_name, p.expert))
     return out
 

@@ -37,9 +37,12 @@ class TinyModelConfig:
     """Shape of a tiny model; defaults make a ~1 MB float32 model."""
 
     arch: str = "qwen2"
-    """"qwen2", "llama", or a Mixture-of-Experts model: "qwen3_moe" (every layer MoE) or
-    "glm4_moe" (layer 0 dense, the others MoE with a shared expert and a router bias buffer,
-    `e_score_correction_bias`, as GLM-4.5 and DeepSeek-V3 hold it)."""
+    """"qwen2", "llama", or a Mixture-of-Experts model: "qwen3_moe" (every layer MoE),
+    "mixtral" (every layer MoE; its checkpoint names the block `block_sparse_moe` and the
+    experts' projections `w1` / `w3` / `w2`, which transformers renames on load), "glm4_moe"
+    (layer 0 dense, the others MoE with a shared expert and a router bias buffer,
+    `e_score_correction_bias`, as GLM-4.5 holds it) or "deepseek_v3" (the same MoE layout as
+    "glm4_moe", with multi-head latent attention: `q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`)."""
     num_layers: int = 2
     """Decoder layers."""
     num_heads: int = 2
@@ -97,12 +100,36 @@ def _hf_config(cfg: TinyModelConfig) -> Any:
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig(**common, **moe, num_experts=cfg.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
+    if cfg.arch == "mixtral":
+        from transformers import MixtralConfig
+
+        # Mixtral's experts are `intermediate_size` wide (it has no dense MLP): the MoE width here.
+        return MixtralConfig(**{**common, "intermediate_size": cfg.moe_intermediate_size},
+                             num_local_experts=cfg.num_experts, num_experts_per_tok=2, head_dim=HEAD_DIM)
     if cfg.arch == "glm4_moe":
         from transformers import Glm4MoeConfig
 
         return Glm4MoeConfig(**common, **moe, n_routed_experts=cfg.num_experts, n_shared_experts=1,
                              first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=False)
-    raise ValueError(f"unknown arch {cfg.arch!r}; use 'qwen2', 'llama', 'qwen3_moe' or 'glm4_moe'")
+    if cfg.arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        # vLLM's CPU MLA kernels take only DeepSeek-V3's own latent width: kv_lora_rank 512 +
+        # qk_rope_head_dim 64 (`CPUMLABackend.get_supported_head_sizes() == [576]`). transformers
+        # always routes DeepSeek-V3 by sigmoid scores and the correction bias, but its config writes
+        # neither `topk_method` nor `scoring_func`, which vLLM reads (DeepSeek's own config.json has
+        # both): without them vLLM builds no `e_score_correction_bias` and refuses the checkpoint's.
+        # MLA gives every head its own key and value (num_key_value_heads = heads: fewer would be
+        # repeated into too many).
+        vllm_routing: dict[str, Any] = dict(topk_method="noaux_tc", scoring_func="sigmoid")
+        return DeepseekV3Config(**{**common, "num_key_value_heads": cfg.num_heads},
+                                moe_intermediate_size=cfg.moe_intermediate_size, n_routed_experts=cfg.num_experts,
+                                n_shared_experts=1, num_experts_per_tok=2,
+                                first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=64,
+                                kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=HEAD_DIM,
+                                v_head_dim=HEAD_DIM, **vllm_routing)
+    raise ValueError(f"unknown arch {cfg.arch!r}; use 'qwen2', 'llama', 'qwen3_moe', 'mixtral', 'glm4_moe' "
+                     "or 'deepseek_v3'")
 
 
 def build_model(cfg: TinyModelConfig) -> Any:
@@ -119,7 +146,7 @@ def build_model(cfg: TinyModelConfig) -> Any:
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.02)
         persistent = set(model.state_dict())
-        for name, b in model.named_buffers():  # router biases (glm4_moe): zeros at init
+        for name, b in model.named_buffers():  # router biases (glm4_moe, deepseek_v3): zeros at init
             if name in persistent and b.is_floating_point():
                 b.add_(torch.randn(b.shape, generator=gen) * 0.02)
     return model.to(getattr(torch, cfg.dtype)).eval()

@@ -27,7 +27,15 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import as_the_engine_holds, edit_two_experts, engine_and_trainer, moe_serve, next_version
+from moe_models import (
+    MIXTRAL_PROJECTIONS,
+    as_the_engine_holds,
+    edit_two_experts,
+    engine_and_trainer,
+    moe_serve,
+    next_version,
+    per_expert_trainer,
+)
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess
 from weightsync.tiny import TinyModelConfig, build_model
@@ -180,3 +188,30 @@ def test_bf16_glm_serve_keeps_its_router_bias_in_float32_and_gets_the_masters_va
         result = ws.probe_logprobs(as_the_engine_holds(trainer, [bias_name]), engine, vf.PROMPTS, max_new_tokens=8)
         assert result.max_gap < BF16_MAX_GAP and result.mean_gap < BF16_MEAN_GAP, result
         print(f"\nbf16 GLM-4-MoE serve: max gap {result.max_gap:.4f}, mean {result.mean_gap:.4f}")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_mixtral_and_deepseek_v3_serve_the_pushed_weights(arch: str, tmp_path: Path) -> None:
+    """`weightsync serve` holds transformers' own model, so it takes the names the trainer's model
+    holds (Mixtral's `mlp.`, not its checkpoint's `block_sparse_moe.`; DeepSeek-V3's MLA tensors
+    and router bias): a float32 push over shm is served bit for bit (digests), with transformers'
+    exact greedy tokens, which the push changed. A Mixtral trainer holding its experts one by one
+    (`w1`/`w3`/`w2`) is stacked by Mixtral's own patterns into the fused tensors served."""
+    with moe_serve(tmp_path, arch) as (model_dir, server):
+        engine, trainer = engine_and_trainer(model_dir, server, seed=4)
+        assert engine.capabilities(30.0).expert_layout == "fused"
+        before = vf.greedy_tokens(engine)
+        with ws.WeightSync([engine], transport="shm") as sync:
+            report = sync.push(trainer, version=(version := next_version(engine)))
+            assert report.verified and engine.weight_version() == str(version)
+            assert engine.digests() == {n: digest(t) for n, t in trainer.state_dict().items()}
+            assert "model.layers.1.mlp.experts.gate_up_proj" in report.acks[0].loaded_names
+            vf.assert_parity(engine, trainer)
+            assert vf.greedy_tokens(engine) != before, "the push changed nothing the engine serves"
+            if arch == "mixtral":
+                vf.perturb(trainer, seed=5)
+                report = sync.push(per_expert_trainer(trainer, MIXTRAL_PROJECTIONS),
+                                   version=(version := next_version(engine)))
+                assert report.verified and engine.weight_version() == str(version)
+                assert engine.digests() == {n: digest(t) for n, t in trainer.state_dict().items()}
+                vf.assert_parity(engine, trainer)

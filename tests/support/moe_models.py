@@ -1,5 +1,5 @@
 """Tiny Mixture-of-Experts models and trainer edits shared by the MoE tests (built from
-configs: `weightsync.tiny`, archs "qwen3_moe" and "glm4_moe")."""
+configs: `weightsync.tiny`, archs "qwen3_moe", "mixtral", "glm4_moe" and "deepseek_v3")."""
 
 from __future__ import annotations
 
@@ -102,25 +102,31 @@ class WithoutTensors:
         return self.inner.tensors([m.hf_name for m in self.metas()] if hf_names is None else hf_names)
 
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""An expert's gate, up and down projections as Qwen-MoE / GLM / DeepSeek checkpoints name them."""
+MIXTRAL_PROJECTIONS = ("w1", "w3", "w2")
+"""The same three as Mixtral's checkpoints name them (gate w1, up w3, down w2)."""
+
+
 class ExpertMLP(torch.nn.Module):
-    """One expert as older transformers (4.x) and checkpoints hold it: gate, up and down projections."""
+    """One expert as older transformers (4.x) and checkpoints hold it: gate, up and down
+    projections, named `projections`."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 projections: tuple[str, str, str] = PROJECTIONS) -> None:
         super().__init__()
-        self.gate_proj = torch.nn.Linear(gate.shape[1], gate.shape[0], bias=False, dtype=gate.dtype)
-        self.up_proj = torch.nn.Linear(up.shape[1], up.shape[0], bias=False, dtype=up.dtype)
-        self.down_proj = torch.nn.Linear(down.shape[1], down.shape[0], bias=False, dtype=down.dtype)
-        with torch.no_grad():
-            self.gate_proj.weight.copy_(gate)
-            self.up_proj.weight.copy_(up)
-            self.down_proj.weight.copy_(down)
+        for name, weight in zip(projections, (gate, up, down), strict=True):
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+            setattr(self, name, linear)
 
 
-def per_expert_trainer(fused: torch.nn.Module) -> torch.nn.Module:
+def per_expert_trainer(fused: torch.nn.Module, projections: tuple[str, str, str] = PROJECTIONS) -> torch.nn.Module:
     """A copy of transformers-5 MoE model `fused` whose every layer holds its experts one by one
-    (the transformers 4 layout: `mlp.experts` an `nn.ModuleList` of `ExpertMLP`s) with the same
-    weights, in their own storage: what a per-expert trainer pushes. It is for pushing, not for
-    running (the MoE block's forward expects the fused module)."""
+    (the transformers 4 layout: `mlp.experts` an `nn.ModuleList` of `ExpertMLP`s, projections
+    named `projections`) with the same weights, in their own storage: what a per-expert trainer
+    pushes. It is for pushing, not for running (the MoE block's forward expects the fused module)."""
     model = copy.deepcopy(fused)
     for layer in model.model.layers:
         held = getattr(layer.mlp, "experts", None)
@@ -129,7 +135,7 @@ def per_expert_trainer(fused: torch.nn.Module) -> torch.nn.Module:
         gate_up, down = held.gate_up_proj.detach(), held.down_proj.detach()
         gate, up = gate_up.chunk(2, dim=1)
         layer.mlp.experts = torch.nn.ModuleList(
-            ExpertMLP(gate[e], up[e], down[e]) for e in range(gate_up.shape[0]))
+            ExpertMLP(gate[e], up[e], down[e], projections) for e in range(gate_up.shape[0]))
     return model
 
 

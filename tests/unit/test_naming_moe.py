@@ -17,13 +17,17 @@ from weightsync.sources import ModuleSource
 from weightsync.tiny import TinyModelConfig, build_model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3"])
 def test_per_expert_stream_is_save_pretrained_bit_for_bit_as_views(arch: str, tmp_path: Path) -> None:
+    """Names, shapes and bytes are exactly what save_pretrained writes: for Mixtral that is its
+    checkpoint's `block_sparse_moe.` block (router and experts, `w1`/`w3`/`w2`), which
+    transformers renames to `mlp.` on load and back on save."""
     model = build_model(TinyModelConfig(arch=arch))
     model.save_pretrained(tmp_path)
     saved = load_file(str(tmp_path / "model.safetensors"))
     source = ModuleSource(model)
     assert {m.hf_name: m.shape for m in source.metas()} == {n: tuple(t.shape) for n, t in saved.items()}
+    assert len(source.metas()) == {"qwen3_moe": 69, "glm4_moe": 47, "mixtral": 65, "deepseek_v3": 53}[arch]
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
         {b.untyped_storage().data_ptr() for b in model.buffers()}
     for hf_name, tensor in source.tensors():
@@ -39,6 +43,29 @@ def test_fused_layout_is_the_model_as_held_and_buffers_follow_persistence() -> N
     assert not any("inv_freq" in n for n in fused)  # rotary caches are not persistent: never sent
     assert fused == set(model.state_dict())
     assert map_names(model).hf_names == tuple(ModuleSource(model, expert_layout="fused")._names)
+
+
+def test_mixtral_names_its_checkpoint_per_expert_and_its_model_fused() -> None:
+    """The renaming is reversed for the per-expert (checkpoint) layout only: `weightsync serve`
+    (fused) holds transformers' own model, whose names are `mlp.`; the same names come back
+    from a model loaded with from_pretrained (its `_weight_conversions`)."""
+    model = build_model(TinyModelConfig(arch="mixtral"))
+    per_expert = set(map_names(model, expert_layout="per-expert").hf_names)
+    assert {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.7.w3.weight",
+            "model.layers.0.self_attn.q_proj.weight"} <= per_expert
+    assert not any(".mlp." in n for n in per_expert)
+    fused = map_names(model, expert_layout="fused").hf_names
+    assert set(fused) == set(model.state_dict()) and "model.layers.1.mlp.gate.weight" in fused
+    assert map_names(model).hf_names == fused
+
+
+def test_a_loaded_mixtral_names_its_checkpoint(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    build_model(TinyModelConfig(arch="mixtral")).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert set(map_names(loaded, expert_layout="per-expert").hf_names) == set(saved)
 
 
 def test_experts_of_a_module_without_transformers_flags_are_not_split() -> None:

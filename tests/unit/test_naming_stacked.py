@@ -4,12 +4,15 @@ model, complete or refused by name, and never from names alone."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from moe_models import per_expert_trainer
+from moe_models import MIXTRAL_PROJECTIONS, per_expert_trainer
 from weightsync.errors import NamingError
-from weightsync.naming import expert_converters, expert_stacks
+from weightsync.naming import expert_converters, expert_stacks, map_names
 from weightsync.stacking import ExpertStack, stack_expert_names
 from weightsync.tiny import TinyModelConfig, build_model
 
@@ -79,6 +82,28 @@ def test_model_stacks_come_from_its_conversion_mapping() -> None:
     dense.model.layers[0].mlp.experts = torch.nn.ModuleList(
         [torch.nn.ModuleDict({"gate_proj": torch.nn.Linear(2, 2), "up_proj": torch.nn.Linear(2, 2)})])
     assert expert_stacks(dense) == ()
+
+
+def test_a_per_expert_mixtral_stacks_into_its_fused_tensors_and_names_its_checkpoint(tmp_path: Path) -> None:
+    """Mixtral's patterns (`.experts.*.w1.weight`, `w3`, `w2`, anchored by a leading dot) stack a
+    per-expert Mixtral into the `mlp.experts.gate_up_proj` / `down_proj` transformers holds; in the
+    per-expert layout the same trainer goes under its checkpoint's names (`block_sparse_moe.`)."""
+    fused = build_model(TinyModelConfig(arch="mixtral"))
+    assert expert_converters(fused) == [
+        ("experts.gate_up_proj", ("experts.*.w1.weight", "experts.*.w3.weight")),
+        ("experts.down_proj", ("experts.*.w2.weight",))]
+    trainer = per_expert_trainer(fused, MIXTRAL_PROJECTIONS)
+    stacks = expert_stacks(trainer)
+    assert [s.hf_name for s in stacks] == [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1)
+                                           for p in ("gate_up_proj", "down_proj")]
+    assert stacks[0].parts[:3] == ("model.layers.0.mlp.experts.0.w1.weight", "model.layers.0.mlp.experts.0.w3.weight",
+                                   "model.layers.0.mlp.experts.1.w1.weight")
+    assert all(s.num_experts == 8 for s in stacks)
+    fused.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    names = map_names(trainer, expert_layout="per-expert")
+    assert set(names.hf_names) == set(saved)
+    assert all(torch.equal(p.param, saved[p.hf_name]) for p in names.params)
 
 
 def test_replicas_of_both_layouts_refuse_a_model_whose_experts_the_layout_names() -> None:

@@ -156,16 +156,18 @@ class PerExpertMemoryEngine(MemoryEngine):
         return ws.EngineCapabilities(stages_updates=True, expert_layout="per-expert")
 
 
-def test_fused_experts_from_trls_iterator_reach_a_per_expert_engine_bit_for_bit() -> None:
+@pytest.mark.parametrize(("arch", "num_tensors"), [("qwen3_moe", 69), ("mixtral", 65)])
+def test_fused_experts_from_trls_iterator_reach_a_per_expert_engine_bit_for_bit(arch: str, num_tensors: int) -> None:
     """TRL's own `_iter_vllm_named_params` yields a transformers-5 MoE model's experts fused;
     with `name_experts(model)` an engine that loads them per expert gets each as the checkpoint
-    names it (as `save_pretrained` writes), bit for bit; without it the push is refused before
-    any byte moves, naming the fused tensors and the call that fixes it."""
+    names it (as `save_pretrained` writes), bit for bit, and every other tensor too (Mixtral's
+    router, `mlp.gate.weight` in the model, is `block_sparse_moe.gate.weight` there); without it
+    the push is refused before any byte moves, naming the fused tensors and the call that fixes it."""
     from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
 
     from weightsync.naming import map_names
 
-    model = build_model(TinyModelConfig(arch="qwen3_moe"))
+    model = build_model(TinyModelConfig(arch=arch))
     checkpoint = {p.hf_name: p for p in map_names(model, expert_layout="per-expert").params}
     engine = PerExpertMemoryEngine({n: torch.zeros(p.expert.shape(tuple(p.param.shape)) if p.expert else p.param.shape)
                                     for n, p in checkpoint.items()})
@@ -179,7 +181,7 @@ def test_fused_experts_from_trls_iterator_reach_a_per_expert_engine_bit_for_bit(
     transfer.name_experts(model)
     transfer.send_weights(_iter_vllm_named_params(model))
     transfer.destroy()
-    assert engine.version == 1 and transfer.reports[0].num_tensors == len(checkpoint) == 69
+    assert engine.version == 1 and transfer.reports[0].num_tensors == len(checkpoint) == num_tensors
     for name, p in checkpoint.items():
         want = p.expert.of(p.param) if p.expert is not None else p.param
         assert torch.equal(engine.weights[name], want.detach()), name

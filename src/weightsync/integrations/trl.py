@@ -58,7 +58,7 @@ from torch import nn
 from weightsync.engines.base import Engine
 from weightsync.errors import IntegrityError, ManifestMismatchError, WeightSyncError, format_names
 from weightsync.manifest import TensorMeta
-from weightsync.naming import ExpertLayout, ExpertSlice, expert_slices, map_names
+from weightsync.naming import ExpertLayout, ExpertSlice, checkpoint_slices, map_names
 from weightsync.reports import SyncReport
 from weightsync.sync import WeightSync
 from weightsync.transports.base import Transport
@@ -71,15 +71,16 @@ class HeldTensors:
 
     The tensors are references to what the iterator yielded: reading them during a
     push reads the trainer's parameters as they are at that moment. With `experts`
-    (`naming.expert_slices` of the model: fused expert tensor name -> its per-expert
-    checkpoint tensors), it is an `ExpertSource`: an engine that loads experts one by
-    one (vLLM) gets each as a view of the fused tensor TRL sent.
+    (`naming.checkpoint_slices` of the model: fused expert tensor name -> its per-expert
+    checkpoint tensors, and a tensor the checkpoint names otherwise -> that name), it is
+    an `ExpertSource`: an engine that loads experts one by one (vLLM) gets each as a view
+    of the fused tensor TRL sent, every tensor under its checkpoint name.
     """
 
     mode = "full"
 
     def __init__(self, named: Iterator[tuple[str, torch.Tensor]], *,
-                 experts: Mapping[str, Sequence[tuple[str, ExpertSlice]]] | None = None,
+                 experts: Mapping[str, Sequence[tuple[str, ExpertSlice | None]]] | None = None,
                  buffers: Mapping[str, torch.Tensor] | None = None) -> None:
         self._held: dict[str, torch.Tensor] = {}
         for name, tensor in named:
@@ -89,16 +90,18 @@ class HeldTensors:
         for name, buffer in (buffers or {}).items():  # persistent buffers the iterator (parameters) left out
             self._held.setdefault(name, buffer.detach())
         self._experts = dict(experts or {})
-        self._split: dict[str, tuple[str, ExpertSlice]] = {}
-        """Per-expert checkpoint name -> (the fused tensor's name, where it lies), when sent per expert."""
+        self._split: dict[str, tuple[str, ExpertSlice | None]] = {}
+        """Per-expert checkpoint name -> (the tensor TRL sent, where it lies in it; None: all of
+        it), when sent in the checkpoint's layout."""
 
     def in_layout(self, expert_layout: ExpertLayout) -> HeldTensors:
         if expert_layout == "fused" or not self._experts:
             return self
         missing = sorted(n for n in self._experts if n not in self._held)
         if missing:
-            raise ValueError(f"TRL did not send the fused expert tensor(s) {format_names(missing)} that "
-                             "name_experts read from the model: pass the model TRL trains")
+            raise ValueError(f"TRL did not send the tensor(s) {format_names(missing)} that name_experts read "
+                             "from the model (fused experts, or tensors its checkpoint names otherwise): pass the "
+                             "model TRL trains")
         split = copy.copy(self)
         split._split = {name: (fused, where) for fused, parts in self._experts.items() for name, where in parts}
         return split
@@ -110,7 +113,8 @@ class HeldTensors:
             if parts is None:
                 metas.append(TensorMeta(hf_name=name, dtype=t.dtype, shape=tuple(t.shape)))
             else:
-                metas.extend(TensorMeta(hf_name=n, dtype=t.dtype, shape=where.shape(tuple(t.shape)))
+                metas.extend(TensorMeta(hf_name=n, dtype=t.dtype,
+                                        shape=tuple(t.shape) if where is None else where.shape(tuple(t.shape)))
                              for n, where in parts)
         return metas
 
@@ -118,7 +122,11 @@ class HeldTensors:
         for hf_name in [m.hf_name for m in self.metas()] if hf_names is None else hf_names:
             split = self._split.get(hf_name)
             try:
-                yield hf_name, self._held[hf_name] if split is None else split[1].of(self._held[split[0]])
+                if split is None:
+                    yield hf_name, self._held[hf_name]
+                else:
+                    held, where = split
+                    yield hf_name, self._held[held] if where is None else where.of(self._held[held])
             except KeyError:
                 raise KeyError(f"{hf_name!r} is not among the {len(self._held)} weights TRL sent") from None
 
@@ -148,8 +156,8 @@ class WeightTransfer:
         """The version the next `send_weights` pushes."""
         self.reports: list[SyncReport] = []
         """One verified report per `send_weights`, in order."""
-        self._experts: dict[str, list[tuple[str, ExpertSlice]]] = {}
-        """Fused expert tensor name -> its per-expert checkpoint tensors (`name_experts`)."""
+        self._experts: dict[str, list[tuple[str, ExpertSlice | None]]] = {}
+        """Held tensor name -> its checkpoint tensors where they differ (`name_experts`)."""
         self._buffers: dict[str, torch.Tensor] = {}
         """Checkpoint name -> the model's persistent buffer (`name_experts`), sent where TRL's
         iterator leaves it out."""
@@ -217,8 +225,10 @@ class WeightTransfer:
         vLLM is refused before any byte moves, naming them. Also reads the model's persistent
         buffers (a GLM-4.5 or DeepSeek-V3 router's `e_score_correction_bias`), which TRL's
         iterator of parameters leaves out and the engines load: each push sends them too
-        (without them it is refused, naming them, and the engine keeps its router)."""
-        self._experts = expert_slices(model)
+        (without them it is refused, naming them, and the engine keeps its router). Where the
+        checkpoint names a tensor otherwise than the model holds it (Mixtral's `block_sparse_moe.`
+        block, `mlp.` in transformers 5), an engine that loads the checkpoint's names gets those."""
+        self._experts = checkpoint_slices(model)
         self._buffers = {p.hf_name: p.param for p in map_names(model, expert_layout="fused").params if p.is_buffer}
         if not self._experts and not self._buffers:
             raise ValueError(f"{type(model).__name__} holds no fused Mixture-of-Experts parameters and no "
