@@ -68,7 +68,17 @@ class ModuleVLLM:
     make_model: Callable[[Path], Path]
     """Writes the checkpoint under the given directory and returns its path."""
     args: tuple[str, ...]
-    """`vllm serve` flags (weightsync's worker extension is always on)."""
+    """`vllm serve` flags (weightsync's worker extension is always on; the KV cache is
+    `MODULE_KV_FRACTION` of host memory unless they say otherwise)."""
+
+
+MODULE_KV_FRACTION = "0.05"
+"""A module's `vllm serve` holds a tiny model of 512-token sequences. vLLM on CPU takes this
+fraction of host memory for the worker, its own footprint (about 0.6 GiB) included, and the
+KV cache gets the rest: 5% (1.2 GiB on 24 GiB) leaves it about 0.5 GiB, many times what
+these tests use (2% left it none: vLLM refused to start). vLLM's default here (0.1, 2.35 GiB
+each, checked against free memory at start) made the session's seven servers claim the whole
+machine: one failed to start beside another job."""
 
 
 def module_vllm(item: pytest.Item) -> ModuleVLLM | None:
@@ -207,7 +217,9 @@ class SessionEngines:
     def start_module(self, spec: ModuleVLLM) -> tuple[Path, Launch]:
         if spec.name not in self.modules:
             model_dir = spec.make_model(self.root / spec.name)
-            launch = Launch(lambda: launch_vllm_server(model_dir, args=spec.args), after=self._last)
+            args = [*spec.args, *(() if any(a.startswith("--gpu-memory-utilization") for a in spec.args)
+                                   else ("--gpu-memory-utilization", MODULE_KV_FRACTION))]
+            launch = Launch(lambda: launch_vllm_server(model_dir, args=args), after=self._last)
             self.modules[spec.name] = (model_dir, launch)
             self._last = launch
         return self.modules[spec.name]
@@ -292,15 +304,17 @@ def vllm_model_dir(vllm_server: SessionVLLM) -> Path:
 
 
 @pytest.fixture(scope="module")
-def module_vllm_server(request: pytest.FixtureRequest) -> tuple[Path, VLLMServer]:
+def module_vllm_server(request: pytest.FixtureRequest) -> Iterator[tuple[Path, VLLMServer]]:
     """The `vllm serve` the test module declares as `VLLM_SERVE` (a `ModuleVLLM`): its
-    checkpoint directory and the server (stopped when the session ends)."""
+    checkpoint directory and the server, stopped when the module's tests are done (no
+    other module uses it; its memory goes back before the next module's engines run)."""
     vllm_support.require_vllm()
     spec = request.module.VLLM_SERVE
     model_dir, launch = _engines(request.config).start_module(spec)
     server = launch.server()
     print(f"\nvLLM server start ({spec.name}): {server.start_seconds:.1f}s, begun in the background")
-    return model_dir, server
+    yield model_dir, server
+    launch.close()
 
 
 @pytest.fixture(scope="module")
