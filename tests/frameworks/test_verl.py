@@ -314,3 +314,33 @@ def test_stream_plan_is_weightsyncs_plan_and_bytes() -> None:
         list(StreamPlan(iter([weights[1], weights[1]]), bucket_bytes=4096, dtype=None).buckets())
     with pytest.raises(ValueError, match="update_weights_bucket_megabytes to at least 1"):
         list(StreamPlan(iter(weights), bucket_bytes=4096, dtype=None, max_tensor_bytes=4096).buckets())
+
+
+def test_routers_travel_in_the_actors_dtype() -> None:
+    """A float32 actor's MoE routers (GLM-4.5 / DeepSeek-V3: vLLM holds `mlp.gate.weight` and
+    `e_score_correction_bias` in float32 under a bfloat16 model) go as float32, every other
+    floating tensor as bfloat16: the packed bytes are the router's own float32 bytes."""
+    from weightsync.integrations.verl import KEEP_DTYPE, VerlBackendConfig
+
+    gen = torch.Generator().manual_seed(1)
+    weights = [("model.layers.1.self_attn.q_proj.weight", torch.randn(16, 8, generator=gen)),
+               ("model.layers.1.mlp.gate.weight", torch.randn(4, 8, generator=gen)),
+               ("model.layers.1.mlp.gate.e_score_correction_bias", torch.randn(4, generator=gen))]
+    assert VerlBackendConfig().keep_dtype == KEEP_DTYPE
+    plan = StreamPlan(iter(weights), bucket_bytes=4096, dtype=torch.bfloat16,
+                      keep_dtype=VerlBackendConfig.from_kwargs({"keep_dtype": list(KEEP_DTYPE)}).keep_dtype)
+    packed: list[torch.Tensor] = []
+    stream_buckets(plan, plan.buckets(), (), None, slot=lambda i, n: torch.empty(n, dtype=torch.uint8),
+                   deliver=lambda b, buf: packed.append(buf.clone()), stages=Stages())
+    [bucket] = plan.planned
+    assert {e.hf_name: e.dtype for e in bucket.entries} == {
+        "model.layers.1.self_attn.q_proj.weight": torch.bfloat16,
+        "model.layers.1.mlp.gate.weight": torch.float32,
+        "model.layers.1.mlp.gate.e_score_correction_bias": torch.float32}
+    by_name = dict(weights)
+    assert torch.equal(packed[0], pack(bucket, {e.hf_name: by_name[e.hf_name] for e in bucket.entries}))
+    router = next(e for e in bucket.entries if e.hf_name.endswith("mlp.gate.weight"))
+    raw = packed[0][router.offset:router.offset + router.nbytes]
+    assert torch.equal(raw.view(torch.float32).view(4, 8), by_name["model.layers.1.mlp.gate.weight"])
+    with pytest.raises(ValueError, match="keep_dtype must be a list of name endings"):
+        VerlBackendConfig.from_kwargs({"keep_dtype": "mlp.gate.weight"})

@@ -56,6 +56,9 @@ from weightsync.transports.base import Receiver
 
 BACKEND = "weightsync"
 """The name verl's `checkpoint_engine.backend` selects."""
+KEEP_DTYPE = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "block_sparse_moe.gate.weight")
+"""`VerlBackendConfig.keep_dtype`'s default: the routers of Qwen-MoE, GLM-4.5, DeepSeek-V3 and
+Mixtral checkpoints (a few KiB per layer)."""
 TRANSPORTS = ("broadcast", "shm", "disk")
 """What this backend carries: "http" needs weightsync's HTTP engine routes, which verl's
 rollout workers do not serve."""
@@ -71,6 +74,13 @@ class VerlBackendConfig:
     dtype: str | None = "bfloat16"
     """The dtype floating weights travel and are yielded in (the rollout engine's), cast on
     the sending rank; None: as the actor yields them."""
+    keep_dtype: tuple[str, ...] = KEEP_DTYPE
+    """Name endings of tensors that travel in the dtype the actor yields them in, not
+    `dtype`: MoE routers, which vLLM holds in float32 under a bfloat16 model (GLM-4.5 and
+    DeepSeek-V3's `mlp.gate.weight` and `e_score_correction_bias`), so a float32 actor's
+    values reach them exactly, as verl's own checkpoint engines (which send the actor's
+    dtype) deliver them. An engine that holds one in bfloat16 casts it as it loads it,
+    which is the same rounding `dtype` would have done."""
     hold_update: bool = True
     """Yield nothing before every rollout rank checked every bucket (all-or-nothing; costs
     host memory for the whole update in `dtype` on each rollout worker). False: yield each
@@ -91,6 +101,10 @@ class VerlBackendConfig:
                              "rollout worker reads>")
         if self.dtype is not None:
             dtype_from_name(self.dtype)
+        if isinstance(self.keep_dtype, str) or not all(isinstance(k, str) and k for k in self.keep_dtype):
+            raise ValueError(f"engine_kwargs.weightsync.keep_dtype must be a list of name endings, got "
+                             f"{self.keep_dtype!r}")
+        object.__setattr__(self, "keep_dtype", tuple(self.keep_dtype))
         if self.timeout_s <= 0:
             raise ValueError(f"engine_kwargs.weightsync.timeout_s must be positive, got {self.timeout_s}")
 
@@ -225,7 +239,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         else:
             metrics = await asyncio.to_thread(
                 send_update, session, stream, version=version, bucket_bytes=self.bucket_size,
-                dtype=self.config.torch_dtype,
+                dtype=self.config.torch_dtype, keep_dtype=self.config.keep_dtype,
                 max_tensor_bytes=self.bucket_size if self.config.transport == "shm" else None)  # shm slots: fixed size
         self.version = version
         return metrics

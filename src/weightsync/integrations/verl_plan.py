@@ -29,7 +29,8 @@ class StreamPlan:
     """Buckets of `weights` planned as it is read, for one push through the pipeline.
 
     `dtype`: floating tensors travel as this dtype (the engine's), cast by the packer;
-    None sends them as yielded. `max_tensor_bytes`: refuse a tensor that would not fit
+    None sends them as yielded, and so are those whose name ends with one of `keep_dtype`
+    (routers the engine keeps in float32). `max_tensor_bytes`: refuse a tensor that would not fit
     a bucket slot of that size (shm's slots are sized before the first tensor is read).
     Every trainer rank must yield the same names in the same order (verl's FSDP
     generator gathers on every rank); only the sending rank reads it through a plan.
@@ -38,11 +39,13 @@ class StreamPlan:
     mode = "full"
 
     def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int,
-                 dtype: torch.dtype | None, max_tensor_bytes: int | None = None) -> None:
+                 dtype: torch.dtype | None, max_tensor_bytes: int | None = None,
+                 keep_dtype: Sequence[str] = ()) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
+        self.keep_dtype = tuple(keep_dtype)
         self.max_tensor_bytes = max_tensor_bytes
         self.planned: list[BucketMeta] = []
         """The buckets laid out so far, in order (the whole plan once `buckets()` ended)."""
@@ -107,7 +110,8 @@ class StreamPlan:
         if name in self._seen:
             raise ValueError(f"tensor {name!r} is yielded twice; each name must be sent once")
         self._seen.add(name)
-        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+        cast = self.dtype is not None and tensor.is_floating_point() and not name.endswith(self.keep_dtype)
+        dtype = self.dtype if cast and self.dtype is not None else tensor.dtype
         meta = TensorMeta(hf_name=name, dtype=dtype, shape=tuple(tensor.shape))
         if self.max_tensor_bytes is not None and meta.nbytes > self.max_tensor_bytes:
             raise ValueError(f"tensor {name!r} is {meta.nbytes} bytes as {dtype}, over the "

@@ -114,14 +114,17 @@ class _GroupBroken(Exception):
 
 
 def send_update(session: Session, weights: Iterator[tuple[str, torch.Tensor]], *, version: int,
-                bucket_bytes: int, dtype: torch.dtype | None, max_tensor_bytes: int | None) -> dict[str, Any]:
+                bucket_bytes: int, dtype: torch.dtype | None, max_tensor_bytes: int | None,
+                keep_dtype: Sequence[str] = ()) -> dict[str, Any]:
     """The sending actor rank's update; returns verl's sync metrics. `max_tensor_bytes`:
-    the largest tensor the transport's slots take (shm sizes them at open), or None."""
+    the largest tensor the transport's slots take (shm sizes them at open), or None;
+    `keep_dtype`: name endings of tensors sent in their own dtype (`StreamPlan`)."""
     transport, board = session.transport, session.board
     assert transport is not None and board is not None, "init_process_group first"
     session.updates += 1
     started = time.perf_counter()
-    plan = StreamPlan(weights, bucket_bytes=bucket_bytes, dtype=dtype, max_tensor_bytes=max_tensor_bytes)
+    plan = StreamPlan(weights, bucket_bytes=bucket_bytes, dtype=dtype, max_tensor_bytes=max_tensor_bytes,
+                      keep_dtype=keep_dtype)
     algorithm = for_device(transport.buffer_device)
     stages = Stages()
     manifest: Manifest | None = None
