@@ -100,3 +100,29 @@ def test_checkpoint_reverts_and_a_missing_expert_is_refused(stock_moe: tuple[Pat
     assert refused.value.missing == (lost,)
     assert engine.weight_version() == before
     assert_holds(server, base)
+
+
+def test_a_mixtral_push_and_checkpoint_go_under_the_checkpoints_names(tmp_path: Path) -> None:
+    """Mixtral's checkpoint (and so a stock SGLang's loader, and the trainer's push to it) names
+    its router and experts `block_sparse_moe.` where transformers serves them as `mlp.`: the
+    server maps the router as it fuses the experts, for a push and for `/update_weights_from_disk`
+    of the model's `save_pretrained` directory alike."""
+    model_dir = make_moe_dir(tmp_path, "mixtral")
+    with launch_server(model_dir, args=["--sglang-only", "--num-threads", "1"]) as server:
+        engine = ws.SGLangEngine(server.url)
+        trainer = vf.load_trainer(model_dir)
+        vf.perturb(trainer, seed=14)
+        with ws.WeightSync([engine], transport="broadcast", timeout_s=60) as sync:
+            report = sync.push(trainer, version=(version := int(engine.weight_version()) + 1))
+        sent = report.acks[0].loaded_names
+        assert {"model.layers.1.block_sparse_moe.gate.weight",
+                "model.layers.1.block_sparse_moe.experts.7.w3.weight"} <= sent and not any(".mlp." in n for n in sent)
+        assert engine.weight_version() == str(version)
+        held = dict(trainer.named_parameters())
+        routed = ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight", *FUSED]
+        assert all(served_digest(server, name) == digest(held[name].detach()) for name in routed)
+        vf.assert_parity(engine, trainer)
+        httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": str(model_dir)},
+                   timeout=60).raise_for_status()
+        base = dict(vf.load_trainer(model_dir).named_parameters())
+        assert all(served_digest(server, name) == digest(base[name].detach()) for name in routed)

@@ -45,14 +45,24 @@ class ExpertFuser:
             for p in map_names(model, expert_layout="per-expert").params if p.expert is not None
         }
         """per-expert checkpoint name -> (the served fused hf_name, where it lies in it)."""
+        self._renamed: dict[str, str] = {
+            p.hf_name: fused_name[p.trainer_name]
+            for p in map_names(model, expert_layout="per-expert").params
+            if p.expert is None and p.hf_name != fused_name[p.trainer_name]
+        }
+        """checkpoint name -> served name, for the other tensors a checkpoint names otherwise
+        (transformers' renamings: Mixtral's router `block_sparse_moe.gate.weight` is served as
+        `mlp.gate.weight`); empty for most models."""
 
     def names_experts(self, hf_names: Collection[str]) -> bool:
-        """Whether any of `hf_names` is one expert of a fused parameter."""
-        return any(name in self._slices for name in hf_names)
+        """Whether any of `hf_names` is one expert of a fused parameter, or a checkpoint name
+        this server serves under another (a stock SGLang's push, which `fuse` maps)."""
+        return any(name in self._slices or name in self._renamed for name in hf_names)
 
     def fuse(self, named: NamedTensors, base: Callable[[str], torch.Tensor], *, full: bool) -> NamedTensors:
         """`named` with every per-expert tensor written into a copy of `base(fused_name)`, that
-        fused tensor listed once in its place; other names pass through. With `full` (a whole
+        fused tensor listed once in its place; a tensor the checkpoint names otherwise goes under
+        the served name; other names pass through. With `full` (a whole
         checkpoint), every expert of the model must be there. Raises ValueError naming the
         offending tensors (ManifestMismatchError for a wrong shape or dtype, or a missing expert)
         before anything the caller serves is written."""
@@ -62,7 +72,7 @@ class ExpertFuser:
         for name, tensor in named:
             slot = self._slices.get(name)
             if slot is None:
-                passed.append((name, tensor))
+                passed.append((self._renamed.get(name, name), tensor))
                 continue
             if name in seen:
                 raise ValueError(f"{REFUSED}: tensor(s) sent twice in one update: {name}")
