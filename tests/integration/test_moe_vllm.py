@@ -20,8 +20,7 @@ import pytest
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import WithoutTensors, edit_two_experts, make_moe_dir, per_expert_trainer
-from vllm_shared_server import ModuleVLLM
+from moe_models import WithoutTensors, edit_two_experts, moe_vllm, per_expert_trainer, pushed_into_vllm
 from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.tiny import TinyModelConfig, build_model
 
@@ -32,8 +31,7 @@ NUM_CHECKPOINT_TENSORS = 69
 """2 layers x (8 experts x 3 projections + router + 6 attention and norm tensors) + 3: as save_pretrained writes."""
 
 
-VLLM_SERVE = ModuleVLLM("qwen3-moe", make_model=lambda root: make_moe_dir(root, "qwen3_moe"),
-                        args=("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0"))
+VLLM_SERVE = moe_vllm("qwen3_moe")
 """This module's `vllm serve` (tests/support/vllm_shared_server.py starts it in the background)."""
 
 
@@ -44,13 +42,10 @@ def test_full_pushes_of_fused_experts_serve_transformers_tokens(
     trainer = vf.load_trainer(module_model_dir)
     for transport, seed in (("shm", 1), ("broadcast", 2)):
         vf.perturb(trainer, seed=seed)
-        with ws.WeightSync([module_engine], transport=transport) as sync:
-            report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
-        vf.assert_verified(report, version)
-        assert report.num_tensors == NUM_CHECKPOINT_TENSORS
+        report = pushed_into_vllm(module_engine, trainer, num_tensors=NUM_CHECKPOINT_TENSORS, transport=transport)
         assert "model.layers.1.mlp.experts.7.up_proj.weight" in report.acks[0].loaded_names
         gap = vf.assert_parity(module_engine, trainer)
-        print(f"\n{transport} v{version}: {report.num_tensors} tensors, max logprob gap {gap:.2e}")
+        print(f"\n{transport} v{report.version}: {report.num_tensors} tensors, max logprob gap {gap:.2e}")
 
 
 def test_sparse_push_after_two_experts_changed_sends_only_them(

@@ -27,8 +27,7 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import make_moe_dir
-from vllm_shared_server import ModuleVLLM
+from moe_models import moe_vllm
 from weightsync.engines.vllm.client import VLLMEngine
 
 vf.require_vllm()
@@ -45,11 +44,8 @@ each push here max 0.005-0.028, mean 0.0014-0.0019 (2-core Intel Xeon), a margin
 before each push the mean is 0.21-0.45, 4x and more above 5 x MEAN_GAP. The bound is not
 where the exactness lies: the last push is checked bit for bit."""
 
-VLLM_SERVE = ModuleVLLM("deepseek-v3", make_model=lambda root: make_moe_dir(root, "deepseek_v3"),
-                        args=("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-                              # the reference MLA backend on every x86 CPU (AMX_MLA, chosen where AMX is, is
-                              # bfloat16 only)
-                              "--attention-backend", "CPU_MLA"))
+# the reference MLA backend on every x86 CPU (AMX_MLA, chosen where AMX is, is bfloat16 only)
+VLLM_SERVE = moe_vllm("deepseek_v3", "float32", "--attention-backend", "CPU_MLA")
 """This module's `vllm serve` (tests/support/vllm_shared_server.py starts it in the background)."""
 
 

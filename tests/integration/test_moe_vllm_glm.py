@@ -25,8 +25,7 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import as_the_engine_holds, edit_two_experts, make_moe_dir
-from vllm_shared_server import ModuleVLLM
+from moe_models import as_the_engine_holds, edit_two_experts, moe_vllm
 from weightsync.engines.vllm.client import VLLMEngine
 
 vf.require_vllm()
@@ -44,8 +43,7 @@ BF16_MEAN_GAP = 0.01
 Measured for every push here: max 0.0039-0.0040, mean 0.0009-0.0011 (2-core Intel Xeon), a margin
 of 12x and 9x."""
 
-VLLM_SERVE = ModuleVLLM("glm4-moe-bf16", make_model=lambda root: make_moe_dir(root, "glm4_moe", dtype="bfloat16"),
-                        args=("--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--seed", "0"))
+VLLM_SERVE = moe_vllm("glm4_moe", "bfloat16")
 """This module's `vllm serve` (tests/support/vllm_shared_server.py starts it in the background)."""
 
 

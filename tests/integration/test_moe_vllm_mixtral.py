@@ -21,9 +21,7 @@ from pathlib import Path
 import pytest
 
 import vllm_fixtures as vf
-import weightsync as ws
-from moe_models import MIXTRAL_PROJECTIONS, make_moe_dir, per_expert_trainer
-from vllm_shared_server import ModuleVLLM
+from moe_models import MIXTRAL_PROJECTIONS, moe_vllm, per_expert_trainer, pushed_into_vllm
 from weightsync.engines.vllm.client import VLLMEngine
 
 vf.require_vllm()
@@ -32,8 +30,7 @@ pytestmark = pytest.mark.vllm
 NUM_CHECKPOINT_TENSORS = 65
 """2 layers x (8 experts x 3 + router + 6 attention and norm tensors) + 3: as save_pretrained writes."""
 
-VLLM_SERVE = ModuleVLLM("mixtral", make_model=lambda root: make_moe_dir(root, "mixtral"),
-                        args=("--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0"))
+VLLM_SERVE = moe_vllm("mixtral")
 """This module's `vllm serve` (tests/support/vllm_shared_server.py starts it in the background)."""
 
 
@@ -44,15 +41,12 @@ def test_a_mixtral_push_goes_in_its_checkpoint_names_and_serves_transformers_tok
     trainer = vf.load_trainer(module_model_dir)
     vf.perturb(trainer, seed=1)
     before = vf.greedy_tokens(module_engine)
-    with ws.WeightSync([module_engine], transport="shm") as sync:
-        report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
-    vf.assert_verified(report, version)
-    assert report.num_tensors == NUM_CHECKPOINT_TENSORS
+    report = pushed_into_vllm(module_engine, trainer, num_tensors=NUM_CHECKPOINT_TENSORS)
     assert {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.7.w3.weight",
             "model.layers.0.self_attn.q_proj.weight"} <= report.acks[0].loaded_names
     gap = vf.assert_parity(module_engine, trainer)
     assert vf.greedy_tokens(module_engine) != before, "the push changed nothing vLLM serves"
-    print(f"\nMixtral v{version}: {report.num_tensors} tensors, max logprob gap {gap:.2e}")
+    print(f"\nMixtral v{report.version}: {report.num_tensors} tensors, max logprob gap {gap:.2e}")
 
 
 def test_a_per_expert_mixtral_trainer_pushes_under_the_same_names(
@@ -61,11 +55,8 @@ def test_a_per_expert_mixtral_trainer_pushes_under_the_same_names(
     fused = vf.load_trainer(module_model_dir)
     vf.perturb(fused, seed=2)
     before = vf.greedy_tokens(module_engine)
-    with ws.WeightSync([module_engine], transport="shm") as sync:
-        report = sync.push(per_expert_trainer(fused, MIXTRAL_PROJECTIONS),
-                           version=(version := vf.next_version(module_engine)))
-    vf.assert_verified(report, version)
-    assert report.num_tensors == NUM_CHECKPOINT_TENSORS
+    report = pushed_into_vllm(module_engine, per_expert_trainer(fused, MIXTRAL_PROJECTIONS),
+                              num_tensors=NUM_CHECKPOINT_TENSORS)
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in report.acks[0].loaded_names
     vf.assert_parity(module_engine, fused)
     assert vf.greedy_tokens(module_engine) != before

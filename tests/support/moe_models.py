@@ -23,6 +23,29 @@ def make_moe_dir(root: Path, arch: str, dtype: str = "float32") -> Path:
     return make_tiny_model(root / f"{arch}-{dtype}", TinyModelConfig(arch=arch, dtype=dtype))
 
 
+def moe_vllm(arch: str, dtype: str = "float32", *args: str) -> Any:
+    """A test module's `vllm serve` (`vllm_shared_server.ModuleVLLM`) of the tiny `arch` model
+    in `dtype`: 512-token sequences, eager, seeded; `args` added."""
+    from vllm_shared_server import ModuleVLLM
+
+    name = arch.replace("_", "-") + ("" if dtype == "float32" else f"-{dtype}")
+    return ModuleVLLM(name, make_model=lambda root: make_moe_dir(root, arch, dtype),
+                      args=("--dtype", dtype, "--max-model-len", "512", "--enforce-eager", "--seed", "0", *args))
+
+
+def pushed_into_vllm(engine: Any, trainer: Any, *, num_tensors: int, transport: str = "shm") -> Any:
+    """The report of one push of `trainer` into the vLLM `engine` at its next version, checked
+    verified (every digest and name acked) and of `num_tensors` checkpoint tensors."""
+    import vllm_fixtures as vf
+    import weightsync as ws
+
+    with ws.WeightSync([engine], transport=transport) as sync:
+        report = sync.push(trainer, version=(version := vf.next_version(engine)))
+    vf.assert_verified(report, version)
+    assert report.num_tensors == num_tensors, report.num_tensors
+    return report
+
+
 @contextmanager
 def moe_serve(root: Path, arch: str, dtype: str = "float32") -> Iterator[tuple[Path, ServerProcess]]:
     """A tiny `arch` model written under `root` and a `weightsync serve` of it (one torch
