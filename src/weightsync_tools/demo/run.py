@@ -12,6 +12,7 @@ the logprob gap between engine and trainer for the same weights at every step.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -148,8 +149,28 @@ def build_trainer(cfg: DemoConfig, model_dir: Path) -> tuple[torch.nn.Module, to
     return model, torch.optim.Adam(params, lr=lr)
 
 
+@contextlib.contextmanager
+def trainer_threads_beside(cfg: DemoConfig) -> Iterator[None]:
+    """The trainer's torch threads while the loop runs: with the embedded engine on this host
+    (one torch thread of its own), the cores it leaves, so the two never share a core. torch's
+    default gives the trainer every core; on 2 cores each backward then waited for an OpenMP
+    thread the engine had descheduled, and the 30-step demo took 3-4x longer."""
+    before = torch.get_num_threads()
+    if cfg.engine == "embedded":
+        torch.set_num_threads(max(1, min(before, len(os.sched_getaffinity(0)) - 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_demo(cfg: DemoConfig, *, on_step: Callable[[StepRow], None] | None = None) -> DemoResult:
     """Run the loop; `on_step` sees each row as it completes (a progress bar)."""
+    with trainer_threads_beside(cfg):
+        return _run_demo(cfg, on_step)
+
+
+def _run_demo(cfg: DemoConfig, on_step: Callable[[StepRow], None] | None) -> DemoResult:
     from transformers.utils import logging as hf_logging
 
     import weightsync as ws
