@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import weightsync as ws
 from dist_util import init_gloo
+from serve_check import launch_servers
 from weightsync.integrity import digest
-from weightsync.server.launch import launch_server
 from weightsync.tiny import TinyModelConfig, build_model, make_tiny_model
 
 CFG = TinyModelConfig(num_layers=2)
@@ -98,7 +98,7 @@ def _rank(rank: int, world_size: int, init_file: str, urls: list[str], out_dir: 
 
 def test_every_rank_sends_its_share_directly_and_relayed(run_distributed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     engine_dir = make_tiny_model(tmp_path / "bf16", TinyModelConfig(num_layers=2, dtype="bfloat16"))
-    with launch_server(engine_dir) as first, launch_server(engine_dir) as second:
+    with launch_servers(engine_dir, 2) as (first, second):
         run_distributed(_rank, 2, [first.url, second.url], str(tmp_path))
         served = [ws.SGLangEngine(s.url).digests() for s in (first, second)]
         versions = [ws.SGLangEngine(s.url).weight_version() for s in (first, second)]

@@ -19,12 +19,13 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from weightsync_tools import faults
 from weightsync_tools.faults import Answer, AnswerVerifier, Rig, Weights
 
-# fixtures rig, fault_model: tests/support/fault_fixtures.py
+# fixtures rig, fault_model: tests/support/fault_fixtures.py; one_torch_thread: tests/support/server_fixtures.py
+# (the replay runs transformers here while the engine generates)
 pytestmark = pytest.mark.faults
 
 
 @pytest.mark.parametrize("policy", faults.POLICIES)
-def test_load_under_back_to_back_pushes(rig: Rig, policy: str) -> None:
+def test_load_under_back_to_back_pushes(rig: Rig, policy: str, one_torch_thread: None) -> None:
     figures = faults.run_load(rig, policy, num_clients=3, num_pushes=4, max_new_tokens=24)
     print(f"\n{figures.summary()}")
     assert figures.pushes == 4
@@ -69,7 +70,7 @@ def _greedy(
     return tuple(ids[len(prompt):]), tuple(logprobs)
 
 
-def test_the_replay_rejects_answers_from_a_torn_weight_set(fault_model: Path) -> None:
+def test_the_replay_rejects_answers_from_a_torn_weight_set(fault_model: Path, one_torch_thread: None) -> None:
     base = faults.load_weights(fault_model)
     v1, v2 = faults.perturbed(base, seed=1), faults.perturbed(base, seed=2)
     torn = {n: (v1 if ".layers.0." in n else v2)[n] for n in v1}  # an update applied halfway

@@ -46,7 +46,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[ServerProcess]:
+def server(model_dir: Path, one_torch_thread: None) -> Iterator[ServerProcess]:
+    """The engine, with TRL's training on one torch thread beside it (two threads on a 2-core
+    machine, where the engine generates at the same time, made each step's backward 0.5-1 s)."""
     yield from checked(launch_server(model_dir, args=["--num-threads", "1"]))
 
 
@@ -192,7 +194,8 @@ def test_peft_base_weights_stay_exact(model_dir: Path, tmp_path: Path, server: S
 
 
 @pytest.mark.vllm
-def test_trls_own_rollout_worker_on_vllm_serve(vllm_server: Any, vllm_model_dir: Path, tmp_path: Path) -> None:
+def test_trls_own_rollout_worker_on_vllm_serve(vllm_server: Any, vllm_model_dir: Path, tmp_path: Path,
+                                               one_torch_thread: None) -> None:
     """TRL's `AsyncRolloutWorker` (a spawned child posting `/v1/completions`) samples from the
     session's float32 `vllm serve` while `WeightTransfer` pushes into it over shared memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -10,8 +10,11 @@ import pytest
 from weightsync.cli.main import main
 from weightsync_tools.demo import DemoConfig, run_demo
 
+# fixture one_torch_thread: tests/support/server_fixtures.py (the demo trains beside its engine's process)
 
-def test_default_demo_learns_with_every_push_verified(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+
+def test_default_demo_learns_with_every_push_verified(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    one_torch_thread: None) -> None:
     assert main(["demo", "--out", str(tmp_path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["config"]["mode"] == "lora" and report["config"]["transport"] == "http"
@@ -25,7 +28,7 @@ def test_default_demo_learns_with_every_push_verified(tmp_path: Path, capsys: py
 
 
 @pytest.mark.parametrize(("mode", "transport"), [("full", "broadcast"), ("lora-merged", "shm"), ("lora", "disk")])
-def test_demo_modes_and_transports(mode: str, transport: str, tmp_path: Path) -> None:
+def test_demo_modes_and_transports(mode: str, transport: str, tmp_path: Path, one_torch_thread: None) -> None:
     result = run_demo(DemoConfig(steps=3, mode=mode, transport=transport, out_dir=tmp_path))
     assert [r.version for r in result.rows] == [2, 3, 4]
     assert all(r.verified for r in result.rows)

@@ -7,7 +7,6 @@ killed mid-relay, and a corrupted bucket. Every push is all or nothing across th
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,20 +18,15 @@ import torch
 
 import weightsync as ws
 from contract_helpers import load_trainer, perturb
+from serve_check import launch_servers
 from weightsync.integrity import digest
-from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.server.launch import ServerProcess
 from weightsync.transports import make_transport
 from weightsync_tools.faults.inject import FaultyTransport
 
 BUCKET_BYTES = 256 << 10
 """The tiny model (~1.7 MB) goes as several buckets, so a fault lands mid-relay."""
 TIMEOUT_S = 20.0
-
-
-@contextlib.contextmanager
-def three_engines(model_dir: Path) -> Iterator[list[ServerProcess]]:
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(launch_server(model_dir, args=["--num-threads", "1"])) for _ in range(3)]
 
 
 @pytest.fixture(scope="module", params=["http", "broadcast"])
@@ -44,7 +38,7 @@ def transport(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def servers(transport: str, tiny_model_dir: Path) -> Iterator[list[ServerProcess]]:
     """Three engines per transport; the last test of the module kills the middle one."""
-    with three_engines(tiny_model_dir) as servers:
+    with launch_servers(tiny_model_dir, 3, args=["--num-threads", "1"]) as servers:
         yield servers
 
 

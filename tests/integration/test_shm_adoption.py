@@ -16,12 +16,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import weightsync as ws
+from serve_check import launch_servers
 from weightsync.errors import EngineError
 from weightsync.integrity import digest
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import map_names
 from weightsync.reports import Ack
-from weightsync.server.launch import ServerProcess, launch_server
+from weightsync.server.launch import ServerProcess
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 from weightsync.transports.base import typed
 from weightsync.transports.shm import ShmLink, ShmTransport
@@ -38,8 +39,8 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(bf16_dir: Path) -> Iterator[list[ServerProcess]]:
-    with launch_server(bf16_dir) as one, launch_server(bf16_dir) as two:
-        yield [one, two]
+    with launch_servers(bf16_dir, 2) as servers:
+        yield servers
 
 
 def _trainer(tiny_model_dir: Path, seed: int) -> torch.nn.Module:

@@ -153,16 +153,14 @@ def test_engines_bound_to_loopback_fail_within_the_timeout(trainer: Trainer, eng
     ends first ("joining"); or an engine that gave up (its group timeout, 1 s) closes its
     side, and the trainer's own end of the mesh fails ("did not form", with the hint)."""
     try:
-        for index in range(len(engines.servers)):
-            engines.restart(index, env={"GLOO_SOCKET_IFNAME": "lo"}, args=["--group-timeout", "1"])
+        engines.restart_all(env={"GLOO_SOCKET_IFNAME": "lo"}, args=["--group-timeout", "1"])
         failed = trainer.call("push", sync="loopback", transport="broadcast", mode="full", version=next(_versions),
                               timeout_s=FAULT_TIMEOUT_S)
         assert not failed["ok"]
         assert failed["seconds"] < error_bound_s(FAULT_TIMEOUT_S), failed
         assert re.search(r"joining|did not form", failed["error"]), failed["error"]
     finally:
-        for index in range(len(engines.servers)):
-            engines.restart(index)
+        engines.restart_all()
     following = next(_versions)
     assert_served_exactly(trainer.call("push", sync="loopback", transport="broadcast", mode="full",
                                        version=following, timeout_s=FAULT_TIMEOUT_S), following)

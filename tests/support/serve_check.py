@@ -3,10 +3,13 @@ on sys.path for every test directory)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
-from weightsync.server.launch import ServerProcess
+from weightsync.server.launch import ServerProcess, launch_server
 
 
 def checked(server: ServerProcess) -> Iterator[ServerProcess]:
@@ -18,6 +21,21 @@ def checked(server: ServerProcess) -> Iterator[ServerProcess]:
     finally:
         server.close()
     assert "Traceback" not in log, f"the server logged an unhandled error (a 500?):\n{log[-4000:]}"
+
+
+@contextlib.contextmanager
+def launch_servers(model_dir: str | os.PathLike[str], count: int,
+                   args: Sequence[str] = ()) -> Iterator[list[ServerProcess]]:
+    """`count` servers of `launch_server(model_dir, args=args)`, started at once (each start
+    is mostly imports, which overlap); all of them are stopped on exit, and those that did
+    start when another one failed to."""
+    with ThreadPoolExecutor(count) as pool:
+        starting = [pool.submit(launch_server, model_dir, args=args) for _ in range(count)]
+    with contextlib.ExitStack() as stack:
+        for future in starting:
+            if future.exception() is None:
+                stack.enter_context(future.result())
+        yield [future.result() for future in starting]
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:

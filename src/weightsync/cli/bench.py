@@ -7,7 +7,7 @@ machine's limits for the same bytes (preallocated copy, raw gloo broadcast,
 xxh3, loopback TCP, disk) and the baselines (one request per tensor,
 checkpoint then reload), the fixed cost of a push (seconds and HTTP round
 trips of a push that moves almost nothing, per transport), plus the
-trainer's peak memory for merged LoRA.
+trainer's peak memory for merged LoRA (when lora-merged is among --modes).
 --suite faults: fault injection and load under pushes (`weightsync_tools.faults`).
 --suite sparse: mode="sparse" on real RL steps against full pushes of the same weights.
 --suite sparse-fsdp: the same from 2 FSDP2 ranks (each diffs its own shard).

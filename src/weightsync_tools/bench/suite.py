@@ -11,6 +11,7 @@ the baselines, and (once) the trainer's peak memory, all in one run.
                     adapter), every transport, per engine: seconds and HTTP
                     requests (`bench.fixed_cost`)
     memory          merged LoRA layer by layer vs the whole model at once
+                    (when "lora-merged" is among the modes)
 
 "many-small" runs mode "full" only (the question it answers is per-tensor
 overhead); vLLM runs on "dense" only, at one bucket size (its start and its
@@ -78,7 +79,8 @@ class BenchConfig:
     fixed_cost_repeats: int = 5
     """Measured pushes per fixed-cost cell (0: skip the fixed cost)."""
     memory_methods: tuple[str, ...] = memory_mod.METHODS
-    """Merged-LoRA memory methods measured (empty: skip)."""
+    """Merged-LoRA memory methods measured on "dense" when "lora-merged" is among the modes
+    (empty: skip)."""
     vllm_bucket_sizes: tuple[int, ...] = (64 * MiB,)
     """Bucket sizes vLLM runs."""
     out_dir: Path = Path("runs/bench")
@@ -146,7 +148,7 @@ def run_sync_suite(config: BenchConfig, *, progress: Progress = lambda _: None,
         _run_scenario(scenario, config, result, progress, on_cell)
     if config.fixed_cost_repeats > 0:
         _run_fixed_cost(config, result, progress, on_cell)
-    if config.memory_methods and "dense" in config.scenarios:
+    if config.memory_methods and "dense" in config.scenarios and "lora-merged" in config.modes:
         progress("trainer memory: merged LoRA layer by layer vs whole model")
         dense = next(s for s in result.scenarios if s.name == "dense")
         result.memory = memory_mod.measure_all(asdict(dense.model), config.memory_methods)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from weightsync.bucketing import plan_buckets
 from weightsync.cli.main import main
 from weightsync.modes import make_source
+from weightsync_tools.bench import memory as memory_mod
 from weightsync_tools.bench.baselines import run_baselines
 from weightsync_tools.bench.engines import RunningEngine, start_engine
 from weightsync_tools.bench.fixed_cost import SCENARIO as FIXED_COST
@@ -24,6 +26,7 @@ from weightsync_tools.bench.scenarios import (
     trainer_model,
     with_lora,
 )
+from weightsync_tools.bench.suite import BenchConfig, run_sync_suite
 
 MiB = 1 << 20
 SCENARIO = make_scenario("dense", 2 * MiB)
@@ -112,6 +115,27 @@ def test_layer_by_layer_merge_needs_less_memory_than_the_whole_model() -> None:
     assert stream.model_bytes == whole.model_bytes > 16 * MiB
     assert stream.peak_extra_bytes < whole.peak_extra_bytes
     assert whole.peak_extra_bytes > stream.model_bytes // 2  # the merged weights all exist at once
+
+
+@pytest.mark.parametrize(("modes", "measured"), [(("full", "lora-merged"), True), (("full", "lora"), False)])
+def test_the_suite_measures_merged_lora_memory_when_lora_merged_is_benched(
+        modes: tuple[str, ...], measured: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory pass (`memory.measure_all`, run for real above) gets the dense scenario's
+    model and the configured methods, and runs only when "lora-merged" is benched."""
+    calls: list[tuple[dict[str, object], tuple[str, ...]]] = []
+    measured_results = [object()]
+
+    def measure_all(model_config: dict[str, object], methods: tuple[str, ...]) -> list[object]:
+        calls.append((model_config, methods))
+        return measured_results
+
+    monkeypatch.setattr(memory_mod, "measure_all", measure_all)
+    methods = ("layer-by-layer", "whole-model")
+    config = BenchConfig(scenarios=("dense",), model_bytes=2 * MiB, bucket_sizes=(), modes=modes, engines=(),
+                         baselines=(), fixed_cost_repeats=0, memory_methods=methods, out_dir=tmp_path)
+    result = run_sync_suite(config)
+    assert calls == ([(asdict(SCENARIO.model), methods)] if measured else [])
+    assert result.memory == (measured_results if measured else [])
 
 
 @pytest.mark.slow
