@@ -28,7 +28,7 @@ from torch import nn
 from weightsync.bucketing import unpack
 from weightsync.checkpoint import read_version
 from weightsync.errors import ManifestMismatchError, format_names
-from weightsync.naming import ExpertSlice, map_names
+from weightsync.naming import ExpertSlice, checkpoint_slices
 from weightsync.receiving import NamedTensors
 
 REFUSED = "update refused, served weights unchanged"
@@ -39,20 +39,18 @@ class ExpertFuser:
     fused tensor and slice each one is written into."""
 
     def __init__(self, model: nn.Module) -> None:
-        fused_name = {p.trainer_name: p.hf_name for p in map_names(model).params}
-        self._slices: dict[str, tuple[str, ExpertSlice]] = {
-            p.hf_name: (fused_name[p.trainer_name], p.expert)
-            for p in map_names(model, expert_layout="per-expert").params if p.expert is not None
-        }
+        self._slices: dict[str, tuple[str, ExpertSlice]] = {}
         """per-expert checkpoint name -> (the served fused hf_name, where it lies in it)."""
-        self._renamed: dict[str, str] = {
-            p.hf_name: fused_name[p.trainer_name]
-            for p in map_names(model, expert_layout="per-expert").params
-            if p.expert is None and p.hf_name != fused_name[p.trainer_name]
-        }
+        self._renamed: dict[str, str] = {}
         """checkpoint name -> served name, for the other tensors a checkpoint names otherwise
         (transformers' renamings: Mixtral's router `block_sparse_moe.gate.weight` is served as
         `mlp.gate.weight`); empty for most models."""
+        for served, parts in checkpoint_slices(model).items():
+            for name, where in parts:
+                if where is None:
+                    self._renamed[name] = served
+                else:
+                    self._slices[name] = (served, where)
 
     def names_experts(self, hf_names: Collection[str]) -> bool:
         """Whether any of `hf_names` is one expert of a fused parameter, or a checkpoint name
