@@ -355,20 +355,47 @@ def _expert_converters(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
     return out
 
 
-def _reverse_renamings(model: nn.Module) -> list[Any]:
-    """`model`'s `WeightRenaming`s reversed, in the order `save_pretrained` applies them
-    (transformers' `revert_weight_conversion`): the conversions `from_pretrained` used
-    (`_weight_conversions`), or for a model built another way its default conversion mapping
-    without `PrefixChange`s (nothing says whether its checkpoint had the prefix)."""
+def _conversions(model: nn.Module) -> list[Any]:
+    """The conversions `from_pretrained` used for `model` (`_weight_conversions`), or for a
+    model built another way its default conversion mapping without `PrefixChange`s (nothing
+    says whether its checkpoint had the prefix)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightRenaming
+    from transformers.core_model_loading import PrefixChange
 
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:
         conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
                        if not isinstance(c, PrefixChange)]
-    reversed_ = [c.reverse_transform() for c in conversions[::-1]]
+    return list(conversions)
+
+
+def _reverse_renamings(model: nn.Module) -> list[Any]:
+    """`model`'s `WeightRenaming`s reversed, in the order `save_pretrained` applies them
+    (transformers' `revert_weight_conversion`)."""
+    from transformers.core_model_loading import WeightRenaming
+
+    reversed_ = [c.reverse_transform() for c in _conversions(model)[::-1]]
     return [r for r in reversed_ if isinstance(r, WeightRenaming)]
+
+
+def model_names(hf_names: Iterable[str], model: nn.Module) -> dict[str, str]:
+    """Checkpoint name -> the name `model` (a transformers model of the architecture) holds it
+    under, for each of `hf_names` its `WeightRenaming`s rename as `from_pretrained` does
+    (Mixtral: `model.layers.0.block_sparse_moe.gate.weight` -> `...mlp.gate.weight`); empty
+    for a model without renamings or one that is not a transformers model."""
+    if not _is_pretrained(model):
+        return {}
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [c for c in _conversions(model) if isinstance(c, WeightRenaming)]
+    if not renamings:
+        return {}
+    out = {}
+    for hf_name in hf_names:
+        renamed, _ = rename_source_key(hf_name, renamings, [])
+        if renamed != hf_name:
+            out[hf_name] = renamed
+    return out
 
 
 def _checkpoint_names(walker: _Walker) -> None:

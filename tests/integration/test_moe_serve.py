@@ -29,6 +29,7 @@ import vllm_fixtures as vf
 import weightsync as ws
 from moe_models import (
     MIXTRAL_PROJECTIONS,
+    CheckpointTensors,
     as_the_engine_holds,
     edit_two_experts,
     engine_and_trainer,
@@ -38,6 +39,7 @@ from moe_models import (
 )
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess
+from weightsync.sources import stacked_source
 from weightsync.tiny import TinyModelConfig, build_model
 
 BF16_MAX_GAP = 0.05
@@ -211,6 +213,16 @@ def test_mixtral_and_deepseek_v3_serve_the_pushed_weights(arch: str, tmp_path: P
             if arch == "mixtral":
                 vf.perturb(trainer, seed=5)
                 report = sync.push(per_expert_trainer(trainer, MIXTRAL_PROJECTIONS),
+                                   version=(version := next_version(engine)))
+                assert report.verified and engine.weight_version() == str(version)
+                assert engine.digests() == {n: digest(t) for n, t in trainer.state_dict().items()}
+                vf.assert_parity(engine, trainer)
+                # a plain stream in Mixtral's checkpoint names (a Megatron-style export: `block_sparse_moe.`,
+                # per-expert w1/w3/w2), stacked and renamed to the names the engine's model holds
+                vf.perturb(trainer, seed=6)
+                stream = CheckpointTensors(ws.named_weights(trainer, expert_layout="per-expert"))
+                assert "model.layers.0.block_sparse_moe.gate.weight" in stream.held
+                report = sync.push(stacked_source(stream, conversions_of=trainer),
                                    version=(version := next_version(engine)))
                 assert report.verified and engine.weight_version() == str(version)
                 assert engine.digests() == {n: digest(t) for n, t in trainer.state_dict().items()}

@@ -26,10 +26,17 @@ import torch
 
 import vllm_fixtures as vf
 import weightsync as ws
-from moe_models import edit_two_experts, engine_and_trainer, fused_state, moe_serve, next_version, per_expert_trainer
+from moe_models import (
+    CheckpointTensors,
+    edit_two_experts,
+    engine_and_trainer,
+    fused_state,
+    moe_serve,
+    next_version,
+    per_expert_trainer,
+)
 from weightsync.errors import NamingError
 from weightsync.integrity import digest
-from weightsync.manifest import TensorMeta
 from weightsync.server.launch import ServerProcess
 from weightsync.sources import stacked_source
 from weightsync.tiny import TinyModelConfig, build_model
@@ -45,22 +52,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Ser
 
 def fused_digests(fused: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, str]:
     return {n: digest(p.detach().to(dtype).contiguous()) for n, p in fused.named_parameters()}
-
-
-class CheckpointTensors:
-    """A plain stream of checkpoint tensors in hand (a Megatron-style export): per-expert names."""
-
-    mode = "full"
-
-    def __init__(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.held = dict(named)
-
-    def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(hf_name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in self.held.items()]
-
-    def tensors(self, hf_names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for hf_name in list(self.held) if hf_names is None else hf_names:
-            yield hf_name, self.held[hf_name]
 
 
 def test_per_expert_trainer_is_served_as_the_fused_one(served: tuple[Path, ServerProcess]) -> None:

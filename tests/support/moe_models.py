@@ -177,3 +177,19 @@ def fused_state(per_expert: torch.nn.Module) -> dict[str, torch.Tensor]:
             [torch.cat([g, u]) for g, u in zip(parts["gate_proj"], parts["up_proj"], strict=True)])
         state[prefix + "down_proj"] = torch.stack(parts["down_proj"])
     return state
+
+
+class CheckpointTensors:
+    """A plain stream of checkpoint tensors in hand (a Megatron-style export): per-expert names."""
+
+    mode = "full"
+
+    def __init__(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.held = dict(named)
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(hf_name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in self.held.items()]
+
+    def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for hf_name in list(self.held) if hf_names is None else hf_names:
+            yield hf_name, self.held[hf_name]

@@ -18,7 +18,8 @@ asks for the same names in the same order, and each part is gathered as it is pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 from weightsync.bucketing import TensorParts
 from weightsync.manifest import TensorMeta
-from weightsync.naming import expert_converters
+from weightsync.naming import expert_converters, model_names
 from weightsync.stacking import ExpertStack, stack_expert_names
 
 
@@ -45,17 +46,29 @@ class InnerSource(Protocol):
 
 class StackedSource:
     """`inner` with the per-expert tensors of each `ExpertStack` sent as their fused tensor,
-    at the place of its first part; every other tensor as `inner` has it."""
+    at the place of its first part; every other tensor as `inner` has it, under the name
+    `renamed` gives it, if any (the model's names where its checkpoint's differ: Mixtral's
+    `block_sparse_moe.` is `mlp.`)."""
 
-    def __init__(self, inner: InnerSource, stacks: Sequence[ExpertStack]) -> None:
+    def __init__(self, inner: InnerSource, stacks: Sequence[ExpertStack], renamed: Mapping[str, str] | None = None
+                 ) -> None:
         self.inner = inner
         self.mode = inner.mode
         self.stacks = {stack.hf_name: stack for stack in stacks}
         """Fused checkpoint name -> the per-expert tensors it is stacked from."""
         self._first_parts = {stack.parts[0]: stack for stack in stacks}
         self._parts = {part for stack in stacks for part in stack.parts}
+        self.renamed = dict(renamed or {})
+        """Checkpoint name (a fused tensor's, or `inner`'s) -> the name it is sent under."""
+        self._checkpoint_name = {sent: held for held, sent in self.renamed.items()}
 
     def metas(self) -> list[TensorMeta]:
+        """`_checkpoint_metas`, each under the name it is sent under."""
+        renamed = self.renamed
+        return [dataclasses.replace(m, hf_name=renamed[m.hf_name]) if m.hf_name in renamed else m
+                for m in self._checkpoint_metas()]
+
+    def _checkpoint_metas(self) -> list[TensorMeta]:
         """`inner`'s metas, each stack's parts replaced by its fused tensor: `[num_experts,
         num_parts x rows, cols...]` of the parts' dtype, which must agree (ValueError naming
         the tensors otherwise)."""
@@ -88,22 +101,25 @@ class StackedSource:
     def param(self, hf_name: str) -> torch.Tensor:
         """The tensor as the trainer holds it (`sources.ModuleSource.param`), which
         `send_shares=True` reads each rank's rows of; a fused tensor has none: ValueError."""
-        if hf_name in self.stacks:
+        if self._checkpoint_name.get(hf_name, hf_name) in self.stacks:
             raise ValueError(f"{hf_name} is stacked from per-expert tensors for an engine that loads experts fused; "
                              "no trainer rank holds rows of it, which send_shares=True sends: use send_shares=False")
         inner = getattr(self.inner, "param", None)  # a ModuleSource's
         if inner is None:
             raise ValueError(f"send_shares=True reads each rank's rows of the model's parameters: push the model "
                              f"(an nn.Module), not a {type(self.inner).__name__}")
-        held: torch.Tensor = inner(hf_name)
+        held: torch.Tensor = inner(self._checkpoint_name.get(hf_name, hf_name))
         return held
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor | TensorParts]]:
         """The named tensors in the order given; a fused one as its parts (`TensorParts`, read
         from `inner` as they are packed; whatever the consumer leaves unread is read before
         the next tensor, so a rank that packs nothing still gathers along)."""
-        metas = self.metas()
-        names = [m.hf_name for m in metas] if hf_names is None else list(hf_names)
+        metas = self._checkpoint_metas()
+        checkpoint_name = self._checkpoint_name
+        names = ([m.hf_name for m in metas] if hf_names is None
+                 else [checkpoint_name.get(name, name) for name in hf_names])
+        renamed = self.renamed
         stacks = self.stacks
         shapes = {m.hf_name: m.shape for m in metas if m.hf_name in stacks}
         expanded: list[str] = []
@@ -116,12 +132,12 @@ class StackedSource:
             if stack is None:
                 name, tensor = next(inner)
                 assert name == hf_name, (name, hf_name)
-                yield hf_name, tensor
+                yield renamed.get(hf_name, hf_name), tensor
                 continue
             shape = shapes[hf_name]
             parts = TensorParts(_named_parts(inner, stack), shape=shape,
                                 part_shape=(shape[1] // stack.num_parts, *shape[2:]))
-            yield hf_name, parts
+            yield renamed.get(hf_name, hf_name), parts
             parts.drain()
 
 
@@ -139,10 +155,15 @@ def stacked_source(source: InnerSource, conversions_of: nn.Module) -> InnerSourc
     in hand) with its per-expert tensors stacked into the fused ones an engine of
     `expert_layout="fused"` loads, by the conversion mapping of `conversions_of` (a
     transformers model of the same architecture; built on the meta device, it costs no
-    memory). `source` itself when it holds no per-expert tensors. NamingError, naming
-    them, for an incomplete set of experts."""
+    memory). Names the model's renamings change are sent as the model holds them (a
+    Mixtral's `block_sparse_moe.gate.weight` and its stacked `block_sparse_moe.experts.*`
+    as `mlp.gate.weight` and `mlp.experts.*`, as `from_pretrained` renames them). `source`
+    itself when it holds no per-expert tensors and no such name. NamingError, naming them,
+    for an incomplete set of experts."""
     stacks = stack_expert_names([m.hf_name for m in source.metas()], expert_converters(conversions_of))
-    return StackedSource(source, stacks) if stacks else source
+    stacked = StackedSource(source, stacks)
+    renamed = model_names([m.hf_name for m in stacked.metas()], conversions_of)
+    return StackedSource(source, stacks, renamed) if stacks or renamed else source
 
 
 __all__ = ["StackedSource", "stacked_source"]

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_models import per_expert_trainer
+from moe_models import CheckpointTensors, per_expert_trainer
 from weightsync.bucketing import TensorParts, pack_stream, plan_buckets, stream_order
 from weightsync.errors import CastError
 from weightsync.manifest import TensorMeta
@@ -44,6 +44,20 @@ def test_stacked_buckets_are_the_fused_trainers_byte_for_byte(dtype: torch.dtype
     assert stacked.metas() == reference.metas()  # names, order, dtypes, shapes
     metas = [replace(m, dtype=dtype) for m in reference.metas()]
     assert packed(stacked, metas, bucket_bytes) == packed(reference, metas, bucket_bytes)
+
+
+def test_a_stream_in_mixtrals_checkpoint_names_goes_as_the_model_holds_it() -> None:
+    """Mixtral's checkpoint names its router and experts `block_sparse_moe.` (transformers renames
+    them `mlp.` on load): a stream of them is stacked and renamed to the fused model's names,
+    in its order, byte for byte."""
+    fused = build_model(TinyModelConfig(arch="mixtral"))
+    stream = CheckpointTensors(named_weights(fused, expert_layout="per-expert"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in stream.held
+    stacked = stacked_source(stream, conversions_of=fused)
+    reference = ModuleSource(fused, expert_layout="fused")
+    assert stacked.metas() == reference.metas()
+    assert packed(stacked, reference.metas(), 1 << 14) == packed(reference, reference.metas(), 1 << 14)
+    assert [n for n, _ in stacked.tensors(["model.layers.1.mlp.gate.weight"])] == ["model.layers.1.mlp.gate.weight"]
 
 
 def test_parts_are_the_trainers_parameters_in_memory_order() -> None:
