@@ -24,6 +24,7 @@ import contextlib
 import math
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -460,8 +461,7 @@ class _Run:
         elif entries:
             first, dtype = entries[0], entries[0].dtype
             out = self.buffer[first.offset : first.offset + self.nbytes].view(dtype)
-            with torch.no_grad(), _one_thread():  # one row of every tensor flattened, cast as .to() casts
-                torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
+            _copy_run(tensors, out)
             if tensors[0].dtype != dtype and not self.allow_overflow \
                     and torch.finfo(dtype).max < torch.finfo(tensors[0].dtype).max:
                 low, high = torch.aminmax(out)  # one reduction for the run; per tensor only to name one
@@ -469,6 +469,39 @@ class _Run:
                     for entry, tensor in zip(entries, tensors, strict=True):
                         check_cast(entry.hf_name, tensor, entry_view(self.buffer, entry))
         self.entries, self.tensors, self.nbytes, self.src, self.dst = [], [], 0, None, None
+
+
+def _copy_run(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Every tensor of a run flattened into `out` (1-d, the run's bytes typed), cast as .to()
+    casts: with torch's threads at one, one `_chunk_cat` here; with more, the second half of
+    the run on a helper thread (`_HELPER`) while this thread copies the first, each on one
+    intra-op thread (see `_one_thread`)."""
+    if len(tensors) < 2 or out.numel() * out.element_size() < SPLIT_BYTES or torch.get_num_threads() == 1:
+        _copy_serially(tensors, out)
+        return
+    half = len(tensors) // 2
+    split = sum(map(torch.Tensor.numel, tensors[:half]))
+    second = _helper().submit(_copy_serially, tensors[half:], out[split:])
+    try:
+        _copy_serially(tensors[:half], out[:split])
+    finally:
+        second.result()
+
+
+def _copy_serially(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    with torch.no_grad(), _one_thread():  # one row of every tensor flattened, cast as .to() casts
+        torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
+
+
+SPLIT_BYTES = 1 << 20
+"""A run of at least this many bytes is copied in two halves at once where torch has threads."""
+_HELPERS: list[ThreadPoolExecutor] = []
+
+
+def _helper() -> ThreadPoolExecutor:
+    if not _HELPERS:
+        _HELPERS.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-run"))
+    return _HELPERS[0]
 
 
 @contextlib.contextmanager

@@ -348,3 +348,23 @@ def test_parts_inside_a_run_are_read_before_the_next_tensor() -> None:
     (_, got), = pack_stream(plan, stream())
     assert got is not None and torch.equal(got, _pack_one_by_one(plan, tensors)[0])
     assert read == ["e0", "e1", "e2", "e2[0]", "e2[1]", "e3", "e4", "e5"]
+
+
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])
+def test_a_large_run_copied_in_two_halves_is_pack_ones_bytes(cast: torch.dtype | None) -> None:
+    """With torch's threads above one, a run of at least SPLIT_BYTES is copied in two halves
+    at once (one on a helper thread): the bytes are pack_one's, a cast included."""
+    from weightsync.bucketing import RUN_MAX_BYTES, SPLIT_BYTES
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = {f"e{i}": torch.randn(61, 67, generator=gen) for i in range(RUN_MAX_BYTES // (61 * 67 * 4) + 9)}
+    assert sum(t.numel() * 4 for t in tensors.values()) > 2 * SPLIT_BYTES
+    metas = [TensorMeta(hf_name=n, dtype=cast or t.dtype, shape=tuple(t.shape)) for n, t in tensors.items()]
+    plan = list(plan_buckets(metas, 1 << 30))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (_, got), = pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan)))
+    finally:
+        torch.set_num_threads(threads)
+    assert got is not None and torch.equal(got, _pack_one_by_one(plan, tensors)[0])
