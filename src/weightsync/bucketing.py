@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -498,13 +499,18 @@ def _copy_serially(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
 
 SPLIT_BYTES = 1 << 20
 """A run of at least this many bytes is copied in two halves at once where torch has threads."""
-_HELPERS: list[ThreadPoolExecutor] = []
+_HELPERS: dict[int, ThreadPoolExecutor] = {}
+"""The helper thread's pool, by the process that made it: a child forked after a push has the
+parent's pool without its thread, where a job would wait forever."""
 
 
 def _helper() -> ThreadPoolExecutor:
-    if not _HELPERS:
-        _HELPERS.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-run"))
-    return _HELPERS[0]
+    pid = os.getpid()
+    pool = _HELPERS.get(pid)
+    if pool is None:
+        _HELPERS.clear()
+        pool = _HELPERS[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-run")
+    return pool
 
 
 @contextlib.contextmanager
