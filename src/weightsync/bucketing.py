@@ -13,15 +13,22 @@ larger than `bucket_bytes` is never split: it gets a bucket of its own.
 Packing a stream (`pack_stream`) copies runs of small tensors with one call
 (`torch._chunk_cat`) into their place in the bucket (tens of thousands of expert
 matrices cost a C++ loop, not a Python call each); the bytes are exactly those
-`pack_one` writes tensor by tensor. A tensor a source holds in parts (`TensorParts`:
+`pack_one` writes tensor by tensor. The runs are laid out once per bucket layout
+from its entries, and each run's tensors are checked against them together (C calls
+over the run, not Python per tensor); a run is copied on one intra-op thread (the
+serial kernel of `torch.cat`), in two halves at once where torch has threads. A tensor a source holds in parts (`TensorParts`:
 a fused expert tensor stacked from per-expert ones) has each part cast and packed
 straight into its byte range; the whole tensor is never made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -307,22 +314,88 @@ def pack_stream(
         if buffer is not None:
             buffer = buffer[: bucket.nbytes]
             run = _Run(buffer, allow_overflow=allow_overflow)
-        for entry in bucket.entries:
-            try:
-                name, tensor = next(it)
-            except StopIteration:
-                raise ValueError(f"tensor stream ended before {entry.hf_name!r}") from None
-            if name != entry.hf_name:
-                raise ValueError(f"tensor stream out of order: got {name!r}, the plan expects {entry.hf_name!r}")
-            if isinstance(tensor, TensorParts):
-                _add_parts(run, entry, tensor)
-            elif run is not None:
-                run.add(entry, tensor)
-            del tensor
+        entries = bucket.entries
+        runs = bucket.memo.get("pack_runs")
+        if runs is None:
+            runs = bucket.memo["pack_runs"] = _pack_runs(entries)
+        i = 0  # the next entry to read
+        for start, stop, names, shapes in runs:
+            for entry in entries[i:start]:  # what no run holds: one by one
+                _take(it, entry, run)
+            i = start
+            if run is None:
+                continue  # read one by one
+            held: list[torch.Tensor] = []
+            for name in names:
+                try:
+                    hf_name, tensor = next(it)
+                except StopIteration:
+                    raise ValueError(f"tensor stream ended before {name!r}") from None
+                if hf_name != name:
+                    raise ValueError(f"tensor stream out of order: got {hf_name!r}, the plan expects {name!r}")
+                i += 1
+                if isinstance(tensor, TensorParts):  # its parts are read now, before the next tensor
+                    for entry, earlier in zip(entries[start : i - 1], held, strict=True):
+                        run.add(entry, earlier)
+                    _add_parts(run, entries[i - 1], tensor)
+                    break
+                held.append(tensor)
+            else:
+                run.add_all(entries[start:stop], held, shapes)
+            del held
+        for entry in entries[i:]:
+            _take(it, entry, run)
         if run is not None:
             run.flush()
         yield bucket, buffer
         buffer = run = None  # the consumer decides how long the bucket lives
+
+
+def _take(it: Iterator[tuple[str, torch.Tensor | TensorParts]], entry: TensorEntry, run: _Run | None) -> None:
+    """The stream's next tensor, which must be `entry`'s, added to `run` (read only, without one)."""
+    try:
+        name, tensor = next(it)
+    except StopIteration:
+        raise ValueError(f"tensor stream ended before {entry.hf_name!r}") from None
+    if name != entry.hf_name:
+        raise ValueError(f"tensor stream out of order: got {name!r}, the plan expects {entry.hf_name!r}")
+    if isinstance(tensor, TensorParts):
+        _add_parts(run, entry, tensor)
+    elif run is not None:
+        run.add(entry, tensor)
+
+
+_PackRun = tuple[int, int, tuple[str, ...], list[tuple[int, ...]]]
+"""A run of a bucket's entries packed with one call when their tensors allow: first and
+end index, the entries' names and shapes."""
+
+
+def _pack_runs(entries: Sequence[TensorEntry]) -> list[_PackRun]:
+    """The runs `_Run.add` makes of `entries` as far as the entries alone tell (dense,
+    non-empty, at least one dimension, back to back, one dtype, at most RUN_MAX_TENSORS
+    tensors and RUN_MAX_BYTES), of two entries or more: made once per bucket layout
+    (`BucketMeta.memo`), so that a push checks each run's tensors together (`_Run.add_all`)."""
+    runs: list[_PackRun] = []
+    start: int | None = None
+    dtype, nbytes, end = None, 0, 0
+
+    def close(stop: int) -> None:
+        if start is not None and stop - start > 1:
+            run = entries[start:stop]
+            runs.append((start, stop, tuple(e.hf_name for e in run), [e.shape for e in run]))
+
+    for i, entry in enumerate(entries):
+        size = entry.nbytes
+        fits = 0 < size < RUN_MAX_BYTES and entry.encoding == "dense" and len(entry.shape) > 0
+        if (fits and start is not None and entry.dtype is dtype and entry.offset == end
+                and i - start < RUN_MAX_TENSORS and nbytes + size <= RUN_MAX_BYTES):
+            nbytes += size
+            end += size
+            continue
+        close(i)
+        start, dtype, nbytes, end = (i, entry.dtype, size, entry.offset + size) if fits else (None, None, 0, 0)
+    close(len(entries))
+    return runs
 
 
 class _Run:
@@ -365,6 +438,26 @@ class _Run:
         self.nbytes += nbytes
         self.end = entry.offset + nbytes
 
+    def add_all(self, entries: Sequence[TensorEntry], tensors: list[torch.Tensor],
+                shapes: list[tuple[int, ...]]) -> None:
+        """`add` each of `entries` (a run of `_pack_runs`, `shapes` their shapes) with its
+        tensor. Where the tensors are what such a run takes (one castable dtype, contiguous,
+        on the buffer's device, of the entries' shapes), checked with one pass of C calls
+        over all of them, they are copied with one call; else they go one by one through
+        `add`, which packs the same bytes and raises the same errors."""
+        dtypes = set(map(_DTYPE, tensors))
+        src, dst = tensors[0].dtype, entries[0].dtype
+        if (len(dtypes) != 1 or not castable(src, dst) or not all(map(torch.Tensor.is_contiguous, tensors))
+                or set(map(_DEVICE, tensors)) != {self.device} or list(map(_SHAPE, tensors)) != shapes):
+            for entry, tensor in zip(entries, tensors, strict=True):
+                self.add(entry, tensor)
+            return
+        self.flush()
+        self.entries, self.tensors, self.src, self.dst = list(entries), tensors, src, dst
+        self.nbytes = entries[-1].offset + entries[-1].nbytes - entries[0].offset
+        self.end = entries[0].offset + self.nbytes
+        self.flush()
+
     def flush(self) -> None:
         entries, tensors = self.entries, self.tensors
         if len(entries) == 1:
@@ -372,8 +465,7 @@ class _Run:
         elif entries:
             first, dtype = entries[0], entries[0].dtype
             out = self.buffer[first.offset : first.offset + self.nbytes].view(dtype)
-            with torch.no_grad():  # one row of every tensor flattened, cast into `out`'s dtype as .to() casts
-                torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
+            _copy_run(tensors, out)
             if tensors[0].dtype != dtype and not self.allow_overflow \
                     and torch.finfo(dtype).max < torch.finfo(tensors[0].dtype).max:
                 low, high = torch.aminmax(out)  # one reduction for the run; per tensor only to name one
@@ -381,6 +473,67 @@ class _Run:
                     for entry, tensor in zip(entries, tensors, strict=True):
                         check_cast(entry.hf_name, tensor, entry_view(self.buffer, entry))
         self.entries, self.tensors, self.nbytes, self.src, self.dst = [], [], 0, None, None
+
+
+def _copy_run(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Every tensor of a run flattened into `out` (1-d, the run's bytes typed), cast as .to()
+    casts: with torch's threads at one, one `_chunk_cat` here; with more, the second half of
+    the run on a helper thread (`_HELPER`) while this thread copies the first, each on one
+    intra-op thread (see `_one_thread`)."""
+    if len(tensors) < 2 or out.numel() * out.element_size() < SPLIT_BYTES or torch.get_num_threads() == 1:
+        _copy_serially(tensors, out)
+        return
+    half = len(tensors) // 2
+    split = sum(map(torch.Tensor.numel, tensors[:half]))
+    second = _helper().submit(_copy_serially, tensors[half:], out[split:])
+    try:
+        _copy_serially(tensors[:half], out[:split])
+    finally:
+        second.result()
+
+
+def _copy_serially(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    with torch.no_grad(), _one_thread():  # one row of every tensor flattened, cast as .to() casts
+        torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
+
+
+SPLIT_BYTES = 1 << 20
+"""A run of at least this many bytes is copied in two halves at once where torch has threads."""
+_HELPERS: dict[int, ThreadPoolExecutor] = {}
+"""The helper thread's pool, by the process that made it: a child forked after a push has the
+parent's pool without its thread, where a job would wait forever."""
+
+
+def _helper() -> ThreadPoolExecutor:
+    pid = os.getpid()
+    pool = _HELPERS.get(pid)
+    if pool is None:
+        _HELPERS.clear()
+        pool = _HELPERS[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-run")
+    return pool
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """This thread's torch ops on one intra-op thread, for a run's copy: with more than one,
+    `torch.cat` (which `_chunk_cat` is on the CPU) leaves its serial kernel, one memcpy per
+    tensor, for a TensorIterator copy per tensor, slower on the same bytes. torch's thread
+    count is per thread under OpenMP (each thread's own `omp_set_num_threads`), and this
+    thread's is restored on the way out."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_SHAPE = operator.attrgetter("shape")
 
 
 class TensorParts:

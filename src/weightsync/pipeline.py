@@ -13,6 +13,7 @@ so every rank finishes the same collectives.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -103,7 +104,8 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
                    to_engine: Mapping[str, str] | None, *, slot: Callable[[int, int], torch.Tensor],
                    deliver: Callable[[BucketMeta, torch.Tensor], None], stages: Stages,
                    allow_overflow: bool = False, drain: bool = False,
-                   digest_algorithm: str = XXH3_64, first: Callable[[], None] | None = None) -> list[str]:
+                   digest_algorithm: str = XXH3_64, first: Callable[[], None] | None = None,
+                   pack_threads: int | None = None) -> list[str]:
     """Gather/pack/hash on a producer thread while this thread calls `deliver(bucket,
     buffer)` for each bucket in plan order; returns the buckets' digests (computed with
     `digest_algorithm` on the device of the slot: wsmix64 hashes a CUDA slot in place).
@@ -118,11 +120,27 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
     `deliver` (the engines' begin, so that its round trip overlaps the packing of the
     first buckets); when it raises, the producer stops at its next slot and nothing is
     delivered.
+
+    `pack_threads`: torch's intra-op threads on the producer thread while it packs and
+    hashes (None: torch's count; `threads_beside_engines` where the engines share this
+    host). Under OpenMP, torch's default on Linux, the count is each thread's own: the
+    caller's stays as it is, and the producer puts its own back before it ends.
     """
     free_slots = threading.Semaphore(NUM_SLOTS)
     waited = 0.0
 
     def produce(put: Callable[[tuple[BucketMeta, torch.Tensor]], None], stop: threading.Event) -> None:
+        threads = torch.get_num_threads()
+        if pack_threads is None or pack_threads == threads:
+            pack(put, stop)
+            return
+        torch.set_num_threads(pack_threads)
+        try:
+            pack(put, stop)
+        finally:
+            torch.set_num_threads(threads)
+
+    def pack(put: Callable[[tuple[BucketMeta, torch.Tensor]], None], stop: threading.Event) -> None:
         def alloc(bucket: BucketMeta) -> torch.Tensor | None:
             nonlocal waited
             t0 = time.perf_counter()
@@ -164,6 +182,19 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
             digests.append(bucket.digest)
     stages.pack = max(0.0, stages.pack - stages.gather - waited)
     return digests
+
+
+def threads_beside_engines() -> int:
+    """Intra-op threads for packing while engines on this host receive (shm): torch's
+    count less the core the engine's own receive thread needs, at least one. On a small
+    host this matters more than the copy's speed: with every core packing, each parallel
+    copy waits at its barrier for a thread the engine's work descheduled, and OpenMP's
+    waiting threads spin on the cores the engine needs."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores - 1))
 
 
 def _timed(it: Iterator[T], stages: Stages, field: str) -> Iterator[T]:

@@ -55,7 +55,7 @@ from weightsync.manifest import MODES, BucketMeta, Manifest
 from weightsync.modes import ModeOptions, PushMode, make_mode
 from weightsync.naming import ExpertLayout
 from weightsync.owners import session_owner
-from weightsync.pipeline import Stages, stream_buckets
+from weightsync.pipeline import Stages, stream_buckets, threads_beside_engines
 from weightsync.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, cast_notes, expert_layout
 from weightsync.rank_shares import ShareOrder, send_shares
 from weightsync.replicas import Replicas
@@ -415,7 +415,8 @@ class WeightSync:
                     slot=self._transport.slot,
                     deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
                     drain=self.ranks.is_distributed,  # the other ranks must finish their gathers
-                    digest_algorithm=manifest.digest_algorithm, first=begin if overlap else None)
+                    digest_algorithm=manifest.digest_algorithm, first=begin if overlap else None,
+                    pack_threads=threads_beside_engines() if self._transport.same_host_only else None)
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:

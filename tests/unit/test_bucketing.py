@@ -307,3 +307,65 @@ def test_bucket_views_are_the_entry_views(bucket_bytes: int) -> None:
             assert torch.equal(view, tensors[entry.hf_name])
     with pytest.raises(ValueError, match="expected a 1-d uint8 buffer"):
         bucket_views(torch.zeros(3, dtype=torch.uint8), plan[0])
+
+
+def test_a_run_whose_tensors_differ_from_its_plan_packs_one_by_one() -> None:
+    """A run is laid out from the plan's entries; its tensors are checked together when
+    they arrive. One of another source dtype (cast to the same entry dtype), one not
+    contiguous and one a view at an offset, all inside one run: the bytes are pack_one's."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = {f"e{i}": torch.randn(4, 6, generator=gen) for i in range(12)}
+    tensors["e3"] = tensors["e3"].to(torch.bfloat16)
+    tensors["e6"] = torch.randn(6, 4, generator=gen).t()
+    tensors["e9"] = torch.randn(3, 4, 6, generator=gen)[1]
+    metas = [TensorMeta(hf_name=n, dtype=torch.bfloat16, shape=(4, 6)) for n in tensors]
+    plan = list(plan_buckets(metas, 1 << 20))
+    (_, got), = pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan)))
+    assert got is not None and torch.equal(got, _pack_one_by_one(plan, tensors)[0])
+
+
+def test_parts_inside_a_run_are_read_before_the_next_tensor() -> None:
+    """A tensor given as its parts (`TensorParts`) between small tensors of one run: its
+    parts are read before the stream is asked for the next tensor, and the bytes are those
+    of the whole tensor packed with pack_one."""
+    from weightsync.bucketing import TensorParts
+
+    gen = torch.Generator().manual_seed(4)
+    tensors = {f"e{i}": torch.randn(2, 3, 4, generator=gen) for i in range(6)}
+    plan = list(plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20))
+    read: list[str] = []
+
+    def parts(name: str):  # type: ignore[no-untyped-def]
+        for i in range(2):
+            read.append(f"{name}[{i}]")
+            yield f"{name}[{i}]", tensors[name][i]
+
+    def stream():  # type: ignore[no-untyped-def]
+        for name in stream_order(plan):
+            read.append(name)
+            yield name, TensorParts(parts(name), shape=(2, 3, 4), part_shape=(3, 4)) if name == "e2" else tensors[name]
+
+    (_, got), = pack_stream(plan, stream())
+    assert got is not None and torch.equal(got, _pack_one_by_one(plan, tensors)[0])
+    assert read == ["e0", "e1", "e2", "e2[0]", "e2[1]", "e3", "e4", "e5"]
+
+
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])
+def test_a_large_run_copied_in_two_halves_is_pack_ones_bytes(cast: torch.dtype | None) -> None:
+    """With torch's threads above one, a run of at least SPLIT_BYTES is copied in two halves
+    at once (one on a helper thread): the bytes are pack_one's, a cast included."""
+    from weightsync.bucketing import RUN_MAX_BYTES, SPLIT_BYTES
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = {f"e{i}": torch.randn(61, 67, generator=gen) for i in range(RUN_MAX_BYTES // (61 * 67 * 4) + 9)}
+    assert sum(t.numel() * 4 for t in tensors.values()) > 2 * SPLIT_BYTES
+    metas = [TensorMeta(hf_name=n, dtype=cast or t.dtype, shape=tuple(t.shape)) for n, t in tensors.items()]
+    plan = list(plan_buckets(metas, 1 << 30))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (_, got), = pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan)))
+    finally:
+        torch.set_num_threads(threads)
+    assert got is not None and torch.equal(got, _pack_one_by_one(plan, tensors)[0])
+

@@ -78,3 +78,27 @@ def test_when_first_raises_nothing_is_delivered_and_the_producer_stops() -> None
                        deliver=lambda b, _: delivered.append(b.index), stages=Stages(), first=first)
     assert delivered == []
     assert len(slots) <= 2, "at most the two slots in flight are packed before the producer stops"
+
+
+def test_the_producer_packs_on_its_own_thread_count_and_leaves_the_callers() -> None:
+    """`pack_threads` sets torch's intra-op threads of the producer thread alone while it
+    packs: the caller's count is the same during the push and after it."""
+    plan = _plan()
+    seen: list[int] = []
+    caller = torch.get_num_threads()
+
+    class Counting(DictSource):
+        def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+            for item in super().tensors(hf_names):
+                seen.append(torch.get_num_threads())
+                yield item
+
+    def deliver(bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        seen.append(-torch.get_num_threads())  # the caller's thread, marked
+
+    stream_buckets(Counting(), plan, stream_order(plan), None, slot=lambda _, n: torch.empty(n, dtype=torch.uint8),
+                   deliver=deliver, stages=Stages(), pack_threads=1)
+    assert {t for t in seen if t > 0} == {1}
+    if torch.__config__.parallel_info().find("parallel backend: OpenMP") >= 0:  # counts are per thread
+        assert {-t for t in seen if t < 0} == {caller}
+    assert torch.get_num_threads() == caller

@@ -56,6 +56,10 @@ class ModuleSource:
         and its key there: found once by walking the tree, then read with one lookup."""
         self._metas: dict[str, TensorMeta] = {}
         """hf_name -> the meta `metas` gave last (immutable, so shared)."""
+        self._reads: dict[str, tuple[dict[str, torch.Tensor | None], str, tuple[type, ...]]] = {}
+        """hf_name of a weight held whole -> its slot (see `_slots`) and the types of what `_held`
+        reads there as is and yields detached (a parameter: `nn.Parameter`; a buffer: a plain
+        tensor): `metas` and `tensors` read such a weight inline, anything else through `_held`."""
 
     def _held(self, name: ParamName) -> torch.Tensor:
         """The parameter or buffer as the model holds it now, read from its module's own dict
@@ -83,6 +87,8 @@ class ModuleSource:
         slot: tuple[dict[str, torch.Tensor | None], str] = (
             module._buffers if name.is_buffer else module._parameters, leaf)  # type: ignore[assignment]
         self._slots[name.trainer_name] = slot
+        if name.expert is None:
+            self._reads[name.hf_name] = (*slot, PLAIN_TENSORS if name.is_buffer else (nn.Parameter,))
         return slot
 
     def _name(self, hf_name: str) -> ParamName:
@@ -108,9 +114,12 @@ class ModuleSource:
         object comes back while its weight's dtype and shape stay, so that comparing two
         pushes' metas (is the last plan still good?) is mostly identity checks."""
         out = []
-        known = self._metas
+        known, reads = self._metas, self._reads
         for hf_name, name in self._names.items():
-            held = self._held(name)
+            read = reads.get(hf_name)
+            held = None if read is None else read[0].get(read[1])
+            if held is None or read is None or type(held) not in read[2]:
+                held = self._held(name)
             meta = known.get(hf_name)
             if name.expert is None:  # the common case: the held tensor's own shape (a DTensor's is global)
                 if meta is None or meta.dtype != held.dtype or meta.shape != held.shape:
@@ -124,8 +133,15 @@ class ModuleSource:
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         gathered: tuple[str, torch.Tensor] | None = None  # the fused parameter whose experts are being read
-        names = self._names
+        names, reads = self._names, self._reads
         for hf_name in names if hf_names is None else hf_names:
+            read = reads.get(hf_name)
+            if read is not None:  # a weight held whole, read as `_held` reads it (the common case)
+                whole = read[0].get(read[1])
+                if whole is not None and type(whole) in read[2]:
+                    gathered = None
+                    yield hf_name, whole.detach()
+                    continue
             name = names.get(hf_name) or self._name(hf_name)  # (which raises, naming it)
             if name.expert is None:
                 gathered = None
