@@ -16,8 +16,9 @@ matrices cost a C++ loop, not a Python call each); the bytes are exactly those
 `pack_one` writes tensor by tensor. The runs are laid out once per bucket layout
 from its entries, and each run's tensors are checked against them together (C calls
 over the run, not Python per tensor); a run is copied on one intra-op thread (the
-serial kernel of `torch.cat`), in two halves at once where torch has threads. A tensor a source holds in parts (`TensorParts`:
-a fused expert tensor stacked from per-expert ones) has each part cast and packed
+serial kernel of `torch.cat`), in two halves at once where torch has threads. A
+tensor a source holds in parts (`TensorParts`: a fused expert tensor stacked from
+per-expert ones) has each part cast and packed
 straight into its byte range; the whole tensor is never made.
 """
 

@@ -368,4 +368,3 @@ def test_a_large_run_copied_in_two_halves_is_pack_ones_bytes(cast: torch.dtype |
     finally:
         torch.set_num_threads(threads)
     assert got is not None and torch.equal(got, _pack_one_by_one(plan, tensors)[0])
-
