@@ -343,7 +343,7 @@ def pack_stream(
                 held.append(tensor)
             else:
                 run.add_all(entries[start:stop], held, shapes)
-            del held
+            del held, tensor  # a gathered tensor (FSDP2) lives no longer than its copy
         for entry in entries[i:]:
             _take(it, entry, run)
         if run is not None:
