@@ -160,9 +160,11 @@ def stacked_source(source: InnerSource, conversions_of: nn.Module) -> InnerSourc
     as `mlp.gate.weight` and `mlp.experts.*`, as `from_pretrained` renames them). `source`
     itself when it holds no per-expert tensors and no such name. NamingError, naming them,
     for an incomplete set of experts."""
-    stacks = stack_expert_names([m.hf_name for m in source.metas()], expert_converters(conversions_of))
-    stacked = StackedSource(source, stacks)
-    renamed = model_names([m.hf_name for m in stacked.metas()], conversions_of)
+    held = [m.hf_name for m in source.metas()]
+    stacks = stack_expert_names(held, expert_converters(conversions_of))
+    parts = {part for stack in stacks for part in stack.parts}
+    sent = [*(stack.hf_name for stack in stacks), *(name for name in held if name not in parts)]
+    renamed = model_names(sent, conversions_of)
     return StackedSource(source, stacks, renamed) if stacks or renamed else source
 
 
