@@ -12,6 +12,7 @@ import torch
 
 import weightsync as ws
 from memory_engine import MemoryEngine
+from moe_models import MIXTRAL_PROJECTIONS, PROJECTIONS, per_expert_trainer
 from weightsync.integrations.trl import HeldTensors, WeightTransfer
 from weightsync.tiny import TinyModelConfig, build_model
 
@@ -189,7 +190,7 @@ def test_fused_experts_from_trls_iterator_reach_a_per_expert_engine_bit_for_bit(
 
 def test_name_experts_needs_a_model_with_fused_experts() -> None:
     transfer = WeightTransfer(engines=[MemoryEngine({})], transport="http")
-    with pytest.raises(ValueError, match="holds no fused Mixture-of-Experts parameters and no persistent buffers"):
+    with pytest.raises(ValueError, match="holds no Mixture-of-Experts parameters"):
         transfer.name_experts(build_model(TinyModelConfig()))
 
 
@@ -222,4 +223,32 @@ def test_trls_iterator_leaves_the_router_bias_out_and_name_experts_sends_it() ->
     transfer.destroy()
     assert engine.version == 1
     for name, tensor in model.state_dict().items():
+        assert torch.equal(engine.weights[name], tensor), name
+
+
+@pytest.mark.parametrize(("arch", "projections"), [("qwen3_moe", PROJECTIONS), ("mixtral", MIXTRAL_PROJECTIONS)])
+def test_per_expert_experts_from_trls_iterator_reach_a_fused_engine_bit_for_bit(
+        arch: str, projections: tuple[str, str, str]) -> None:
+    """A model holding its experts one by one (transformers 4's layout) sends them so through
+    TRL's iterator; an engine that loads them fused (`weightsync serve`) refuses those names
+    before any byte moves, naming them and the call that fixes it; after `name_experts(model)`
+    it gets each layer's fused tensors, stacked in the stream, equal bit for bit to the
+    transformers-5 model the per-expert one was split from (Mixtral's `w1`/`w3`/`w2` too)."""
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    fused = build_model(TinyModelConfig(arch=arch))
+    trainer = per_expert_trainer(fused, projections)
+    engine = FusedMemoryEngine({n: torch.zeros_like(t) for n, t in fused.state_dict().items()})
+    transfer = WeightTransfer(engines=[engine], transport="http")
+    transfer.init_weight_transfer()
+    with pytest.raises(ws.ManifestMismatchError) as refused:
+        transfer.send_weights(_iter_vllm_named_params(trainer))
+    assert f"model.layers.0.mlp.experts.0.{projections[0]}.weight" in str(refused.value)
+    assert "transfer.name_experts(trainer.model)" in str(refused.value.__notes__)
+    assert engine.version == 0 and transfer.next_version == 1
+    transfer.name_experts(trainer)
+    transfer.send_weights(_iter_vllm_named_params(trainer))
+    transfer.destroy()
+    assert engine.version == 1 and transfer.reports[0].num_tensors == len(fused.state_dict())
+    for name, tensor in fused.state_dict().items():
         assert torch.equal(engine.weights[name], tensor), name

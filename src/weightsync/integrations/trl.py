@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -58,12 +59,16 @@ from torch import nn
 from weightsync.engines.base import Engine
 from weightsync.errors import IntegrityError, ManifestMismatchError, WeightSyncError, format_names
 from weightsync.manifest import TensorMeta
-from weightsync.naming import ExpertLayout, ExpertSlice, checkpoint_slices, map_names
+from weightsync.naming import ExpertLayout, ExpertSlice, checkpoint_slices, expert_stacks, map_names
 from weightsync.reports import SyncReport
+from weightsync.sources import WeightSource, stacked_source
 from weightsync.sync import WeightSync
 from weightsync.transports.base import Transport
 
 log = logging.getLogger(__name__)
+
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+"""A per-expert tensor's name (for an error's hint only: what is stacked comes from the model)."""
 
 
 class HeldTensors:
@@ -74,14 +79,17 @@ class HeldTensors:
     (`naming.checkpoint_slices` of the model: fused expert tensor name -> its per-expert
     checkpoint tensors, and a tensor the checkpoint names otherwise -> that name), it is
     an `ExpertSource`: an engine that loads experts one by one (vLLM) gets each as a view
-    of the fused tensor TRL sent, every tensor under its checkpoint name.
+    of the fused tensor TRL sent, every tensor under its checkpoint name. With `stacked_as`
+    (a model that holds its experts one by one, as TRL's iterator then yields them), an
+    engine that loads them fused (`weightsync serve`) gets each layer's fused tensors,
+    stacked by the model's conversion mapping (`sources.stacked_source`).
     """
 
     mode = "full"
 
     def __init__(self, named: Iterator[tuple[str, torch.Tensor]], *,
                  experts: Mapping[str, Sequence[tuple[str, ExpertSlice | None]]] | None = None,
-                 buffers: Mapping[str, torch.Tensor] | None = None) -> None:
+                 buffers: Mapping[str, torch.Tensor] | None = None, stacked_as: nn.Module | None = None) -> None:
         self._held: dict[str, torch.Tensor] = {}
         for name, tensor in named:
             if name in self._held:
@@ -90,12 +98,15 @@ class HeldTensors:
         for name, buffer in (buffers or {}).items():  # persistent buffers the iterator (parameters) left out
             self._held.setdefault(name, buffer.detach())
         self._experts = dict(experts or {})
+        self._stacked_as = stacked_as
         self._split: dict[str, tuple[str, ExpertSlice | None]] = {}
         """Per-expert checkpoint name -> (the tensor TRL sent, where it lies in it; None: all of
         it), when sent in the checkpoint's layout."""
 
-    def in_layout(self, expert_layout: ExpertLayout) -> HeldTensors:
-        if expert_layout == "fused" or not self._experts:
+    def in_layout(self, expert_layout: ExpertLayout) -> WeightSource:
+        if expert_layout == "fused":
+            return self if self._stacked_as is None else stacked_source(self, conversions_of=self._stacked_as)
+        if not self._experts:
             return self
         missing = sorted(n for n in self._experts if n not in self._held)
         if missing:
@@ -161,6 +172,8 @@ class WeightTransfer:
         self._buffers: dict[str, torch.Tensor] = {}
         """Checkpoint name -> the model's persistent buffer (`name_experts`), sent where TRL's
         iterator leaves it out."""
+        self._stacked_as: nn.Module | None = None
+        """The model, when it holds its experts one by one (`name_experts`)."""
         self._exact_model: nn.Module | None = None
         self._saved_base: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """(parameter, its host copy) for every LoRA layer's base weight, between pause and resume."""
@@ -183,7 +196,7 @@ class WeightTransfer:
         if self.sync is None:
             raise WeightSyncError("send_weights before init_weight_transfer: TRL calls init_weight_transfer on "
                                   "train begin; outside TRL, call it first")
-        source = HeldTensors(iterator, experts=self._experts, buffers=self._buffers)
+        source = HeldTensors(iterator, experts=self._experts, buffers=self._buffers, stacked_as=self._stacked_as)
         version = self.next_version
         try:
             report = self.sync.push(source, version=version)
@@ -192,6 +205,10 @@ class WeightTransfer:
             if fused and not self._experts:
                 e.add_note(f"TRL sends Mixture-of-Experts experts fused ({format_names(fused)}); an engine that "
                            "loads them one per expert (vLLM) needs transfer.name_experts(trainer.model)")
+            per_expert = [name for name in e.unexpected if _EXPERT_INDEX.search(name)]
+            if per_expert and self._stacked_as is None:
+                e.add_note(f"TRL sends the model's experts one by one ({format_names(per_expert)}); an engine "
+                           "that loads them fused (weightsync serve) needs transfer.name_experts(trainer.model)")
             if e.missing and not self._buffers:
                 e.add_note("TRL's iterator yields parameters only; a persistent buffer the engine loads (a "
                            "router's e_score_correction_bias) is sent after transfer.name_experts(trainer.model)")
@@ -227,12 +244,16 @@ class WeightTransfer:
         iterator of parameters leaves out and the engines load: each push sends them too
         (without them it is refused, naming them, and the engine keeps its router). Where the
         checkpoint names a tensor otherwise than the model holds it (Mixtral's `block_sparse_moe.`
-        block, `mlp.` in transformers 5), an engine that loads the checkpoint's names gets those."""
+        block, `mlp.` in transformers 5), an engine that loads the checkpoint's names gets those.
+        A model that holds its experts one by one (transformers 4's `nn.ModuleList`, a custom
+        model) is the reverse: `weightsync serve`, which loads them fused, gets each layer's
+        fused tensors stacked from what TRL sends, by the model's conversion mapping."""
         self._experts = checkpoint_slices(model)
         self._buffers = {p.hf_name: p.param for p in map_names(model, expert_layout="fused").params if p.is_buffer}
-        if not self._experts and not self._buffers:
-            raise ValueError(f"{type(model).__name__} holds no fused Mixture-of-Experts parameters and no "
-                             "persistent buffers: nothing to name (dense models need no call)")
+        self._stacked_as = model if expert_stacks(model) else None
+        if not self._experts and not self._buffers and self._stacked_as is None:
+            raise ValueError(f"{type(model).__name__} holds no Mixture-of-Experts parameters (fused or one by "
+                             "one) and no persistent buffers: nothing to name (dense models need no call)")
 
     # -- exact base weights under PEFT -------------------------------------------
 
