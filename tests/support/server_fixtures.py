@@ -6,6 +6,11 @@ Not a conftest.py on purpose: tests/distributed pickles functions of ITS
 conftest by module name ("conftest") for spawned children, which breaks when
 another directory's conftest.py is imported later in the same session.
 
+Every `launch_server` without `env` or `prefix` in the session goes through one fork
+server (`weightsync.server.forkserver`): a server then starts in about 1 s instead of 5,
+the imports done once (started in the background while tests/unit runs, if any test
+outside tests/unit was collected).
+
 One tiny model directory per session (weights re-drawn wider than the tiny
 default so greedy decoding is not a near-tie and outputs vary with the
 weights); servers are started per test module: the `server` and `client`
@@ -32,6 +37,8 @@ from weightsync.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.integrity import digest
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.server import ServerProcess, launch_server
+from weightsync.server.forkserver import ForkServer
+from weightsync.server.launch import use_forkserver
 from weightsync.wire import FrameHeader, encode_prefix
 from widened_model import make_widened_tiny_model as make_widened_tiny_model
 from widened_model import widen_weights as widen_weights
@@ -138,6 +145,29 @@ class Client:
 
     def close(self) -> None:
         self.http.close()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--exec-servers", action="store_true",
+                     help="start every `weightsync serve` as a fresh interpreter, as `python -m weightsync serve` "
+                          "(default: forked from the session's fork server, its imports done once)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def serve_forkserver(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The session's fork server for `weightsync serve` starts (none for a tests/unit-only run,
+    or with --exec-servers)."""
+    unit = Path(__file__).parent.parent / "unit"
+    if request.config.getoption("--exec-servers") or all(
+            item.path.is_relative_to(unit) for item in request.session.items):
+        yield
+        return
+    with ForkServer.start() as forks:
+        use_forkserver(forks)
+        try:
+            yield
+        finally:
+            use_forkserver(None)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ Layout:
 - weights: `updates` (staging, versions, atomic commits), `buffers` (receive
   buffers reused across updates), `lora` (adapters, per-request routing),
   `ingest` and `unpickle` (request payloads -> checked tensors);
-- `launch`: start a server subprocess and wait for it (tests, demo, bench).
+- `launch`: start a server subprocess and wait for it (tests, demo, bench);
+  `forkserver`: the same servers forked from a process that imported them once (a
+  test suite's many starts).
 
 Importing this package is light; FastAPI, uvicorn and transformers load only
 when a server is built.

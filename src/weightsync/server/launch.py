@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from weightsync.server.forkserver import ForkedProcess, ForkServer
+
 LISTENING_RE = re.compile(r"^weightsync serve listening on (http://\S+)\s*$")
 
 
@@ -33,10 +35,24 @@ class ServerStartError(RuntimeError):
     """The server exited or did not answer /health in time; carries its log tail."""
 
 
+ChildProcess = subprocess.Popen[str] | ForkedProcess
+"""A server's process: a subprocess, or a child of the fork server."""
+
+_forkserver: ForkServer | None = None
+
+
+def use_forkserver(forkserver: ForkServer | None) -> None:
+    """Start later `launch_server` calls in this process through `forkserver` (None: exec
+    each as before). Calls that pass `env` or `prefix` exec regardless: see
+    `weightsync.server.forkserver`."""
+    global _forkserver
+    _forkserver = forkserver
+
+
 class ServerProcess:
     """A running `weightsync serve` subprocess."""
 
-    def __init__(self, process: subprocess.Popen[str], url: str, log_path: Path, *,
+    def __init__(self, process: ChildProcess, url: str, log_path: Path, *,
                  stop_timeout_s: float = 5.0, delete_log: bool = True) -> None:
         self.process = process
         self.url = url
@@ -108,13 +124,20 @@ def launch_server(
     network namespace. /health is then not asked from here (this process may not
     reach that namespace): the listening line is printed once the socket
     accepts connections.
+
+    After `use_forkserver(...)`, a call without `env` and `prefix` forks the server
+    from the fork server instead (the same command, its imports already done).
     """
     log_path = Path(tempfile.mkstemp(prefix="weightsync-serve-", suffix=".log", dir=log_dir)[1])
-    command = [*prefix, sys.executable, "-m", "weightsync", "serve", "--model", str(model_dir), "--port", "0", *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    argv = ["serve", "--model", str(model_dir), "--port", "0", *args]
+    process: ChildProcess
     with open(log_path, "w") as log_file:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=full_env,
-                                   start_new_session=True)
+        if _forkserver is not None and env is None and not prefix:
+            process = _forkserver.spawn(argv, stderr=log_file, timeout_s=timeout_s)
+        else:
+            process = subprocess.Popen([*prefix, sys.executable, "-m", "weightsync", *argv], stdout=subprocess.PIPE,
+                                       stderr=log_file, text=True, start_new_session=True,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     deadline = time.monotonic() + timeout_s
     server = ServerProcess(process, "", log_path, delete_log=log_dir is None)
     try:
@@ -131,7 +154,7 @@ def launch_server(
     return server
 
 
-def _wait_for_url(process: subprocess.Popen[str], deadline: float) -> str:
+def _wait_for_url(process: ChildProcess, deadline: float) -> str:
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
@@ -156,7 +179,7 @@ def _wait_for_url(process: subprocess.Popen[str], deadline: float) -> str:
             return match.group(1)
 
 
-def wait_for_health(url: str, deadline: float, process: subprocess.Popen[str] | None = None) -> None:
+def wait_for_health(url: str, deadline: float, process: ChildProcess | None = None) -> None:
     """Return once `url` answers /health with 200 (before the monotonic `deadline`);
     ServerStartError when `process` (the server, if this side started it) exits first
     or the deadline passes."""

@@ -1,0 +1,84 @@
+"""`weightsync.server.forkserver`: a server forked from the fork server is the server
+`python -m weightsync serve` would have started (same answers, bit for bit; same exit
+codes; the caller's working directory), and the fork server stops what it forked."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from server_fixtures import Client
+from weightsync.server.forkserver import ForkServer
+from weightsync.server.launch import ServerProcess, ServerStartError, launch_server, use_forkserver
+
+PROMPT = [5, 17, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[ForkServer]:
+    """A fork server of this module's own (the session's is used by every other test)."""
+    with ForkServer.start() as forks:
+        yield forks
+
+
+@pytest.fixture
+def forked(forks: ForkServer) -> Iterator[None]:
+    """launch_server() forks from this module's fork server for one test."""
+    use_forkserver(forks)
+    yield
+    use_forkserver(None)
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def answers(server: ServerProcess) -> tuple[list[int], dict[str, str]]:
+    client = Client(server.url)
+    try:
+        return client.generate(PROMPT, sampling_params={"max_new_tokens": 6})["output_ids"], client.digests()
+    finally:
+        client.close()
+
+
+def test_a_forked_server_answers_as_an_execd_one(tiny_model_dir: Path, forks: ForkServer, forked: None) -> None:
+    # env= always execs a fresh interpreter (variables that may matter at import)
+    with launch_server(tiny_model_dir, args=["--num-threads", "1"], env={}) as execd:
+        assert parent_pid(execd.pid) == os.getpid()
+        expected = answers(execd)
+    with launch_server(tiny_model_dir, args=["--num-threads", "1"]) as child:
+        assert parent_pid(child.pid) == forks.process.pid
+        assert os.getpgid(child.pid) == child.pid  # its own process group, as start_new_session gives
+        assert answers(child) == expected  # float32 tokens and the served bytes' digests, exactly
+
+
+def test_the_caller_s_working_directory(tiny_model_dir: Path, forked: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tiny_model_dir.parent)
+    with launch_server(tiny_model_dir.name, args=["--num-threads", "1"]) as server:
+        assert answers(server)[0]
+
+
+def test_exit_codes_come_back(tiny_model_dir: Path, forked: None) -> None:
+    missing = tiny_model_dir.parent / "no-such-model"
+    with pytest.raises(ServerStartError, match=r"exited with code 2 before listening(.|\n)*no-such-model"):
+        launch_server(missing)
+    server = launch_server(tiny_model_dir, args=["--num-threads", "1"])
+    server.kill()
+    assert server.process.returncode == -9
+    server.close()
+
+
+def test_closing_the_fork_server_stops_what_it_forked(tiny_model_dir: Path) -> None:
+    with ForkServer.start() as own:
+        use_forkserver(own)
+        try:
+            server = launch_server(tiny_model_dir, args=["--num-threads", "1"])
+        finally:
+            use_forkserver(None)
+        assert parent_pid(server.pid) == own.process.pid
+    assert not Path(f"/proc/{server.pid}").exists()  # killed and reaped by the fork server
+    assert server.process.poll() == -9
+    server.close()
