@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,14 +72,21 @@ def test_exit_codes_come_back(tiny_model_dir: Path, forked: None) -> None:
     server.close()
 
 
-def test_closing_the_fork_server_stops_what_it_forked(tiny_model_dir: Path) -> None:
+def test_two_at_once_then_closing_the_fork_server_stops_them(tiny_model_dir: Path) -> None:
+    """Two servers asked for at once while the fork server is still importing (both wait for
+    it to be ready); closing the fork server kills and reaps them."""
     with ForkServer.start() as own:
         use_forkserver(own)
         try:
-            server = launch_server(tiny_model_dir, args=["--num-threads", "1"])
+            with ThreadPoolExecutor(2) as pool:
+                servers = list(pool.map(lambda _: launch_server(tiny_model_dir, args=["--num-threads", "1"]),
+                                        range(2)))
         finally:
             use_forkserver(None)
-        assert parent_pid(server.pid) == own.process.pid
-    assert not Path(f"/proc/{server.pid}").exists()  # killed and reaped by the fork server
-    assert server.process.poll() == -9
-    server.close()
+        for server in servers:
+            assert parent_pid(server.pid) == own.process.pid
+            assert answers(server)[0]
+    for server in servers:
+        assert not Path(f"/proc/{server.pid}").exists()  # killed and reaped by the fork server
+        assert server.process.poll() == -9
+        server.close()

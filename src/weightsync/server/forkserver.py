@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,6 +99,7 @@ class ForkServer:
         self.socket_path = socket_path
         self.log_path = log_path
         self._ready = False
+        self._ready_lock = threading.Lock()  # servers started at once (serve_check.launch_servers)
 
     @classmethod
     def start(cls) -> ForkServer:
@@ -162,8 +164,11 @@ class ForkServer:
         self.close()
 
     def _wait_ready(self, deadline: float) -> None:
-        if self._ready:
-            return
+        with self._ready_lock:
+            if not self._ready:
+                self._read_ready(deadline)
+
+    def _read_ready(self, deadline: float) -> None:
         assert self.process.stdout is not None
         while not select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
             if time.monotonic() >= deadline:
