@@ -62,6 +62,17 @@ class ConflictError(WeightSyncError):
         self.retry_after_s = retry_after_s
 
 
+class UnknownLayoutError(ConflictError):
+    """A begin named its buckets by a layout digest the engine does not remember (it
+    restarted, or began another layout since, or is another engine): HTTP 409 carrying
+    `unknown_layout`, and the trainer sends the whole manifest."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__(f"layout {layout[:16]}... is not one this engine remembers (restarted, or another "
+                         "layout began since): send the whole manifest")
+        self.layout = layout
+
+
 class EngineError(WeightSyncError):
     """An engine answered with a failure; carries the engine's own message."""
 

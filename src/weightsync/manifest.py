@@ -10,6 +10,7 @@ its bucket, and how many there are, is `weightsync.change_encoding`'s.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -258,12 +259,25 @@ class BucketMeta:
     def to_json(self) -> str:
         """`to_dict` as JSON text (sorted keys, no spaces), its entries' part made once per
         plan (`memo`): a push of tens of thousands of tensors builds no dict per tensor."""
-        entries_json = self.memo.get("json")
+        return (f'{{"digest":{json.dumps(self.digest)},"index":{self.index},"nbytes":{self.nbytes},'
+                f'"tensors":{self._entries_json()}}}')
+
+    def _entries_json(self) -> str:
+        entries_json: str | None = self.memo.get("json")
         if entries_json is None:
             entries_json = self.memo["json"] = json.dumps([e.to_dict() for e in self.entries],
                                                           separators=(",", ":"), sort_keys=True)
-        return (f'{{"digest":{json.dumps(self.digest)},"index":{self.index},"nbytes":{self.nbytes},'
-                f'"tensors":{entries_json}}}')
+        return entries_json
+
+    @property
+    def layout_digest(self) -> str:
+        """SHA-256 (hex) of everything but the digest: the index, the size, the entries' JSON
+        (`to_dict`: names, dtypes, shapes, offsets, encodings). Made once per plan (`memo`)."""
+        layout: str | None = self.memo.get("layout_digest")
+        if layout is None:
+            text = f"{self.index}:{self.nbytes}:{self._entries_json()}"
+            layout = self.memo["layout_digest"] = hashlib.sha256(text.encode()).hexdigest()
+        return layout
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -374,6 +388,14 @@ class Manifest:
     def digests(self) -> tuple[str | None, ...]:
         return tuple(b.digest for b in self.buckets)
 
+    @property
+    def layout_digest(self) -> str:
+        """SHA-256 (hex) of the buckets' layouts (`BucketMeta.layout_digest`, in order): what
+        is sent, where, in what dtype and shape; not the version, mode, owner or digests. Two
+        manifests of one plan have the same; an engine that remembers a layout by it takes a
+        begin that names it instead of the buckets (`protocol.BeginRequest.by_layout`)."""
+        return hashlib.sha256(",".join(b.layout_digest for b in self.buckets).encode()).hexdigest()
+
     def with_digests(self, digests: Sequence[str]) -> Manifest:
         if len(digests) != len(self.buckets):
             raise ManifestError(f"{len(digests)} digests for {len(self.buckets)} buckets")
@@ -410,10 +432,14 @@ class Manifest:
         return text.replace('"buckets":null', f'"buckets":[{buckets}]', 1)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, known: Manifest | None = None) -> Manifest:
+    def from_dict(cls, d: Mapping[str, Any], *, known: Manifest | None = None,
+                  layout: Sequence[BucketMeta] | None = None) -> Manifest:
         """Parse and check a manifest's JSON form. `known`: a manifest parsed before (an
         engine passes the last one it began); its buckets' entries are reused where their
-        JSON is the same (`BucketMeta.from_dict`), as a plan reused push after push sends."""
+        JSON is the same (`BucketMeta.from_dict`), as a plan reused push after push sends.
+        `layout`: the buckets, parsed and checked before (a layout an engine remembers),
+        instead of `d`'s "buckets", which `d` then lacks; every check of a manifest's
+        buckets as a whole (indices, names once, encodings for the mode) runs as for parsed ones."""
         if not isinstance(d, Mapping):
             raise ManifestError("manifest must be a JSON object")
         if d.get("format") != MANIFEST_FORMAT or d.get("format_version") != MANIFEST_FORMAT_VERSION:
@@ -433,12 +459,17 @@ class Manifest:
         version = d.get("version")
         if not isinstance(version, int) or isinstance(version, bool):
             raise ManifestError(f"version must be an integer, got {version!r}")
-        raw_buckets = d.get("buckets")
-        if not isinstance(raw_buckets, list):
-            raise ManifestError("manifest 'buckets' must be a list")
-        known_buckets = known.buckets if known is not None else ()
-        buckets = tuple(BucketMeta.from_dict(b, known=known_buckets[i] if i < len(known_buckets) else None)
-                        for i, b in enumerate(raw_buckets))
+        if layout is not None:
+            if "buckets" in d:
+                raise ManifestError("a manifest sent by its layout carries no 'buckets'")
+            buckets = tuple(layout)
+        else:
+            raw_buckets = d.get("buckets")
+            if not isinstance(raw_buckets, list):
+                raise ManifestError("manifest 'buckets' must be a list")
+            known_buckets = known.buckets if known is not None else ()
+            buckets = tuple(BucketMeta.from_dict(b, known=known_buckets[i] if i < len(known_buckets) else None)
+                            for i, b in enumerate(raw_buckets))
         for i, b in enumerate(buckets):
             if b.index != i:
                 raise ManifestError(f"bucket at position {i} has index {b.index}")

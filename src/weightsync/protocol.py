@@ -10,12 +10,14 @@ The bucket bytes of `/weightsync/bucket` travel in the binary frame of `wire`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from weightsync.errors import UnknownLayoutError
 from weightsync.links import Delivery, Link
-from weightsync.manifest import Manifest
+from weightsync.manifest import BucketMeta, Manifest
 from weightsync.transports import parse_link
 
 
@@ -54,27 +56,56 @@ def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class BeginRequest:
-    """Check a manifest against the served weights and open an update (the dry run)."""
+    """Check a manifest against the served weights and open an update (the dry run).
+
+    Sent whole, or by layout (`by_layout`): every field of the manifest but its buckets,
+    which the engine takes from the layout it remembers by `Manifest.layout_digest` (the
+    one it named in its answer to an earlier begin: "layout"), with the digests sent here.
+    An engine that does not remember it answers 409 with "unknown_layout" (raised here as
+    `UnknownLayoutError`), and the trainer sends the manifest whole."""
 
     ROUTE: ClassVar[str] = "/weightsync/begin"
     manifest: Manifest
     """What the update will send, without digests."""
+    by_layout: bool = False
+    """Send the buckets as `manifest.layout_digest`, not their entries."""
 
     def to_json(self) -> dict[str, Any]:
+        if self.by_layout:
+            return {"manifest": self.manifest.to_dict(buckets=False), "layout": self.manifest.layout_digest,
+                    "digests": list(self.manifest.digests)}
         return {"manifest": self.manifest.to_dict()}
 
     def to_json_text(self) -> str:
         """`to_json()` as JSON text, the manifest's part from `Manifest.to_json` (no dict per tensor)."""
+        if self.by_layout:
+            return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True)
         return f'{{"manifest":{self.manifest.to_json()}}}'
 
     @classmethod
-    def from_json(cls, body: Mapping[str, Any], *, known: Manifest | None = None) -> BeginRequest:
+    def from_json(cls, body: Mapping[str, Any], *, known: Manifest | None = None,
+                  layouts: Callable[[str], Sequence[BucketMeta] | None] | None = None) -> BeginRequest:
         """`known`: the manifest the engine began last, whose entries are reused where the same
-        (`Manifest.from_dict`)."""
+        (`Manifest.from_dict`). `layouts`: the buckets of a layout the engine remembers, by
+        digest (None where it does not); without it, a begin by layout is refused too."""
         manifest = body.get("manifest")
         if not isinstance(manifest, Mapping):
             raise ValueError("field 'manifest' must be a JSON object (a weightsync manifest)")
-        return cls(manifest=Manifest.from_dict(manifest, known=known))
+        layout = body.get("layout")
+        if layout is None:
+            return cls(manifest=Manifest.from_dict(manifest, known=known))
+        if not isinstance(layout, str):
+            raise ValueError(f"field 'layout' must be a layout digest (a hex string), got {layout!r:.80}")
+        buckets = layouts(layout) if layouts is not None else None
+        if buckets is None:
+            raise UnknownLayoutError(layout)
+        digests = body.get("digests")
+        if not (isinstance(digests, list) and len(digests) == len(buckets)
+                and all(d is None or isinstance(d, str) for d in digests)):
+            raise ValueError(f"field 'digests' must list a hex digest or null for each of the layout's "
+                             f"{len(buckets)} bucket(s)")
+        layout_buckets = [b.with_digest(d) for b, d in zip(buckets, digests, strict=True)]
+        return cls(manifest=Manifest.from_dict(manifest, layout=layout_buckets), by_layout=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 from weightsync.dtypes import dtype_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
-from weightsync.engines.http import JsonClient, decode
+from weightsync.engines.http import JsonClient, decode, remote_error
 from weightsync.errors import AdapterNotLoadedError, EngineError, SyncTimeoutError
 from weightsync.integrity import byte_view, with_sent_names
 from weightsync.manifest import BucketMeta, Manifest
@@ -102,6 +102,9 @@ class SGLangEngine:
         self._pause_id: str | None = None
         """The id of the pause sent last (`weightsync serve` only), which the next resume names."""
         self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
+        self._layout: str | None = None
+        """The layout digest the engine named in its answer to the last begin (it remembers
+        that layout): a begin of a manifest with this layout is sent by layout."""
         self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
         self._forwarding: int | None = None
         """The version this engine relays on to another in a group (`relay_in_group`)."""
@@ -221,11 +224,7 @@ class SGLangEngine:
         if manifest.is_adapter and not receiver.reads_at_commit:
             self._require_native(f"a LoRA adapter over {link.transport!r}", timeout_s)
         if self._is_native(timeout_s):
-            # the manifest's JSON text as its buckets made it once: no dict per tensor per push
-            answer = decode(self._http.request("POST", BeginRequest.ROUTE, timeout_s=timeout_s,
-                                               content=BeginRequest(manifest=manifest).to_json_text().encode(),
-                                               headers={"content-type": "application/json"}))
-            note = answer.get("preempted")
+            note = self._begin(manifest, timeout_s).get("preempted")
         self._open = (manifest.version, link)
         self._owner = manifest.owner
         if receiver.collective:
@@ -233,6 +232,28 @@ class SGLangEngine:
                                           allow=(404,), timeout_s=timeout_s)
             self._session_open = response.status_code != 404
         return str(note) if note else None
+
+    def _begin(self, manifest: Manifest, timeout_s: float) -> dict[str, Any]:
+        """`/weightsync/begin`: by layout where the engine named this plan's layout in its
+        answer to the last begin (`protocol.BeginRequest.by_layout`), whole otherwise, and
+        whole again where it answers that it does not remember the layout (it restarted)."""
+        by_layout = self._layout is not None and self._layout == manifest.layout_digest
+        self._layout = None  # until this begin's answer names the layout the engine keeps
+        while True:
+            # whole: the manifest's JSON text as its buckets made it once, no dict per tensor per push
+            response = self._http.request("POST", BeginRequest.ROUTE, timeout_s=timeout_s, allow=(409,),
+                                          content=BeginRequest(manifest=manifest, by_layout=by_layout)
+                                          .to_json_text().encode(),
+                                          headers={"content-type": "application/json"})
+            answer = decode(response)
+            if response.status_code == 409:
+                if by_layout and answer.get("unknown_layout"):
+                    by_layout = False
+                    continue
+                raise remote_error(self._http.base_url, BeginRequest.ROUTE, response)
+            layout = answer.get("layout")  # None from an engine that remembers no layouts
+            self._layout = layout if isinstance(layout, str) else None
+            return answer
 
     def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
         self._receive(bucket, delivery, ())

@@ -25,7 +25,7 @@ from weightsync.checkpoint import MANIFEST_FILE, confine, read_manifest
 from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.dtypes import dtype_name
 from weightsync.engines.base import EngineCapabilities
-from weightsync.errors import SyncTimeoutError
+from weightsync.errors import SyncTimeoutError, UnknownLayoutError
 from weightsync.groups import join_group
 from weightsync.links import Delivery
 from weightsync.manifest import TensorEntry, TensorMeta
@@ -332,6 +332,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "running_requests": state.scheduler.num_running,
             "waiting_requests": state.scheduler.num_waiting,
             "session": updater.session_info(),
+            "layouts": updater.layouts.info(),
             "relay": _relay_info(state),
             "params": {n: {"dtype": str(m.dtype).removeprefix("torch."), "shape": list(m.shape)}
                        for n, m in updater.weights.metas.items()},
@@ -346,9 +347,20 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post(BeginRequest.ROUTE)
     async def begin(request: Request) -> JSONResponse:
-        manifest = BeginRequest.from_json(await admin_json(request, state.config), known=updater.last_manifest).manifest
-        preempted = await run_in_threadpool(updater.begin, manifest)
-        return answer(f"update v{manifest.version} begun ({len(manifest.buckets)} bucket(s))", preempted=preempted)
+        body = await admin_json(request, state.config)
+        try:
+            begun = BeginRequest.from_json(body, known=updater.last_manifest, layouts=updater.layouts.get)
+        except UnknownLayoutError as e:  # the trainer sends the manifest whole
+            return answer(str(e), status=409, success=False, unknown_layout=e.layout)
+        manifest = begun.manifest
+
+        def work() -> tuple[str | None, str]:
+            preempted = updater.begin(manifest)  # the dry run, by layout or not
+            return preempted, updater.layouts.remember(manifest, by_layout=begun.by_layout)
+
+        preempted, layout = await run_in_threadpool(work)
+        return answer(f"update v{manifest.version} begun ({len(manifest.buckets)} bucket(s))", preempted=preempted,
+                      layout=layout)
 
     @app.post(BUCKET_ROUTE)
     async def bucket(request: Request) -> JSONResponse:

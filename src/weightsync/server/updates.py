@@ -45,6 +45,7 @@ from torch import nn
 from weightsync.bucketing import pack_one
 from weightsync.checkpoint import read_version
 from weightsync.errors import ConflictError
+from weightsync.layouts import Layouts
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.receiving import (
     NamedTensors,
@@ -119,6 +120,9 @@ class WeightUpdater:
         self.last_manifest: Manifest | None = None
         """The manifest of the last begin, accepted or not: parsing the next one reuses its
         entries where they are the same (`Manifest.from_dict`'s `known`)."""
+        self.layouts = Layouts()
+        """The layouts of the last begins accepted, which a begin may name instead of sending
+        its buckets (`weightsync.layouts`)."""
 
     @property
     def version(self) -> int:

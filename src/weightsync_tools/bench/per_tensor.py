@@ -220,7 +220,8 @@ def trainer_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: 
 
 def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: int) -> SideFigures:
     """What `weightsync serve` does for a push, with no trainer to wait for: parse the
-    begin request's JSON, dry-run the manifest, check (digest) and stage every bucket,
+    begin request's JSON (whole for the warm-up, then by layout, as a trainer sends it
+    push after push: `weightsync.layouts`), dry-run the manifest, check (digest) and stage every bucket,
     commit (point the parameters at the staged views). Its buffers come from its receive
     pool, filled outside the timing, as a transport would fill them."""
     import contextlib
@@ -243,16 +244,20 @@ def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: i
     digests = [digest(buffer) for buffer in packed]
     runs = []
     manifest_bytes = 0
+    layout = None  # the layout the engine named in its last answer: the next begin names it too, as a client does
     for version in range(1, max(1, repeats) + 2):  # the first is a warm-up
-        body = json.dumps(BeginRequest(manifest=Manifest(version=version, buckets=plan).with_digests(digests))
-                          .to_json()).encode()
-        manifest_bytes = len(body)
+        begin = Manifest(version=version, buckets=plan).with_digests(digests)
+        body = BeginRequest(manifest=begin, by_layout=layout == begin.layout_digest).to_json_text().encode()
+        manifest_bytes = max(manifest_bytes, len(body))
         buffers = [updater.weights.buffers.take(b.numel()) for b in packed]
         for buffer, data in zip(buffers, packed, strict=True):
             buffer.copy_(data)
         started = time.perf_counter()
-        manifest = BeginRequest.from_json(json.loads(body), known=updater.last_manifest).manifest  # as the route
+        begun = BeginRequest.from_json(json.loads(body), known=updater.last_manifest,  # as the route
+                                       layouts=updater.layouts.get)
+        manifest = begun.manifest
         updater.begin(manifest)
+        layout = updater.layouts.remember(manifest, by_layout=begun.by_layout)
         for bucket, buffer, sent in zip(manifest.buckets, buffers, digests, strict=True):
             updater.stage_bucket(version=version, index=bucket.index, buffer=buffer, digest_hex=sent)
         updater.commit(version)
