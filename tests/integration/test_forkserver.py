@@ -5,6 +5,8 @@ codes; the caller's working directory), and the fork server stops what it forked
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -90,3 +92,21 @@ def test_two_at_once_then_closing_the_fork_server_stops_them(tiny_model_dir: Pat
         assert not Path(f"/proc/{server.pid}").exists()  # killed and reaped by the fork server
         assert server.process.poll() == -9
         server.close()
+
+
+def test_closing_stops_it_while_a_forked_process_holds_its_stdin() -> None:
+    """A process forked from the caller (a multiprocessing child, a vLLM engine core) inherits
+    the fork server's stdin pipe and keeps it open: close() stops the fork server regardless,
+    cleanly (exit code 0, not killed after close()'s 30 s wait)."""
+    own = ForkServer.start()
+    holder = os.fork()
+    if holder == 0:  # holds every inherited descriptor, the fork server's stdin among them
+        time.sleep(120)
+        os._exit(0)
+    try:
+        own._wait_ready(time.monotonic() + 120)
+        own.close()
+        assert own.process.returncode == 0
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)

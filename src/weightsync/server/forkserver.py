@@ -21,7 +21,9 @@ The fork server itself never runs torch's thread pools (imports only), so each c
 starts them fresh. Requests come over a Unix socket in a directory only this user can
 enter, as a JSON line (never pickled) with the child's stdout and stderr passed as file
 descriptors; the reply is the child's pid, then, on the same connection, its exit code.
-The fork server exits when its stdin closes (its parent is gone), stopping its children.
+The fork server exits on SIGTERM (`close()`), or when its stdin closes (its parent is
+gone), stopping its children. Not on stdin alone: a process forked from the caller (a
+multiprocessing child) holds the pipe's other end too, for as long as it lives.
 """
 
 from __future__ import annotations
@@ -144,7 +146,9 @@ class ForkServer:
     def close(self) -> None:
         """Stop it (it stops the servers it forked that still run); idempotent."""
         if self.process.stdin is not None and not self.process.stdin.closed:
-            self.process.stdin.close()  # its signal to stop
+            self.process.stdin.close()
+        if self.process.poll() is None:
+            self.process.terminate()  # its signal to stop (the stdin pipe may be held open elsewhere)
         try:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
@@ -197,7 +201,7 @@ def _recv_line(connection: socket.socket) -> bytes:
 
 
 def _serve_forks(socket_path: str) -> int:
-    """The fork server's loop. Returns 0 in the fork server when its stdin closes; in each
+    """The fork server's loop. Returns 0 in the fork server on SIGTERM or when its stdin closes; in each
     child, the exit code of `weightsync ARGV`, for the interpreter to exit with."""
     import importlib
 
@@ -210,10 +214,17 @@ def _serve_forks(socket_path: str) -> int:
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so the wakeup fd hears it
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
     children: dict[int, socket.socket] = {}
     stdin = sys.stdin.fileno()
     print("ready", flush=True)
-    while True:
+    while not stopping:
         readable = select.select([listener, stdin, wake_read], [], [])[0]
         if wake_read in readable:
             os.read(wake_read, 4096)
@@ -231,6 +242,7 @@ def _serve_forks(socket_path: str) -> int:
                     other.close()
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.close(wake_read)
                 os.close(wake_write)
                 return _run_child(request, fds)
