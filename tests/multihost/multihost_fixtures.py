@@ -18,7 +18,6 @@ import queue
 import subprocess
 import sys
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -145,12 +144,9 @@ class Trainer:
         src = str(Path(__import__("weightsync").__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
                "PYTHONUNBUFFERED": "1"}
-        self.log_path = engines.disk_root.parent / "trainer.log"
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
-                [*net.prefix("trainer"), sys.executable, str(_HERE / "trainer_main.py"), json.dumps(spec)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                start_new_session=True)
+        self.process = subprocess.Popen(
+            [*net.prefix("trainer"), sys.executable, str(_HERE / "trainer_main.py"), json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True, name="multihost-trainer").start()
         ready = self._answer()
@@ -186,11 +182,9 @@ class Trainer:
                 self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 self.process.stdin.close()
                 self.process.wait(30)
-            except (OSError, subprocess.TimeoutExpired) as e:
+            except (OSError, subprocess.TimeoutExpired):
                 self.process.kill()
                 self.process.wait()
-                warnings.warn(f"the multi-host trainer did not exit ({e!r}); its stderr:\n"
-                              f"{self.log_path.read_text(errors='replace')[-6000:]}", stacklevel=1)
 
 
 @pytest.fixture(scope="module")

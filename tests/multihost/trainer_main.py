@@ -21,7 +21,6 @@ the public API against real servers on other "hosts".
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
@@ -196,9 +195,6 @@ def main() -> int:
         print(json.dumps(answer), flush=True)
     for sync in trainer.syncs.values():
         sync.close()
-    # If the interpreter's exit hangs (a thread left running), say where, on stderr: the test's
-    # teardown waits 30 s for this process and then reports that log.
-    faulthandler.dump_traceback_later(10)
     return 0
 
 
