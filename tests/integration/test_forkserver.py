@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from server_fixtures import Client
-from weightsync.server.forkserver import ForkServer
+from weightsync.server.forkserver import ForkServer, ForkServerError
 from weightsync.server.launch import ServerProcess, ServerStartError, launch_server, use_forkserver
 
 PROMPT = [5, 17, 42, 7]
@@ -110,3 +110,17 @@ def test_closing_stops_it_while_a_forked_process_holds_its_stdin() -> None:
     finally:
         os.kill(holder, signal.SIGKILL)
         os.waitpid(holder, 0)
+
+
+def test_a_fork_server_that_is_gone_is_named(tiny_model_dir: Path) -> None:
+    own = ForkServer.start()
+    own._wait_ready(time.monotonic() + 120)
+    own.process.kill()
+    own.process.wait()
+    use_forkserver(own)
+    try:
+        with pytest.raises(ForkServerError, match=r"did not take `weightsync serve .*exit code: -9"):
+            launch_server(tiny_model_dir)
+    finally:
+        use_forkserver(None)
+        own.close()

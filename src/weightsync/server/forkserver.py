@@ -130,9 +130,12 @@ class ForkServer:
             connection.sendall(json.dumps(request).encode() + b"\n")
             reply = _recv_line(connection)
             connection.settimeout(None)
-        except BaseException:
+        except BaseException as e:
             connection.close()
             os.close(read_end)
+            if isinstance(e, OSError):  # it is gone (its socket refuses) or did not answer in time
+                raise ForkServerError(f"the fork server did not take `weightsync {' '.join(argv)}`: {e!r} "
+                                      f"(its exit code: {self.process.poll()})\n{self._log_tail()}") from e
             raise
         finally:
             os.close(write_end)
