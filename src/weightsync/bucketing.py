@@ -15,8 +15,10 @@ Packing a stream (`pack_stream`) copies runs of small tensors with one call
 matrices cost a C++ loop, not a Python call each); the bytes are exactly those
 `pack_one` writes tensor by tensor. The runs are laid out once per bucket layout
 from its entries, and each run's tensors are checked against them together (C calls
-over the run, not Python per tensor); a run is copied on one intra-op thread (the
-serial kernel of `torch.cat`), in two halves at once where torch has threads. A
+over the run, not Python per tensor). Where torch has threads, a run (or a tensor
+packed on its own) is copied on a helper thread while this one reads on, when the
+helper is free, and here when it is busy; each copy on one intra-op thread (the
+serial kernel of `torch.cat`). A
 tensor a source holds in parts (`TensorParts`: a fused expert tensor stacked from
 per-expert ones) has each part cast and packed
 straight into its byte range; the whole tensor is never made.
@@ -29,7 +31,8 @@ import math
 import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -39,10 +42,12 @@ from weightsync.manifest import BucketMeta, TensorEntry, TensorMeta
 
 RUN_MAX_TENSORS = 256
 """Tensors `pack_stream` copies with one call at most (a run)."""
-RUN_MAX_BYTES = 4 << 20
+RUN_MAX_BYTES = 16 << 20
 """Bytes of the tensors a run holds at most before they are copied: a source that
-materialises tensors (an FSDP2 gather, a LoRA merge) holds this much beyond the
-tensor in hand; a tensor at least this large is copied on its own."""
+materialises tensors (an FSDP2 gather, a LoRA merge) holds up to twice this much
+beyond the tensor in hand (the run it reads, and the one the helper thread copies)."""
+LARGE_BYTES = 4 << 20
+"""A tensor at least this large is copied on its own, on all of torch's threads."""
 
 
 def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> tuple[BucketMeta, ...]:
@@ -298,7 +303,8 @@ def pack_stream(
     `tensors` must yield in `stream_order(plan)`. Each tensor is copied into its
     bucket as it arrives, or with the run of small tensors it belongs to (at most
     RUN_MAX_TENSORS tensors and RUN_MAX_BYTES, copied with one call), and dropped,
-    so peak memory is one bucket plus the tensors in hand. With `keep=False` (a
+    so peak memory is one bucket plus the tensors in hand (the run being read, and
+    the one the helper thread copies: see `_Run`). With `keep=False` (a
     non-sending rank that only takes part in gathers) nothing is packed and `None`
     is yielded for each bucket.
     `alloc` gives each bucket its buffer (a shared-memory slot, a pinned
@@ -315,41 +321,51 @@ def pack_stream(
         if buffer is not None:
             buffer = buffer[: bucket.nbytes]
             run = _Run(buffer, allow_overflow=allow_overflow)
-        entries = bucket.entries
-        runs = bucket.memo.get("pack_runs")
-        if runs is None:
-            runs = bucket.memo["pack_runs"] = _pack_runs(entries)
-        i = 0  # the next entry to read
-        for start, stop, names, shapes in runs:
-            for entry in entries[i:start]:  # what no run holds: one by one
-                _take(it, entry, run)
-            i = start
-            if run is None:
-                continue  # read one by one
-            held: list[torch.Tensor] = []
-            for name in names:
-                try:
-                    hf_name, tensor = next(it)
-                except StopIteration:
-                    raise ValueError(f"tensor stream ended before {name!r}") from None
-                if hf_name != name:
-                    raise ValueError(f"tensor stream out of order: got {hf_name!r}, the plan expects {name!r}")
-                i += 1
-                if isinstance(tensor, TensorParts):  # its parts are read now, before the next tensor
-                    for entry, earlier in zip(entries[start : i - 1], held, strict=True):
-                        run.add(entry, earlier)
-                    _add_parts(run, entries[i - 1], tensor)
-                    break
-                held.append(tensor)
-            else:
-                run.add_all(entries[start:stop], held, shapes)
-            del held, tensor  # a gathered tensor (FSDP2) lives no longer than its copy
-        for entry in entries[i:]:
-            _take(it, entry, run)
-        if run is not None:
-            run.flush()
+        try:
+            _pack_bucket(bucket, it, run)
+        except BaseException:
+            if run is not None:
+                run.abandon()  # no copy writes into the buffer once the caller has it back
+            raise
         yield bucket, buffer
         buffer = run = None  # the consumer decides how long the bucket lives
+
+
+def _pack_bucket(bucket: BucketMeta, it: Iterator[tuple[str, torch.Tensor | TensorParts]], run: _Run | None) -> None:
+    """`bucket`'s tensors read from `it` and packed by `run` (read only, without one), every copy done."""
+    entries = bucket.entries
+    runs = bucket.memo.get("pack_runs")
+    if runs is None:
+        runs = bucket.memo["pack_runs"] = _pack_runs(entries)
+    i = 0  # the next entry to read
+    for start, stop, names, shapes in runs:
+        for entry in entries[i:start]:  # what no run holds: one by one
+            _take(it, entry, run)
+        i = start
+        if run is None:
+            continue  # read one by one
+        held: list[torch.Tensor] = []
+        for name in names:
+            try:
+                hf_name, tensor = next(it)
+            except StopIteration:
+                raise ValueError(f"tensor stream ended before {name!r}") from None
+            if hf_name != name:
+                raise ValueError(f"tensor stream out of order: got {hf_name!r}, the plan expects {name!r}")
+            i += 1
+            if isinstance(tensor, TensorParts):  # its parts are read now, before the next tensor
+                for entry, earlier in zip(entries[start : i - 1], held, strict=True):
+                    run.add(entry, earlier)
+                _add_parts(run, entries[i - 1], tensor)
+                break
+            held.append(tensor)
+        else:
+            run.add_all(entries[start:stop], held, shapes)
+        del held, tensor  # a gathered tensor (FSDP2) lives no longer than its copy
+    for entry in entries[i:]:
+        _take(it, entry, run)
+    if run is not None:
+        run.finish()
 
 
 def _take(it: Iterator[tuple[str, torch.Tensor | TensorParts]], entry: TensorEntry, run: _Run | None) -> None:
@@ -387,7 +403,7 @@ def _pack_runs(entries: Sequence[TensorEntry]) -> list[_PackRun]:
 
     for i, entry in enumerate(entries):
         size = entry.nbytes
-        fits = 0 < size < RUN_MAX_BYTES and entry.encoding == "dense" and len(entry.shape) > 0
+        fits = 0 < size < LARGE_BYTES and entry.encoding == "dense" and len(entry.shape) > 0
         if (fits and start is not None and entry.dtype is dtype and entry.offset == end
                 and i - start < RUN_MAX_TENSORS and nbytes + size <= RUN_MAX_BYTES):
             nbytes += size
@@ -404,7 +420,14 @@ class _Run:
     (`torch._chunk_cat`, which flattens each tensor in C++ and casts into the bucket's view
     exactly as `.to()` does): dense, contiguous, non-empty tensors of at least one
     dimension on the buffer's device, all of one dtype cast to one entry dtype. Anything
-    else is packed on its own by `pack_one` (after the run so far)."""
+    else is packed on its own by `pack_one` (after the run so far).
+
+    Where the buffer is in host memory and torch has more than one intra-op thread, each
+    copy (a run, or a tensor on its own) goes to the helper thread when it is free and is
+    done here when it is busy, each on one intra-op thread: the two threads copy while
+    this one also reads the stream, without a thread handing work to a busy one. The
+    helper holds what it copies until it is done (one run, or one tensor, beyond the
+    tensors in hand); `finish` waits for it, so a bucket is complete when it is yielded."""
 
     def __init__(self, buffer: torch.Tensor, *, allow_overflow: bool) -> None:
         self.buffer = buffer
@@ -417,13 +440,21 @@ class _Run:
         """The offset just past the run's last entry."""
         self.src: torch.dtype | None = None
         self.dst: torch.dtype | None = None
+        self.two_threads = buffer.device.type == "cpu" and torch.get_num_threads() > 1
+        self.pending: Future[None] | None = None
+        """The copy on the helper thread, if one was given to it."""
 
     def add(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
         nbytes = entry.nbytes
-        if (not 0 < nbytes < RUN_MAX_BYTES or entry.encoding != "dense" or not tensor.dim()
+        if (not 0 < nbytes < LARGE_BYTES or entry.encoding != "dense" or not tensor.dim()
                 or not tensor.is_contiguous() or tensor.device != self.device):
             self.flush()
-            pack_one(self.buffer, entry, tensor, allow_overflow=self.allow_overflow)
+            job = partial(pack_one, self.buffer, entry, tensor, allow_overflow=self.allow_overflow)
+            if nbytes < LARGE_BYTES and tensor.device == self.device:
+                self._copy(job)
+            else:  # a large tensor is copied here on all of torch's threads once the helper is done
+                self.wait()
+                job()
             return
         src, dst = tensor.dtype, entry.dtype
         if (src is not self.src or dst is not self.dst or len(self.tensors) >= RUN_MAX_TENSORS
@@ -460,46 +491,60 @@ class _Run:
         self.flush()
 
     def flush(self) -> None:
+        """The run so far copied (or given to the helper), and a new one begun."""
         entries, tensors = self.entries, self.tensors
-        if len(entries) == 1:
-            pack_one(self.buffer, entries[0], tensors[0], allow_overflow=self.allow_overflow)
-        elif entries:
-            first, dtype = entries[0], entries[0].dtype
-            out = self.buffer[first.offset : first.offset + self.nbytes].view(dtype)
-            _copy_run(tensors, out)
-            if tensors[0].dtype != dtype and not self.allow_overflow \
-                    and torch.finfo(dtype).max < torch.finfo(tensors[0].dtype).max:
-                low, high = torch.aminmax(out)  # one reduction for the run; per tensor only to name one
-                if not (torch.isfinite(low) and torch.isfinite(high)):
-                    for entry, tensor in zip(entries, tensors, strict=True):
-                        check_cast(entry.hf_name, tensor, entry_view(self.buffer, entry))
         self.entries, self.tensors, self.nbytes, self.src, self.dst = [], [], 0, None, None
+        if len(entries) == 1:
+            self._copy(partial(pack_one, self.buffer, entries[0], tensors[0], allow_overflow=self.allow_overflow))
+        elif entries:
+            self._copy(partial(_copy_run, self.buffer, entries, tensors, allow_overflow=self.allow_overflow))
+
+    def finish(self) -> None:
+        """Every copy done, the helper's included."""
+        self.flush()
+        self.wait()
+
+    def wait(self) -> None:
+        """The helper's copy, if any, done (its error, naming its tensor, raised here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def abandon(self) -> None:
+        """Wait for the helper's copy, if any, ignoring its error (another one is on its way)."""
+        with contextlib.suppress(BaseException):
+            self.wait()
+
+    def _copy(self, job: Callable[[], None]) -> None:
+        """`job` done on the helper thread if it is free, else here, on one intra-op thread
+        whenever the helper may be copying too."""
+        if not self.two_threads:
+            job()
+            return
+        pending = self.pending
+        if pending is not None and not pending.done():
+            _on_one_thread(job)
+            return
+        self.wait()
+        self.pending = _helper().submit(_on_one_thread, job)
 
 
-def _copy_run(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
-    """Every tensor of a run flattened into `out` (1-d, the run's bytes typed), cast as .to()
-    casts: with torch's threads at one, one `_chunk_cat` here; with more, the second half of
-    the run on a helper thread (`_HELPER`) while this thread copies the first, each on one
-    intra-op thread (see `_one_thread`)."""
-    if len(tensors) < 2 or out.numel() * out.element_size() < SPLIT_BYTES or torch.get_num_threads() == 1:
-        _copy_serially(tensors, out)
-        return
-    half = len(tensors) // 2
-    split = sum(map(torch.Tensor.numel, tensors[:half]))
-    second = _helper().submit(_copy_serially, tensors[half:], out[split:])
-    try:
-        _copy_serially(tensors[:half], out[:split])
-    finally:
-        second.result()
-
-
-def _copy_serially(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
-    with torch.no_grad(), _one_thread():  # one row of every tensor flattened, cast as .to() casts
+def _copy_run(buffer: torch.Tensor, entries: list[TensorEntry], tensors: list[torch.Tensor], *,
+              allow_overflow: bool) -> None:
+    """A run's tensors flattened into its bytes with one call, cast as .to() casts, then
+    checked for values a narrower dtype could not hold: one reduction for the run, per
+    tensor only to name one."""
+    first, last, dtype = entries[0], entries[-1], entries[0].dtype
+    out = buffer[first.offset : last.offset + last.nbytes].view(dtype)
+    with torch.no_grad():
         torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
+    if tensors[0].dtype != dtype and not allow_overflow and torch.finfo(dtype).max < torch.finfo(tensors[0].dtype).max:
+        low, high = torch.aminmax(out)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            for entry, tensor in zip(entries, tensors, strict=True):
+                check_cast(entry.hf_name, tensor, entry_view(buffer, entry))
 
 
-SPLIT_BYTES = 1 << 20
-"""A run of at least this many bytes is copied in two halves at once where torch has threads."""
 _HELPERS: dict[int, ThreadPoolExecutor] = {}
 """The helper thread's pool, by the process that made it: a child forked after a push has the
 parent's pool without its thread, where a job would wait forever."""
@@ -514,20 +559,20 @@ def _helper() -> ThreadPoolExecutor:
     return pool
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """This thread's torch ops on one intra-op thread, for a run's copy: with more than one,
-    `torch.cat` (which `_chunk_cat` is on the CPU) leaves its serial kernel, one memcpy per
-    tensor, for a TensorIterator copy per tensor, slower on the same bytes. torch's thread
-    count is per thread under OpenMP (each thread's own `omp_set_num_threads`), and this
-    thread's is restored on the way out."""
+def _on_one_thread(job: Callable[[], None]) -> None:
+    """`job` with this thread's torch ops on one intra-op thread: with more, `torch.cat`
+    (which `_chunk_cat` is on the CPU) leaves its serial kernel, one memcpy per tensor, for
+    a TensorIterator copy per tensor, slower on the same bytes, and two copies at once would
+    ask for more threads than there are cores. torch's thread count is per thread under
+    OpenMP (each thread's own `omp_set_num_threads`), and this thread's is restored on the
+    way out."""
     before = torch.get_num_threads()
     if before == 1:
-        yield
+        job()
         return
     torch.set_num_threads(1)
     try:
-        yield
+        job()
     finally:
         torch.set_num_threads(before)
 

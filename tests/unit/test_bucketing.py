@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -218,7 +222,7 @@ def _pack_one_by_one(plan: list, tensors: dict[str, torch.Tensor]) -> list[torch
 def _moe_like(seed: int = 0) -> dict[str, torch.Tensor]:
     """Experts sliced out of fused 3-D tensors (`w[e]`, `w[e, :I]`, `w[e, I:]`: contiguous
     views at an offset), a transposed one, mixed dtypes, 0-d, empty, and one larger than a run."""
-    from weightsync.bucketing import RUN_MAX_BYTES
+    from weightsync.bucketing import LARGE_BYTES
 
     gen = torch.Generator().manual_seed(seed)
     experts, inter, hidden = 6, 8, 12
@@ -236,7 +240,7 @@ def _moe_like(seed: int = 0) -> dict[str, torch.Tensor]:
     tensors["model.layers.0.mask"] = torch.tensor([True, False, True])
     tensors["model.layers.0.empty"] = torch.zeros(0, 4)
     tensors["model.layers.0.scale"] = torch.tensor(0.5)
-    tensors["lm_head.weight"] = torch.randn(RUN_MAX_BYTES // 4 + 3, generator=gen)  # copied on its own
+    tensors["lm_head.weight"] = torch.randn(LARGE_BYTES // 4 + 3, generator=gen)  # copied on its own
     return tensors
 
 
@@ -350,21 +354,65 @@ def test_parts_inside_a_run_are_read_before_the_next_tensor() -> None:
     assert read == ["e0", "e1", "e2", "e2[0]", "e2[1]", "e3", "e4", "e5"]
 
 
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cast", [None, torch.bfloat16])
-def test_a_large_run_copied_in_two_halves_is_pack_ones_bytes(cast: torch.dtype | None) -> None:
-    """With torch's threads above one, a run of at least SPLIT_BYTES is copied in two halves
-    at once (one on a helper thread): the bytes are pack_one's, a cast included."""
-    from weightsync.bucketing import RUN_MAX_BYTES, SPLIT_BYTES
+def test_runs_shared_with_the_helper_thread_are_pack_ones_bytes(threads: int, cast: torch.dtype | None) -> None:
+    """With torch's threads above one, runs and small tensors go to a helper thread when it is
+    free and are copied here when it is busy; large tensors here on all threads once it is
+    done. Every bucket's bytes are pack_one's, a cast included, with one thread or two, for
+    runs cut at RUN_MAX_BYTES and tensors at LARGE_BYTES."""
+    from weightsync.bucketing import LARGE_BYTES, RUN_MAX_BYTES
 
     gen = torch.Generator().manual_seed(5)
     tensors = {f"e{i}": torch.randn(61, 67, generator=gen) for i in range(RUN_MAX_BYTES // (61 * 67 * 4) + 9)}
-    assert sum(t.numel() * 4 for t in tensors.values()) > 2 * SPLIT_BYTES
+    tensors["big"] = torch.randn(LARGE_BYTES // 4 + 1, generator=gen)
+    tensors.update({f"f{i}": torch.randn(3, 5, generator=gen) for i in range(40)})
+    tensors["odd"] = torch.randn(7, 9, generator=gen).t()  # packed on its own
     metas = [TensorMeta(hf_name=n, dtype=cast or t.dtype, shape=tuple(t.shape)) for n, t in tensors.items()]
-    plan = list(plan_buckets(metas, 1 << 30))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        (_, got), = pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan)))
-    finally:
-        torch.set_num_threads(threads)
-    assert got is not None and torch.equal(got, _pack_one_by_one(plan, tensors)[0])
+    for bucket_bytes in (1 << 30, 3 << 20):
+        plan = list(plan_buckets(metas, bucket_bytes))
+        with _threads(threads):
+            got = [buf for _, buf in pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan)))]
+        want = _pack_one_by_one(plan, tensors)
+        assert len(got) == len(want) == len(plan)
+        for g, w in zip(got, want, strict=True):
+            assert g is not None and torch.equal(g, w)
+
+
+def test_a_stream_that_fails_leaves_no_copy_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the stream fails while the helper thread copies a run into the bucket, pack_stream
+    raises only once that copy is done: a caller that reuses the buffer (a shared-memory slot)
+    finds no write still landing in it. The helper's copy is slowed down to show it."""
+    from weightsync import bucketing
+
+    done: list[str] = []
+    copy = bucketing._copy_run
+
+    def slow(buffer: torch.Tensor, entries: list, tensors: list, *, allow_overflow: bool) -> None:
+        time.sleep(0.3)
+        copy(buffer, entries, tensors, allow_overflow=allow_overflow)
+        done.append(entries[-1].hf_name)
+
+    monkeypatch.setattr(bucketing, "_copy_run", slow)
+    tensors = {f"e{i}": torch.randn(4, 4) for i in range(8)}
+    tensors["late"] = torch.arange(3, dtype=torch.int16)  # after the run, in the same bucket
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20)
+    assert len(plan) == 1 and stream_order(plan)[-1] == "late"
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((n, tensors[n]) for n in stream_order(plan)[:-1])
+        raise RuntimeError("the trainer's gather failed")
+
+    with _threads(2), pytest.raises(RuntimeError, match="gather failed"):
+        list(pack_stream(plan, stream()))
+    assert done == ["e7"]
