@@ -43,6 +43,9 @@ TRANSPORTS = ("shm", "broadcast")
 BUCKET_BYTES = 64 << 20
 TARGET_RATIO = 1.3
 """Issue 33: a push of many small tensors within 1.3x of a dense push of the same bytes."""
+RATIO_SCENARIOS = ("many-small",)
+"""The scenarios TARGET_RATIO is set for; moe-30k's ratio is reported (issue 33 asks for its
+push time against dense, and for TARGET_US per tensor on each side)."""
 TARGET_US = 10.0
 """Issue 33: at most 10 us per tensor on the trainer and on the embedded engine."""
 Progress = Callable[[str], None]
@@ -335,12 +338,14 @@ def format_table(result: PerTensorResult) -> str:
     for c in comparisons(result):
         if c["transport"] in TRANSPORTS:
             ok = c["ratio"] <= TARGET_RATIO
-            verdicts.append(f"  {'met' if ok else 'NOT MET':>7}  {c['scenario']} over {c['transport']}: ratio "
-                            f"{c['ratio']:.2f} (<= {TARGET_RATIO}; {c['us_per_tensor']:.1f} us per extra tensor, "
+            verdict = ("reported" if c["scenario"] not in RATIO_SCENARIOS else "met" if ok else "NOT MET")
+            bound = f"<= {TARGET_RATIO}" if c["scenario"] in RATIO_SCENARIOS else "no ratio set for it"
+            verdicts.append(f"  {verdict:>8}  {c['scenario']} over {c['transport']}: ratio "
+                            f"{c['ratio']:.2f} ({bound}; {c['us_per_tensor']:.1f} us per extra tensor, "
                             "both sides and the wire)")
         else:
             ok = c["us_per_tensor"] <= TARGET_US
-            verdicts.append(f"  {'met' if ok else 'NOT MET':>7}  {c['scenario']}, {c['transport']}: "
+            verdicts.append(f"  {'met' if ok else 'NOT MET':>8}  {c['scenario']}, {c['transport']}: "
                             f"{c['us_per_tensor']:.1f} us per extra tensor (<= {TARGET_US:.0f})")
     lines += ["targets (issue 33; reported, never asserted):", *verdicts]
     lines += [f"error: {e}" for e in result.errors]

@@ -52,4 +52,7 @@ def test_comparisons_scale_dense_to_the_bytes_and_count_the_extra_tensors() -> N
     assert abs(shm["us_per_tensor"] - 0.21 / 3000 * 1e6) < 1e-6  # 3020 tensors, 20 of them dense's share
     assert abs(alone["us_per_tensor"] - 0.03 / 3000 * 1e6) < 1e-6 and alone["manifest_bytes"] == 7
     table = format_table(result)
-    assert "NOT MET  moe-30k over shm: ratio 2.05" in table and "met  moe-30k, trainer only: 10.0 us" in table
+    assert "reported  moe-30k over shm: ratio 2.05 (no ratio set for it;" in table
+    assert "met  moe-30k, trainer only: 10.0 us" in table
+    result.pushes.append(_push("many-small", "shm", 0.41, 2000, 3020))
+    assert "NOT MET  many-small over shm: ratio 2.05 (<= 1.3;" in format_table(result)
