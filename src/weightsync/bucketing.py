@@ -565,16 +565,17 @@ def _on_one_thread(job: Callable[[], None]) -> None:
     a TensorIterator copy per tensor, slower on the same bytes, and two copies at once would
     ask for more threads than there are cores. torch's thread count is per thread under
     OpenMP (each thread's own `omp_set_num_threads`), and this thread's is restored on the
-    way out."""
+    way out. Under no_grad: the helper thread's grad mode is its own."""
     before = torch.get_num_threads()
-    if before == 1:
-        job()
-        return
-    torch.set_num_threads(1)
-    try:
-        job()
-    finally:
-        torch.set_num_threads(before)
+    with torch.no_grad():  # a copy records nothing, whichever thread does it and whatever it is given
+        if before == 1:
+            job()
+            return
+        torch.set_num_threads(1)
+        try:
+            job()
+        finally:
+            torch.set_num_threads(before)
 
 
 _DTYPE = operator.attrgetter("dtype")

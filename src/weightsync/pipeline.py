@@ -131,14 +131,15 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
 
     def produce(put: Callable[[tuple[BucketMeta, torch.Tensor]], None], stop: threading.Event) -> None:
         threads = torch.get_num_threads()
-        if pack_threads is None or pack_threads == threads:
-            pack(put, stop)
-            return
-        torch.set_num_threads(pack_threads)
-        try:
-            pack(put, stop)
-        finally:
-            torch.set_num_threads(threads)
+        with torch.no_grad():  # what is read is only copied: a module source then yields no detached aliases
+            if pack_threads is None or pack_threads == threads:
+                pack(put, stop)
+                return
+            torch.set_num_threads(pack_threads)
+            try:
+                pack(put, stop)
+            finally:
+                torch.set_num_threads(threads)
 
     def pack(put: Callable[[tuple[BucketMeta, torch.Tensor]], None], stop: threading.Event) -> None:
         def alloc(bucket: BucketMeta) -> torch.Tensor | None:
@@ -152,22 +153,26 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
             finally:
                 waited += time.perf_counter() - t0
 
-        tensors = _timed(source.tensors(order), stages, "gather")
+        gather = _Timed(source.tensors(order))
+        tensors: Iterator[tuple[str, Any]] = gather
         if to_engine is not None:
             tensors = ((to_engine[n], t) for n, t in tensors)
         t_prev = time.perf_counter()
-        for bucket, buffer in pack_stream(plan, tensors, alloc=alloc, allow_overflow=allow_overflow):
-            if buffer is None:
-                if not drain:
-                    break
-                continue
-            t_hash = time.perf_counter()
-            bucket = bucket.with_digest(digest(buffer, digest_algorithm))
-            now = time.perf_counter()
-            stages.hash += now - t_hash
-            stages.pack += t_hash - t_prev
-            put((bucket, buffer))
-            t_prev = time.perf_counter()
+        try:
+            for bucket, buffer in pack_stream(plan, tensors, alloc=alloc, allow_overflow=allow_overflow):
+                if buffer is None:
+                    if not drain:
+                        break
+                    continue
+                t_hash = time.perf_counter()
+                bucket = bucket.with_digest(digest(buffer, digest_algorithm))
+                now = time.perf_counter()
+                stages.hash += now - t_hash
+                stages.pack += t_hash - t_prev
+                put((bucket, buffer))
+                t_prev = time.perf_counter()
+        finally:
+            stages.gather += gather.seconds
 
     digests: list[str] = []
     with Handoff(produce, name="weightsync-pack") as packed:
@@ -197,13 +202,22 @@ def threads_beside_engines() -> int:
     return max(1, min(torch.get_num_threads(), cores - 1))
 
 
-def _timed(it: Iterator[T], stages: Stages, field: str) -> Iterator[T]:
-    """Count the time spent inside `next(it)` towards `stages.<field>`."""
-    while True:
-        t0 = time.perf_counter()
+class _Timed(Iterator[T]):
+    """`it`, with the time spent inside its `next` summed in `seconds`."""
+
+    def __init__(self, it: Iterator[T]) -> None:
+        self._next = it.__next__
+        self.seconds = 0.0
+
+    def __iter__(self) -> _Timed[T]:
+        return self
+
+    def __next__(self) -> T:
+        t0 = _clock()
         try:
-            item = next(it)
-        except StopIteration:
-            return
-        setattr(stages, field, getattr(stages, field) + time.perf_counter() - t0)
-        yield item
+            return self._next()
+        finally:
+            self.seconds += _clock() - t0
+
+
+_clock = time.perf_counter

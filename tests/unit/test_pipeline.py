@@ -102,3 +102,46 @@ def test_the_producer_packs_on_its_own_thread_count_and_leaves_the_callers() -> 
     if torch.__config__.parallel_info().find("parallel backend: OpenMP") >= 0:  # counts are per thread
         assert {-t for t in seen if t < 0} == {caller}
     assert torch.get_num_threads() == caller
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_module_packed_with_grad_enabled_gets_no_graph(threads: int) -> None:
+    """The producer packs under no_grad, where a module source yields its parameters
+    themselves (no detached alias per tensor; outside no_grad it still yields detached
+    ones): with the caller's grad enabled and every parameter requiring grad, the buckets
+    are the parameters' bytes, no bucket buffer requires grad, and the parameters stay
+    leaves with no grad, on one torch thread or two (runs on the helper thread)."""
+    from weightsync.modes import make_mode
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(5)), torch.nn.LayerNorm(16))
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.t().contiguous().t()  # one non-contiguous: packed on its own
+    source = make_mode("full").source(model)
+    plan = plan_buckets(source.metas(), 600)
+    slots: list[torch.Tensor] = []
+
+    def slot(index: int, nbytes: int) -> torch.Tensor:
+        slots.append(torch.empty(nbytes, dtype=torch.uint8))
+        return slots[-1]
+
+    got: dict[str, torch.Tensor] = {}
+
+    def deliver(bucket: BucketMeta, buffer: torch.Tensor) -> None:
+        assert not buffer.requires_grad and buffer.grad_fn is None
+        got.update((n, t.clone()) for n, t in unpack(buffer, bucket))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.is_grad_enabled()
+        stream_buckets(source, plan, stream_order(plan), None, slot=slot, deliver=deliver, stages=Stages())
+    finally:
+        torch.set_num_threads(before)
+    want = dict(model.state_dict())
+    assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert all(not s.requires_grad and s.grad_fn is None for s in slots)
+    assert all(p.is_leaf and p.requires_grad and p.grad is None for p in model.parameters())
+    with torch.enable_grad():  # outside a push the source still yields detached aliases
+        assert all(not t.requires_grad for _, t in source.tensors())
+    with torch.no_grad():
+        assert any(isinstance(t, torch.nn.Parameter) for _, t in source.tensors())

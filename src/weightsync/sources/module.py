@@ -132,15 +132,19 @@ class ModuleSource:
         return out
 
     def tensors(self, hf_names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """`WeightSource.tensors`. A weight held whole comes as a detached alias, or, read
+        under `torch.no_grad()` (a push packs there), as the parameter itself: nothing
+        can record a graph on it there, and a detached alias costs a microsecond a tensor."""
         gathered: tuple[str, torch.Tensor] | None = None  # the fused parameter whose experts are being read
-        names, reads = self._names, self._reads
+        names, reads, grad_enabled = self._names, self._reads, torch.is_grad_enabled
         for hf_name in names if hf_names is None else hf_names:
             read = reads.get(hf_name)
             if read is not None:  # a weight held whole, read as `_held` reads it (the common case)
                 whole = read[0].get(read[1])
                 if whole is not None and type(whole) in read[2]:
                     gathered = None
-                    yield hf_name, whole.detach()
+                    # under no_grad (a push's packing) nothing can record a graph on it: no detached alias
+                    yield hf_name, whole.detach() if grad_enabled() else whole
                     continue
             name = names.get(hf_name) or self._name(hf_name)  # (which raises, naming it)
             if name.expert is None:
