@@ -183,7 +183,7 @@ def _pushes(scenario: Scenario, model: Any, engine: Any, transport: str, bucket_
 def trainer_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: int) -> SideFigures:
     """What the trainer does for a push with no engine to wait for: name and read the
     weights, plan the buckets, write the manifest's JSON, pack every bucket into one of
-    two reused buffers and digest it."""
+    two reused buffers and digest it (under no_grad, as a push packs)."""
     import torch
 
     from weightsync.bucketing import pack_stream, plan_buckets, stream_order
@@ -201,6 +201,7 @@ def trainer_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: 
             buffer = slots[bucket.index % 2] = torch.empty(bucket.nbytes, dtype=torch.uint8)
         return buffer
 
+    @torch.no_grad()  # as a push's producer packs (`pipeline.stream_buckets`)
     def one() -> int:
         source = mode.source(model)
         metas = source.metas()
