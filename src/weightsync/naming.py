@@ -285,9 +285,15 @@ class _Walker:
         # get_base_layer() unwraps all of them, so find its trainer path by identity.
         path = next(n for n, m in layer.named_modules() if m is base)
         self.walk(base, hf_prefix, f"{trainer_prefix}{path}.")
-        self.adapter_layers.append(
-            AdapterLayer(hf_prefix=hf_prefix.rstrip("."), trainer_prefix=trainer_prefix.rstrip("."), layer=layer)
-        )
+        # Every tuner layer of the chain down to the base holds adapters of its own (PEFT nests one
+        # ParamWrapper per LoRA'd parameter of a module: target_parameters on gate_up_proj and down_proj).
+        inner, at = layer, trainer_prefix.rstrip(".")
+        assert self.peft is not None
+        while inner is not base:
+            self.adapter_layers.append(AdapterLayer(hf_prefix=hf_prefix.rstrip("."), trainer_prefix=at, layer=inner))
+            inner, at = inner.base_layer, f"{at}.base_layer"  # type: ignore[assignment]
+            if not isinstance(inner, self.peft[2]):
+                break
         base_ids = {id(p) for p in base.parameters()}
         self.adapter_param_ids.update(id(p) for p in layer.parameters() if id(p) not in base_ids)
 

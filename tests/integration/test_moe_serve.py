@@ -11,9 +11,9 @@ refused before any byte moves, naming the tensor, and the engine keeps its versi
 a bfloat16 engine serves `trainer_tensor.to(bfloat16)` bit for bit and scores its own
 tokens as transformers does on those weights (the machine-independent criterion of
 tests/contract/test_sparse.py). mode="lora-merged" with PEFT LoRA on the attention layers
-serves PEFT's `merge_and_unload()` bit for bit and leaves the trainer untouched; LoRA on
-the fused experts themselves (PEFT's `target_parameters`, which PEFT 0.21 trains and
-merges) is refused before any byte moves, naming the module and the parameter.
+serves PEFT's `merge_and_unload()` bit for bit and leaves the trainer untouched, and so
+does LoRA on the fused experts themselves (PEFT's `target_parameters`, one ParamWrapper per
+parameter) over shm.
 """
 
 from __future__ import annotations
@@ -102,13 +102,22 @@ def test_lora_merged_on_attention_serves_the_merged_weights(qwen3_moe: tuple[Pat
     assert changed == {f"model.layers.{i}.self_attn.{m}.weight" for i in (0, 1) for m in attention}
     assert all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters()), "trainer left bit-identical"
     vf.assert_parity(engine, merged)
-    # LoRA on the fused experts (PEFT target_parameters): PEFT trains it, weightsync refuses it by name
+    # LoRA on the fused experts too (PEFT target_parameters): merged as PEFT merges it
     on_experts = get_peft_model(vf.load_trainer(model_dir), LoraConfig(
-        r=4, target_modules=attention, target_parameters=["mlp.experts.gate_up_proj"]))
-    with ws.WeightSync([engine], transport="http", mode="lora-merged") as sync, pytest.raises(
-            ValueError, match=r"model\.layers\.0\.mlp\.experts.*'gate_up_proj' \(PEFT target_parameters"):
-        sync.push(on_experts, version=version + 1)
-    assert engine.weight_version() == str(version) and engine.digests() == served
+        r=4, lora_alpha=8, target_modules=attention,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    vf.set_adapter_weights(on_experts, seed=6)
+    before = {n: p.detach().clone() for n, p in on_experts.named_parameters()}
+    merged = copy.deepcopy(on_experts).merge_and_unload()
+    with ws.WeightSync([engine], transport="shm", mode="lora-merged") as sync:
+        report = sync.push(on_experts, version=(version := next_version(engine)))
+    assert report.verified and report.num_tensors == 25 and engine.weight_version() == str(version)
+    assert engine.digests() == {n: digest(t) for n, t in merged.state_dict().items()}, "PEFT's merge, bit for bit"
+    changed = {n for n, t in merged.state_dict().items() if not torch.equal(t, base[n])}
+    assert changed == {f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+        *(f"self_attn.{a}.weight" for a in attention), "mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
+    assert all(torch.equal(p, before[n]) for n, p in on_experts.named_parameters()), "trainer left bit-identical"
+    vf.assert_parity(engine, merged)
 
 
 def test_router_buffer_travels_and_a_trainer_without_it_is_refused(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ go out as `experts.{e}.gate_proj.weight` / `up_proj` / `down_proj` views, exactl
 served with transformers' exact greedy tokens; a sparse push after a change to two
 experts sends only those experts' tensors (vLLM reloads their whole MoE layer from its
 own copy); a trainer with another expert count, and one missing an expert, are refused
-before any byte moves, naming the tensors, and vLLM keeps serving its last version.
+before any byte moves, naming the tensors, and vLLM keeps serving its last version;
+mode="lora-merged" with LoRA on attention and on the fused experts serves PEFT's merge.
 """
 
 from __future__ import annotations
@@ -63,6 +64,31 @@ def test_sparse_push_after_two_experts_changed_sends_only_them(
     assert report.mode == "sparse" and report.num_tensors == len(changed) == 6
     assert report.acks[0].loaded_names == frozenset(changed)
     vf.assert_parity(module_engine, trainer)
+
+
+def test_lora_merged_on_attention_and_fused_experts_serves_peft_merge(
+        module_engine: VLLMEngine, module_model_dir: Path
+) -> None:
+    """mode="lora-merged" with PEFT LoRA on attention and on the fused experts themselves
+    (`target_parameters`): each expert goes out as a view of its merged fused tensor, and vLLM
+    serves PEFT's `merge_and_unload()` model's tokens; the trainer is left as it was."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(vf.load_trainer(module_model_dir), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    vf.set_adapter_weights(peft_model, seed=7)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    with ws.WeightSync([module_engine], transport="shm", mode="lora-merged") as sync:
+        report = sync.push(peft_model, version=(version := vf.next_version(module_engine)))
+    vf.assert_verified(report, version)
+    assert report.mode == "lora-merged" and report.num_tensors == NUM_CHECKPOINT_TENSORS
+    assert all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters()), "trainer left as it was"
+    vf.assert_parity(module_engine, merged)
 
 
 def test_wrong_expert_count_and_missing_expert_are_refused(module_engine: VLLMEngine, module_model_dir: Path) -> None:

@@ -94,9 +94,11 @@ def test_an_moe_layers_experts_reload_together_in_vllm() -> None:
     assert sorted(map(sorted, groups)) == sorted([sorted(known[:6]), sorted(known[7:])])
 
 
-def test_lora_merged_per_expert_stream_and_lora_on_experts_refused() -> None:
+def test_lora_merged_per_expert_stream_and_lora_on_experts() -> None:
     """lora-merged into a per-expert engine (vLLM): attention LoRA merged, experts as views of the
-    base; LoRA on the fused experts (PEFT target_parameters) is refused by both LoRA modes."""
+    base. LoRA on the fused experts too (PEFT target_parameters: one ParamWrapper per parameter,
+    nested) is merged in either layout, each expert a view of its merged fused tensor, bit for bit
+    PEFT's merge_and_unload(), the trainer left as it was; mode "lora" refuses it by name."""
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -111,7 +113,21 @@ def test_lora_merged_per_expert_stream_and_lora_on_experts_refused() -> None:
     assert list(got) == list(want) and len(got) == 69
     assert all(torch.equal(got[n], want[n]) for n in want)
     on_experts = get_peft_model(build_model(TinyModelConfig(arch="qwen3_moe")), LoraConfig(
-        r=4, target_modules=[], target_parameters=["mlp.experts.down_proj"]))
-    for stream in (LoraSource, MergedLoraSource):
-        with pytest.raises(ValueError, match=r"experts' \(ParamWrapper\): LoRA on the parameter 'down_proj'"):
-            stream(on_experts)
+        r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False))
+    before = {n: p.detach().clone() for n, p in on_experts.named_parameters()}
+    merged = copy.deepcopy(on_experts).merge_and_unload()
+    base = dict(ModuleSource(build_model(TinyModelConfig(arch="qwen3_moe")), expert_layout="fused").tensors())
+    for layout, count in (("per-expert", 69), ("fused", 25)):
+        want = dict(ModuleSource(merged, expert_layout=layout).tensors())
+        got = dict(MergedLoraSource(on_experts, expert_layout=layout).tensors())
+        assert list(got) == list(want) and len(got) == count
+        assert [n for n in want if not torch.equal(got[n], want[n])] == [], layout
+    changed = {n for n, t in dict(ModuleSource(merged, expert_layout="fused").tensors()).items()
+               if not torch.equal(t, base[n])}
+    assert changed == {f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+        "self_attn.q_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
+    assert all(torch.equal(p, before[n]) for n, p in on_experts.named_parameters()), "trainer left as it was"
+    with pytest.raises(ValueError, match=r"experts' \(ParamWrapper\): LoRA on the parameter 'down_proj'.*"
+                                         r"is not sent as an adapter.*mode='lora-merged'"):
+        LoraSource(on_experts)

@@ -14,11 +14,12 @@ Supported: PEFT LoRA (peft_type "LORA") on `nn.Linear` and transformers'
 `Conv1D` (PEFT's `lora.Linear`, `fan_in_fan_out` included), on `nn.Embedding`
 for "lora-merged" only; rslora; any `lora_dropout` (ignored when merging);
 `lora_bias`; `modules_to_save`; `bias="none"` ("lora"; "lora-merged" takes any).
+LoRA on a parameter (PEFT's `target_parameters`, e.g. a Mixture-of-Experts layer's
+fused `experts.gate_up_proj`) is merged by "lora-merged" (PEFT's own delta, added out of
+place; not under FSDP2) and refused by "lora" (engines load adapters on modules).
 Refused with an error naming the module: DoRA and every other LoRA variant,
-other PEFT tuner types, LoRA on conv / attention / raw parameters (PEFT's
-`target_parameters`, e.g. a Mixture-of-Experts layer's fused `experts.gate_up_proj`:
-PEFT 0.21 trains and merges it, weightsync neither merges nor sends it),
-`trainable_token_indices`, and adapters already merged into the weights.
+other PEFT tuner types, LoRA on conv / attention layers, `trainable_token_indices`,
+and adapters already merged into the weights.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch import nn
 from weightsync.lora.merge import merge_bias, merge_embedding, merge_linear
 from weightsync.manifest import TensorMeta
 from weightsync.naming import AdapterLayer, ExpertLayout, ModelNames, map_names
-from weightsync.sources.fsdp import full_tensor, global_shape
+from weightsync.sources.fsdp import full_tensor, global_shape, is_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,14 @@ class _LoraTarget:
         """bias + lora_B.bias * scaling (lora_bias=True)."""
         return merge_bias(bias, full_tensor(self.lora_B_bias.get()), self.layer.scaling[self.adapter])
 
+    def merged_param(self, param: torch.Tensor) -> torch.Tensor:
+        """A LoRA'd parameter (PEFT `target_parameters`, a `ParamWrapper`: a Mixture-of-Experts
+        layer's fused experts) + its delta, computed by PEFT's own `get_delta_weight` (which
+        reads the layer's A and B, unsharded: `_check_layer`), as PEFT's merge adds it
+        (`param.data += delta`), out of place."""
+        assert isinstance(self.layer, LoraParamWrapper)
+        return param + self.layer.get_delta_weight(self.adapter)
+
 
 def _check_config(peft_model: PeftModel, adapter: str, mode: str) -> None:
     config = peft_model.peft_config[adapter]
@@ -251,12 +260,15 @@ def _check_layer(found: AdapterLayer, adapter: str, mode: str) -> list[_LoraTarg
     if adapter not in layer.lora_A and adapter not in layer.lora_embedding_A:
         return []  # another adapter's layer
     if isinstance(layer, LoraParamWrapper):
-        raise ValueError(
-            f"{where}: LoRA on the parameter {layer.parameter_name!r} (PEFT target_parameters; on a "
-            f"Mixture-of-Experts layer, its fused experts) is not supported: mode {mode!r} neither merges nor "
-            "sends it. Put the adapter on attention and dense layers (target_modules), or push mode='full'"
-        )
-    if not isinstance(layer, LoraLinear | LoraEmbedding):
+        what = (f"{where}: LoRA on the parameter {layer.parameter_name!r} (PEFT target_parameters; on a "
+                "Mixture-of-Experts layer, its fused experts)")
+        if mode != "lora-merged":
+            raise ValueError(f"{what} is not sent as an adapter: mode {mode!r} sends adapters on modules, which "
+                             "is what engines load. Push mode='lora-merged', which merges it, or mode='full'")
+        if is_dtensor(layer.lora_A[adapter].weight) or is_dtensor(layer.lora_B[adapter].weight):
+            raise ValueError(f"{what} is sharded (FSDP2): mode 'lora-merged' merges it only unsharded. "
+                             "Push mode='full', or put the adapter on attention and dense layers")
+    if not isinstance(layer, LoraLinear | LoraEmbedding | LoraParamWrapper):
         raise ValueError(f"{where}: LoRA on this layer type is not supported; mode {mode!r} supports {SUPPORTED}")
     if isinstance(layer, LoraEmbedding) and mode == "lora":
         raise ValueError(
@@ -388,10 +400,15 @@ class MergedLoraSource(_PeftStream):
         ]
         # Which weights each layer modifies, found by identity (a tied weight is one
         # Parameter under one hf_name; two layers on it merge in module order, as PEFT does).
-        # (LoRA on a fused expert parameter is a PEFT ParamWrapper, refused by _check_layer.)
+        # LoRA on a parameter (a PEFT ParamWrapper: fused experts) merges into every name of that
+        # parameter: the fused tensor, or each expert's view of the merged fused tensor.
         hf_name_of = {id(p.param): p.hf_name for p in names.params if p.expert is None}
         self._merges: dict[str, list[tuple[_LoraTarget, str]]] = {}
+        on_params: dict[int, list[_LoraTarget]] = {}
         for target in targets:
+            if isinstance(target.layer, LoraParamWrapper):
+                on_params.setdefault(id(target.layer.get_param()), []).append(target)
+                continue
             base = target.layer.get_base_layer()
             parts = ["weight", "bias"] if target.has_lora_bias else ["weight"]
             for part in parts:
@@ -404,6 +421,8 @@ class MergedLoraSource(_PeftStream):
                 hf_name = hf_name_of.get(id(param))
                 assert hf_name is not None, f"base {part} of {target.trainer_prefix!r} was not named"
                 self._merges.setdefault(hf_name, []).append((target, part))
+        self._param_merges = {p.hf_name: on_params[id(p.param)] for p in names.params if id(p.param) in on_params}
+        """hf_name -> the ParamWrapper targets on the (fused) parameter it is, or is a view of."""
         logger.debug(
             "lora-merged source: %d weights, %d under adapter %r",
             len(self._metas), len(self._merges), self.adapter_name,
@@ -426,7 +445,7 @@ class MergedLoraSource(_PeftStream):
                 continue
             if gathered is None or gathered[0] != ref:
                 gathered = None
-                gathered = (ref, full_tensor(ref.get()))
+                gathered = (ref, self._merged_param(hf_name, full_tensor(ref.get())))
             yield hf_name, expert.of(gathered[1])
 
     @torch.no_grad()
@@ -434,4 +453,12 @@ class MergedLoraSource(_PeftStream):
         tensor = full_tensor(self._refs[hf_name][0].get())
         for target, part in self._merges.get(hf_name, ()):
             tensor = target.merged_weight(tensor) if part == "weight" else target.merged_bias(tensor)
+        return self._merged_param(hf_name, tensor)
+
+    @torch.no_grad()
+    def _merged_param(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (the parameter `hf_name` is, or is one expert of) with the LoRA on that
+        parameter merged (PEFT target_parameters); itself when there is none."""
+        for target in self._param_merges.get(hf_name, ()):
+            tensor = target.merged_param(tensor)
         return tensor
