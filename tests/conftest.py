@@ -2,8 +2,9 @@
 
 Helper modules and fixture plugins live in tests/support/ (on sys.path through
 pyproject.toml's `[tool.pytest.ini_options] pythonpath`); the plugins below are the
-fixtures more than one test module uses. No other conftest.py may be added below tests/
-(tests/distributed pickles its spawned ranks' entry point by the module name `conftest`).
+fixtures more than one test module uses. pytest imports every conftest.py under the one
+module name `conftest`, so nothing a spawned process must find by name may live in one
+(tests/distributed's ranks run `dist_util.spawned_rank`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@
 *args)` in `world_size` spawned processes that rendezvous through a
 `file://` store in pytest's tmp_path (no ports, no sleeps) and re-raises the
 first failure with the child's traceback. `fn` must be a module-level function
-(spawned children import it by name) and must call `dist_util.init_gloo` itself.
+(spawned children import it by name) and must call `dist_util.init_gloo` itself. Each
+child runs `dist_util.spawned_rank`, which lives in a module of a unique name: pytest
+imports every conftest.py as a module named "conftest", and whichever was imported last
+holds that name, so a spawned child looked up by "conftest" could find another one's.
 
 A rank ends with `os._exit`, not by running the interpreter's shutdown. Under
 FSDP2 the gloo process group outlives `destroy_process_group()` (FSDP's state
@@ -18,35 +21,16 @@ load, 0 of 40 with `os._exit` (CONTRIBUTING.md, "Distributed tests").
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_util import init_gloo
+from dist_util import init_gloo, spawned_rank
 
 __all__ = ["init_gloo"]  # kept for tests that import it from here; prefer dist_util
-
-
-def _child(rank: int, fn: Callable[..., Any], world_size: int, init_file: str, args: tuple, errors: Any) -> None:
-    status = 0
-    try:
-        fn(rank, world_size, init_file, *args)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        status = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
 
 
 @pytest.fixture
@@ -56,7 +40,7 @@ def run_distributed(tmp_path: Path) -> Callable[..., None]:
         ctx = mp.get_context("spawn")
         errors = ctx.SimpleQueue()
         ctx_procs = mp.start_processes(
-            _child, args=(fn, world_size, init_file, args, errors), nprocs=world_size,
+            spawned_rank, args=(fn, world_size, init_file, args, errors), nprocs=world_size,
             join=False, start_method="spawn",
         )
         try:
