@@ -1,7 +1,8 @@
 """LoRA under FSDP2 on 2 gloo ranks: the merged stream equals a single-process
 `merge_and_unload()` bit for bit, the trainer's shards are untouched, training
-continues with the losses it would have had without the sync, and the adapter
-stream and export gather only adapter tensors.
+continues with the losses it would have had without the sync, the adapter
+stream and export gather only adapter tensors, and LoRA on a sharded parameter
+(PEFT target_parameters) is refused by name.
 
 One spawn runs every step (spawning costs seconds); the ranks save what they
 saw and the assertions run here, against references computed in one process.
@@ -133,6 +134,18 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     train()
     train()
     out["final_synced"], out["final_control"] = _local_shards(synced), _local_shards(control)
+
+    # LoRA on a parameter (PEFT target_parameters), sharded: lora-merged refuses it by name.
+    on_param = get_peft_model(build_model(CFG), LoraConfig(r=4, target_modules=[],
+                                                            target_parameters=["mlp.down_proj.weight"]))
+    for layer in on_param.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(on_param, mesh=mesh)
+    try:
+        MergedLoraSource(on_param)
+        out["on_param_refusal"] = None
+    except ValueError as e:
+        out["on_param_refusal"] = str(e)
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -235,3 +248,12 @@ def test_export_matches_the_single_process_export_and_loads(
     loaded = PeftModel.from_pretrained(build_model(CFG), sharded).eval()
     with torch.no_grad():
         assert torch.equal(loaded(TOKENS).logits, reference(TOKENS).logits)
+
+
+def test_lora_on_a_sharded_parameter_is_refused_by_name(ranks: Ranks) -> None:
+    """PEFT target_parameters (a ParamWrapper) under FSDP2: lora-merged merges such LoRA only
+    unsharded, and says so naming the module, the parameter and what to push instead."""
+    for out in ranks[0]:
+        assert out["on_param_refusal"] is not None
+        assert "model.layers.0.mlp.down_proj' (ParamWrapper): LoRA on the parameter 'weight'" in out["on_param_refusal"]
+        assert "is sharded (FSDP2)" in out["on_param_refusal"] and "mode='full'" in out["on_param_refusal"]
