@@ -389,8 +389,8 @@ end index, the entries' names and shapes."""
 
 def _pack_runs(entries: Sequence[TensorEntry]) -> list[_PackRun]:
     """The runs `_Run.add` makes of `entries` as far as the entries alone tell (dense,
-    non-empty, at least one dimension, back to back, one dtype, at most RUN_MAX_TENSORS
-    tensors and RUN_MAX_BYTES), of two entries or more: made once per bucket layout
+    non-empty, under LARGE_BYTES, at least one dimension, back to back, one dtype, at most
+    RUN_MAX_TENSORS tensors and RUN_MAX_BYTES), of two entries or more: made once per bucket layout
     (`BucketMeta.memo`), so that a push checks each run's tensors together (`_Run.add_all`)."""
     runs: list[_PackRun] = []
     start: int | None = None
