@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from serve_check import checked
+from torch_threads import torch_threads
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.checkpoint import publish, write_bucket, write_manifest
 from weightsync.groups import UpdateGroup, finish_hosting, host_group
@@ -173,10 +174,8 @@ def serve_forkserver(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny models run fastest on one thread, and the server subprocess needs the other core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")

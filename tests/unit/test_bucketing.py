@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 
@@ -11,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torch_threads import torch_threads
 from weightsync.bucketing import pack, pack_stream, plan_buckets, stream_order, unpack
 from weightsync.integrity import byte_view
 from weightsync.manifest import TensorMeta
@@ -354,16 +354,6 @@ def test_parts_inside_a_run_are_read_before_the_next_tensor() -> None:
     assert read == ["e0", "e1", "e2", "e2[0]", "e2[1]", "e3", "e4", "e5"]
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cast", [None, torch.bfloat16])
 def test_runs_shared_with_the_helper_thread_are_pack_ones_bytes(threads: int, cast: torch.dtype | None) -> None:
@@ -381,7 +371,7 @@ def test_runs_shared_with_the_helper_thread_are_pack_ones_bytes(threads: int, ca
     metas = [TensorMeta(hf_name=n, dtype=cast or t.dtype, shape=tuple(t.shape)) for n, t in tensors.items()]
     for bucket_bytes in (1 << 30, 3 << 20):
         plan = list(plan_buckets(metas, bucket_bytes))
-        with _threads(threads):
+        with torch_threads(threads):
             got = [buf for _, buf in pack_stream(plan, ((n, tensors[n]) for n in stream_order(plan)))]
         want = _pack_one_by_one(plan, tensors)
         assert len(got) == len(want) == len(plan)
@@ -413,6 +403,6 @@ def test_a_stream_that_fails_leaves_no_copy_running(monkeypatch: pytest.MonkeyPa
         yield from ((n, tensors[n]) for n in stream_order(plan)[:-1])
         raise RuntimeError("the trainer's gather failed")
 
-    with _threads(2), pytest.raises(RuntimeError, match="gather failed"):
+    with torch_threads(2), pytest.raises(RuntimeError, match="gather failed"):
         list(pack_stream(plan, stream()))
     assert done == ["e7"]

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
+from torch_threads import torch_threads
 from weightsync.bucketing import plan_buckets, stream_order, unpack
 from weightsync.manifest import BucketMeta, TensorMeta
 from weightsync.pipeline import Stages, stream_buckets
@@ -130,13 +131,9 @@ def test_a_module_packed_with_grad_enabled_gets_no_graph(threads: int) -> None:
         assert not buffer.requires_grad and buffer.grad_fn is None
         got.update((n, t.clone()) for n, t in unpack(buffer, bucket))
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         assert torch.is_grad_enabled()
         stream_buckets(source, plan, stream_order(plan), None, slot=slot, deliver=deliver, stages=Stages())
-    finally:
-        torch.set_num_threads(before)
     want = dict(model.state_dict())
     assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
     assert all(not s.requires_grad and s.grad_fn is None for s in slots)
