@@ -65,7 +65,7 @@ def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[A
     with vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")):
         started = time.perf_counter()
         llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION,
-                  weight_transfer_config={"backend": "weightsync"}, gpu_memory_utilization=0.1,
+                  weight_transfer_config={"backend": "weightsync"},
                   enforce_eager=True, seed=0, enable_prefix_caching=True, **vf.ENGINE_ARGS)
         print(f"\nvLLM in-process start (worker extension, weightsync backend): {time.perf_counter() - started:.1f}s")
         try:

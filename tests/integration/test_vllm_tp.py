@@ -53,7 +53,8 @@ def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     with vf.two_ranks_bound(), vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")):
         return LLM(model=str(model_dir), worker_extension_cls=FAULTY_EXTENSION,
-                   weight_transfer_config={"backend": "weightsync"}, gpu_memory_utilization=0.1,
+                   weight_transfer_config={"backend": "weightsync"},
+                   kv_cache_memory_bytes=vllm_support.KV_CACHE_BYTES,
                    enforce_eager=True, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
                    dtype="float32", max_model_len=1024)
 

@@ -18,7 +18,7 @@ def main(model_dir: Path) -> dict[str, object]:
     from vllm import LLM
 
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, gpu_memory_utilization=0.1,
+    llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION,
               enforce_eager=True, seed=0, **vf.ENGINE_ARGS)
     engine = ws.VLLMEngine.from_llm(llm)
     out: dict[str, object] = {"transports": sorted(engine.transports)}

@@ -115,12 +115,21 @@ def assert_verified(report: Any, version: int) -> None:
     assert all(d is not None for a in report.acks for d in a.digests)
 
 
+def two_ranks_binding(cpus: set[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each of two ranks one of `cpus` (the lowest two)."""
+    if len(cpus) < 2:
+        raise ValueError(f"tensor_parallel_size=2 on CPU needs 2 cores to bind; this process may use {sorted(cpus)}")
+    first, second = sorted(cpus)[:2]
+    return f"{first}|{second}"
+
+
 @contextmanager
 def two_ranks_bound() -> Iterator[None]:
     """`VLLM_CPU_OMP_THREADS_BIND` for a tensor_parallel_size=2 engine on this machine (one
-    core per worker, one NUMA node), set while vLLM starts its processes, restored after."""
+    core per worker: the first two this process may run on, whatever their ids), set while
+    vLLM starts its processes, restored after."""
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = two_ranks_binding(os.sched_getaffinity(0))
     try:
         yield
     finally:

@@ -69,23 +69,14 @@ class ModuleVLLM:
     """Writes the checkpoint under the given directory and returns its path."""
     args: tuple[str, ...]
     """`vllm serve` flags (weightsync's worker extension is always on; the KV cache is
-    `KV_FRACTION` of host memory unless they say otherwise)."""
+    `vllm_support.KV_CACHE_BYTES` unless they say otherwise)."""
 
 
-KV_FRACTION = "0.05"
-"""Every `vllm serve` of the session holds a tiny model of at most 1024-token sequences. vLLM on
-CPU takes this fraction of host memory for the worker, its own footprint (about 0.6 GiB)
-included, and the KV cache gets the rest: 5% (1.2 GiB on 24 GiB) leaves it about 0.5 GiB, many
-times what these tests use (2% left it none: vLLM refused to start). vLLM's default here (0.1,
-2.35 GiB each, checked against free memory at start) made the session's seven servers claim the
-whole machine: one failed to start beside another job, and with the servers' 12 GiB resident
-the host evicted the page cache, every process waiting on its code pages."""
-
-
-def with_kv_fraction(args: list[str] | tuple[str, ...]) -> list[str]:
-    """`args` with `--gpu-memory-utilization KV_FRACTION` unless they set it."""
-    given = any(a.startswith("--gpu-memory-utilization") for a in args)
-    return [*args, *(() if given else ("--gpu-memory-utilization", KV_FRACTION))]
+def with_kv_bytes(args: list[str] | tuple[str, ...]) -> list[str]:
+    """`args` with `--kv-cache-memory-bytes vllm_support.KV_CACHE_BYTES` unless they size the KV
+    cache themselves (in bytes: a fraction would be of the NUMA node, see `KV_CACHE_BYTES`)."""
+    given = any(a.startswith("--kv-cache-memory-bytes") for a in args)
+    return [*args, *(() if given else ("--kv-cache-memory-bytes", str(vllm_support.KV_CACHE_BYTES)))]
 
 
 def module_vllm(item: pytest.Item) -> ModuleVLLM | None:
@@ -139,7 +130,7 @@ class SessionVLLM:
 
     def __init__(self, model_dir: Path, pythonpath: str) -> None:
         self.model_dir = model_dir
-        args = with_kv_fraction([*vllm_support.server_args(), "--enable-prefix-caching",
+        args = with_kv_bytes([*vllm_support.server_args(), "--enable-prefix-caching",
                                  "--scheduler-cls", "vllm_freezing_scheduler.FreezingScheduler",
                                  "--weight-transfer-config", json.dumps({"backend": "weightsync"})])
         env = {"PYTHONPATH": pythonpath}
@@ -217,14 +208,14 @@ class SessionEngines:
         `tiny_model_dir`) served in bfloat16, for the contract's vLLM cases."""
         if self.bfloat16 is None:
             model_dir = make_tiny_model(self.root / "tiny-qwen2", TinyModelConfig())
-            args = with_kv_fraction(["--dtype", "bfloat16", "--max-model-len", "1024"])
+            args = with_kv_bytes(["--dtype", "bfloat16", "--max-model-len", "1024"])
             self.bfloat16 = self._last = Launch(lambda: launch_vllm_server(model_dir, args=args), after=self._last)
         return self.bfloat16
 
     def start_module(self, spec: ModuleVLLM) -> tuple[Path, Launch]:
         if spec.name not in self.modules:
             model_dir = spec.make_model(self.root / spec.name)
-            args = with_kv_fraction(spec.args)
+            args = with_kv_bytes(spec.args)
             launch = Launch(lambda: launch_vllm_server(model_dir, args=args), after=self._last)
             self.modules[spec.name] = (model_dir, launch)
             self._last = launch

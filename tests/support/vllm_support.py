@@ -18,15 +18,20 @@ import pytest
 
 LOGPROB_TOLERANCE = 1e-3
 """Largest |vLLM - transformers| logprob gap accepted for float32 weights (measured: ~2e-5)."""
+KV_CACHE_BYTES = 256 << 20
+"""The KV cache of every vLLM the suite starts (in process or `vllm serve`), in bytes: 256 MiB holds
+256 sequences of 1024 tokens of the tiny Qwen2 (1 KiB a token in float32), far more than any test
+keeps. Never a fraction of the machine: vLLM on CPU takes that of the NUMA node's memory, which on a
+VM can be a third of /proc/meminfo's, and dies at start when a worker's RSS exceeds it."""
 ENGINE_ARGS: dict[str, Any] = dict(dtype="float32", max_model_len=1024, enable_lora=True,
-                                   max_lora_rank=16, max_loras=2)
+                                   max_lora_rank=16, max_loras=2, kv_cache_memory_bytes=KV_CACHE_BYTES)
 """vLLM settings the in-process and the server form of the tests share (the server form as flags)."""
 
 
 def server_args() -> list[str]:
     """`ENGINE_ARGS` as `vllm serve` flags."""
     return ["--dtype", "float32", "--max-model-len", "1024", "--enable-lora", "--max-lora-rank", "16",
-            "--max-loras", "2"]
+            "--max-loras", "2", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
 
 
 def require_vllm() -> None:

@@ -26,9 +26,16 @@ from weightsync.errors import EngineError
 
 log = logging.getLogger(__name__)
 
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+"""The KV cache a launched server gets unless the caller sizes it: 1 GiB, about 87k tokens of
+a 0.5B Qwen2.5 in bfloat16. Always bytes: vLLM on CPU otherwise takes `--gpu-memory-utilization`
+of the NUMA node's memory, which on a VM can be a fraction of what the machine has."""
+
+KV_SIZING_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+"""Flags by which a caller sizes the KV cache itself (a fraction only if the caller passes one)."""
+
 DEFAULT_ARGS: tuple[tuple[str, str | None], ...] = (
     ("--enforce-eager", None),  # torch.compile doubles the start time and buys nothing for tiny models
-    ("--gpu-memory-utilization", "0.1"),  # on CPU: the fraction of host memory for the KV cache
     ("--enable-scale-out", None),  # /inference/v1/generate: token ids, logprobs, weight versions
 )
 
@@ -63,14 +70,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(model_dir: str | os.PathLike[str], *, port: int, host: str = "127.0.0.1",
-                   args: Sequence[str] = ()) -> list[str]:
-    """The server's command line, with weightsync's extension and `DEFAULT_ARGS`."""
+                   args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> list[str]:
+    """The server's command line, with weightsync's extension and `DEFAULT_ARGS`, and
+    `--kv-cache-memory-bytes DEFAULT_KV_CACHE_BYTES` unless `args` size the KV cache
+    (`KV_SIZING_FLAGS`) or `env` (default: this process's) sets `VLLM_CPU_KVCACHE_SPACE`."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", host, "--port", str(port), "--worker-extension-cls", EXTENSION]
-    for flag, value in DEFAULT_ARGS:
-        if not any(a == flag or a.startswith(flag + "=") for a in args):
+    defaults = list(DEFAULT_ARGS)
+    if not _kv_sized(args, os.environ if env is None else env):
+        defaults.append(("--kv-cache-memory-bytes", str(DEFAULT_KV_CACHE_BYTES)))
+    for flag, value in defaults:
+        if not _has_flag(args, flag):
             command += [flag] if value is None else [flag, value]
     return command + list(args)
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _kv_sized(args: Sequence[str], env: Mapping[str, str]) -> bool:
+    return any(_has_flag(args, flag) for flag in KV_SIZING_FLAGS) or bool(env.get("VLLM_CPU_KVCACHE_SPACE"))
 
 
 @contextlib.contextmanager
@@ -86,13 +106,18 @@ def launch_vllm_server(
 
     `args` go to `vllm serve` after the defaults (e.g. `["--dtype", "float32",
     "--enable-lora", "--max-lora-rank", "16"]`); `env` is added to this
-    process's environment. Raises EngineError with the server's last log lines
-    if it exits or is not ready within `timeout_s`. The log file is deleted
-    when the block ends normally and kept (its path logged) after an error.
+    process's environment. The KV cache is `DEFAULT_KV_CACHE_BYTES` (1 GiB) unless
+    you size it: `args=["--kv-cache-memory-bytes", str(8 << 30)]` (bytes; vLLM also
+    takes "8G"), or `VLLM_CPU_KVCACHE_SPACE=8` (GiB) in `env`. A
+    `--gpu-memory-utilization` you pass is passed through, but on CPU it is a fraction
+    of the NUMA node's memory, which on a VM can be far less than the machine's.
+    Raises EngineError with the server's last log lines if it exits or is not
+    ready within `timeout_s`. The log file is deleted when the block ends
+    normally and kept (its path logged) after an error.
     """
     port = free_port(host)
-    command = server_command(model_dir, port=port, host=host, args=args)
     full_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", **(env or {})}
+    command = server_command(model_dir, port=port, host=host, args=args, env=full_env)
     log_file = tempfile.NamedTemporaryFile(prefix="weightsync-vllm-", suffix=".log", delete=False)  # noqa: SIM115
     log_path = Path(log_file.name)
     log.info("starting vLLM: %s (log: %s)", " ".join(command), log_path)
