@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import pytest
 
+import sglang_wheel
 from fault_helpers import READ_ONLY, app_routes
 from weightsync.checkpoint import MAX_MANIFEST_BYTES, bucket_file_name
 from weightsync.server.http import HTTPError, require_admin
@@ -86,6 +87,29 @@ def test_every_route_but_the_read_only_ones_needs_the_admin_key(keyed_server: Se
                                           params={"api_key": ADMIN_KEY})
                 assert response.status_code == 401, f"{route} with {what} key: {response.status_code}"
                 assert response.json()["success"] is False
+
+
+def test_every_route_sglang_also_has_takes_the_key_as_sglang_does(keyed_server: ServerProcess) -> None:
+    """With an admin key set, a route SGLang declares `ADMIN_OPTIONAL` or `ADMIN_FORCE` answers
+    401 without the key, and one it declares `NORMAL` (or a health route) answers without it,
+    the levels read from SGLang 0.5.23's own `http_server.py` (`/flush_cache` was open here)."""
+    sglang_levels = sglang_wheel.route_auth_levels()
+    shared = sorted((path, method) for path, methods in app_routes().items() for method in methods
+                    if (path, method) in sglang_levels)
+    assert len(shared) >= 30, shared  # every SGLang route this server has (32 of them), by path and method
+    assert sglang_levels[("/flush_cache", "POST")] == "admin_optional"
+    wrong = []
+    with httpx.Client(base_url=keyed_server.url, timeout=60) as anonymous:
+        for path, method in shared:
+            level = sglang_levels[(path, method)]
+            if path in {"/generate", "/health_generate"}:
+                status = anonymous.request(method, path, json={"input_ids": "not a list"}).status_code
+            else:
+                status = anonymous.request(method, path, json={}).status_code
+            needs_key = level in {"admin_optional", "admin_force"}
+            if (status == 401) != needs_key:
+                wrong.append(f"{method} {path}: SGLang {level}, here {status} without the key")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:

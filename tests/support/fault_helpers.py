@@ -9,9 +9,9 @@ from types import SimpleNamespace
 from weightsync_tools.faults import MARGIN_S, FaultOutcome
 
 READ_ONLY = {"/health", "/health_generate", "/model_info", "/get_model_info", "/get_weight_version", "/generate",
-             "/flush_cache", "/get_weights_by_name", "/weightsync/info", "/weightsync/digests", "/server_info",
-             "/get_server_info"}
-"""Routes that change nothing (/flush_cache: there is no prefix cache to flush)."""
+             "/weightsync/info", "/weightsync/digests", "/server_info", "/get_server_info"}
+"""Routes anyone may call when an admin key is set (SGLang's `AuthLevel.NORMAL` and health routes,
+and weightsync's own read-only ones); every other route needs the key."""
 
 def app_routes() -> dict[str, set[str]]:
     """path -> methods of every route of `weightsync serve` (from its own route table)."""

@@ -1,4 +1,4 @@
-"""SGLang's own payload classes, loaded from the sglang wheel's files (no sglang install).
+"""SGLang's own payload classes and route auth levels, read from the sglang wheel's files (no sglang install).
 
 scripts/test.sh installs the wheel with `pip install --no-deps --target .peer/sglang`.
 `import sglang` would run the package's `__init__`, which pulls CUDA-only and other heavy
@@ -69,12 +69,7 @@ def _from_source(module_name: str, name: str, namespace: dict[str, Any]) -> Any:
 def loaded() -> Iterator[types.SimpleNamespace]:
     """SGLang's FlattenedTensorBucket, LocalSerializedTensor, MultiprocessingSerializer and
     weight-checker checksums (skips the test when the wheel is not installed)."""
-    if not (WHEEL_DIR / f"sglang-{SGLANG_VERSION}.dist-info").is_dir():
-        message = (f"sglang {SGLANG_VERSION} wheel files not at {WHEEL_DIR}: run scripts/test.sh, which installs "
-                   f"them (pip install --no-deps --target .peer/sglang sglang=={SGLANG_VERSION})")
-        if os.environ.get("WEIGHTSYNC_REQUIRE_PEERS") == "1":  # set by scripts/test.sh: CI never skips these
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+    require_wheel()
     before = {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")}
     assert not before, f"a real sglang is imported ({sorted(before)[:3]}); this loader would shadow it"
     for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", "sglang.srt.model_executor",
@@ -97,6 +92,55 @@ def loaded() -> Iterator[types.SimpleNamespace]:
     finally:
         for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
             del sys.modules[name]
+
+
+def require_wheel() -> None:
+    """Skip the test when the wheel's files are missing (fail where CI requires them)."""
+    if not (WHEEL_DIR / f"sglang-{SGLANG_VERSION}.dist-info").is_dir():
+        message = (f"sglang {SGLANG_VERSION} wheel files not at {WHEEL_DIR}: run scripts/test.sh, which installs "
+                   f"them (pip install --no-deps --target .peer/sglang sglang=={SGLANG_VERSION})")
+        if os.environ.get("WEIGHTSYNC_REQUIRE_PEERS") == "1":  # set by scripts/test.sh: CI never skips these
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+
+
+HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+_ROUTE_DECORATORS = {"get": ["GET"], "post": ["POST"], "put": ["PUT"], "delete": ["DELETE"]}
+
+
+def route_auth_levels() -> dict[tuple[str, str], str]:
+    """(path, method) -> the auth level SGLang's HTTP server declares for it: "normal",
+    "admin_optional" or "admin_force" (`@auth_level(AuthLevel.X)` on the endpoint, read from
+    the wheel's `http_server.py`; none means "normal", as `sglang.srt.utils.auth` resolves it),
+    or "health" for the paths `decide_request_auth` always lets through. Routes whose path
+    is not a literal (set from the environment) are left out."""
+    require_wheel()
+    tree = ast.parse((WHEEL_DIR / HTTP_SERVER).read_text())
+    levels: dict[tuple[str, str], str] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        level = "normal"
+        routes: list[tuple[str, list[str]]] = []
+        for decorator in node.decorator_list:
+            if not isinstance(decorator, ast.Call):
+                continue
+            func = ast.unparse(decorator.func)
+            if func == "auth_level":
+                level = ast.unparse(decorator.args[0]).removeprefix("AuthLevel.").lower()
+            elif func.startswith("app.") and decorator.args and isinstance(decorator.args[0], ast.Constant):
+                verb = func.removeprefix("app.")
+                methods = _ROUTE_DECORATORS.get(verb)
+                for keyword in decorator.keywords:
+                    if verb == "api_route" and keyword.arg == "methods":
+                        methods = ast.literal_eval(keyword.value)
+                if methods is not None:
+                    routes.append((decorator.args[0].value, methods))
+        for path, methods in routes:
+            always = path.startswith(("/health", "/ready", "/metrics"))  # decide_request_auth's exemption
+            for method in methods:
+                levels[(path, method)] = "health" if always else level
+    return levels
 
 
 def b64(data: bytes) -> str:

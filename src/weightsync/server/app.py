@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from weightsync.errors import WeightSyncError
-from weightsync.server.http import HTTPError, answer, error_response, read_json
+from weightsync.server.http import HTTPError, answer, error_response, read_json, require_admin
 from weightsync.server.requests import GenerateItem, GenRequest, parse_generate, to_response
 from weightsync.server.sampling import SamplingParams, make_generator
 from weightsync.server.state import ServerState
@@ -149,7 +149,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return results if is_batch else results[0]
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> JSONResponse:
+    async def flush_cache(request: Request) -> JSONResponse:
+        require_admin(request, state.config.admin_api_key)  # SGLang: AuthLevel.ADMIN_OPTIONAL
         if not state.scheduler.is_idle():
             return answer(
                 f"cannot flush the cache: {state.scheduler.num_running} running and "

@@ -203,7 +203,7 @@ def _add_sglang_updates(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:
-        body = await read_json(request, state.config.max_json_bytes)
+        body = await admin_json(request, state.config)  # SGLang: AuthLevel.ADMIN_OPTIONAL
         name = field_str(body, "name", required=True)
         assert name is not None
         truncate = field_int(body, "truncate_size", default=100)
