@@ -14,6 +14,7 @@ if [ ! -f ".peer/sglang/sglang-${sglang_version}.dist-info/RECORD" ]; then
   .venv/bin/python -m pip --disable-pip-version-check install -q --no-deps --target .peer/sglang \
     "sglang==${sglang_version}" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 fi
+.venv/bin/python scripts/machine.py .venv   # what ran the suite: CPU flags, NUMA memory, /dev/shm, versions
 export WEIGHTSYNC_REQUIRE_VLLM=1   # vLLM tests fail, never skip, when vllm is missing
 export WEIGHTSYNC_REQUIRE_PEERS=1  # so do the peer-client tests when the sglang wheel files are missing
 .venv/bin/ruff check src tests
