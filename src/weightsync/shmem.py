@@ -13,9 +13,11 @@ this host was killed before it could remove them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
+import shutil
 import weakref
 from pathlib import Path
 
@@ -62,9 +64,21 @@ class SharedSlots:
     def create(cls, *, slot_bytes: int, num_slots: int = 2) -> SharedSlots:
         remove_orphans()
         name = f"{NAME_PREFIX}{owner_tag()}-{secrets.token_hex(8)}"
+        size = max(1, slot_bytes * num_slots)
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, max(1, slot_bytes * num_slots))
+            # Allocated now, not on first write: a sparse segment larger than what the tmpfs
+            # has left kills the writer with SIGBUS mid-bucket; this fails here, by name.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            _unlink(SHM_DIR / name)
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            free = shutil.disk_usage(SHM_DIR).free
+            raise OSError(e.errno, f"{SHM_DIR} has {free} bytes free; the shm transport's segment needs {size} "
+                          f"({num_slots} slots of {slot_bytes} bytes, the largest bucket): lower bucket_bytes, "
+                          f"give {SHM_DIR} more room (e.g. `docker run --shm-size`), or use another transport "
+                          f"(\"broadcast\", \"http\")") from None
         finally:
             os.close(fd)
         return cls(name, slot_bytes=slot_bytes, num_slots=num_slots, owner=True)

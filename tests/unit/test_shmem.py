@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +42,32 @@ def test_names_outside_the_namespace_are_refused(name: str) -> None:
 def test_opening_a_missing_segment_says_so() -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         SharedSlots.open("weightsync-nosuchsegment", slot_bytes=8, num_slots=2)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (as a container's default /dev/shm is 64 MiB), mounted for this test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI and the dev machines run as root)")
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_segment_larger_than_dev_shm_is_refused_by_name(small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Allocated at creation: a sparse segment past the tmpfs's room would SIGBUS the trainer mid-bucket."""
+    monkeypatch.setattr("weightsync.shmem.SHM_DIR", small_tmpfs)
+    with pytest.raises(OSError, match=r"needs 4194304 \(2 slots of 2097152 bytes.*lower bucket_bytes") as info:
+        SharedSlots.create(slot_bytes=2 << 20, num_slots=2)
+    assert info.value.errno == errno.ENOSPC
+    assert list(small_tmpfs.iterdir()) == [], "the refused segment is removed"
+    fits = SharedSlots.create(slot_bytes=256 << 10, num_slots=2)  # 512 KiB: fits, and every byte is writable
+    try:
+        fits.slot(1).fill_(7)
+        assert int(fits.slot(1).sum()) == 7 * (256 << 10)
+    finally:
+        fits.close()

@@ -28,7 +28,8 @@ def kv_flags(command: list[str]) -> dict[str, str]:
 
 
 def test_the_launcher_sizes_the_kv_cache_in_bytes_by_default() -> None:
-    assert kv_flags(server_command("/model", port=1, env={})) == {"--kv-cache-memory-bytes": str(DEFAULT_KV_CACHE_BYTES)}
+    command = server_command("/model", port=1, env={})
+    assert kv_flags(command) == {"--kv-cache-memory-bytes": str(DEFAULT_KV_CACHE_BYTES)}
     assert DEFAULT_KV_CACHE_BYTES == 1 << 30
 
 
