@@ -28,9 +28,9 @@ from weightsync.lora.export import export_lora_adapter
 from weightsync.manifest import BucketMeta, Manifest, TensorEntry, TensorMeta
 from weightsync.modes import named_weights
 from weightsync.probe import ProbeResult, probe_logprobs
+from weightsync.push.sync import SyncConfig, WeightSync
 from weightsync.reports import Ack, StageSeconds, SyncReport
 from weightsync.sources import WeightSource
-from weightsync.sync import SyncConfig, WeightSync
 
 __all__ = [
     "Ack",

@@ -69,7 +69,7 @@ def _push(urls: list[str], model: torch.nn.Module, version: int, fan_out: str) -
 def _rank(rank: int, world_size: int, init_file: str, urls: list[str], out_dir: str) -> None:
     """v1 direct, v2 relayed; v3 with rank 1's shares flipped in one byte after their digest
     was taken (in transit), which must fail; v4."""
-    from weightsync.shares import Share
+    from weightsync.formats.shares import Share
 
     init_gloo(rank, world_size, init_file)
     out: dict[str, Any] = {"reports": {}}

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from fault_helpers import READ_ONLY, app_routes
 from serve_check import wait_until
-from weightsync.wire import MAGIC
+from weightsync.formats.wire import MAGIC
 
 # fixtures admin, keyed_server, keyed_root, fault_model: tests/support/fault_fixtures.py
 pytestmark = pytest.mark.faults

@@ -1,4 +1,4 @@
-"""A real `weightsync serve` remembers the layouts it began (`weightsync.layouts`): a trainer's
+"""A real `weightsync serve` remembers the layouts it began (`weightsync.server.layouts`): a trainer's
 next push of the same plan names its layout instead of sending the manifest, and every push
 is verified as before; after a restart, or a change of layout, the manifest goes whole; a
 refused manifest's layout is never remembered."""

@@ -17,7 +17,7 @@ import torch
 
 from server_fixtures import PROMPT, halves
 from weightsync.dtypes import dtype_name
-from weightsync.groups import UpdateGroup
+from weightsync.formats.groups import UpdateGroup
 from weightsync.integrity import digest
 
 # fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py

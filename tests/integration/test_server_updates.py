@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from weightsync.dtypes import dtype_name
-from weightsync.groups import UpdateGroup, finish_hosting, host_group
+from weightsync.formats.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.integrity import digest, names_digest
-from weightsync.shmem import SharedSlots
+from weightsync.transports.shmem import SharedSlots
 
 # fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 

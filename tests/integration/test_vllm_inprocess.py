@@ -291,7 +291,7 @@ def test_vllm_trainer_api_pushes_through_the_backend(llm: Any, model_dir: Path) 
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.engines.vllm.transfer_trainer import WeightSyncTrainerInitInfo
+    from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
 
     trainer_model = vf.load_trainer(model_dir)
     trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),

@@ -165,7 +165,7 @@ def _send_through_vllms_client(server: VLLMServer, model: torch.nn.Module, sourc
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.engines.vllm.transfer_trainer import WeightSyncTrainerInitInfo
+    from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
 
     trainer = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, transport="shm"),
                                                         client=HTTPVLLMWeightSyncClient(server.url), source=source)

@@ -1,7 +1,7 @@
 """`MemoryEngine`: an engine whose weights are a dict, for the coordinator's unit tests
 (tests/unit/test_sync.py and the tests of what drives a `WeightSync`).
 
-It receives through the real `weightsync.receiving.UpdateSession` (so those tests run
+It receives through the real `weightsync.receive.receiving.UpdateSession` (so those tests run
 the engines' receiving code too) and only adds failure injection and call counting.
 """
 
@@ -16,14 +16,14 @@ from typing import ClassVar
 
 import torch
 
-from weightsync.checkpoint import read_version
 from weightsync.engines.base import EngineCapabilities, PausePolicy
 from weightsync.errors import ConflictError, EngineError, SyncTimeoutError
+from weightsync.formats.checkpoint import read_version
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
-from weightsync.receiving import OpenUpdate, UpdateSession
+from weightsync.receive.receiving import OpenUpdate, UpdateSession
 from weightsync.reports import Ack
-from weightsync.shmem import SharedSlots
+from weightsync.transports.shmem import SharedSlots
 
 
 class MemoryEngine:

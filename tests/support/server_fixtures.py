@@ -33,14 +33,14 @@ import torch
 from serve_check import checked
 from torch_threads import torch_threads
 from weightsync.bucketing import pack, plan_buckets
-from weightsync.checkpoint import publish, write_bucket, write_manifest
-from weightsync.groups import UpdateGroup, finish_hosting, host_group
+from weightsync.formats.checkpoint import publish, write_bucket, write_manifest
+from weightsync.formats.groups import UpdateGroup, finish_hosting, host_group
+from weightsync.formats.wire import FrameHeader, encode_prefix
 from weightsync.integrity import digest
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.server import ServerProcess, launch_server
 from weightsync.server.forkserver import ForkServer
 from weightsync.server.launch import use_forkserver
-from weightsync.wire import FrameHeader, encode_prefix
 from widened_model import make_widened_tiny_model as make_widened_tiny_model
 from widened_model import widen_weights as widen_weights
 

@@ -21,7 +21,7 @@ from vllm_support import require_vllm as require_vllm
 from vllm_support import server_args as server_args
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta
-from weightsync.shmem import SharedSlots
+from weightsync.transports.shmem import SharedSlots
 from widened_model import make_widened_tiny_model
 
 PROMPTS: tuple[tuple[int, ...], ...] = ((5, 6, 7, 8), (100, 200, 300), (42, 42, 42, 42, 42, 42), (17,))

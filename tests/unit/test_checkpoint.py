@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from weightsync.bucketing import pack, plan_buckets
-from weightsync.checkpoint import (
+from weightsync.errors import IntegrityError
+from weightsync.formats.checkpoint import (
     bucket_file_header,
     confine,
     publish,
@@ -21,7 +22,6 @@ from weightsync.checkpoint import (
     write_bucket,
     write_manifest,
 )
-from weightsync.errors import IntegrityError
 from weightsync.integrity import digest
 from weightsync.manifest import Manifest, TensorMeta
 

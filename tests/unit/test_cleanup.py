@@ -1,4 +1,4 @@
-"""The background cleanup of engines that timed out in a push (`weightsync.cleanup.Backlog`)."""
+"""The background cleanup of engines that timed out in a push (`weightsync.push.cleanup.Backlog`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from weightsync.cleanup import Backlog
 from weightsync.errors import EngineError, SyncTimeoutError
+from weightsync.push.cleanup import Backlog
 
 
 def test_owed_calls_go_out_in_order_after_the_call_in_flight_answered() -> None:

@@ -36,7 +36,7 @@ def test_broadcast_hosted_on_loopback_for_an_engine_elsewhere_is_refused_when_bu
 
 
 def test_a_mesh_that_did_not_form_says_what_to_set() -> None:
-    from weightsync.groups import _mesh_hint
+    from weightsync.formats.groups import _mesh_hint
 
     refused = ("Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
                "remote=[127.0.0.1]:16770")

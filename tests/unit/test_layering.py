@@ -119,9 +119,10 @@ dtype names, the encodings of a tensor's bytes in its bucket) and the error type
 def test_the_records_import_only_each_other() -> None:
     """Every layer imports the records, so they import no weightsync module but each other,
     not even inside a function (nor the package root, whose `__init__` imports everything)."""
+    paths = [SRC.joinpath(*record.split(".")).with_suffix(".py") for record in RECORD_MODULES]
+    assert all(path.is_file() for path in paths), [str(p) for p in paths if not p.is_file()]
     found = [f"{path.relative_to(SRC)}: {module}"
-             for record in RECORD_MODULES
-             for path in [SRC.joinpath(*record.split(".")).with_suffix(".py")]
+             for path in paths
              for module, _ in _imports(path)
              if _is_under(module, ("weightsync",)) and not _is_under(module, RECORD_MODULES)]
     assert not found, found
@@ -130,21 +131,25 @@ def test_the_records_import_only_each_other() -> None:
 def test_transports_import_neither_engines_nor_server() -> None:
     """Each transport module holds both its ends (trainer and engine side): engines and
     the server import transports, never the other way round, not even inside a function."""
+    paths = sorted((PACKAGE / "transports").rglob("*.py"))
+    assert paths
     found = [f"{path.relative_to(SRC)}: {module}"
-             for path in sorted((PACKAGE / "transports").rglob("*.py"))
+             for path in paths
              for module, _ in _imports(path)
-             if _is_under(module, ("weightsync.engines", "weightsync.server", "weightsync.sync"))]
+             if _is_under(module, ("weightsync.engines", "weightsync.server", "weightsync.push.sync"))]
     assert not found, found
 
 
 def test_the_receiving_side_imports_no_engine_and_no_server() -> None:
-    """The update session (`receiving.py`) and the receive path (`receive_path.py`: fetch by
-    link, stage, ack) are written once for every engine: the vLLM worker extension and the
-    embedded server import them, never the other way round, not even inside a function."""
+    """The update session (`receive/receiving.py`) and the receive path (`receive/receive_path.py`:
+    fetch by link, stage, ack) are written once for every engine: the vLLM worker extension and
+    the embedded server import them, never the other way round, not even inside a function."""
+    paths = (PACKAGE / "receive" / "receiving.py", PACKAGE / "receive" / "receive_path.py")
+    assert all(path.is_file() for path in paths), paths
     found = [f"{path.relative_to(SRC)}: {module}"
-             for path in (PACKAGE / "receiving.py", PACKAGE / "receive_path.py")
+             for path in paths
              for module, _ in _imports(path)
-             if _is_under(module, ("weightsync.engines", "weightsync.server", "weightsync.sync",
+             if _is_under(module, ("weightsync.engines", "weightsync.server", "weightsync.push.sync",
                                    "weightsync.modes", "weightsync.cli"))]
     assert not found, found
 
@@ -223,7 +228,7 @@ def test_no_import_cycle_not_even_a_lazy_one() -> None:
     assert not cycles, cycles
 
 
-COORDINATOR = ("sync.py", "replicas.py", "planning.py", "followers.py")
+COORDINATOR = ("push/sync.py", "push/replicas.py", "push/planning.py", "push/followers.py")
 
 
 def test_the_coordinator_reads_declared_capabilities_only() -> None:
@@ -235,6 +240,7 @@ def test_the_coordinator_reads_declared_capabilities_only() -> None:
     from weightsync.transports import TRANSPORTS
 
     names = {*TRANSPORTS, *MODES}
+    assert all((PACKAGE / filename).is_file() for filename in COORDINATOR), COORDINATOR
     found = []
     for filename in COORDINATOR:
         path = PACKAGE / filename
@@ -251,15 +257,17 @@ def test_the_coordinator_reads_declared_capabilities_only() -> None:
 
 def test_vllm_plugin_and_package_import_no_engine_code() -> None:
     """vLLM runs the plugin (`engines.vllm.plugin:register`) in every one of its processes, so
-    `engines/vllm/__init__.py` and `plugin.py` import nothing at module level; and only the two
-    modules vLLM's weight-transfer factories load (`transfer_engine`, `transfer_trainer`) import
-    vLLM at module level (the others import it inside the functions that need it)."""
+    `engines/vllm/__init__.py` and `plugin.py` import nothing at module level; and of the package
+    only the module vLLM's worker factory loads (`transfer_engine`; the trainer factory's,
+    `integrations/vllm_trainer.py`, is outside it) imports vLLM at module level (the others
+    import it inside the functions that need it)."""
     package = PACKAGE / "engines" / "vllm"
+    assert all((package / name).is_file() for name in ("__init__.py", "plugin.py", "transfer_engine.py"))
     found = [f"{path.relative_to(SRC)}: {module}"
              for path in (package / "__init__.py", package / "plugin.py")
              for module, top_level in _imports(path) if top_level and module != "__future__"
              and not module.startswith("__future__.")]
     found += [f"{path.relative_to(SRC)}: {module} (import vLLM inside the function)"
-              for path in sorted(package.glob("*.py")) if path.stem not in ("transfer_engine", "transfer_trainer")
+              for path in sorted(package.glob("*.py")) if path.stem != "transfer_engine"
               for module, top_level in _imports(path) if top_level and _is_under(module, ("vllm",))]
     assert not found, "\n".join(found)

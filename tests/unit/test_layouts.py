@@ -1,4 +1,4 @@
-"""Layouts an engine remembers (`weightsync.layouts`) and the begin that names one instead of
+"""Layouts an engine remembers (`weightsync.server.layouts`) and the begin that names one instead of
 sending its buckets (`protocol.BeginRequest.by_layout`): the layout digest, the request's JSON,
 what a begin by layout parses to, and that it is checked as a whole begin is."""
 
@@ -12,10 +12,10 @@ import torch
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.digests import digest
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, ManifestMismatchError, UnknownLayoutError
-from weightsync.layouts import Layouts
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.protocol import BeginRequest
-from weightsync.receiving import OpenUpdate, UpdateSession
+from weightsync.receive.receiving import OpenUpdate, UpdateSession
+from weightsync.server.layouts import Layouts
 
 SHAPES = {"a.weight": ((3, 4), torch.float32), "a.bias": ((3,), torch.float32),
           "b.weight": ((2, 2), torch.bfloat16), "scale": ((), torch.float32)}

@@ -107,7 +107,7 @@ def test_a_per_expert_mixtral_stacks_into_its_fused_tensors_and_names_its_checkp
 
 
 def test_replicas_of_both_layouts_refuse_a_model_whose_experts_the_layout_names() -> None:
-    from weightsync.planning import expert_layout
+    from weightsync.push.planning import expert_layout
 
     fused = build_model(TinyModelConfig(arch="qwen3_moe"))
     both = {"vllm": "per-expert", "serve": "fused"}

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from weightsync.owners import owner_gone, owner_tag
-from weightsync.shmem import SHM_DIR, SharedSlots
 from weightsync.transports.disk import DiskTransport
+from weightsync.transports.shmem import SHM_DIR, SharedSlots
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The streaming pipeline of a push (`weightsync.pipeline.stream_buckets`): the producer
+"""The streaming pipeline of a push (`weightsync.push.pipeline.stream_buckets`): the producer
 packs while the caller delivers, and while its `first` call (the engines' begin) runs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch_threads import torch_threads
 from weightsync.bucketing import plan_buckets, stream_order, unpack
 from weightsync.manifest import BucketMeta, TensorMeta
-from weightsync.pipeline import Stages, stream_buckets
+from weightsync.push.pipeline import Stages, stream_buckets
 
 WEIGHTS = {f"w{i}": torch.full((4, 8), float(i)) for i in range(6)}
 

@@ -1,4 +1,4 @@
-"""One rank's side of a push in shares (`weightsync.rank_shares.send_shares`), without a
+"""One rank's side of a push in shares (`weightsync.push.rank_shares.send_shares`), without a
 process group (one rank holds every tensor whole): the shares assemble into exactly the
 buckets the ordinary pipeline packs, with their whole wsmix64 digests, and an overflowing
 cast is refused before any share is sent. The two-rank path runs in
@@ -15,9 +15,9 @@ from torch import nn
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.digests import WSMIX64, digest
 from weightsync.errors import CastError
+from weightsync.formats.shares import Assembly, Share
 from weightsync.manifest import TensorMeta
-from weightsync.rank_shares import ShareOrder, send_shares
-from weightsync.shares import Assembly, Share
+from weightsync.push.rank_shares import ShareOrder, send_shares
 from weightsync.sources.module import ModuleSource
 from weightsync.trainer_ranks import TrainerRanks
 

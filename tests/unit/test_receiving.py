@@ -19,7 +19,7 @@ from weightsync.errors import ConflictError, IntegrityError, ManifestError, Mani
 from weightsync.integrity import digest, names_digest, with_sent_names
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.owners import session_owner
-from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
+from weightsync.receive.receiving import OpenUpdate, SessionRules, UpdateSession
 from weightsync.reports import Ack
 
 

@@ -1,4 +1,4 @@
-"""The one rule for who may take an engine's open update session (weightsync.sessions)."""
+"""The one rule for who may take an engine's open update session (weightsync.receive.sessions)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from weightsync.owners import owner_tag, session_owner
-from weightsync.sessions import Holder, SessionBusyError, take_over
+from weightsync.receive.sessions import Holder, SessionBusyError, take_over
 
 
 def dead_owner() -> str:

@@ -1,4 +1,4 @@
-"""Buckets in shares (`weightsync.shares`): an engine assembles a bucket from its trainer
+"""Buckets in shares (`weightsync.formats.shares`): an engine assembles a bucket from its trainer
 ranks' shares only when they tile it exactly, each share checked before a byte is used,
 and the frame header carries a share through `wire` unchanged."""
 
@@ -9,8 +9,8 @@ import torch
 
 from weightsync.digests import WSMIX64, combine_wsmix64, digest, wsmix64_part
 from weightsync.errors import IntegrityError
-from weightsync.shares import Assembly, Share, merge_ranges
-from weightsync.wire import FrameHeader, decode_frame, encode_prefix
+from weightsync.formats.shares import Assembly, Share, merge_ranges
+from weightsync.formats.wire import FrameHeader, decode_frame, encode_prefix
 
 NBYTES = 1000
 

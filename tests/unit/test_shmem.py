@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.shmem import SHM_DIR, SharedSlots, check_name
+from weightsync.transports.shmem import SHM_DIR, SharedSlots, check_name
 
 
 def test_slots_are_shared_between_mappings_and_removed_on_close() -> None:
@@ -60,7 +60,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 def test_a_segment_larger_than_dev_shm_is_refused_by_name(small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Allocated at creation: a sparse segment past the tmpfs's room would SIGBUS the trainer mid-bucket."""
-    monkeypatch.setattr("weightsync.shmem.SHM_DIR", small_tmpfs)
+    monkeypatch.setattr("weightsync.transports.shmem.SHM_DIR", small_tmpfs)
     with pytest.raises(OSError, match=r"needs 4194304 \(2 slots of 2097152 bytes.*lower bucket_bytes") as info:
         SharedSlots.create(slot_bytes=2 << 20, num_slots=2)
     assert info.value.errno == errno.ENOSPC

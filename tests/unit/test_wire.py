@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from weightsync.errors import IntegrityError
-from weightsync.wire import MAGIC, FrameHeader, decode_frame, encode_prefix
+from weightsync.formats.wire import MAGIC, FrameHeader, decode_frame, encode_prefix
 
 HEADER = FrameHeader(version=3, index=1, nbytes=4, digest="00000000deadbeef")
 GOLDEN = (

@@ -32,11 +32,11 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from weightsync.dtypes import dtype_from_name, dtype_name
+from weightsync.formats.shares import Share
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import EXPERT_LAYOUTS, ExpertLayout
 from weightsync.reports import Ack
-from weightsync.shares import Share
 
 __all__ = ["CLEANUP_TIMEOUT_S", "AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine",
            "EngineCapabilities", "Link", "PausePolicy"]
@@ -154,7 +154,7 @@ class EngineCapabilities:
     then crosses the trainer's link once."""
     assembles_shares: bool = False
     """The engine takes a bucket in shares, one per trainer rank, over http, and assembles
-    it (`weightsync.shares`, `SyncConfig.send_shares`): a sharded trainer's ranks then each
+    it (`weightsync.formats.shares`, `SyncConfig.send_shares`): a sharded trainer's ranks then each
     send their own rows, with no gather to one rank."""
     transports: frozenset[str] = frozenset()
     """Transports the engine takes full, delta and merged updates over, as it reports
@@ -323,7 +323,7 @@ class ShareReceiver(Protocol):
     label: str
 
     def receive_share(self, share: Share, forward: Sequence[str], *, timeout_s: float) -> None:
-        """Send `share` (`weightsync.shares`) to this engine, which checks it, copies it into
+        """Send `share` (`weightsync.formats.shares`) to this engine, which checks it, copies it into
         its bucket and, where `forward` names further engines (their URLs, in order), sends
         it on along them; any trainer rank may call it, without a session of its own."""
 

@@ -38,6 +38,8 @@ from weightsync.dtypes import dtype_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
 from weightsync.engines.http import JsonClient, decode, remote_error
 from weightsync.errors import AdapterNotLoadedError, EngineError, SyncTimeoutError
+from weightsync.formats.shares import Share
+from weightsync.formats.wire import FrameHeader, body_chunks, encode_prefix
 from weightsync.integrity import byte_view, with_sent_names
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.protocol import (
@@ -53,10 +55,8 @@ from weightsync.protocol import (
     WeightsyncRequest,
 )
 from weightsync.reports import Ack
-from weightsync.shares import Share
 from weightsync.transports import TRANSPORTS, receiver_class
 from weightsync.transports.base import typed
-from weightsync.wire import FrameHeader, body_chunks, encode_prefix
 
 log = logging.getLogger(__name__)
 

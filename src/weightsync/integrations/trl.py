@@ -60,9 +60,9 @@ from weightsync.engines.base import Engine
 from weightsync.errors import IntegrityError, ManifestMismatchError, WeightSyncError, format_names
 from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertLayout, ExpertSlice, checkpoint_slices, expert_stacks, map_names
+from weightsync.push.sync import WeightSync
 from weightsync.reports import SyncReport
 from weightsync.sources import WeightSource, stacked_source
-from weightsync.sync import WeightSync
 from weightsync.transports.base import Transport
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from weightsync.dtypes import dtype_from_name
-from weightsync.groups import UpdateGroup, finish_hosting, host_group, join_group
+from weightsync.formats.groups import UpdateGroup, finish_hosting, host_group, join_group
 from weightsync.integrations.verl_channel import VerdictBoard
 from weightsync.integrations.verl_update import (
     NamedTensors,

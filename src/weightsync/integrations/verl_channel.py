@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import SyncTimeoutError
-from weightsync.groups import UpdateGroup
+from weightsync.formats.groups import UpdateGroup
 
 REFUSED = 1
 """A rank's status after a bucket it did not take (0: took it)."""

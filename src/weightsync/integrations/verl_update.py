@@ -30,13 +30,13 @@ import torch
 from weightsync.bucketing import unpack
 from weightsync.digests import for_device
 from weightsync.errors import IntegrityError, ManifestError, WeightSyncError
-from weightsync.groups import UpdateGroup
+from weightsync.formats.groups import UpdateGroup
 from weightsync.integrations.verl_channel import Channel, VerdictBoard
 from weightsync.integrations.verl_plan import StreamPlan
 from weightsync.integrity import ack_problems, check_bucket
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
-from weightsync.pipeline import Stages, stream_buckets
+from weightsync.push.pipeline import Stages, stream_buckets
 from weightsync.reports import Ack
 from weightsync.transports.base import Receiver, Transport
 

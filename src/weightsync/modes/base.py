@@ -1,6 +1,6 @@
 """The spec every push mode implements, and what a mode may ask of the coordinator.
 
-A mode decides WHAT one push sends; the coordinator (`weightsync.sync`) decides
+A mode decides WHAT one push sends; the coordinator (`weightsync.push.sync`) decides
 HOW: bucket plan, begin, stream, commit, verify. For every push the coordinator
 asks the mode, in this order:
 
@@ -34,7 +34,7 @@ from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertLayout, expert_stacks
-from weightsync.pipeline import Stages
+from weightsync.push.pipeline import Stages
 from weightsync.sources import ModuleSource, StackedSource, WeightSource, as_source
 from weightsync.stacking import ExpertStack
 from weightsync.trainer_ranks import TrainerRanks

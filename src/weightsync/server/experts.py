@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from weightsync.bucketing import unpack
-from weightsync.checkpoint import read_version
 from weightsync.errors import ManifestMismatchError, format_names
+from weightsync.formats.checkpoint import read_version
 from weightsync.naming import ExpertSlice, checkpoint_slices
-from weightsync.receiving import NamedTensors
+from weightsync.receive.receiving import NamedTensors
 
 REFUSED = "update refused, served weights unchanged"
 
@@ -96,7 +96,7 @@ class ExpertFuser:
 
 
 def read_checkpoint_version(directory: Path) -> NamedTensors:
-    """Every tensor of a disk version directory (`weightsync.checkpoint`), each bucket
+    """Every tensor of a disk version directory (`weightsync.formats.checkpoint`), each bucket
     verified against its digest, as named tensors (views of the bucket buffers): the
     version read as the checkpoint its safetensors bucket files are. Dense entries only."""
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.errors import SyncTimeoutError, WeightSyncError
-from weightsync.groups import UpdateGroup
+from weightsync.formats.groups import UpdateGroup
 from weightsync.protocol import GroupRelayRequest
 from weightsync.server.relay import DEPTH, Relay
 from weightsync.server.updates import WeightUpdater

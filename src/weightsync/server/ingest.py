@@ -22,7 +22,7 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ManifestError
-from weightsync.groups import UpdateGroup
+from weightsync.formats.groups import UpdateGroup
 from weightsync.manifest import TensorEntry
 from weightsync.server.unpickle import LocalSerializedTensor, safe_loads
 

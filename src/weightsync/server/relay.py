@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
+from weightsync.formats.wire import FrameHeader, body_chunks, encode_prefix
 from weightsync.protocol import BUCKET_ROUTE
-from weightsync.wire import FrameHeader, body_chunks, encode_prefix
 
 log = logging.getLogger(__name__)
 

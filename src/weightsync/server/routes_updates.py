@@ -21,12 +21,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from weightsync.bucketing import pack_one
-from weightsync.checkpoint import MANIFEST_FILE, confine, read_manifest
 from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.dtypes import dtype_name
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError, UnknownLayoutError
-from weightsync.groups import join_group
+from weightsync.formats.checkpoint import MANIFEST_FILE, confine, read_manifest
+from weightsync.formats.groups import join_group
+from weightsync.formats.shares import RANGE_BYTES
+from weightsync.formats.wire import MAX_HEADER_BYTES, FrameHeader, decode_frame
 from weightsync.links import Delivery
 from weightsync.manifest import TensorEntry, TensorMeta
 from weightsync.protocol import (
@@ -62,10 +64,8 @@ from weightsync.server.relay import RelayError
 from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult
-from weightsync.shares import RANGE_BYTES
 from weightsync.transports import TRANSPORTS
 from weightsync.transports.shm import ShmLink, ShmTransport
-from weightsync.wire import MAX_HEADER_BYTES, FrameHeader, decode_frame
 
 FRAME_OVERHEAD_BYTES = 8 + MAX_HEADER_BYTES
 
@@ -471,7 +471,7 @@ def _commit(state: ServerState, request: CommitRequest) -> Ack:
 
 def _stage_share(state: ServerState, header: FrameHeader, payload: memoryview,
                  forward: Callable[[FrameHeader, memoryview], None]) -> str | None:
-    """One trainer rank's share of a bucket (`weightsync.shares`): checked, forwarded where
+    """One trainer rank's share of a bucket (`weightsync.formats.shares`): checked, forwarded where
     the push is relayed, copied into the bucket; the whole bucket is staged (its digest
     checked against the whole-bucket digest) once its shares tile it. Returns its digest
     then, else None."""

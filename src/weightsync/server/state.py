@@ -1,6 +1,6 @@
 """Everything the routes share, built once at startup: model runner, scheduler,
 weight updater, LoRA store, the weight-update groups this engine joined (SGLang's
-group routes) and the receive path (`weightsync.receive_path`: the engine ends of the
+group routes) and the receive path (`weightsync.receive.receive_path`: the engine ends of the
 transports that weightsync's routes fetch buckets through, joined to the updater's
 update session).
 """
@@ -12,8 +12,9 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-from weightsync.groups import UpdateGroup
-from weightsync.receive_path import ReceiveHooks, ReceivePath
+from weightsync.formats.groups import UpdateGroup
+from weightsync.formats.shares import Assembly
+from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
 from weightsync.server.config import ServerConfig
 from weightsync.server.lora import LoraStore
 from weightsync.server.memory import MemoryOccupation
@@ -21,7 +22,6 @@ from weightsync.server.relay import Relay
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
-from weightsync.shares import Assembly
 from weightsync.transports import make_receiver
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class ServerState:
     relay: Relay = field(default_factory=Relay)
     """Where this engine forwards the buckets of a relayed push (`weightsync.server.relay`)."""
     assembly: Assembly = field(default_factory=Assembly)
-    """The buckets arriving in shares, one per trainer rank (`weightsync.shares`)."""
+    """The buckets arriving in shares, one per trainer rank (`weightsync.formats.shares`)."""
     groups: dict[str, JoinedGroup] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)

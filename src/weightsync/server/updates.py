@@ -43,11 +43,10 @@ import torch
 from torch import nn
 
 from weightsync.bucketing import pack_one
-from weightsync.checkpoint import read_version
 from weightsync.errors import ConflictError
-from weightsync.layouts import Layouts
+from weightsync.formats.checkpoint import read_version
 from weightsync.manifest import Manifest, TensorMeta
-from weightsync.receiving import (
+from weightsync.receive.receiving import (
     NamedTensors,
     OpenUpdate,
     SessionRules,
@@ -55,13 +54,14 @@ from weightsync.receiving import (
     check_named,
     copies,
 )
+from weightsync.receive.sessions import Holder, SessionBusyError, take_over
 from weightsync.reports import Ack
 from weightsync.server import lora
 from weightsync.server.experts import ExpertFuser
+from weightsync.server.layouts import Layouts
 from weightsync.server.requests import ServedVersion
 from weightsync.server.rollback import CommitHistory
 from weightsync.server.served import ServedWeights
-from weightsync.sessions import Holder, SessionBusyError, take_over
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class WeightUpdater:
         entries where they are the same (`Manifest.from_dict`'s `known`)."""
         self.layouts = Layouts()
         """The layouts of the last begins accepted, which a begin may name instead of sending
-        its buckets (`weightsync.layouts`)."""
+        its buckets (`weightsync.server.layouts`)."""
 
     @property
     def version(self) -> int:

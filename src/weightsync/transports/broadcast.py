@@ -1,6 +1,6 @@
 """Broadcast transport: one torch.distributed group over the trainer (rank 0,
 `BroadcastTransport`) and every engine rank (`BroadcastReceiver`), formed as
-SGLang's `init_weights_update_group` forms it (see `weightsync.groups`).
+SGLang's `init_weights_update_group` forms it (see `weightsync.formats.groups`).
 
 Each bucket is one `flattened_bucket` broadcast from rank 0, issued while the
 engines' receive calls (SGLang's `update_weights_from_distributed`) are in flight. gloo on CPU,
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.errors import IntegrityError
-from weightsync.groups import UpdateGroup, finish_hosting, host_group, join_group
+from weightsync.formats.groups import UpdateGroup, finish_hosting, host_group, join_group
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.transports.base import (

@@ -1,6 +1,6 @@
 """Disk transport: each bucket written as a safetensors file into a temporary
 directory, fsynced, then the directory renamed into place as `<root>/v%08d`
-with its manifest.json (`DiskTransport`; the format is `weightsync.checkpoint`).
+with its manifest.json (`DiskTransport`; the format is `weightsync.formats.checkpoint`).
 
 Engines load the whole version at commit (`DiskReceiver.read` where weightsync
 stages it, SGLang's (`update_weights_from_disk` elsewhere, a PEFT directory
@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.checkpoint import publish, read_version, write_bucket, write_manifest
 from weightsync.errors import IntegrityError, WeightSyncError
+from weightsync.formats.checkpoint import publish, read_version, write_bucket, write_manifest
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.owners import TAG_PATTERN, orphans, owner_tag

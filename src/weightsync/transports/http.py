@@ -1,6 +1,6 @@
 """HTTP transport: packed buckets handed to each engine client
 (`HttpTransport`), which posts them as raw bytes in weightsync's binary frame
-(`weightsync.wire`); the engine copies them out of the request (`HttpReceiver`).
+(`weightsync.formats.wire`); the engine copies them out of the request (`HttpReceiver`).
 
 No base64, no pickle. The bucket buffer goes out as it sits in memory.
 """

@@ -1,6 +1,6 @@
 """Shared-memory transport: a segment in /dev/shm that the trainer packs buckets
 straight into (`ShmTransport`) and engines on the same host map once (`ShmReceiver`);
-the segment itself is `weightsync.shmem`.
+the segment itself is `weightsync.transports.shmem`.
 
 Zero copies on the trainer beyond packing itself. The segment lives for the
 session and is re-created only when a bucket outgrows its slots, or a push needs
@@ -44,7 +44,6 @@ from weightsync.digests import copy_hashed
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.reports import Ack
-from weightsync.shmem import SharedSlots
 from weightsync.transports.base import (
     NUM_SLOTS,
     Joined,
@@ -53,6 +52,7 @@ from weightsync.transports.base import (
     TransportDefaults,
     typed,
 )
+from weightsync.transports.shmem import SharedSlots
 
 
 class ShmReceiver(ReceiverDefaults):

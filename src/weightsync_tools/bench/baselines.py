@@ -15,7 +15,7 @@ so the engine applies one version, and is timed from the first byte to the
 engine's answer (a broadcast group is formed before the clock starts, as a
 sync's warm-up push forms it). Boundaries: no weightsync bucketing,
 transport or coordinator code is used here; only the group rendezvous
-(`weightsync.groups`, SGLang's), the tensor naming (`named_weights`) and a
+(`weightsync.formats.groups`, SGLang's), the tensor naming (`named_weights`) and a
 JSON client.
 """
 
@@ -38,7 +38,7 @@ from torch import nn
 
 from weightsync.dtypes import dtype_name
 from weightsync.engines.http import JsonClient
-from weightsync.groups import UpdateGroup, finish_hosting, host_group
+from weightsync.formats.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.modes import named_weights
 
 BASELINES = ("per-tensor-broadcast", "per-tensor-http", "checkpoint-reload")

@@ -225,7 +225,7 @@ def trainer_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: 
 def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: int) -> SideFigures:
     """What `weightsync serve` does for a push, with no trainer to wait for: parse the
     begin request's JSON (whole for the warm-up, then by layout, as a trainer sends it
-    push after push: `weightsync.layouts`), dry-run the manifest, check (digest) and stage every bucket,
+    push after push: `weightsync.server.layouts`), dry-run the manifest, check (digest) and stage every bucket,
     commit (point the parameters at the staged views). Its buffers come from its receive
     pool, filled outside the timing, as a transport would fill them."""
     import contextlib

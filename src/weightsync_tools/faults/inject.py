@@ -27,17 +27,17 @@ from typing import Any
 import httpx
 import torch
 
-from weightsync.checkpoint import bucket_file_name
 from weightsync.engines.base import Delivery, Link
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.errors import WeightSyncError
+from weightsync.formats.checkpoint import bucket_file_name
+from weightsync.formats.wire import FrameHeader, encode_prefix
 from weightsync.manifest import BucketMeta, Manifest
+from weightsync.push.sync import WeightSync
 from weightsync.reports import Ack
-from weightsync.sync import WeightSync
 from weightsync.transports import make_transport
 from weightsync.transports.base import Transport, typed
 from weightsync.transports.shm import ShmLink
-from weightsync.wire import FrameHeader, encode_prefix
 from weightsync_tools.faults.rig import DictSource
 
 # -- injecting faults --------------------------------------------------------------------------
@@ -235,7 +235,7 @@ CHILD_READY_TIMEOUT_S = 120.0
 def segments_left(ready_line: str) -> list[str]:
     """The shm segments a killed child trainer named on its READY line that still exist
     (the next segment created on this host removes them: `shmem.remove_orphans`)."""
-    from weightsync.shmem import SHM_DIR, check_name
+    from weightsync.transports.shmem import SHM_DIR, check_name
 
     names = json.loads(ready_line.removeprefix("READY").strip() or "[]")
     return [name for name in names if (SHM_DIR / check_name(name)).exists()]

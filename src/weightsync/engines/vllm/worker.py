@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from weightsync.checkpoint import read_checkpoint_metas
 from weightsync.dtypes import dtype_name
 from weightsync.engines.vllm.adapters import AdapterDirs, check_adapter
 from weightsync.engines.vllm.reload import (
@@ -35,10 +34,11 @@ from weightsync.errors import (
     WeightSyncError,
     format_names,
 )
+from weightsync.formats.checkpoint import read_checkpoint_metas
 from weightsync.links import Delivery, Link
 from weightsync.manifest import Manifest, TensorMeta
-from weightsync.receive_path import ReceivePath
-from weightsync.receiving import OpenUpdate, SessionRules, UpdateSession
+from weightsync.receive.receive_path import ReceivePath
+from weightsync.receive.receiving import OpenUpdate, SessionRules, UpdateSession
 from weightsync.transports import make_receiver, parse_link
 
 log = logging.getLogger(__name__)

@@ -2,13 +2,13 @@
 engine at once and is bounded by the push's `timeout_s`, whatever the engine clients
 were built with.
 
-The rounds of one push, in the order the coordinator (`weightsync.sync`) makes them:
+The rounds of one push, in the order the coordinator (`weightsync.push.sync`) makes them:
 capabilities (once per transport session), connect, pause, begin (asked again while
 another live trainer's session holds an engine), receive (per bucket, beside the
 transport's own send), ready, commit (engines that can undo a commit first), resume.
 After a failure the cleanup rounds (abort, rollback, leaving the session, resume)
 share one bound, min(timeout_s, 10 s), and skip an engine that timed out in this push:
-its cleanup goes to its backlog (`weightsync.cleanup`) and runs in the background.
+its cleanup goes to its backlog (`weightsync.push.cleanup`) and runs in the background.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from weightsync.cleanup import Backlog
 from weightsync.engines.base import (
     AdapterUnloader,
     DigestReader,
@@ -35,14 +34,15 @@ from weightsync.engines.base import (
     ShareReceiver,
 )
 from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
+from weightsync.formats.shares import Share
 from weightsync.hosts import check_reachable
 from weightsync.integrity import ack_problems, digest_checked
 from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import ExpertLayout
-from weightsync.relay_chain import RelayChain
+from weightsync.push.cleanup import Backlog
+from weightsync.push.relay_chain import RelayChain
 from weightsync.reports import Ack
-from weightsync.shares import Share
 from weightsync.transports import receiver_class, same_host_only
 from weightsync.transports.base import Transport
 
@@ -434,7 +434,7 @@ class Replicas:
         """`call(engine, index)` on every engine at once, answered within `timeout_s` (the
         cleanup bound by default; while a failed push cleans up, what is left of its shared
         bound); errors are logged, never raised. An engine that timed out in this push is not
-        waited on: the call joins its backlog (`weightsync.cleanup`), as does every later one."""
+        waited on: the call joins its backlog (`weightsync.push.cleanup`), as does every later one."""
         limit_s = self.cleanup_timeout_s if timeout_s is None else timeout_s
         deadline = self._cleanup_deadline(limit_s)
         futures = [(i, self._cleanup_call(i, what, functools.partial(call, engine, i)))

@@ -5,7 +5,7 @@
     offset 8   N bytes  header: UTF-8 JSON {"version", "index", "nbytes", "digest"}; in a
                         relayed push, "forward": the engines the bucket goes on to, in order;
                         for one trainer rank's share of the bucket, "share": {"ranges",
-                        "digest"} (`weightsync.shares`: "digest" is then the whole bucket's)
+                        "digest"} (`weightsync.formats.shares`: "digest" is then the whole bucket's)
     offset 8+N          the packed bucket (or the share), exactly `nbytes` raw bytes
 
 No base64, no pickle: the payload is the bucket buffer as it sits in memory,
@@ -46,7 +46,7 @@ class FrameHeader:
     with the rest (`weightsync.server.relay`)."""
 
     share_ranges: int = 0
-    """A share (`weightsync.shares`): the payload is one trainer rank's ranges of the bucket,
+    """A share (`weightsync.formats.shares`): the payload is one trainer rank's ranges of the bucket,
     after a table of this many (offset, length) pairs; `nbytes` is the payload's length and
     `digest` the WHOLE bucket's. 0: the payload is the whole bucket."""
     share_digest: str | None = None

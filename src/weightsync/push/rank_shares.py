@@ -15,7 +15,7 @@ sender included, runs `send_shares`:
               is sent, and an overflow anywhere stops every rank here
     send      a producer thread packs the share of bucket k+2 (cast again, into one
               of three buffers kept across pushes) while the shares of buckets k and
-              k+1 go out (`weightsync.shares.Share`; IN_FLIGHT at once, so the link
+              k+1 go out (`weightsync.formats.shares.Share`; IN_FLIGHT at once, so the link
               stays busy while an engine takes one) to every engine, or relayed to
               the first: no collective while bytes move
     outcome   one all_gather of every rank's error, if any: all ranks return the
@@ -46,10 +46,10 @@ from weightsync.bucketing import check_cast
 from weightsync.digests import MASK64, Wsmix64Part, combine_wsmix64, wsmix64_part
 from weightsync.dtypes import castable
 from weightsync.errors import CastError, WeightSyncError
+from weightsync.formats.shares import Share, merge_ranges
 from weightsync.integrity import byte_view
 from weightsync.manifest import BucketMeta, Manifest
-from weightsync.pipeline import Handoff, Stages
-from weightsync.shares import Share, merge_ranges
+from weightsync.push.pipeline import Handoff, Stages
 from weightsync.sources.fsdp import local_shard
 from weightsync.trainer_ranks import TrainerRanks
 

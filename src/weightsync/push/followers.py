@@ -11,7 +11,7 @@ from torch import nn
 
 from weightsync.errors import WeightSyncError
 from weightsync.modes import PushMode, make_source
-from weightsync.rank_shares import ShareOrder
+from weightsync.push.rank_shares import ShareOrder
 from weightsync.reports import SyncReport
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
@@ -22,7 +22,7 @@ def follow(model: nn.Module | WeightSource, mode: PushMode, ranks: TrainerRanks,
     """On a rank that does not send: gather what the sender gathers, return its outcome.
 
     The sender says what to gather next ({"mode", "order", "expert_layout"}), which buckets
-    this rank sends its own share of instead ({"shares"}: `send`, `weightsync.rank_shares`)
+    this rank sends its own share of instead ({"shares"}: `send`, `weightsync.push.rank_shares`)
     or which step of its mode to run ({"step"}), until it says how the push ended
     ({"report"} or {"error"}).
     """

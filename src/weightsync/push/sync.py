@@ -24,7 +24,7 @@ the commit; the others are paused from begin to commit.
 Every round of engine calls (`replicas.py`) is bounded by the push's `timeout_s`,
 whatever the engine client was built with; the cleanup rounds after a failure share
 one bound, min(timeout_s, 10 s), and skip an engine that timed out in this push: its
-cleanup runs in the background (`weightsync.cleanup`), and the next push waits for it
+cleanup runs in the background (`weightsync.push.cleanup`), and the next push waits for it
 (at most timeout_s) before it begins. So a push raises at most
 timeout_s + min(timeout_s, 10 s) after the call that stalled began.
 A push that paused, or tried to, resumes every engine, whatever failed.
@@ -49,16 +49,16 @@ from weightsync.digests import ALGORITHMS, COMBINABLE, WSMIX64, for_device
 from weightsync.dtypes import Cast, dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
-from weightsync.followers import follow
 from weightsync.integrity import digest_checked
 from weightsync.manifest import MODES, BucketMeta, Manifest
 from weightsync.modes import ModeOptions, PushMode, make_mode
 from weightsync.naming import ExpertLayout
 from weightsync.owners import session_owner
-from weightsync.pipeline import Stages, stream_buckets, threads_beside_engines
-from weightsync.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, cast_notes, expert_layout
-from weightsync.rank_shares import ShareOrder, send_shares
-from weightsync.replicas import Replicas
+from weightsync.push.followers import follow
+from weightsync.push.pipeline import Stages, stream_buckets, threads_beside_engines
+from weightsync.push.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, cast_notes, expert_layout
+from weightsync.push.rank_shares import ShareOrder, send_shares
+from weightsync.push.replicas import Replicas
 from weightsync.reports import Ack, SyncReport
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
@@ -127,7 +127,7 @@ class SyncConfig:
     (point-to-point sends in the group, gloo); disk and shm do not relay (docs/SCALE.md)."""
     send_shares: bool = False
     """With a `process_group` (FSDP2), every trainer rank sends its own rows of each bucket
-    (`weightsync.rank_shares`): nothing is gathered to one rank, and each rank's link
+    (`weightsync.push.rank_shares`): nothing is gathered to one rank, and each rank's link
     carries its share of the model; each engine assembles the bucket and checks its whole
     digest (wsmix64, combined from the ranks' parts). Needs mode "full", transport "http"
     and engines that declare `assembles_shares` (`weightsync serve`); every rank's engine
@@ -226,7 +226,7 @@ class WeightSync:
                                   cleanup_timeout_s=self.config.cleanup_timeout_s, transport=self.config.transport,
                                   mode=self.config.mode, sends_adapter=self._mode.sends_adapter,
                                   relay=self.config.fan_out == "relay", shares=self.config.send_shares)
-        """The engines, called together, each round bounded (`weightsync.replicas`)."""
+        """The engines, called together, each round bounded (`weightsync.push.replicas`)."""
         if self.ranks.is_sender:
             # now: an engine that cannot take the transport, or a missing transport option, fails here
             self._replicas.refuse_unfit(self._make_transport())
@@ -237,7 +237,7 @@ class WeightSync:
         """The expert layout of the push under way, which other trainer ranks read in too."""
         self.owner = session_owner()
         """This trainer's identity on the engines: its sessions are never taken by another
-        live trainer, and it takes over those of a dead one (see `weightsync.sessions`)."""
+        live trainer, and it takes over those of a dead one (see `weightsync.receive.sessions`)."""
         self._share_buffers: list[torch.Tensor] = []
         """`send_shares`: this rank's share buffers, kept across pushes."""
         self._closed = False
@@ -501,7 +501,7 @@ class WeightSync:
         return self.config.digest_algorithm or for_device(self._make_transport().buffer_device)
 
     def _tell_followers(self, message: dict[str, Any]) -> None:
-        """Tell the other trainer ranks (`weightsync.followers`) what comes next."""
+        """Tell the other trainer ranks (`weightsync.push.followers`) what comes next."""
         self.ranks.share(message, timeout_s=self.config.timeout_s)
 
 

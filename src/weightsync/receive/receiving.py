@@ -1,7 +1,7 @@
 """The receiving side of a weightsync update, written once for every engine.
 
 `UpdateSession` is what an engine runs between a trainer's `begin` and its
-`commit` or `abort`: who holds the engine (`weightsync.sessions`), whether a
+`commit` or `abort`: who holds the engine (`weightsync.receive.sessions`), whether a
 version may follow the served one, the dry run of the manifest, the checks of
 every bucket that arrives (index, size, digest), the staging of its tensors,
 "every tensor arrived" at commit, and the ack (`reports.Ack`, sent on the wire
@@ -57,8 +57,8 @@ from weightsync.integrity import (
     manifest_names_digest,
 )
 from weightsync.manifest import PARTIAL_MODES, BucketMeta, Manifest, TensorMeta
+from weightsync.receive.sessions import Holder, SessionBusyError, take_over
 from weightsync.reports import Ack
-from weightsync.sessions import Holder, SessionBusyError, take_over
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class UpdateSession:
     def begin(self, manifest: Manifest) -> str | None:
         """Check `manifest` (version, dry run) and open its update.
 
-        An open update gives way by `weightsync.sessions.take_over`: to its own
+        An open update gives way by `weightsync.receive.sessions.take_over`: to its own
         trainer, or when that trainer is gone or silent past its timeout (returns
         what was discarded); a live trainer's update is never taken (ConflictError
         with `retry_after_s`). A refused begin leaves the open update as it was.

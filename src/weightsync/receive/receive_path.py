@@ -34,7 +34,7 @@ import torch
 
 from weightsync.errors import EngineError
 from weightsync.links import Delivery, Link
-from weightsync.receiving import UpdateSession
+from weightsync.receive.receiving import UpdateSession
 from weightsync.reports import Ack
 from weightsync.transports.base import Receiver
 

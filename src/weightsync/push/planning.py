@@ -23,8 +23,8 @@ from weightsync.integrity import digest
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.modes import Selection
 from weightsync.naming import ExpertLayout, expert_stacks, has_fused_experts, rename
-from weightsync.pipeline import Stages
-from weightsync.replicas import Replicas
+from weightsync.push.pipeline import Stages
+from weightsync.push.replicas import Replicas
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 
