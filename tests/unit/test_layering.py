@@ -10,17 +10,21 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 import weightsync
 
 PACKAGE = Path(weightsync.__file__).parent
 SRC = PACKAGE.parent
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+CONTRIBUTING = Path(__file__).resolve().parents[2] / "CONTRIBUTING.md"
 TOOL_MODULES = ("matplotlib", "tqdm", "weightsync_tools", "weightsync.bench", "weightsync.demo")
 
 
@@ -271,3 +275,67 @@ def test_vllm_plugin_and_package_import_no_engine_code() -> None:
               for path in sorted(package.glob("*.py")) if path.stem != "transfer_engine"
               for module, top_level in _imports(path) if top_level and _is_under(module, ("vllm",))]
     assert not found, "\n".join(found)
+
+
+def top_level_units() -> set[str]:
+    """The modules (`*.py` but `__init__` and `__main__`) and packages at the top of the package."""
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    return modules | packages
+
+
+def _layers(text: str) -> list[list[str]]:
+    """The backticked words of each item of the numbered list under "## Layering" in `text`
+    (an item runs from its number to the next item or a blank line)."""
+    parts = re.split(r"^## Layering$", text, maxsplit=1, flags=re.M)
+    assert len(parts) == 2, "no '## Layering' section"
+    section = re.split(r"^## ", parts[1], flags=re.M)[0]
+    layers: list[list[str]] = []
+    in_item = False
+    for line in section.splitlines():
+        if re.match(r"\d+\. ", line):
+            layers.append([])
+            in_item = True
+        elif not line.strip():
+            in_item = False
+        if in_item:
+            layers[-1] += re.findall(r"`([^`]+)`", line)
+    return layers
+
+
+def _named_unit(word: str) -> str | None:
+    """The top-level module or package of src/weightsync a backticked path names (`probe.py`,
+    `push/`, `push/sync.py`, `naming`); None for a path outside it (`src/...`) or a word
+    that is no path (has a space). Raises AssertionError for a path that does not exist."""
+    if " " in word or word.startswith("src/"):
+        assert " " in word or (SRC.parent / word).exists(), f"CONTRIBUTING.md names {word}, which does not exist"
+        return None
+    path = PACKAGE / word.rstrip("/")
+    assert path.is_file() or (path / "__init__.py").is_file() or path.with_suffix(".py").is_file(), (
+        f"CONTRIBUTING.md's layers name `{word}`, which is no module or package of src/weightsync")
+    return word.rstrip("/").split("/")[0].removesuffix(".py")
+
+
+def test_every_module_stands_in_exactly_one_layer() -> None:
+    """CONTRIBUTING.md's layer list names every module and package at the top of
+    src/weightsync (as its path there, in backticks) in exactly one layer, and names nothing
+    that does not exist: a module added, moved or removed shows here."""
+    layers = _layers(CONTRIBUTING.read_text(encoding="utf-8"))
+    assert len(layers) >= 3, f"no numbered layer list under '## Layering' in {CONTRIBUTING}"
+    named = [{unit for word in words if (unit := _named_unit(word)) is not None} for words in layers]
+    units = top_level_units()
+    assert len(units) > 10, units
+    missing = sorted(units - set().union(*named))
+    assert not missing, f"in no layer of CONTRIBUTING.md: {missing}"
+    twice = sorted(u for u in units if sum(u in layer for layer in named) > 1)
+    assert not twice, f"in more than one layer of CONTRIBUTING.md: {twice}"
+
+
+def test_the_layer_list_is_read_from_its_items_and_refuses_a_stale_path() -> None:
+    text = "## Layering\n\n1. `manifest.py`, `push/`;\n2. `push/sync.py`\n\n`cli/` is not in a layer\n## Next\n"
+    layers = _layers(text)
+    assert layers == [["manifest.py", "push/"], ["push/sync.py"]]
+    assert [_named_unit(w) for w in layers[0] + layers[1]] == ["manifest", "push", "push"]
+    for stale in ("sync.py", "push/gone.py", "nope/"):
+        with pytest.raises(AssertionError, match="no module or package"):
+            _named_unit(stale)
