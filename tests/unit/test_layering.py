@@ -339,3 +339,57 @@ def test_the_layer_list_is_read_from_its_items_and_refuses_a_stale_path() -> Non
     for stale in ("sync.py", "push/gone.py", "nope/"):
         with pytest.raises(AssertionError, match="no module or package"):
             _named_unit(stale)
+
+
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md"
+PATH_WORD = re.compile(r"(?<![\w/.-])(\w+(?:\.py|/))(?!\w)")
+"""A module (`name.py`) or package (`name/`) in the code map."""
+
+
+def _code_map(text: str) -> list[str]:
+    """The paths, relative to src/weightsync, that the code map under "## Layout" names: the
+    tree below its `src/weightsync/` line, where a package (`name/`) holds the modules after it
+    on its line and on the lines indented deeper than it."""
+    block = re.split(r"^## Layout$", text, maxsplit=1, flags=re.M)[1].split("```")[1]
+    lines = block.splitlines()
+    start = lines.index("src/weightsync/") + 1
+    paths: list[str] = []
+    open_packages: list[tuple[int, str]] = []  # (indent of the line that opened it, its path)
+    for line in lines[start:]:
+        indent = len(line) - len(line.lstrip())
+        if line.strip() and indent == 0:
+            break
+        while open_packages and open_packages[-1][0] >= indent:
+            open_packages.pop()
+        base = open_packages[-1][1] if open_packages else ""
+        for word in PATH_WORD.findall(line):
+            paths.append(base + word)
+            if word.endswith("/"):
+                base += word
+                open_packages.append((indent, base))
+    return paths
+
+
+def test_architecture_names_only_paths_that_exist_and_maps_every_module() -> None:
+    """docs/ARCHITECTURE.md's `src/weightsync/...` and `weightsync/<module>.py` paths exist, and
+    its code map (## Layout) names every module and package at the top of src/weightsync, and
+    nothing that is not in the tree."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    named = re.findall(r"(?<![\w/.-])((?:src/)?weightsync(?:_tools)?/[\w/]*(?:\.py)?)", text)
+    assert any(n.startswith("src/weightsync/") for n in named), named
+    gone = sorted({n for n in named if not (SRC.parent / n if n.startswith("src/") else SRC / n).exists()})
+    assert not gone, f"docs/ARCHITECTURE.md names paths that do not exist: {gone}"
+    mapped = _code_map(text)
+    stale = [p for p in mapped if not (PACKAGE / p).is_file() and not (PACKAGE / p / "__init__.py").is_file()]
+    assert not stale, f"the code map of docs/ARCHITECTURE.md names what is not in src/weightsync: {stale}"
+    top = {p.rstrip("/").removesuffix(".py") for p in mapped if p.rstrip("/").count("/") == 0}
+    missing = sorted(top_level_units() - top)
+    assert not missing, f"not in the code map of docs/ARCHITECTURE.md: {missing}"
+
+
+def test_the_code_map_is_read_as_a_tree() -> None:
+    text = ("## Layout\n\n```\nsrc/weightsync/\n  a.py b.py   records\n  push/  sync.py  the push\n"
+            "             cleanup.py  after\n    vllm/  x.py\n  cli/  one module per command, and/or /weightsync/*\n"
+            "  c.py\nsrc/weightsync_tools/\n  bench/\n```\n")
+    assert _code_map(text) == ["a.py", "b.py", "push/", "push/sync.py", "push/cleanup.py", "push/vllm/",
+                               "push/vllm/x.py", "cli/", "c.py"]
