@@ -148,7 +148,7 @@ def test_engines_bound_to_loopback_fail_within_the_timeout(trainer: Trainer, eng
     its bound, and the next push, with the engines restarted without it, succeeds. Which
     of the group's ends reports the failure first depends on gloo's timing, so the test
     accepts each, all of them a group that did not form: the engine's join answers with
-    the hint of `groups._mesh_hint` when gloo gives up at once (connection refused); gloo
+    the hint of `formats.groups._mesh_hint` when gloo gives up at once (connection refused); gloo
     may retry past the engine's group timeout, and then the trainer's wait for the join
     ends first ("joining"); or an engine that gave up (its group timeout, 1 s) closes its
     side, and the trainer's own end of the mesh fails ("did not form", with the hint)."""

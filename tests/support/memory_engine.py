@@ -27,7 +27,7 @@ from weightsync.transports.shmem import SharedSlots
 
 
 class MemoryEngine:
-    """An engine whose weights are a dict; the `receiving.Applier` of a real update session."""
+    """An engine whose weights are a dict; the `receive.receiving.Applier` of a real update session."""
 
     transports: ClassVar[frozenset[str]] = frozenset({"http", "shm", "disk"})
     lora_transports: ClassVar[frozenset[str]] = frozenset({"http"})
@@ -152,7 +152,7 @@ class MemoryEngine:
         except ConflictError as e:
             raise EngineError(self.label, str(e), status=409, retry_after_s=e.retry_after_s) from None
 
-    # -- the receiving.Applier -------------------------------------------------------------------
+    # -- the receive.receiving.Applier -----------------------------------------------------------
 
     def not_one_version(self) -> str | None:
         return None

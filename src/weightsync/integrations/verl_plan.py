@@ -5,7 +5,7 @@ each tensor gathered whole as it is yielded, no list of names before).
 `StreamPlan` plans with weightsync's own rule (`bucketing.layout_bucket`: greedy in
 stream order, tensors of one bucket laid out by descending itemsize, a tensor larger
 than the bucket alone in its own) one bucket at a time, just before the pipeline
-packs it, and is the `WeightSource` the pipeline (`pipeline.stream_buckets`) reads:
+packs it, and is the `WeightSource` the pipeline (`push.pipeline.stream_buckets`) reads:
 `buckets()` is the plan, `tensors()` the stream in plan order. Packing, the cast to
 the engine dtype and the digests stay the pipeline's and the packer's.
 

@@ -1,5 +1,5 @@
 """The relay of a push to several replicas (`fan_out="relay"`): each bucket frame an engine
-receives over http names the engines it goes on to (`wire.FrameHeader.forward`); once the
+receives over http names the engines it goes on to (`formats.wire.FrameHeader.forward`); once the
 bucket is checked against its digest and staged here, this engine sends it to the first of
 them, with the rest, while it takes the next bucket from upstream. So the trainer's link
 carries each bucket once, and the push takes about one model over one link plus a bucket

@@ -94,7 +94,7 @@ class StageResult:
 class WeightUpdater:
     """The one open update session of an engine (weightsync's or SGLang's) over its served weights.
 
-    It is the `receiving.Applier` of its weightsync sessions (`self.session`):
+    It is the `receive.receiving.Applier` of its weightsync sessions (`self.session`):
     a commit swaps the staged bucket-buffer views in between two steps."""
 
     def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
@@ -155,7 +155,7 @@ class WeightUpdater:
 
     def begin(self, manifest: Manifest) -> str | None:
         """Dry-run check of `manifest` against the served model, then open a session
-        (see `receiving.UpdateSession.begin`); returns what was discarded. An empty
+        (see `receive.receiving.UpdateSession.begin`); returns what was discarded. An empty
         SGLang session gives way; one holding tensors is taken like an idle trainer's."""
         with self._lock:
             self.last_manifest = manifest
@@ -184,7 +184,7 @@ class WeightUpdater:
 
     def commit(self, version: int, *, held_slots: Callable[[], Mapping[str, tuple[int, ...]]] | None = None) -> Ack:
         """Apply the open weightsync session; returns the ack (`held_slots`: see
-        `receiving.UpdateSession.commit`)."""
+        `receive.receiving.UpdateSession.commit`)."""
         with self._lock:
             return self.session.commit(version, held_slots=held_slots)
 
@@ -205,7 +205,7 @@ class WeightUpdater:
         with self._lock:
             return self.history.rollback(version, owner=owner)
 
-    # -- the receiving.Applier of weightsync sessions ----------------------------------------
+    # -- the receive.receiving.Applier of weightsync sessions --------------------------------
 
     def expected(self) -> Mapping[str, TensorMeta]:
         return self.weights.metas
@@ -223,7 +223,7 @@ class WeightUpdater:
         lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
 
     def base_tensor(self, hf_name: str) -> torch.Tensor:
-        """The served tensor a sparse update is applied to (a copy of), as `receiving.SparseBase`:
+        """The served tensor a sparse update is applied to (a copy of), as `receive.receiving.SparseBase`:
         parameters are replaced whole at a commit, never written in place, so reading one
         while generation runs is safe."""
         return self.weights.params[hf_name].detach()

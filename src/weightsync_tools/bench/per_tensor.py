@@ -201,7 +201,7 @@ def trainer_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: 
             buffer = slots[bucket.index % 2] = torch.empty(bucket.nbytes, dtype=torch.uint8)
         return buffer
 
-    @torch.no_grad()  # as a push's producer packs (`pipeline.stream_buckets`)
+    @torch.no_grad()  # as a push's producer packs (`push.pipeline.stream_buckets`)
     def one() -> int:
         source = mode.source(model)
         metas = source.metas()

@@ -234,7 +234,7 @@ CHILD_READY_TIMEOUT_S = 120.0
 
 def segments_left(ready_line: str) -> list[str]:
     """The shm segments a killed child trainer named on its READY line that still exist
-    (the next segment created on this host removes them: `shmem.remove_orphans`)."""
+    (the next segment created on this host removes them: `transports.shmem.remove_orphans`)."""
     from weightsync.transports.shmem import SHM_DIR, check_name
 
     names = json.loads(ready_line.removeprefix("READY").strip() or "[]")

@@ -155,7 +155,7 @@ def _state(worker: Any) -> WorkerSync:
 
 class WorkerSync:
     """weightsync's state in one vLLM worker: links, version, adapters, and the
-    `receiving.Applier` of its update session (`self.session`).
+    `receive.receiving.Applier` of its update session (`self.session`).
 
     `worker` is vLLM's worker object (`model_runner`, `vllm_config`,
     `reload_weights`); it is only read, except through `reload_weights`.
@@ -275,7 +275,7 @@ class WorkerSync:
         self.adapters.forget(str(body["lora_name"]))
         return {}
 
-    # -- the receiving.Applier of the update session --------------------------
+    # -- the receive.receiving.Applier of the update session ------------------
 
     def expected(self) -> Mapping[str, TensorMeta] | None:
         return self._expected_metas()
