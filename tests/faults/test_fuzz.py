@@ -68,6 +68,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "/release_memory_occupation": ("tags",),
     "/resume_memory_occupation": ("tags",),
     "/weights_checker": ("action", "allow_quant_error", "skip_tensor_list", "selector"),
+    "/flush_cache": (),
+    "/get_weights_by_name": ("name", "truncate_size"),
 }
 ALLOWED_5XX = {"/init_weights_update_group": {504}}
 
