@@ -22,12 +22,31 @@ pytest_plugins = [
 ]
 
 
+VLLM_FIXTURES = frozenset({"vllm_server", "vllm_bf16_server", "module_vllm_server", "engine_pool"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """tests/unit first, then the rest in their usual order: the pure tests fail fast, and
-    the engines the later tests share come up in the background meanwhile
-    (tests/support/vllm_shared_server.py)."""
-    unit = Path(__file__).parent / "unit"
-    items.sort(key=lambda item: not item.path.is_relative_to(unit))
+    """tests/unit first; then the integration and framework modules that start no vLLM and
+    bound no time; then the rest in their usual order. The pure tests fail fast, and the
+    vLLM servers the later tests share start in the background meanwhile
+    (tests/support/vllm_shared_server.py), mostly while the modules of the second group wait
+    on their own engines (a `weightsync serve` or Ray works while the test waits: the two
+    cores were 35-48% idle there when they ran after the vLLM tests). Fault and multi-host
+    tests, whose assertions include the README's time bounds, stay after them, with the
+    machine to themselves. A module moves whole (its module fixtures start once)."""
+    here = Path(__file__).parent
+    early = (here / "integration", here / "frameworks")
+    uses_vllm = {item.path for item in items if item.get_closest_marker("vllm") is not None
+                 or not VLLM_FIXTURES.isdisjoint(item.fixturenames)}
+
+    def group(item: pytest.Item) -> int:
+        if item.path.is_relative_to(here / "unit"):
+            return 0
+        if any(item.path.is_relative_to(d) for d in early) and item.path not in uses_vllm:
+            return 1
+        return 2
+
+    items.sort(key=group)  # stable: each group keeps the usual order
 
 
 @pytest.fixture(scope="session")
