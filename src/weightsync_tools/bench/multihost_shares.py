@@ -55,7 +55,7 @@ def rank(spec: dict[str, Any]) -> int:
     world, me = spec["world"], spec["rank"]
     # the ranks share this machine's cores: oversubscribed, torch's OpenMP copies spin (a 31 MB
     # copy took 0.3 s with 2 threads in each of 2 ranks on 2 cores, 0.01 s with 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))  # the cores this process may use
     group = None
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     if world > 1:
