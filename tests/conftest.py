@@ -9,6 +9,7 @@ module name `conftest`, so nothing a spawned process must find by name may live 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 2
 
     items.sort(key=group)  # stable: each group keeps the usual order
+    if os.environ.get("WEIGHTSYNC_SUITE_PART") == "second":  # scripts/suite.py's second session
+        for item in items:
+            if item.path in uses_vllm:
+                item.add_marker(pytest.mark.usefixtures("_no_vllm_in_the_second_session"))
+
+
+@pytest.fixture
+def _no_vllm_in_the_second_session(request: pytest.FixtureRequest) -> None:
+    pytest.fail(f"{request.node.nodeid} uses a vLLM, but scripts/suite.py runs it in the second session, which "
+                "starts none: take its path out of scripts/suite.py's SECOND", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -48,6 +48,11 @@ ENGINE_KWARGS: dict[str, Any] = {"timeout_s": 60.0}
 """checkpoint_engine.engine_kwargs.weightsync: the defaults (broadcast, bfloat16, hold_update)."""
 
 
+RAY_OBJECT_STORE_BYTES = 128 << 20
+"""Ray's shared-memory object store, in bytes (its default is 30% of the machine's memory, capped
+by /dev/shm): verl's workers pass handles and small dicts through it, never tensors here."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -170,7 +175,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     starting = [pool.submit(launch_server, engine_dir, args=["--num-threads", "1"]) for _ in range(2)]
     try:
         ray.init(num_cpus=2, include_dashboard=False, runtime_env=_env(), logging_level="WARNING",
-                 log_to_driver=False)
+                 log_to_driver=False, object_store_memory=RAY_OBJECT_STORE_BYTES)
         # the actor ranks start (import verl, build the FSDP2 model) while the engines start
         actor_cls = ray.remote(FsdpActorWorker)
         port = str(_free_port())
