@@ -259,6 +259,64 @@ def test_the_coordinator_reads_declared_capabilities_only() -> None:
     assert not found, "\n".join(found)
 
 
+FAN_OUT_WORDS = frozenset({"fan_out", "_fan_out", "send_shares", "shares", "relay", "relays", "chain", "in_group"})
+"""Names and attributes that say which fan-out a push uses (a config field, a flag, the strategy)."""
+
+
+def _fan_out_branches(text: str, filename: str) -> tuple[list[str], int]:
+    """(each condition in `text` that reads a fan-out: a test of an `if`, `while`, `assert`,
+    conditional expression or comprehension, an `and`/`or`, a comparison or a `match`
+    subject naming one of FAN_OUT_WORDS (not as the function it calls) or a fan-out's name;
+    how many conditions it read)."""
+    from weightsync.push.fanout import FAN_OUTS
+
+    conditions: list[ast.expr] = []
+    for node in ast.walk(ast.parse(text, filename=filename)):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            conditions.append(node.test)
+        elif isinstance(node, (ast.BoolOp, ast.Compare)):
+            conditions.append(node)
+        elif isinstance(node, ast.Match):
+            conditions.append(node.subject)
+        elif isinstance(node, ast.comprehension):
+            conditions.extend(node.ifs)
+    found = []
+    for condition in conditions:
+        called = {id(n.func) for n in ast.walk(condition) if isinstance(n, ast.Call)}  # `send_shares(...) or []`
+        read = [n for n in ast.walk(condition) if id(n) not in called]
+        words = {n.id for n in read if isinstance(n, ast.Name)} | {n.attr for n in read if isinstance(n, ast.Attribute)}
+        words |= {n.value for n in ast.walk(condition) if isinstance(n, ast.Constant) and n.value in FAN_OUTS}
+        if words & (FAN_OUT_WORDS | set(FAN_OUTS)):
+            found.append(f"{filename}:{condition.lineno}: {ast.unparse(condition)}")
+    return found, len(conditions)
+
+
+def test_the_coordinator_has_no_branch_on_the_fan_out() -> None:
+    """How a push fans out (direct, relay, shares) is a strategy chosen once when the sync is
+    built (`push/fanout/`): the coordinator's rounds (`push/replicas.py`) and the push
+    (`push/sync.py`) call it, and never branch on which fan-out is in use."""
+    found = []
+    for filename in ("push/replicas.py", "push/sync.py"):
+        path = PACKAGE / filename
+        branches, read = _fan_out_branches(path.read_text(), filename)
+        assert read > 20, f"{filename}: only {read} conditions read"
+        found += branches
+    assert not found, "branches on the fan-out (put them in its strategy, push/fanout/):\n" + "\n".join(found)
+
+
+def test_a_branch_on_the_fan_out_is_found() -> None:
+    text = ("def f(self, config, e):\n"
+            "    if self.relay:\n        pass\n"
+            "    x = 1 if config.send_shares else 2\n"
+            "    y = config.fan_out == 'relay'\n"
+            "    z = [e for e in self.engines if self._fan_out.relays]\n"
+            "    if e.ready and self.engines:\n        pass\n"
+            "    return send_shares(e) or []\n")
+    found, read = _fan_out_branches(text, "f.py")
+    assert sorted(int(line.split(":")[1]) for line in found) == [2, 4, 5, 6], found
+    assert read == 7
+
+
 def test_vllm_plugin_and_package_import_no_engine_code() -> None:
     """vLLM runs the plugin (`engines.vllm.plugin:register`) in every one of its processes, so
     `engines/vllm/__init__.py` and `plugin.py` import nothing at module level; and of the package

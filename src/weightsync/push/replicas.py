@@ -6,6 +6,8 @@ The rounds of one push, in the order the coordinator (`weightsync.push.sync`) ma
 capabilities (once per transport session), connect, pause, begin (asked again while
 another live trainer's session holds an engine), receive (per bucket, beside the
 transport's own send), ready, commit (engines that can undo a commit first), resume.
+Which engines the trainer sends a bucket to, and what else the rounds check, start or
+wait for, is the push's fan-out's (`weightsync.push.fanout`): the same rounds for each.
 After a failure the cleanup rounds (abort, rollback, leaving the session, resume)
 share one bound, min(timeout_s, 10 s), and skip an engine that timed out in this push:
 its cleanup goes to its backlog (`weightsync.push.cleanup`) and runs in the background.
@@ -29,9 +31,7 @@ from weightsync.engines.base import (
     EngineCapabilities,
     Link,
     PausePolicy,
-    Relayer,
     Rollbacker,
-    ShareReceiver,
 )
 from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
 from weightsync.formats.shares import Share
@@ -41,9 +41,9 @@ from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.naming import ExpertLayout
 from weightsync.push.cleanup import Backlog
-from weightsync.push.relay_chain import RelayChain
+from weightsync.push.fanout import FanOut
 from weightsync.reports import Ack
-from weightsync.transports import receiver_class, same_host_only
+from weightsync.transports import same_host_only
 from weightsync.transports.base import Transport
 
 log = logging.getLogger(__name__)
@@ -55,17 +55,16 @@ class Replicas:
 
     `timeout_s` bounds every round of a push; `cleanup_timeout_s` the cleanup rounds of a
     failed push together (`failing`) and each cleanup call that runs in the background.
-    Pushes go over `transport` in `mode`, which carries a LoRA adapter where `sends_adapter`.
+    Pushes go over `transport` in `mode`, which carries a LoRA adapter where `sends_adapter`,
+    and reach the engines as `fan_out` routes them.
     """
 
     def __init__(self, engines: Sequence[Engine], *, timeout_s: float, cleanup_timeout_s: float,
-                 transport: str, mode: str, sends_adapter: bool, relay: bool = False, shares: bool = False) -> None:
+                 transport: str, mode: str, sends_adapter: bool, fan_out: FanOut) -> None:
         self.engines = list(engines)
         self.transport, self.mode, self.sends_adapter = transport, mode, sends_adapter
-        self.relay = relay
-        """Buckets go to the first engine, which forwards them along the others (`fan_out="relay"`)."""
-        self.shares = shares
-        """Every trainer rank sends its own share of each bucket (`SyncConfig.send_shares`)."""
+        self.fan_out = fan_out
+        """How a bucket or a share reaches the engines (`weightsync.push.fanout`)."""
         self.timeout_s = timeout_s
         self.cleanup_timeout_s = cleanup_timeout_s
         # per engine: a call of the push and a background cleanup task (which waits for that call)
@@ -77,14 +76,12 @@ class Replicas:
         self._caps: list[EngineCapabilities] | None = None
         self._cleanup_by: float | None = None
         """While a failed push cleans up: when every cleanup round must have answered."""
-        self.chain = RelayChain(self) if relay and receiver_class(transport).collective else None
-        """Relayed in a broadcast group: the trainer's side of the chain of hops."""
 
     # -- what the engines declare --------------------------------------------
 
     def capabilities(self) -> list[EngineCapabilities]:
         """Every engine's declared capabilities, asked once per transport session; an engine
-        that declares it cannot take the transport in this mode is refused, naming it."""
+        that declares it cannot take the transport in this mode, or the fan-out, is refused, naming it."""
         if self._caps is None:
             timeout_s = self.timeout_s
             caps = self.all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
@@ -93,16 +90,7 @@ class Replicas:
                 if declared and self.transport not in declared:
                     raise EngineError(engine.label, f"this engine takes mode={self.mode!r} over "
                                       f"{sorted(declared)}, not transport={self.transport!r}")
-                if self.relay and not c.relays:
-                    raise EngineError(engine.label, "this engine does not forward buckets to other engines "
-                                      "(no `relays` capability: a stock SGLang cannot relay, `weightsync serve` "
-                                      "can): use fan_out='direct'")
-                if self.relay and receiver_class(self.transport).collective and c.num_ranks != 1:
-                    raise EngineError(engine.label, f"relayed over {self.transport}, each engine takes part with "
-                                      f"one rank; this one has {c.num_ranks}: use fan_out='direct'")
-                if self.shares and not c.assembles_shares:
-                    raise EngineError(engine.label, "this engine does not assemble buckets from trainer ranks' "
-                                      "shares (no `assembles_shares` capability): use send_shares=False")
+                self.fan_out.refuse_engine(engine.label, c)
             self._caps = caps
         return self._caps
 
@@ -126,8 +114,9 @@ class Replicas:
 
     def refuse_unfit(self, transport: Transport) -> None:
         """When the `WeightSync` is built: refuse, naming what works, an engine that cannot take
-        `transport` in this mode, or that is on another host where the transport reaches one
-        host only (shm) or engines reach the trainer at a loopback address (broadcast)."""
+        `transport` in this mode or take part in the fan-out, or that is on another host where the
+        transport reaches one host only (shm) or engines reach the trainer at a loopback address
+        (broadcast)."""
         if not self.engines:
             raise ValueError("WeightSync needs at least one engine")
         for e in self.engines:
@@ -136,45 +125,11 @@ class Replicas:
                 note = e.transports_note
                 raise ValueError(f"{e.label} cannot take mode={self.mode!r} over transport={self.transport!r}; "
                                  f"it supports {sorted(allowed)}" + (f": {note}" if note else ""))
-        if self.relay or transport.relays:
-            self._refuse_unfit_relay(transport)
-        if self.shares:
-            self._refuse_unfit_shares()
+        self.fan_out.refuse_unfit(self, transport)
         check_reachable(
             [(e.label, e.url, [t for t in sorted(self._allowed(e)) if not same_host_only(t)]) for e in self.engines],
             transport=self.transport, same_host_only=transport.same_host_only,
             trainer_address=transport.trainer_address)
-
-    def _refuse_unfit_relay(self, transport: Transport) -> None:
-        """Relays run over http (engines forward the frames they received) and broadcast
-        (point-to-point sends in the group, from a transport built with `relay=True`); disk
-        engines each read the shared directory, and shm reaches one host, where every engine
-        maps the trainer's segment itself: nothing to relay."""
-        receiver = receiver_class(self.transport)
-        if not self.relay:
-            raise ValueError(f"this {self.transport} transport was built to relay (relay=True): pass fan_out='relay', "
-                             "or build it with relay=False")
-        if receiver.collective and not transport.relays:
-            raise ValueError(f"fan_out='relay' over transport={self.transport!r} needs the transport built to relay: "
-                             "pass it by name, or build BroadcastTransport(relay=True)")
-        if not (receiver.bytes_in_delivery or receiver.collective):
-            raise ValueError(f"fan_out='relay' forwards buckets engine to engine over http or broadcast, and "
-                             f"transport={self.transport!r} does not send: use transport='http' or 'broadcast', or "
-                             "fan_out='direct'")
-        for e in self.engines:
-            if not isinstance(e, Relayer) or e.url is None:
-                raise ValueError(f"{e.label} cannot be part of a relay (it needs an engine client that relays, "
-                                 "with a URL the other engines reach: SGLangEngine on weightsync serve); "
-                                 "use fan_out='direct'")
-
-    def _refuse_unfit_shares(self) -> None:
-        if not receiver_class(self.transport).bytes_in_delivery:
-            raise ValueError(f"send_shares=True sends each trainer rank's share of a bucket in a request of its own, "
-                             f"which transport={self.transport!r} does not: use transport='http'")
-        for e in self.engines:
-            if not isinstance(e, ShareReceiver):
-                raise ValueError(f"{e.label} cannot take buckets in shares (it needs an engine client that sends "
-                                 "them: SGLangEngine on weightsync serve); use send_shares=False")
 
     def _allowed(self, engine: Engine) -> frozenset[str]:
         return engine.lora_transports if self.sends_adapter else engine.transports
@@ -272,65 +227,48 @@ class Replicas:
                 backoff = min(2 * backoff, 1.0)
                 continue
             notes = [f"{e.label}: {a}" for e, a in zip(self.engines, answers, strict=True) if a]
-            if self.relay:
-                notes.append("relayed: the trainer sent each bucket to " + " -> ".join(e.label for e in self.engines))
+            notes += self.fan_out.notes(self.engines)
             if busy:
                 notes.append(f"waited {time.monotonic() - started:.1f}s ({busy} busy answer(s)) for another "
                              "trainer's update session to end or expire")
             return notes
 
-    def start_relay(self, manifest: Manifest) -> None:
-        """After begin, relayed in a group: every engine starts its hop (`RelayChain.start`)."""
-        if self.chain is not None:
-            self.chain.start(manifest)
+    def start(self, manifest: Manifest) -> None:
+        """After begin: what the fan-out starts before any bucket (a relay in a group: every hop)."""
+        self.fan_out.start(self, manifest)
 
     def receive(self, bucket: BucketMeta, delivery: Delivery, send: Callable[[], None]) -> None:
-        """Every engine takes `bucket` while `send` (the transport's side of it) runs here,
-        all within timeout_s; relayed, the first engine takes it and forwards it along the
-        others (`wait_relayed` in `ready` finds where it stopped): over http in the engine
-        call, in a group from the trainer's send alone."""
+        """The engines take `bucket` while `send` (the transport's side of it) runs here,
+        all within timeout_s, as the fan-out routes it (relayed: the first engine takes it
+        and forwards it along the others; `ready` finds where it stopped)."""
+        self.fan_out.deliver(self, bucket, delivery, send)
+
+    def receive_share(self, share: Share) -> None:
+        """The engines take this trainer rank's `share` of a bucket, within timeout_s, as the fan-out routes it."""
+        self.fan_out.deliver_share(self, share)
+
+    def while_sending(self, calls: Sequence[tuple[int, Callable[[], object]]], send: Callable[[], None],
+                      what: str) -> None:
+        """Each `(index, call)` on engine `index` at once while `send` runs here, all
+        answered within timeout_s; where `send` times out, the calls still under way are
+        the stalled engines' (they did not take it in time either)."""
         deadline = time.monotonic() + self.timeout_s  # the collective is bounded by timeout_s too
-        if self.chain is not None:
-            self.chain.send_first_hop(bucket, send)
-            return
-        if self.relay:
-            first = self.engines[0]
-            assert isinstance(first, Relayer)
-            chain = [e.url for e in self.engines[1:] if e.url is not None]
-            futures = [self.pool.submit(first.relay, bucket, delivery, chain)]
-        else:
-            futures = [self.pool.submit(e.receive, bucket, delivery) for e in self.engines]
+        futures = [(i, self.pool.submit(call)) for i, call in calls]
         try:
             send()
-        except SyncTimeoutError:  # the engines that have not answered did not take the bucket in time either
-            for i, future in enumerate(futures):
+        except SyncTimeoutError:
+            for i, future in futures:
                 if not future.done():
                     self.backlog.mark(i, self.engines[i].label, future)
             raise
-        for i, future in enumerate(futures):
-            self.wait(future, f"{self.engines[i].label}: receiving bucket {bucket.index}", index=i,
-                      deadline=deadline)
-
-    def receive_share(self, share: Share) -> None:
-        """Every engine takes this trainer rank's `share` of a bucket, within timeout_s;
-        relayed, the first engine takes it and forwards it along the others."""
-        deadline = time.monotonic() + self.timeout_s
-        receivers = [e for e in self.engines if isinstance(e, ShareReceiver)]
-        assert len(receivers) == len(self.engines), "refuse_unfit refuses engines that take no shares"
-        if self.relay:
-            chain = [e.url for e in self.engines[1:] if e.url is not None]
-            futures = [self.pool.submit(receivers[0].receive_share, share, chain, timeout_s=self.timeout_s)]
-        else:
-            futures = [self.pool.submit(e.receive_share, share, (), timeout_s=self.timeout_s) for e in receivers]
-        for i, future in enumerate(futures):
-            self.wait(future, f"{self.engines[i].label}: receiving a share of bucket {share.index}", index=i,
-                      deadline=deadline)
+        for i, future in futures:
+            self.wait(future, f"{self.engines[i].label}: {what}", index=i, deadline=deadline)
 
     def ready(self, manifest: Manifest) -> None:
-        """With several replicas, find an engine that cannot commit before any does; relayed,
-        first wait until every engine holds every bucket (or one says where the relay broke)."""
-        if self.relay:
-            self.all(lambda e, link: e.wait_relayed(manifest, link), "waiting for the relayed buckets")
+        """Once every engine holds every bucket (the fan-out waits, relayed, until each says so
+        or one says where the relay broke): with several replicas, find an engine that cannot
+        commit before any does."""
+        self.fan_out.wait_delivered(self, manifest)
         if len(self.engines) > 1:
             self.all(lambda e, link: e.ready(manifest, link), "checking it can commit")
 

@@ -9,6 +9,8 @@ One push, on the sending rank:
     stream    producer thread: gather -> pack into a slot (k%2, or a leased one) -> hash
               main thread:     deliver bucket k to every engine (wire)     pipeline.py
               at most two buckets alive; bucket k+2 waits for bucket k
+              (as the push's fan-out streams and routes it: direct, relay,
+              or every rank's shares)                                      fanout/
     commit    pause (per policy) -> every engine applies and acks -> resume
     verify    acks: version, every bucket digest, every name
 
@@ -45,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync.change_encoding import ENCODINGS
-from weightsync.digests import ALGORITHMS, COMBINABLE, WSMIX64, for_device
+from weightsync.digests import ALGORITHMS, COMBINABLE, for_device
 from weightsync.dtypes import Cast, dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
@@ -54,8 +56,10 @@ from weightsync.manifest import MODES, BucketMeta, Manifest
 from weightsync.modes import ModeOptions, PushMode, make_mode
 from weightsync.naming import ExpertLayout
 from weightsync.owners import session_owner
+from weightsync.push.fanout import check_fan_out, make_fan_out
+from weightsync.push.fanout.base import Streaming
 from weightsync.push.followers import follow
-from weightsync.push.pipeline import Stages, stream_buckets, threads_beside_engines
+from weightsync.push.pipeline import Stages
 from weightsync.push.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, cast_notes, expert_layout
 from weightsync.push.rank_shares import ShareOrder, send_shares
 from weightsync.push.replicas import Replicas
@@ -67,8 +71,6 @@ from weightsync.transports.base import Transport
 
 log = logging.getLogger(__name__)
 
-FAN_OUTS = ("direct", "relay")
-"""How a push reaches several engines (`SyncConfig.fan_out`)."""
 TRANSPORT_OPTIONS = frozenset({"disk_root", "keep_versions", "master_address", "backend"})
 """`SyncConfig` fields that only configure a transport made by name."""
 
@@ -152,8 +154,7 @@ class SyncConfig:
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype (only floating tensors are cast), got {dtype}")
         object.__setattr__(self, "dtype", dtype)
-        if self.fan_out not in FAN_OUTS:
-            raise ValueError(f"unknown fan_out {self.fan_out!r}; one of {', '.join(FAN_OUTS)}")
+        check_fan_out(self.fan_out)
         if self.digest_algorithm is not None and self.digest_algorithm not in ALGORITHMS:
             raise ValueError(f"unknown digest_algorithm {self.digest_algorithm!r}; one of {', '.join(ALGORITHMS)}")
 
@@ -216,16 +217,14 @@ class WeightSync:
             raise ValueError(f"mode={mode!r} with a process_group digests each whole tensor from its ranks' parts, "
                              f"which only {', '.join(sorted(COMBINABLE))} can: leave digest_algorithm unset or "
                              f"pass {', '.join(repr(a) for a in sorted(COMBINABLE))}")
-        if self.config.send_shares and not self._mode.sends_shares:
-            raise ValueError(f"send_shares=True sends every tensor as the trainer ranks hold it, which "
-                             f"mode={mode!r} does not: use mode='full'")
-        if self.config.send_shares and algorithm not in (None, *COMBINABLE):
-            raise ValueError("send_shares=True combines each bucket's digest from the ranks' shares, which only "
-                             f"{', '.join(sorted(COMBINABLE))} can: leave digest_algorithm unset")
+        self._fan_out = make_fan_out(self.config.fan_out, transport=self.config.transport,
+                                     send_shares=self.config.send_shares, mode=self.config.mode,
+                                     sends_shares=self._mode.sends_shares, digest_algorithm=algorithm)
+        """How a push's bytes reach the engines (`weightsync.push.fanout`), chosen once."""
         self._replicas = Replicas(engines, timeout_s=self.config.timeout_s,
                                   cleanup_timeout_s=self.config.cleanup_timeout_s, transport=self.config.transport,
                                   mode=self.config.mode, sends_adapter=self._mode.sends_adapter,
-                                  relay=self.config.fan_out == "relay", shares=self.config.send_shares)
+                                  fan_out=self._fan_out)
         """The engines, called together, each round bounded (`weightsync.push.replicas`)."""
         if self.ranks.is_sender:
             # now: an engine that cannot take the transport, or a missing transport option, fails here
@@ -387,36 +386,23 @@ class WeightSync:
                 begun = True  # the engine may still open the update when it answers: abort it
                 raise
             begun = True
-            replicas.start_relay(manifest)
+            replicas.start(manifest)
 
-        # one sending rank streams on its own: its producer starts packing while the engines
-        # check the manifest (nothing is delivered before they all began); with other ranks
-        # (their gathers are collectives) or shares, nothing starts before begin
-        overlap = not self.ranks.is_distributed and not self.config.send_shares
         try:
             if not all(c.stages_updates for c in caps):
                 paused = True  # before asking: a pause that timed out may land when the engine wakes
                 replicas.pause(self.config.pause)
-            if not overlap:
-                begin()
             assert self._transport is not None
-            self._transport.begin(manifest)
             step = plan.selection.follower_step
             order = {"mode": source.mode, "order": plan.buckets.order, "expert_layout": self._expert_layout,
                      **({"step": step} if step else {})}
-            if self.config.send_shares:
-                shares = ShareOrder.of(manifest, plan.buckets.to_engine)
-                self._tell_followers({**order, "shares": shares.to_message()})
-                digests = self._send_shares(source, shares, stages)
-            else:
-                self._tell_followers(order)
-                digests = stream_buckets(
-                    plan.selection.stream or source, manifest.buckets, plan.buckets.order, plan.buckets.to_engine,
-                    slot=self._transport.slot,
-                    deliver=self._deliver, stages=stages, allow_overflow=self.config.allow_overflow,
-                    drain=self.ranks.is_distributed,  # the other ranks must finish their gathers
-                    digest_algorithm=manifest.digest_algorithm, first=begin if overlap else None,
-                    pack_threads=threads_beside_engines() if self._transport.same_host_only else None)
+            # the fan-out begins (at once, or while the first bucket is packed) and streams
+            digests = self._fan_out.stream(Streaming(
+                manifest=manifest, source=source, stream=plan.selection.stream or source,
+                bucket_order=plan.buckets.order, to_engine=plan.buckets.to_engine, follower_order=order,
+                transport=self._transport, ranks=self.ranks, stages=stages,
+                allow_overflow=self.config.allow_overflow, begin=begin, tell_followers=self._tell_followers,
+                deliver=self._deliver, send_shares=self._send_shares))
             manifest = manifest.with_digests(digests)
             self._transport.finish(manifest)
             if not paused:
@@ -451,7 +437,8 @@ class WeightSync:
             self._replicas.receive(bucket, delivery, lambda: transport.send(bucket, buffer))
 
     def _send_shares(self, source: WeightSource, order: ShareOrder, stages: Stages | None = None) -> list[str]:
-        """This rank's share of every bucket to the engines; on the sender, their digests."""
+        """This rank's share of every bucket to the engines as the fan-out routes them (the sending
+        rank's `SharesFanOut.stream`, or the sender told this rank to); on the sender, their digests."""
         return send_shares(source, order, self.ranks, deliver=self._replicas.receive_share,
                            timeout_s=self.config.timeout_s, allow_overflow=self.config.allow_overflow,
                            stages=stages, buffers=self._share_buffers) or []
@@ -478,7 +465,7 @@ class WeightSync:
             self._transport = make_transport(
                 self.config.transport, timeout_s=self.config.timeout_s, disk_root=self.config.disk_root,
                 keep_versions=self.config.keep_versions, master_address=self.config.master_address,
-                backend=self.config.backend, relay=self.config.fan_out == "relay",
+                backend=self.config.backend, relay=self._fan_out.relays,
             )
         return self._transport
 
@@ -496,9 +483,8 @@ class WeightSync:
 
     def _digest_algorithm(self) -> str:
         """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`)."""
-        if self.config.send_shares:
-            return WSMIX64
-        return self.config.digest_algorithm or for_device(self._make_transport().buffer_device)
+        return self._fan_out.digest_algorithm(
+            lambda: self.config.digest_algorithm or for_device(self._make_transport().buffer_device))
 
     def _tell_followers(self, message: dict[str, Any]) -> None:
         """Tell the other trainer ranks (`weightsync.push.followers`) what comes next."""

@@ -12,24 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Any
 
-from weightsync.engines.base import Engine, Link, Relayer
+from weightsync.engines.base import Link, Relayer
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.manifest import BucketMeta, Manifest
-
-
-class Round(Protocol):
-    """What the chain uses of the engines it relays along (`replicas.Replicas`)."""
-
-    engines: list[Engine]
-    links: list[Link] | None
-    timeout_s: float
-    pool: ThreadPoolExecutor
-
-    def all(self, call: Callable[[Any, Link | None], Any], what: str) -> list[Any]:
-        ...
+from weightsync.push.fanout.base import Round
 
 RELAY_CAUSE_S = 2.0
 """How long the trainer asks the engines of a relay in a group why it stopped, after its own
@@ -37,7 +26,7 @@ hop failed (the engine whose hop failed records why a moment after the trainer s
 
 
 class RelayChain:
-    """The hops of one `Replicas`' relay in a group, in the engines' order."""
+    """The hops of one relay in a group (`push.fanout.relay`), in the engines' order."""
 
     def __init__(self, replicas: Round) -> None:
         self.replicas = replicas
