@@ -32,23 +32,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     vLLM servers the later tests share start in the background meanwhile
     (tests/support/vllm_shared_server.py), mostly while the modules of the second group wait
     on their own engines (a `weightsync serve` or Ray works while the test waits: the two
-    cores were 35-48% idle there when they ran after the vLLM tests). Fault and multi-host
-    tests, whose assertions include the README's time bounds, stay after them, with the
-    machine to themselves. A module moves whole (its module fixtures start once)."""
+    cores were 35-48% idle there when they ran after the vLLM tests). In scripts/suite.py's
+    second session (no unit tests there) the multi-host tests come first: they wait most, so
+    their waits fill the cores beside the first session's CPU-bound start instead of ending
+    the run alone. A module moves whole (its module fixtures start once)."""
     here = Path(__file__).parent
     early = (here / "integration", here / "frameworks")
     uses_vllm = {item.path for item in items if item.get_closest_marker("vllm") is not None
                  or not VLLM_FIXTURES.isdisjoint(item.fixturenames)}
 
+    second = os.environ.get("WEIGHTSYNC_SUITE_PART") == "second"  # scripts/suite.py's second session
+
     def group(item: pytest.Item) -> int:
         if item.path.is_relative_to(here / "unit"):
             return 0
+        if second and item.path.is_relative_to(here / "multihost"):
+            return 0  # they wait most: beside the first session's CPU-bound start, not alone at the end
         if any(item.path.is_relative_to(d) for d in early) and item.path not in uses_vllm:
             return 1
         return 2
 
     items.sort(key=group)  # stable: each group keeps the usual order
-    if os.environ.get("WEIGHTSYNC_SUITE_PART") == "second":  # scripts/suite.py's second session
+    if second:
         for item in items:
             if item.path in uses_vllm:
                 item.add_marker(pytest.mark.usefixtures("_no_vllm_in_the_second_session"))
