@@ -16,6 +16,7 @@ test that pushed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -30,10 +31,8 @@ def tree_cpu_s() -> float:
     me = psutil.Process()
     total = sum(me.cpu_times()[:4])
     for child in me.children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.Error):  # it ended meanwhile: its time moves to its parent once reaped
             total += sum(child.cpu_times()[:4])
-        except psutil.Error:
-            pass  # it ended meanwhile: its time moves to its parent once reaped
     return total
 
 
