@@ -1,27 +1,11 @@
 """Plan, pack and unpack flat buckets. Pure: tensors in, tensors out, no I/O.
 
-A bucket is ONE contiguous uint8 buffer with its tensors back to back, no
-padding, ordered by descending itemsize so every tensor starts at a multiple of
-its own itemsize. That is SGLang's "flattened_bucket" layout byte for byte, so
-the same buffer can be broadcast to SGLang, written as a safetensors data
-section, or posted over HTTP unchanged.
-
-Planning is greedy in the order the tensors are given (the module order of the
-trainer), so every rank that plans the same metas gets the same plan. A tensor
-larger than `bucket_bytes` is never split: it gets a bucket of its own.
-
-Packing a stream (`pack_stream`) copies runs of small tensors with one call
-(`torch._chunk_cat`) into their place in the bucket (tens of thousands of expert
-matrices cost a C++ loop, not a Python call each); the bytes are exactly those
-`pack_one` writes tensor by tensor. The runs are laid out once per bucket layout
-from its entries, and each run's tensors are checked against them together (C calls
-over the run, not Python per tensor). Where torch has threads, a run (or a tensor
-packed on its own) is copied on a helper thread while this one reads on, when the
-helper is free, and here when it is busy; each copy on one intra-op thread (the
-serial kernel of `torch.cat`). A
-tensor a source holds in parts (`TensorParts`: a fused expert tensor stacked from
-per-expert ones) has each part cast and packed
-straight into its byte range; the whole tensor is never made.
+A bucket is one contiguous uint8 buffer, its tensors back to back by descending itemsize, no
+padding: SGLang's "flattened_bucket" layout byte for byte. The plan is greedy in the source's order
+(every rank planning the same metas gets the same plan); a tensor larger than `bucket_bytes` gets a
+bucket of its own. Transports and engines move and read the buffers; the pipeline
+(`push.pipeline`) and the receiving side call this module. How a stream is packed cheaply per
+tensor: docs/PERFORMANCE.md ("Per-tensor cost").
 """
 
 from __future__ import annotations
@@ -300,19 +284,12 @@ def pack_stream(
 ) -> Iterator[tuple[BucketMeta, torch.Tensor | None]]:
     """Pack a tensor stream bucket by bucket, holding one bucket at a time.
 
-    `tensors` must yield in `stream_order(plan)`. Each tensor is copied into its
-    bucket as it arrives, or with the run of small tensors it belongs to (at most
-    RUN_MAX_TENSORS tensors and RUN_MAX_BYTES, copied with one call), and dropped,
-    so peak memory is one bucket plus the tensors in hand (the run being read, and
-    the one the helper thread copies: see `_Run`). With `keep=False` (a
-    non-sending rank that only takes part in gathers) nothing is packed and `None`
-    is yielded for each bucket.
-    `alloc` gives each bucket its buffer (a shared-memory slot, a pinned
-    buffer); the default allocates a fresh CPU tensor. When it returns None the
-    bucket's tensors are consumed but not packed (a sender that failed keeps
-    draining a sharded source so the other ranks' gathers complete). Floating
-    tensors are cast to their entry's dtype as they are packed, exactly as
-    `pack_one` casts them (`tensor.to(entry.dtype)`).
+    `tensors` must yield in `stream_order(plan)`; each tensor (or its run of small tensors, one
+    `_chunk_cat`) is copied into its bucket, cast to its entry's dtype exactly as `pack_one` casts, and
+    dropped: peak memory is one bucket plus the tensors in hand (see `_Run`). `alloc` gives each bucket
+    its buffer (default: a fresh CPU tensor); when it returns None the bucket's tensors are consumed but
+    not packed (a failed sender keeps draining a sharded source so the other ranks' gathers complete).
+    With `keep=False` (a rank that only takes part in gathers) nothing is packed and None is yielded.
     """
     it = iter(tensors)
     for bucket in plan:

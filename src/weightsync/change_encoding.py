@@ -1,26 +1,10 @@
-"""The encodings of one tensor's changed elements between two versions, and the names
-(`ENCODINGS`) and sizes (`encoded_nbytes`) of every way a tensor's bytes sit in its
-bucket. Pure: tensors in, tensors out, no I/O; used by `mode="sparse"` on the trainer
-(`encode`), by the manifest to check each entry's size, and by every engine that
-applies sparse updates (`apply_payload`).
+"""How one tensor's bytes sit in its bucket: whole (`dense`), or only its changed elements.
 
-Both versions are in the engine's dtype and compared BITWISE (integer views of the
-same bytes), so -0.0 vs 0.0 and NaN payloads count as changes and the engine ends
-with exactly the trainer's bytes. A changed element is one whose bytes differ.
-
-Payload layouts (the manifest entry's `encoding`; every integer little-endian; the
-payload is zero-padded to a multiple of `PAYLOAD_ALIGN` bytes):
-
-    dense        no payload: the whole tensor, as a full push sends it
-    positions16  values[k] (the tensor's dtype), then gaps[k] (uint16)
-    positions32  values[k], then gaps[k] (uint32): when a gap does not fit 16 bits
-    bitmap       values[k], then ceil(numel / 8) bytes: bit (i % 8) of byte (i // 8)
-                 is set where flat element i changed (numpy's bitorder="little")
-
-`k` is the entry's `num_changed`; values are the new elements at the changed flat
-(C-order) positions, in ascending position order; positions are delta-coded:
-gaps[0] = p[0], gaps[i] = p[i] - p[i-1] (> 0). `encode` picks the smallest of the
-four (ties go to the earlier one in that list).
+Names the encodings (`ENCODINGS`) and their sizes (`encoded_nbytes`), encodes the changed elements
+between two versions compared bitwise in the engine's dtype (`encode`, the smallest encoding wins),
+and applies a payload (`apply_payload`). Pure: tensors in, tensors out, no I/O. Called by
+`mode="sparse"` on the trainer, by the manifest to check entry sizes, and by every engine that
+applies sparse updates. The payload layouts: docs/PROTOCOL.md ("Sparse").
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""The digest algorithms a manifest may name, and how each is computed.
+"""The bucket digest algorithms a manifest may name (`xxh3_64`, `wsmix64`), and how each is computed.
 
-Two algorithms, both 64-bit, both written as 16 hex characters:
-
-- "xxh3_64": xxhash's xxh3 over the bytes on the host. The fastest choice for CPU
-  buffers (one core, memory speed); a CUDA tensor is copied to host first.
-- "wsmix64": computed with torch integer ops on the device that holds the bytes,
-  so a CUDA bucket is never copied to host to be hashed. Bit-identical on CPU and
-  CUDA for the same bytes (see `Wsmix64`), so the CPU tests check the GPU algorithm.
-
-Both digest a byte string: the same bytes give the same digest whatever dtype the
-tensor holding them has. Both can be fed tensor by tensor (`Hasher.update`), which
-gives the digest of the tensors' bytes back to back, i.e. of the packed bucket.
-
-Neither is a MAC: they catch corruption, not an attacker (see `Wsmix64`).
+Both digest a byte string (whatever dtype holds the bytes) and can be fed tensor by tensor
+(`Hasher.update`), giving the digest of the packed bucket. `xxh3_64` runs on the host; `wsmix64` runs
+with torch ops where the bytes are, bit-identical on CPU and CUDA. Integrity checks, not MACs. Called
+by the pipeline, the transports and every engine; the definitions and what they catch:
+docs/PROTOCOL.md ("Digest algorithms").
 """
 
 from __future__ import annotations
@@ -89,31 +81,15 @@ class Xxh3:
 class Wsmix64:
     """wsmix64: a position-keyed sum of mixed 64-bit words, computed where the bytes are.
 
-    The bytes are read as little-endian 64-bit words w_0 .. w_{m-1} (the last one
-    zero-padded). With n the byte length and fmix64 MurmurHash3's 64-bit finaliser
-    (a bijection of 64-bit integers), all arithmetic mod 2**64:
+    The bytes as little-endian 64-bit words w_i (the last zero-padded), n the byte length, fmix64
+    MurmurHash3's finaliser, all mod 2**64:
 
         S      = sum over i of fmix64(w_i ^ ((i + 1) * WORD_KEY))
         digest = fmix64(S ^ fmix64(n ^ LENGTH_SEED))
 
-    Computed in int64 torch ops with wrap-around arithmetic (multiply, xor, masked
-    right shifts, sum), which CPU and CUDA give bit for bit; the sum is exact, so
-    the result does not depend on reduction order or on the chunking. No float op.
-    `reference_wsmix64` is the same definition in pure Python.
-
-    What it detects: any change confined to one 64-bit word, so every single flipped
-    bit, always (fmix64 and the xor are bijections, so the one term that changes
-    cannot keep its value); truncation and padding, always (n is mixed in; zero
-    padding also adds a term). Swapped or shifted words, tensors out of place and
-    multi-word damage change terms at several positions: missed only when the
-    changes cancel in the sum, about 2**-64 for damage that is not built to do so.
-
-    What it does not protect against: anyone who means to forge. It is not a MAC
-    and not a cryptographic hash: there is no key, and the sum is linear, so a
-    chosen pair of word changes with equal and opposite effect on S is easy to
-    build. Whoever can write the bytes in transit can also rewrite the digest;
-    integrity against an adversary needs an authenticated channel (TLS, a trusted
-    network). Words are read little-endian (every CPU and GPU torch runs on).
+    int64 torch ops with wrap-around (no float op), so CPU and CUDA agree bit for bit whatever the
+    reduction order; `reference_wsmix64` is the same in pure Python. Not a MAC: what it detects and what
+    it does not, docs/PROTOCOL.md ("Digest algorithms").
     """
 
     name = WSMIX64

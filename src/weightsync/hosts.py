@@ -1,18 +1,10 @@
-"""Which host an address belongs to, and which of this host's addresses faces it.
+"""Which host an address belongs to (`is_local_host`), and which of this host's addresses faces it
+(`local_address_towards`).
 
-Two questions the multi-host paths ask, answered from the socket layer alone
-(no packet is sent: a UDP `connect` only picks a route, a `bind` only checks
-that an address is assigned here):
-
-- `local_address_towards(host)`: the address of this host that traffic to
-  `host` leaves from. A gloo group binds it, instead of whatever this host's
-  name resolves to (often 127.0.0.1 or 127.0.1.1 in /etc/hosts, which peers on
-  other hosts cannot reach).
-- `is_local_host(host)`: `host` names this machine (loopback, or an address
-  assigned to one of its interfaces), e.g. before offering shared memory.
-
-Both look at the network namespace of the calling process: two namespaces on
-one kernel are two hosts here, which is what they are to the network.
+Answered from the socket layer alone: no packet is sent (a UDP `connect` only picks a route, a
+`bind` only checks an address is assigned here), in the calling process's network namespace (two
+namespaces are two hosts). Called by the multi-host paths: a gloo rank binds the address its peers
+can reach (`formats.groups`), and the coordinator asks before offering shared memory.
 """
 
 from __future__ import annotations

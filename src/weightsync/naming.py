@@ -1,47 +1,10 @@
-"""Trainer parameter names -> Hugging Face checkpoint names (`hf_name`).
+"""Trainer parameter names -> Hugging Face checkpoint names (`hf_name`), by walking the module tree.
 
-Names are mapped by walking the module tree and stepping through the wrappers
-we know, never by string replacement: a token such as "module" or "default" can
-be a real module name. The wrappers:
-
-- DDP / DataParallel (`module.`), torch.compile (`_orig_mod.`), activation
-  checkpointing (`_checkpoint_wrapped_module.`): transparent.
-- FSDP2 (`fully_shard`): names unchanged, parameters are DTensors.
-- PEFT: `PeftModel.base_model` (`base_model.`), the tuner's `.model`
-  (`model.`), LoRA layers (the real weight lives in `.base_layer.`; the
-  adapter weights under `lora_A.<adapter>` etc. are recorded separately), and
-  `modules_to_save` wrappers (the trained copy is the one sent).
-
-Parameters are visited once each (tied weights are shared Parameter objects),
-so a model with tied embeddings yields `model.embed_tokens.weight` and no
-`lm_head.weight`, exactly like its saved checkpoint. Persistent buffers (those in
-`state_dict()`, which `save_pretrained` writes and the engines load: a router's
-`e_score_correction_bias`) are named like parameters and travel with them;
-non-persistent ones (rotary `inv_freq` caches) are derived state and never sent.
-
-Mixture-of-Experts: transformers 5 holds a layer's experts fused, as 3-D
-parameters (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`
-`[E, H, I]`), while checkpoints hold one tensor per expert and projection
-(`mlp.experts.{e}.gate_proj.weight`, ...). With `expert_layout="per-expert"` each
-fused parameter is named as those checkpoint tensors, each an `ExpertSlice` of it
-(a view: expert e on dim 0, then gate or up as a half of dim 1). Fused experts are
-recognised by what the module declares, never by its names: the layout flags
-transformers' `use_experts_implementation` sets on every experts module
-(`is_concatenated`, `is_transposed`, `has_gate`, `has_bias`), and the checkpoint
-names and the split come from transformers' own conversion mapping of the model
-(`get_model_conversion_mapping`, the table `from_pretrained` fuses with and
-`save_pretrained` splits by). The per-expert layout is the checkpoint's names throughout:
-where that table also renames (Mixtral's `WeightRenaming(".block_sparse_moe.", ".mlp.")`),
-its renamings are reversed as `save_pretrained` reverses them, so a Mixtral's router and
-experts go as `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w1.weight`,
-the names vLLM's loader reads; the "fused" layout keeps the names the model holds.
-
-The reverse, for a trainer that holds its experts one by one (older transformers'
-`nn.ModuleList` of per-expert MLPs, a Megatron-style export) pushing into an engine
-that loads them fused: `expert_stacks` / `stack_expert_names` group the per-expert
-checkpoint names into the fused tensors they make (`stacking.ExpertStack`), by the
-same conversion mapping; a set that is not complete (an expert missing, a gate without
-its up) raises NamingError naming the missing tensors.
+Steps through the wrappers it knows (DDP, torch.compile, activation checkpointing, FSDP2, PEFT)
+instead of replacing strings; names fused Mixture-of-Experts parameters as their per-expert
+checkpoint tensors (`ExpertSlice`) and groups per-expert names into fused ones (`expert_stacks`).
+Reads modules, moves no tensor; unknown layouts raise `NamingError`. Called by `sources/`, `lora/`
+and `modes/`. The rules (wrappers, tied weights, buffers): docs/ARCHITECTURE.md; MoE: docs/MOE.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Hosts made of Linux network namespaces, joined by one switch (a bridge).
 
     with Network(["trainer", "engine0", "engine1"]) as net:
-        net.prefix("engine0")          # ["ip", "netns", "exec", NS]: run a command on that host
-        net.address("engine0")         # 10.231.0.2
-        net.cut("engine0")             # its link down (the switch side of its veth)
-        net.restore("engine0")
-        net.shape("engine0", rate_bits=10e9)   # tc tbf on both ends of its link
+        net.prefix("engine0"); net.address("engine0"); net.cut("engine0"); net.shape("engine0", rate_bits=10e9)
 
-Each host is a namespace with one veth, `eth0`, whose other end sits in a switch
-namespace and is a port of a bridge there; addresses are 10.231.0.1.. in order,
-/24, with no default route, so nothing can leave the rig. Nothing is created in
-the caller's namespace, and deleting the namespaces removes every veth and the
-bridge: `close()` (also on a failed setup) leaves nothing behind. Names carry the
-creating process's pid, so parallel runs do not collide; namespaces left by a
-killed run (their pid is gone) are removed by the next one.
-
-Processes on the hosts share this machine's filesystem, /dev/shm and pid space:
-only the network is separate, which is what a second host means to weightsync's
-transports (the test of `shm` across hosts says so).
+Creates nothing in the caller's namespace and leaves nothing behind (`close()`, also after a failed
+setup). Only the network is separate: hosts share the filesystem, /dev/shm and pids. Used by
+tests/multihost and the multi-host benches; the rig in full: docs/TESTING.md ("The multi-host rig").
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""The disk format: one safetensors file per bucket plus manifest.json.
+"""The disk format: a version directory of one safetensors file per bucket plus manifest.json.
 
-    <root>/v00000007/bucket-00000.safetensors
-                     bucket-00001.safetensors
-                     manifest.json
+    <root>/v00000007/bucket-00000.safetensors ... manifest.json
 
-Each bucket file is a valid safetensors file whose data section IS the packed
-bucket, byte for byte (safetensors allows any back-to-back layout), so writing
-costs no copy and any safetensors reader (SGLang's and vLLM's loaders,
-`safetensors.torch.load_file`) can read it. The bucket digest is kept in the
-file's `__metadata__` and in manifest.json. A sparse entry ("sparse" mode) is
-listed as the 1-d U8 tensor its payload is (`weightsync.change_encoding`); only weightsync
-engines, which read its encoding from manifest.json, can apply it.
-
-A version directory is written under a temporary name, fsynced and renamed
-into place, so a reader sees a whole version or none. Used by both sides: the
-disk transport writes, engines read and verify.
+Each file's data section IS the packed bucket (any safetensors reader can read it; the digest is in
+its `__metadata__` and in manifest.json); a version is written under a temporary name, fsynced and
+renamed, so a reader sees a whole version or none. Bytes and files only: the disk transport writes,
+engines read and verify. Sparse entries and the details: docs/PROTOCOL.md.
 """
 
 from __future__ import annotations

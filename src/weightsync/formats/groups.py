@@ -1,22 +1,10 @@
-"""Weight-update process groups, formed exactly as SGLang's
-`init_weights_update_group` forms them.
+"""Weight-update process groups, formed exactly as SGLang's `init_weights_update_group` forms them.
 
-The trainer is rank 0: it hosts the TCP store and is the broadcast source.
-Each engine rank joins as `rank_offset + tp_rank` through
-`init_method=tcp://master_address:master_port`; the store is wrapped in a
-`PrefixStore(group_name, ...)`. The group is a side group: no default process
-group is needed or touched, so a trainer can also be in its own training
-group, and several update groups can coexist in one process.
-
-Both sides use this module: the broadcast transport (trainer), the embedded
-server and the vLLM worker extension (engines).
-
-Across hosts, each gloo rank binds the address peers can reach it at: the
-trainer `master_address`, an engine its own address on the route to
-`master_address` (`weightsync.hosts.local_address_towards`). gloo's own default
-binds whatever this host's name resolves to, often a loopback address in
-/etc/hosts, which peers on other hosts cannot connect to. A user who sets
-GLOO_SOCKET_IFNAME keeps torch's behaviour (that interface).
+The trainer is rank 0 (TCP store host, broadcast source); engine ranks join as `rank_offset + tp_rank`
+through a `PrefixStore(group_name)`. A side group: no default process group is needed or touched.
+Across hosts each gloo rank binds the address its peers can reach (`hosts.local_address_towards`,
+unless GLOO_SOCKET_IFNAME is set). Used by the broadcast transport (trainer), the embedded server and
+the vLLM worker (engines); the rendezvous in full: docs/ENGINES.md ("SGLang").
 """
 
 from __future__ import annotations

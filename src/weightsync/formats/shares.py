@@ -1,23 +1,11 @@
-"""Buckets sent in shares: what crosses when every trainer rank sends its own part of
-each bucket (`SyncConfig.send_shares`), and how an engine assembles the whole.
+"""Buckets sent in shares (`SyncConfig.send_shares`): each trainer rank frames the byte ranges of a
+bucket it holds, and an engine assembles the whole bucket from them.
 
-Under FSDP2 each trainer rank holds its rows of every weight. Instead of gathering
-them to one rank, each rank packs its rows of bucket k, cast to the engines' dtype,
-into a share: the byte ranges of the bucket they fill, and their bytes. A share's
-payload on the wire (after the frame header, `wire.FrameHeader.ranges`):
-
-    ranges x 16 bytes   (offset, length) of each range in the bucket, uint64 little-endian
-    sum of lengths      the ranges' bytes, in table order
-
-The frame header carries the share's own xxh3_64 digest (over the whole payload, the
-table included) and the digest of the WHOLE bucket, which the ranks computed before
-sending from their parts' wsmix64 terms (`digests.combine_wsmix64`). An engine checks
-each share's digest before it uses or forwards a byte of it, copies its ranges into
-the bucket's buffer, and once the ranges of the shares that came in tile the bucket
-exactly (no gap, no overlap), hands the whole bucket on to be staged, where its
-digest is checked against the whole-bucket digest like any other bucket's.
-
-Pure bookkeeping and bytes: no I/O, no engine state beyond the buckets being assembled.
+A share is a bucket frame whose payload is a table of (offset, length) ranges and their bytes, with
+its own xxh3_64 digest and the whole bucket's wsmix64 digest. The engine checks each share before it
+uses or forwards a byte, and hands the bucket on only once the shares tile it exactly. Pure
+bookkeeping and bytes: no I/O. Used by the trainer's ranks (`push/`) and the embedded server; the
+wire format: docs/PROTOCOL.md.
 """
 
 from __future__ import annotations

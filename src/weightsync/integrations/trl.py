@@ -1,47 +1,10 @@
 """TRL's `AsyncGRPOTrainer` weight-transfer backend: `weight_transfer=WeightTransfer(engines=...)`.
 
-The boundary: TRL's `WeightTransferProtocol` (trl 1.16.0,
-`trl/experimental/async_grpo/async_grpo_trainer.py`: `init_weight_transfer`,
-`pause`, `send_weights(iterator)`, `resume`, `destroy`) on one side, one
-`WeightSync` on the other. This module never imports TRL; TRL never imports it.
-
-    from weightsync.integrations.trl import WeightTransfer
-
-    transfer = WeightTransfer(engines=[ws.SGLangEngine(url)], transport="http")
-    trainer = AsyncGRPOTrainer(model=path, ..., weight_transfer=transfer)
-    trainer.train()        # every sync is a verified push of version 1, 2, 3, ...
-
-What TRL does around the protocol (`AsyncGRPOTrainer._sync_weight_merged`), on
-the main process only: `pause()`, `model.merge_adapter()` for a PEFT model,
-`send_weights(iterator)`, `model.unmerge_adapter()` (in a `finally`),
-`resume()`, then `model_version += 1`. The other FSDP2 ranks iterate the same
-iterator for its `full_tensor()` collectives and never call the transfer.
-
-- `send_weights` is one `WeightSync.push` of the next version (`first_version`,
-  then one more per call: TRL's n-th sync is its `model_version` n when
-  `first_version` is 1). It raises unless every engine acked the version, every
-  bucket digest and every name, so TRL's training loop stops instead of training
-  on rollouts of weights that did not land; the engines keep their last good
-  version. TRL then skips `resume()` and calls `destroy()`.
-- The iterator yields `(name, tensor)` once, in TRL's order: checkpoint names
-  (PEFT's `base_model.model.` and `.base_layer` removed by TRL), each tensor the
-  parameter itself (`param.detach()`, no copy) or, under FSDP2, a gathered
-  `full_tensor()`. A push needs every name, dtype and shape before its first byte
-  (the engines check the manifest), so `send_weights` first holds the whole
-  iterator in a dict of references: no extra memory for an unsharded model, a
-  whole unsharded copy of the model on the main process under FSDP2.
-- `pause()` and `resume()` move nothing: the push pauses each engine by its
-  `pause` policy around its own commit (engines that stage updates keep
-  generating while the bytes stream), and resumes them whatever happened.
-- `name_experts(model)`: TRL sends a Mixture-of-Experts model's experts fused, as
-  transformers 5 holds them; vLLM loads them one per expert. With it, the push sends
-  each engine the layout it declares (views of TRL's tensors, no copy), and the model's
-  persistent buffers TRL's iterator of parameters leaves out (router biases).
-- `keep_base_exact(model)`: TRL's in-place `merge_adapter()` /
-  `unmerge_adapter()` does not give the base weights back bit for bit in
-  float32 (W + d - d != W for some elements). With it, `pause()` copies the
-  base weights of every LoRA layer to host memory and `resume()` / `destroy()`
-  write them back, so the frozen base stays the checkpoint's.
+The boundary: TRL's `WeightTransferProtocol` (trl 1.16.0: `init_weight_transfer`, `pause`,
+`send_weights(iterator)`, `resume`, `destroy`) on one side, one `WeightSync` on the other; each
+`send_weights` is one verified push of the next version, raising unless every engine acked it.
+This module never imports TRL; TRL never imports it. What TRL does around each call, memory,
+`name_experts` and `keep_base_exact`: docs/INTEGRATIONS.md ("TRL").
 """
 
 from __future__ import annotations

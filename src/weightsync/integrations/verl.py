@@ -1,30 +1,11 @@
-"""weightsync as verl's checkpoint-engine backend `"weightsync"` (verl 0.9.1).
+"""weightsync as verl 0.9.1's checkpoint-engine backend `"weightsync"`.
 
-Select it in verl's config (this module is imported on every Ray worker, which
-registers the backend):
-
-    actor_rollout_ref.rollout.checkpoint_engine.backend=weightsync
-    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=weightsync.integrations.verl
-    actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync.transport=broadcast   # optional
-
-How verl drives it (`CheckpointEngineManager.update_weights`, every update):
-`prepare()` on every actor and rollout worker (the sending actor rank, built with
-`is_master=True`, hosts the group's TCP store), `build_topology` (sender rank 0,
-rollout workers 1..R, the other actor ranks -1: outside the group), `init_process_group`
-(the control group forms, the transport session opens and the rollout ranks join it),
-then `send_weights` on every actor rank while each rollout worker's
-`CheckpointEngineWorker.update_weights` hands `receive_weights()` to its server
-adapter, then `finalize()`. The update itself is `integrations.verl_update`; its control
-channel `integrations.verl_channel`; the bucket plan of verl's weight generator
-`integrations.verl_plan`. The module boundary: verl's plug-in surface (options,
-lifecycle, topology, the event-loop bridge); no byte of a weight is touched here.
-
-What this backend adds over verl's built-in ones: per-bucket digests computed on
-both sides and checked before a tensor of the bucket is yielded; every rollout
-rank's outcome (version, digests, names, or its refusal) back on the sending rank,
-so every actor rank's `send_weights` raises when any rollout rank refused or was
-lost; and, by default, nothing yielded to verl's adapter before every rollout rank
-checked every bucket (see `VerlBackendConfig.hold_update`).
+verl imports this module on every Ray worker (`checkpoint_engine.custom_backend_module`), which
+registers the backend. It holds verl's plug-in surface only: options (`VerlBackendConfig`),
+lifecycle, topology and the bridge to the worker's event loop; no byte of a weight is touched
+here. The update itself is `integrations.verl_update`, its control channel
+`integrations.verl_channel`, its bucket plan `integrations.verl_plan`. How verl drives it and
+what it verifies: docs/INTEGRATIONS.md ("verl").
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""The control channel of one verl update: JSON messages over weightsync's own gloo
-side group (the sending actor rank is rank 0, rollout ranks 1..R, as `build_topology`
-numbers them), and the verdict board for the actor ranks outside that group.
+"""The control channel of one verl update: JSON messages over weightsync's own gloo side group
+(the sending actor rank is rank 0, rollout ranks 1..R, as `build_topology` numbers them), and
+the verdict board (the group's TCP store) for the actor ranks outside that group.
 
-What travels, all JSON (nothing crossing a process boundary is unpickled):
-
-    rank 0 -> all   {"kind": "begin", "version", "digest_algorithm"}
-                    {"kind": "bucket", "bucket": BucketMeta, "delivery": Delivery}   per bucket
-                    {"kind": "end", "manifest": Manifest} | {"kind": "abort", "reason"}
-    all -> all      after each bucket, MAX of every rank's status (0 took it, 1 refused)
-    all -> rank 0   each rank's record: {"rank", "refused": reason | null, "ack": Ack}
-    rank 0 -> all   {"kind": "verdict", "ok", "problems"}
-    rank 0 -> board the verdict, for the actor ranks that are not in the group
-
-Why the group and not a store for the records: a gloo collective fails as soon as a
-peer's process is gone (its sockets close), so a rollout worker killed mid-update makes
-every rank's next call raise at once instead of after a timeout. The board is the
-group's own TCP store (hosted by rank 0): the other actor ranks only wait for one key.
+Nothing crossing a process boundary is unpickled. A gloo group, not a store, carries the records
+because a collective fails as soon as a peer's process is gone. Called by
+`integrations.verl_update`; the messages: docs/INTEGRATIONS.md ("verl").
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Bucket plan of a tensor stream that is known only as it is read: what verl's actor
-hands a checkpoint engine (`send_weights(weights)`, a generator of `(name, tensor)`,
-each tensor gathered whole as it is yielded, no list of names before).
+"""Bucket plan of a tensor stream known only as it is read: verl's `send_weights(weights)` generator.
 
-`StreamPlan` plans with weightsync's own rule (`bucketing.layout_bucket`: greedy in
-stream order, tensors of one bucket laid out by descending itemsize, a tensor larger
-than the bucket alone in its own) one bucket at a time, just before the pipeline
-packs it, and is the `WeightSource` the pipeline (`push.pipeline.stream_buckets`) reads:
-`buckets()` is the plan, `tensors()` the stream in plan order. Packing, the cast to
-the engine dtype and the digests stay the pipeline's and the packer's.
-
-Memory: a bucket's tensors are read before it is laid out, so the source tensors of
-one bucket (in the trainer's dtype: 2x the bucket's bytes for float32 sent as
-bfloat16) are held until packed, beside the pipeline's two bucket slots.
+`StreamPlan` plans one bucket at a time with weightsync's rule (`bucketing.layout_bucket`), just
+before the pipeline packs it, and is the `WeightSource` that `push.pipeline.stream_buckets` reads
+(`buckets()` the plan, `tensors()` the stream in plan order). Packing, the cast and the digests
+stay the pipeline's. A bucket's source tensors are held until packed (2x the bucket's bytes for
+float32 sent as bfloat16). Called by `integrations.verl_update`.
 """
 
 from __future__ import annotations

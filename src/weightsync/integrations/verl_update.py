@@ -1,20 +1,11 @@
-"""One verl weight update, as each kind of rank runs it (blocking; `integrations.verl`
-runs these in a thread beside the worker's event loop).
+"""One verl weight update, as each kind of rank runs it (blocking; `integrations.verl` runs these in
+a thread beside the worker's event loop).
 
-- `send_update` (the sending actor rank, rank 0 of the side group): plans the weights
-  as they are read (`StreamPlan`), packs, casts and hashes them in weightsync's
-  pipeline, and moves each bucket through a weightsync transport (broadcast, shm,
-  disk), announcing it on the control channel first; then gathers every rollout
-  rank's record and decides the update.
-- `receive_update` (each rollout rank): fetches every bucket, checks its size and
-  digest before any tensor of it is handed on, and hands tensors to `emit` only once
-  the verdict says every rollout rank took every bucket (`hold=True`), or bucket by
-  bucket as each is checked (`hold=False`: not all-or-nothing).
-- `follow_update` (every other actor rank): iterates the weights (each one is a
-  gather over the actor group) and waits for the sending rank's verdict.
-
-Every rank raises `UpdateRefusedError` when any rank refused or was lost, naming each
-rank and its reason.
+`send_update` (the sending actor rank) plans, packs, casts, hashes and sends each bucket through a
+weightsync transport, then decides from every rollout rank's record; `receive_update` (each rollout
+rank) checks every bucket's size and digest before handing tensors to `emit`, all at the verdict
+(`hold=True`) or bucket by bucket (`hold=False`); `follow_update` (every other actor rank) iterates
+the weights for their gathers and waits for the verdict. Any refusal raises `UpdateRefusedError`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Writing a trainer's LoRA adapter as a PEFT adapter directory.
+"""A trainer's LoRA adapter written as a PEFT adapter directory (`adapter_model.safetensors`,
+`adapter_config.json`), as `save_pretrained` writes it and PEFT, vLLM and SGLang load it.
 
-The directory is what PEFT's `save_pretrained` writes and what
-`PeftModel.from_pretrained`, vLLM and SGLang load: `adapter_model.safetensors`
-(PEFT's saved names, no adapter-name segment) and `adapter_config.json`.
-
-The tensors come from `lora.source.LoraSource`, so FSDP2 models gather only
-the adapter tensors, one at a time: every rank must call `export_lora_adapter`,
-and only ranks with `write=True` keep the tensors and write files. Files are
-written under a temporary name and renamed into place, weights first, so a
-reader that sees the config also sees complete weights.
-
-`lora.source` (which imports peft, slow to import) is imported when a
-function here is called, so importing this package stays light.
+Tensors come from `lora.source.LoraSource` (FSDP2: gathered one at a time, so every rank calls
+`export_lora_adapter`; only ranks with `write=True` write). Files go under a temporary name and are
+renamed into place, weights first. `lora.source` (peft, slow to import) is imported on call.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""LoRA merge math: the weight delta of one layer, and W + delta, out of place.
+"""LoRA merge math: one layer's weight delta, and W + delta, out of place.
 
-Pure: tensors and numbers in, new tensors out. Nothing here knows about
-modules, PEFT objects, names, device meshes or collectives; the caller
-(`lora.source.MergedLoraSource`) gathers the full tensors and hands them in.
-
-The arithmetic mirrors PEFT (`peft.tuners.lora.layer`, v0.21) operation for
-operation, so that the result is bit-equal to `merge_and_unload()`:
-
-- `Linear.get_delta_weight`: `transpose(B @ A, fan_in_fan_out) * scaling`,
-  in B's dtype; for float16/bfloat16 on CPU, A and B are upcast to float32
-  first and the product is cast back (CPUs have slow half matmuls).
-- `Embedding.get_delta_weight`: `(B @ A).T * scaling`, in A's dtype, with the
-  same CPU upcast.
-- The (unsafe, default) merge: `weight.data += delta` in place. We add into
-  a clone (`merge_weight`), or into the delta itself where that rounds the
-  same (`merge_linear`, `merge_embedding`), and never write the input weight.
-- `lora_bias=True`: `bias.data += lora_B.bias * scaling`.
+Pure: tensors and numbers in, new tensors out; knows no modules, PEFT objects, names or collectives
+(the caller, `lora.source.MergedLoraSource`, gathers the tensors). Mirrors PEFT v0.21's
+`get_delta_weight` and merge operation for operation, so the result is bit-equal to
+`merge_and_unload()`, and never writes the input weight. The PEFT operations it mirrors:
+docs/ARCHITECTURE.md ("Design notes").
 """
 
 from __future__ import annotations

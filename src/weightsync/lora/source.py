@@ -1,25 +1,10 @@
-"""LoRA streams from a PEFT model: the adapter alone ("lora"), or merged into
-the base weights ("lora-merged").
+"""LoRA streams from a PEFT model: the adapter alone ("lora"), or merged into the base ("lora-merged").
 
-Boundaries: this module reads a trainer's PEFT model and never writes to it.
-It calls no PEFT `merge()`, `merge_and_unload()` or `safe_merge`, and no
-in-place op on a parameter: under FSDP2, `safe_merge` rebinds the weight away
-from FSDP's buffer and the next training step silently trains merged weights.
-The arithmetic is `lora.merge` (pure); checkpoint names come from
-`naming.map_names`; FSDP2 gathers are `sources.fsdp.full_tensor`, one tensor
-at a time, so every rank must iterate the same names in the same order, or the
-ranks deadlock.
-
-Supported: PEFT LoRA (peft_type "LORA") on `nn.Linear` and transformers'
-`Conv1D` (PEFT's `lora.Linear`, `fan_in_fan_out` included), on `nn.Embedding`
-for "lora-merged" only; rslora; any `lora_dropout` (ignored when merging);
-`lora_bias`; `modules_to_save`; `bias="none"` ("lora"; "lora-merged" takes any).
-LoRA on a parameter (PEFT's `target_parameters`, e.g. a Mixture-of-Experts layer's
-fused `experts.gate_up_proj`) is merged by "lora-merged" (PEFT's own delta, added out of
-place; not under FSDP2) and refused by "lora" (engines load adapters on modules).
-Refused with an error naming the module: DoRA and every other LoRA variant,
-other PEFT tuner types, LoRA on conv / attention layers, `trainable_token_indices`,
-and adapters already merged into the weights.
+Reads the trainer's PEFT model and never writes to it: no PEFT merge, no in-place op on a parameter
+(under FSDP2 `safe_merge` would leave training on merged weights). Math in `lora.merge`, names from
+`naming`, FSDP2 gathers one tensor at a time, so every rank iterates the same names in the same
+order, or the ranks deadlock. Called by `modes/` (lora, lora-merged) and `lora.export`. What is
+supported and what is refused: docs/USAGE.md ("LoRA three ways").
 """
 
 from __future__ import annotations

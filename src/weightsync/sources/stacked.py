@@ -1,19 +1,11 @@
-"""A trainer's per-expert tensors sent as the fused ones an engine loads.
+"""A trainer's per-expert Mixture-of-Experts tensors sent as the fused ones an engine loads
+(`expert_layout="fused"`).
 
-A trainer that holds its Mixture-of-Experts experts one by one (older transformers'
-`nn.ModuleList` of per-expert MLPs, a Megatron-style export, a stream of checkpoint
-tensors) pushing into an engine that loads them fused (`expert_layout="fused"`:
-`weightsync serve`, transformers 5's `mlp.experts.gate_up_proj` `[E, 2I, H]`,
-`down_proj` `[E, H, I]`): each fused checkpoint tensor is named, planned, digested and
-acked as one tensor, and streamed as its parts (`bucketing.TensorParts`), which the
-pipeline casts and packs straight into their place in the bucket. Which per-expert
-tensors make which fused one comes from transformers' conversion mapping of the model
-(`naming.expert_stacks`), never from names alone; an incomplete set is refused
-(NamingError) before a byte moves.
-
-This module knows nothing of engines or transports: it rewrites a source's names and
-stream, and reads the inner source in the order it is asked for (under FSDP2 every rank
-asks for the same names in the same order, and each part is gathered as it is packed).
+Rewrites a source's names and stream: each fused tensor is planned, digested and acked as one and
+streamed as its parts (`bucketing.TensorParts`), packed straight into place. Which parts make which
+tensor comes from `naming.expert_stacks`; an incomplete set is refused before a byte moves. Knows no
+engines or transports; reads the inner source in the order asked (under FSDP2 every rank asks the
+same). Design: docs/MOE.md.
 """
 
 from __future__ import annotations

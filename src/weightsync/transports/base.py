@@ -1,30 +1,10 @@
 """The two ends of a transport: `Transport` (trainer side) and `Receiver` (engine side).
 
-A transport owns the trainer's bucket buffers and the channel to the engines;
-it knows nothing about engine APIs. What an engine needs to take part travels
-in a `Link` (one per engine, made by `open`) and a `Delivery` (one per bucket).
-Each `transports/<name>.py` holds both ends; engine clients and engine
-processes read a receiver's declared traits, never the transport's name.
-
-The coordinator drives a transport like this for every push:
-
-    links = open(engine_ranks, max_bucket_bytes, leased_buckets)   # reuses an open session
-    establish()          # while every engine runs connect(link)
-    begin(manifest)      # a new version starts (disk: a temporary directory)
-    for each bucket k:   buffer = slot(k, nbytes); pack into it
-                         delivery = deliver(bucket, buffer)
-                         (engines' receive(bucket, delivery) run here)
-                         send(bucket, buffer)  # the broadcast collective
-    finish(manifest)     # disk: publish the version directory
-    committed(acks)      # every engine acked (shm: the slots they now hold)
-    discard(version)     # on failure, instead of finish
-    close()              # end of the session (or after a failure)
-
-Two slots: bucket k+2 is packed into the slot of bucket k only after every
-engine took bucket k, which bounds trainer memory to 2 x bucket_bytes. The
-exception is a push whose engines adopt the buckets (`leased_buckets`: shm to
-engines that serve straight from the segment): each bucket then gets a slot of
-its own that no engine holds (`transports.shm`).
+A transport owns the trainer's bucket buffers and the channel to the engines, and knows nothing of
+engine APIs: what an engine needs travels in a `Link` (per engine) and a `Delivery` (per bucket).
+Each `transports/<name>.py` holds both ends; engine clients and engine processes read a receiver's
+declared traits, never a transport's name. The coordinator (`push/`) drives it; the order of its
+calls in a push and the two-slot rule: docs/ARCHITECTURE.md ("How the coordinator drives a transport").
 """
 
 from __future__ import annotations

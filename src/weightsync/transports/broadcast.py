@@ -1,20 +1,11 @@
-"""Broadcast transport: one torch.distributed group over the trainer (rank 0,
-`BroadcastTransport`) and every engine rank (`BroadcastReceiver`), formed as
-SGLang's `init_weights_update_group` forms it (see `weightsync.formats.groups`).
+"""Broadcast transport: one torch.distributed group over the trainer (rank 0, `BroadcastTransport`)
+and every engine rank (`BroadcastReceiver`), formed as SGLang's (`formats.groups`).
 
-Each bucket is one `flattened_bucket` broadcast from rank 0, issued while the
-engines' receive calls (SGLang's `update_weights_from_distributed`) are in flight. gloo on CPU,
-NCCL when buckets live on a GPU. The group is created once, reused across
-pushes, and destroyed on close or after any failure (a collective that timed
-out leaves the group unusable).
-
-Relayed (`BroadcastTransport(relay=True)`, `fan_out="relay"`), the same group carries a
-pipeline of point-to-point sends instead: rank 0 sends each bucket to the first engine's
-rank alone, and each engine, once it checked the bucket's digest and staged it, sends it
-to the next engine's rank (`weightsync.server.group_relay`). Every hop is a `HopHeader`
-(`HOP_HEADER_BYTES`, tag `HEADER_TAG`) and then, unless the header says the relay stopped,
-the bucket's bytes (tag `PAYLOAD_TAG`); a hop carries one version's buckets in the order
-they were sent, so tags need not tell buckets apart.
+Each bucket is one `flattened_bucket` broadcast, issued while the engines' receive calls are in
+flight (gloo on CPU, NCCL for GPU buckets); the group lives across pushes and is destroyed on close or
+any failure. Relayed (`relay=True`), the group carries point-to-point sends hop by hop instead
+(`HopHeader`, then the bytes), the engines' side being `server.group_relay`. Design:
+docs/ARCHITECTURE.md ("Design notes").
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
-"""Shared-memory transport: a segment in /dev/shm that the trainer packs buckets
-straight into (`ShmTransport`) and engines on the same host map once (`ShmReceiver`);
-the segment itself is `weightsync.transports.shmem`.
+"""Shared-memory transport: the trainer packs buckets straight into a /dev/shm segment
+(`transports.shmem`, `ShmTransport`) and engines on the same host map it (`ShmReceiver`).
 
-Zero copies on the trainer beyond packing itself. The segment lives for the
-session and is re-created only when a bucket outgrows its slots, or a push needs
-more free slots than it has.
-
-Two ways an engine takes a bucket:
-- copy (every engine, every mode): it copies the slot out, hashing as it copies. The
-  trainer reuses two slots, bucket k+2 going into bucket k's once every engine took it.
-- adopt (an engine that declares `adopts_shm`, for full and lora-merged updates): it
-  hashes the slot in place and, at commit, serves its tensors straight from the slot:
-  one pass over the bytes on the engine instead of two, and engines on one host share
-  one copy of the weights. The trainer then leases slots (`leased_buckets`): every
-  bucket of a push goes into a slot of its own that no engine holds, and a slot stays
-  held from the push that filled it until an ack no longer names it (`Ack.held_slots`:
-  every engine names the slots it serves from at each commit). A push that failed
-  counts as held whole until the next commit's acks say otherwise.
-
-Memory stays bounded: the segment has 2 x the push's buckets in slots (the served
-version's and the incoming one's), tmpfs pages exist only where a bucket was written,
-and when a push finds too few free slots (after a failed push) the trainer starts a
-new segment and removes the old one's name: engines keep the pages they serve from
-until their next commit moves them off, then the kernel frees them.
-
-The trust this needs: the trainer writes no slot an engine holds (this module), and
-an engine checks every adopted bucket's digest in place when it arrives. Bytes the
-trainer's process wrote into a held slot anyway would be served unverified; nothing
-else can write the segment (mode 0600, the trainer's user).
+An engine copies a slot out (two slots reused), or, declaring `adopts_shm`, hashes it in place and
+serves from it; the trainer then leases every bucket a slot of its own and never writes a slot an
+ack still names (`Ack.held_slots`). The segment lives for the session and is replaced when too small
+or too full. Slot leasing, memory bounds and the trust it needs: docs/ARCHITECTURE.md ("Design notes").
 """
 
 from __future__ import annotations

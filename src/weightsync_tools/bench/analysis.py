@@ -1,25 +1,8 @@
-"""What the suite's raw figures mean: fraction of the relevant limit, speed-up
-over each baseline, digest share, and the issue's targets, met or not.
+"""What the suite's raw figures mean: fraction of the relevant limit, speed-up over each baseline,
+digest share, the work floor, and the targets, met or not.
 
-Pure: a `BenchResult` in, numbers out; nothing here measures or prints.
-
-- Relevant limit per transport: broadcast -> raw gloo broadcast, shm ->
-  preallocated copy, http -> raw loopback TCP, disk -> write + fsync. The
-  fraction is limit seconds / sync seconds for the same bytes and chunk size
-  (1.0 = the sync is as fast as the bare mechanism; the sync also packs,
-  hashes twice, stages and commits). A cell moving fewer bytes than the
-  limit did (LoRA) is compared with the limit's time scaled to its bytes.
-- Speed-up over a baseline: baseline seconds / sync seconds, same scenario.
-- Digest share: (trainer hash seconds, measured + engine re-hash, estimated
-  as bytes / measured xxh3 rate) / sync seconds. An upper bound of what
-  dropping digests would save: some of it overlaps other stages.
-- Work floor (`floors`): the passes over the bytes a verified full push makes,
-  each timed at its limit measured in the same run (pack = a copy, hash = xxh3,
-  the move = the transport's limit, the engine's copy out of shm or an HTTP
-  frame = a copy, the engine's hash = xxh3). "serial" is their sum; "overlapped"
-  is the longer of the trainer's passes and the engine's, what a perfect
-  pipeline on two cores could reach if memory bandwidth did not bind. A target
-  below the overlapped floor cannot be met by scheduling alone.
+Pure: a `BenchResult` in, numbers out; nothing here measures or prints (`report` prints). How each
+figure is defined: docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations

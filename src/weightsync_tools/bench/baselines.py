@@ -1,22 +1,10 @@
-"""How RL frameworks sync weights today, measured against the same engine.
+"""How RL frameworks sync weights today (one request per tensor over broadcast or HTTP, checkpoint
+then reload), measured against the same engine.
 
-- "per-tensor-broadcast": one HTTP request and one gloo broadcast per tensor,
-  no buckets (`/update_weights_from_distributed` with `load_format: null`,
-  as OpenRLHF and early verl drive SGLang and vLLM).
-- "per-tensor-http": one `/update_weights_from_tensor` request per tensor,
-  the tensor pickled and base64-encoded in the JSON body (SGLang's
-  serialized-tensor path without CUDA IPC).
-- "checkpoint-reload": `save_pretrained` of the whole model, then
-  `/update_weights_from_disk` on that directory.
-
-Each runs against SGLang's own routes of the embedded engine (`weightsync
-serve`), inside one `/begin_weight_update` ... `/end_weight_update` session
-so the engine applies one version, and is timed from the first byte to the
-engine's answer (a broadcast group is formed before the clock starts, as a
-sync's warm-up push forms it). Boundaries: no weightsync bucketing,
-transport or coordinator code is used here; only the group rendezvous
-(`weightsync.formats.groups`, SGLang's), the tensor naming (`named_weights`) and a
-JSON client.
+Runs against SGLang's own routes of `weightsync serve`, one begin/end session per push, timed from
+the first byte to the engine's answer. Uses no weightsync bucketing, transport or coordinator code:
+only the group rendezvous (`weightsync.formats.groups`), the tensor naming and a JSON client. Each
+baseline: docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""The machine's own limits for moving N bytes, measured the plainest way.
+"""The machine's own limits for moving N bytes, measured the plainest way: copy, gloo, xxh3, wsmix64,
+tcp, disk.
 
-Each limit moves the same number of bytes as the sync it is compared with,
-in the same chunk size, with no weightsync code on the path:
-
-- "copy": `copy_` into a preallocated, already touched buffer (what packing
-  into a shared-memory slot can at best do).
-- "gloo": one raw gloo broadcast from this process to a second one, chunk by
-  chunk into a preallocated buffer, ended by a one-byte answer from the
-  receiver (end to end, what the broadcast transport can at best do).
-- "xxh3": xxh3_64 over the bytes, chunk by chunk (the cost of one digest).
-- "wsmix64": weightsync's device digest (`weightsync.digests`) over the same
-  chunks, in torch ops on the device that holds them (the CPU here, a GPU's
-  buckets on a GPU); the one row that runs weightsync code, since the digest
-  is what it measures.
-- "tcp": a raw loopback socket to a second process, `recv_into` a
-  preallocated buffer (what the HTTP transport can at best do).
-- "disk": write and fsync a file under the bench directory (the disk
-  transport's floor; the page cache serves the engine's read back).
-
-Every figure is the best of `repeats` runs. Receiving processes are
-`python -m weightsync_tools.bench.limits ...` children, always reaped; the
-rendezvous is a file store in a temporary directory and the socket a
-kernel-chosen port: no fixed ports.
-Boundaries: measuring only; no printing, no weightsync transport or engine.
+Each moves the same bytes, in the same chunks, as the sync it is compared with, with no weightsync
+code on the path (but the digest it measures); best of `repeats`. Receiving processes are children
+of this module, always reaped; no fixed ports. Measures only: no printing, no transport or engine.
+What each limit is: docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Trainer peak memory of producing merged-LoRA weights, one way against another.
+"""Trainer peak memory of producing merged-LoRA weights: layer by layer (`MergedLoraSource`), the
+whole model at once, and `deepcopy` + `merge_and_unload`.
 
-Each method runs in a fresh `python -m weightsync_tools.bench.memory` process with
-`MALLOC_MMAP_THRESHOLD_=65536`, so freed tensors go back to the OS and the
-resident set tracks live tensor bytes. The child builds the scenario's model
-with a rank-16 LoRA adapter on every linear layer, resets the kernel's
-peak-RSS mark (`/proc/self/clear_refs`), produces the merged weights, and
-reports the peak resident set above the model's own footprint:
-
-- "layer-by-layer": `MergedLoraSource.tensors()`, each merged weight dropped
-  before the next is made (what `WeightSync.push(mode="lora-merged")` does;
-  the sync adds its two bucket slots, 2 x bucket_bytes, on top).
-- "whole-model": every merged weight materialised at once (a merged state
-  dict), the usual way of merging before a sync.
-- "merge-and-unload": `copy.deepcopy(model).merge_and_unload()`, PEFT's
-  merge on a copy so the trainer's weights stay unmerged.
-
-Boundaries: Linux only (reads /proc); measures memory, never time.
+Each method runs in a fresh child process that reports its peak resident set above the model's
+own footprint. Linux only (reads /proc); measures memory, never time. How: docs/PERFORMANCE.md
+("How the bench measures").
 """
 
 from __future__ import annotations

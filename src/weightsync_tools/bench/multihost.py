@@ -1,25 +1,11 @@
-"""Pushes across shaped links: a trainer host and engine hosts made of network
-namespaces (`weightsync_tools.netns`), every host's link limited with `tc tbf` to
-the same rate, like hosts whose NICs run at that rate.
+"""Pushes across shaped links: a trainer host and engine hosts made of network namespaces
+(`weightsync_tools.netns`), every host's link limited with `tc tbf` to the same rate.
 
     sudo python -m weightsync_tools.bench.multihost [--rates-gbit 1,5] [--replicas 1,2,4] [--model-mb 120]
                                                     [--cases broadcast,http,http-relay,broadcast-relay]
 
-For each rate it measures, in the same run:
-- raw: plain TCP from the trainer host to 1, 2, 4 engine hosts at once (one
-  stream each, `recv_into` a preallocated buffer, ended by a one-byte answer):
-  what the links can at best carry;
-- broadcast and http pushes (`full`, 64 MiB buckets) of one model to 1, 2, 4
-  `weightsync serve` replicas on their own hosts, best of `--repeats` after a
-  warm-up push (which forms the group); and both relayed engine to engine
-  (`fan_out="relay"`, shown as "http relay", 8 MiB buckets, engines forwarding over
-  HTTP, and "broadcast relay", 4 MiB buckets, point to point in the group), where
-  the trainer's link carries the model once.
-
-It prints a table (seconds, GB/s of model delivered per replica, and the
-trainer link's share: bytes that left the trainer / time / rate) and ends with
-one JSON line. Needs root (`ip netns`, `tc`); removes every namespace it made.
-Roles `sink`, `raw` and `trainer` are this module run inside a namespace.
+Per rate: raw TCP, and broadcast and http pushes (direct and relayed) to 1, 2, 4 replicas; prints a
+table and one JSON line. Needs root; removes what it made. Cases and figures: docs/SCALE.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""Pushes from a trainer on two hosts (FSDP2, one rank per host) across shaped links:
-does sending every rank's own share (`send_shares=True`) beat gathering to rank 0?
+"""Pushes from a trainer on two hosts (FSDP2, one rank per host) across shaped links: does sending
+every rank's own share (`send_shares=True`) beat gathering to rank 0?
 
     sudo python -m weightsync_tools.bench.multihost_shares [--rate-gbit 1] [--engine-rate-gbit 2]
 
-Hosts are network namespaces (`weightsync_tools.netns`): trainer0 and trainer1, each
-link limited with `tc tbf` to `--rate-gbit` (a trainer GPU's NIC), and engine hosts,
-each running one `weightsync serve`, limited to `--engine-rate-gbit` (an engine spread
-over several GPUs has one NIC per GPU; two by default, so that two senders can be told
-apart from one). The trainer ranks' gloo group crosses the same shaped links; the ranks
-share this machine's cores (torch threads: cores / ranks each). Cases,
-each the best of `--repeats` pushes (`full`, http) after a warm-up:
-
-- single:      one trainer process on trainer0, the whole model, to 1 replica
-- fsdp gather: 2 ranks, gathered to rank 0, which sends, to 1 replica (what FSDP2 got before)
-- fsdp shares: 2 ranks, each sends its own rows, to 1 replica
-- single relay / fsdp shares relay: the same to 4 replicas, engines relaying (`fan_out="relay"`)
-
-It prints a table and ends with one JSON line. Needs root; removes what it made.
-The role `rank` is this module run inside a trainer host's namespace.
+Cases (single, fsdp gather, fsdp shares, and both relayed to 4 replicas), each the best of
+`--repeats`; prints a table and one JSON line. Needs root; removes what it made. The rig, the
+cases and the figures: docs/SCALE.md ("Every trainer rank sends its own share").
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""The per-tensor cost of a push: models of many small tensors against a dense model
-of the same bytes, pushed whole into `weightsync serve`, in the same run.
+"""The per-tensor cost of a push: models of many small tensors against a dense model of the same
+bytes, pushed whole into `weightsync serve`, in the same run.
 
-    for each scenario (dense, many-small, moe-30k; `bench.scenarios`), all about
-    `model_bytes` of float32 weights:
-        one embedded engine of it
-        for each transport (shm, broadcast): a warm-up push, then `repeats` pushes
-            (median), the trainer's peak resident memory beyond the model
-        the trainer's own part of a push, without an engine: plan, manifest JSON,
-            pack into two reused buffers, digest (best of `repeats`)
-        the embedded engine's own part, in this process, without a trainer: parse
-            the begin request, dry run, stage and check every bucket (digest
-            included), commit (best of `repeats`)
-
-Figures, per scenario and transport, against "dense" (its time scaled to the
-scenario's bytes, so that the difference is what the extra tensors cost):
-ratio = push seconds / dense seconds for these bytes; us per tensor = the extra
-seconds over the extra tensors; the manifest's JSON size; the trainer's peak
-resident set beyond the model while pushing (the shm segment's pages
-included; read in this process, where memory an earlier scenario freed may be reused
-without showing). The trainer-only and engine-only passes give the same ratio and cost
-for each side alone (their best run: on a shared 2-core machine a slower run is
-another process's doing); a push also waits on the wire, and on 2 cores its two
-sides compete for the CPU.
-
-Boundaries: measures and returns numbers; Linux only for memory (reads /proc).
+Per scenario and transport: the push time against dense's (scaled to the same bytes), microseconds
+per extra tensor, the manifest's size and the trainer's peak memory; and each side alone (the
+trainer's pass, the engine's pass, in this process). Measures and returns numbers; Linux only for
+memory. The method: docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations

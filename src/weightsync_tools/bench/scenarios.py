@@ -1,23 +1,9 @@
-"""Benchmark scenarios: which model shape the bench moves, sized by bytes.
+"""Benchmark scenarios: which model shape the bench moves ("dense", "many-small", "moe-30k"), sized
+by bytes.
 
-Three shapes, all plain Qwen2 configs (`weightsync.tiny`) so that the embedded
-engine and vLLM load them and every run is end to end:
-
-- "dense": a few wide layers, a few MB per tensor (the shape of a dense LLM).
-- "many-small": hundreds of thin layers, ~145 KB per tensor on average and
-  ~25x more tensors per byte than "dense". This stands in for a MoE model
-  (thousands of small expert matrices). A real HF MoE cannot play this part:
-  transformers 5 fuses each layer's experts into one 3-D tensor, so an
-  HF-loadable MoE has FEW tensors; per-tensor request overhead, which is
-  what the scenario is about, shows with many small tensors whatever their
-  names are.
-- "moe-30k": 2,500 layers of hidden 64, 30,003 checkpoint tensors of ~18 KB
-  on average: the tensor count of an MoE checkpoint with its experts one
-  tensor each (Qwen3-235B-A22B has about 37,000, DeepSeek-V3 about 90,000),
-  for the per-tensor cost (`bench.per_tensor`).
-
-Boundaries: this module only decides shapes and builds models (trainer copy
-in memory, engine copy on disk); it moves no weights and times nothing.
+All plain Qwen2 configs (`weightsync.tiny`), so the embedded engine and vLLM load them end to end.
+Decides shapes and builds models (trainer copy in memory, engine copy on disk); moves no weights
+and times nothing. Why these shapes: docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations

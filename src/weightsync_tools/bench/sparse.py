@@ -1,27 +1,10 @@
-"""The sparse suite: `mode="sparse"` on real RL steps, against full pushes of the same weights.
+"""The sparse suite: `mode="sparse"` on real RL steps (GRPO-shaped AdamW on fp32 masters into a
+bf16 engine), against full pushes of the same weights.
 
-The trainer holds float32 master weights of a "dense" Qwen2 (`bench.scenarios`)
-and takes GRPO-shaped AdamW steps (advantage-weighted logprobs of sampled tokens)
-at each learning rate of `lrs`, `steps_per_lr` steps each; the embedded engine
-serves bfloat16, so every push casts in the stream. Per transport (a fresh trainer
-from the same seed, so every transport sees the same weights): the full push time
-is measured first (best of `full_repeats` full pushes), then the sparse sync's
-first push (whole: nothing acked yet), then one sparse push per step.
-
-Per step: the fraction of bf16 elements that changed (compared here, independently
-of the mode), bytes sent / full bytes, the sparse push time / the full push time,
-and the trainer-side diff cost (read, cast, compare, encode, digest) in core-seconds
-per GB of engine-dtype weights, next to the copy rate of this machine measured in
-the same run (`bench.limits.measure_copy` over the float32 masters the diff reads).
-
-The trainer runs one torch thread by default, as the bench's embedded engine does:
-its diff core-seconds are then its wall seconds, and on a small shared machine a
-multi-threaded kernel stalls at its barriers whenever another process holds a core
-(measured here: casting 32M elements took 7-10 ms on one thread, 60-500 ms on two
-while other jobs ran).
-
-Boundaries: builds the model and runs the steps and pushes; starting engines is
-`bench.engines`; the figures are returned, the caller prints them.
+Builds the model, runs the steps and the pushes, and returns per step the fraction of elements
+changed, bytes and time against a full push, and the trainer's diff cost against this machine's
+copy rate; starting engines is `bench.engines`, printing the caller's. The method:
+docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""The sparse suite on a sharded trainer: `mode="sparse"` from FSDP2 ranks against
-`mode="full"` from the same ranks.
+"""The sparse suite on a sharded trainer: `mode="sparse"` from FSDP2 ranks against `mode="full"`
+from the same ranks.
 
-`ranks` spawned processes (gloo over a file store, one torch thread each) hold
-float32 master shards of the `bench.sparse` model (`fully_shard` per decoder layer
-and at the root) and take GRPO-shaped AdamW steps on their own data; one embedded
-engine serves bfloat16. First the full pushes (best of `full_repeats`): every
-weight all-gathered in fp32, cast, sent. Then the sparse sync's first push (whole:
-gathered from the ranks' bf16 snapshot rows) and one sparse push per step: each
-rank diffs its own rows, only the changes are gathered.
-
-Per step: bytes sent / full bytes, the sparse push time / the full push time, and
-the diff seconds of the sending rank. The same run measures this machine's gloo
-broadcast rate (`bench.limits.measure_gloo`), which bounds the gathers.
-
-Boundaries: spawns the ranks and starts the engine; the figures are returned, the
-caller prints them.
+Spawns the ranks (gloo over a file store, one torch thread each) and starts the engine; returns per
+step bytes and time against a full push and the sending rank's diff seconds, beside this machine's
+gloo rate. The caller prints. The method: docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
-"""The sync suite: for each scenario, the machine's limits, the matrix of syncs,
-the baselines, and (once) the trainer's peak memory, all in one run.
+"""The sync suite: for each scenario, the machine's limits, the matrix of syncs, the baselines, the
+fixed cost of a push and (once) the trainer's peak memory, all in one run.
 
-    for each scenario (dense, many-small):
-        limits      copy / gloo / xxh3 / wsmix64 / tcp / disk for its bytes, per bucket size
-        engines     embedded (and vLLM on "dense" when installed)
-            matrix  mode x transport x bucket size, WeightSync.push
-        baselines   per-tensor broadcast, per-tensor HTTP, checkpoint + reload
-                    (embedded engine)
-    fixed cost      a push that moves almost nothing (a 194 KB model, a rank-1
-                    adapter), every transport, per engine: seconds and HTTP
-                    requests (`bench.fixed_cost`)
-    memory          merged LoRA layer by layer vs the whole model at once
-                    (when "lora-merged" is among the modes)
-
-"many-small" runs mode "full" only (the question it answers is per-tensor
-overhead); vLLM runs on "dense" only, at one bucket size (its start and its
-loads take minutes on CPU). Boundaries: orchestration and bookkeeping; every
-measurement lives in `limits`, `matrix`, `fixed_cost`, `baselines` and
-`memory`, every judgement in `report`.
+Orchestration and bookkeeping only: every measurement lives in `limits`, `matrix`, `fixed_cost`,
+`baselines` and `memory`, every judgement in `report`. The run's order and what runs where:
+docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Faults and load under weight pushes: what `weightsync bench --suite faults` reports.
+"""Faults and load under weight pushes: what `weightsync bench --suite faults` reports and
+tests/faults asserts on.
 
-Every scenario runs a real `weightsync serve` subprocess (`Rig`) and real pushes,
-injects one fault and records what happened in a `FaultOutcome`: the error the
-trainer got and after how long, whether the engine still serves its last good
-version bit-identically (digests) and still generates, whether the next push
-succeeded and left the engine serving exactly the pushed weights, and every
-version the engine reported. tests/faults asserts on these records field by
-field; `run_faults` runs them all, adds a load test per pause policy
-(`run_load`), and returns the counts (`format_table` renders them).
-
-    rig.py        the engine under test, the trainer's weights
-    inject.py     FaultyTransport (pass it as WeightSync(transport=...)), child trainer processes
-    scenarios.py  one function per fault -> FaultOutcome
-    load.py       generate clients under pushes, answer replay
-
-Importing this package starts nothing.
+Each scenario runs a real `weightsync serve` (`rig.py`) and real pushes, injects one fault
+(`inject.py`: `FaultyTransport`, child trainers) and records a `FaultOutcome` (`scenarios.py`);
+`load.py` drives generate clients under pushes. `run_faults` runs them all and returns the counts.
+Importing this package starts nothing. What each outcome records: docs/GUARANTEES.md.
 """
 
 from __future__ import annotations
