@@ -23,10 +23,11 @@ import torch
 import weightsync as ws
 from contract_helpers import PROBE_PROMPTS, load_trainer, next_version, perturb, served_state
 from engine_matrix import EMBEDDED, KINDS_BY_NAME, EnginePool, engine_params, kind_params
-from weightsync.bucketing import pack_stream, plan_buckets, stream_order
+from weightsync.bucketing import plan_buckets
 from weightsync.engines.base import DigestReader
 from weightsync.integrity import digest
 from weightsync.manifest import TensorMeta
+from weightsync.push.packer import pack_stream, stream_order
 
 BUCKET_BYTES = 256 << 10
 BF16_MAX_GAP = 0.5

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from dist_util import init_gloo
-from weightsync.bucketing import allocate, pack_stream, plan_buckets, stream_order, unpack
+from weightsync.bucketing import allocate, plan_buckets, unpack
 from weightsync.integrity import byte_view
+from weightsync.push.packer import pack_stream, stream_order
 from weightsync.sources import ModuleSource
 from weightsync.tiny import TinyModelConfig, build_model
 

@@ -11,9 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torch_threads import torch_threads
-from weightsync.bucketing import pack, pack_stream, plan_buckets, stream_order, unpack
+from weightsync.bucketing import pack, plan_buckets, unpack
 from weightsync.integrity import byte_view
 from weightsync.manifest import TensorMeta
+from weightsync.push.packer import pack_stream, stream_order
 
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -222,7 +223,7 @@ def _pack_one_by_one(plan: list, tensors: dict[str, torch.Tensor]) -> list[torch
 def _moe_like(seed: int = 0) -> dict[str, torch.Tensor]:
     """Experts sliced out of fused 3-D tensors (`w[e]`, `w[e, :I]`, `w[e, I:]`: contiguous
     views at an offset), a transposed one, mixed dtypes, 0-d, empty, and one larger than a run."""
-    from weightsync.bucketing import LARGE_BYTES
+    from weightsync.push.packer import LARGE_BYTES
 
     gen = torch.Generator().manual_seed(seed)
     experts, inter, hidden = 6, 8, 12
@@ -264,7 +265,7 @@ def test_runs_pack_exactly_what_pack_one_packs(bucket_bytes: int, cast: torch.dt
 def test_runs_respect_their_limits_and_the_buffer_given() -> None:
     """Thousands of tiny tensors (more than a run holds) land in place in a buffer that is
     larger than the bucket (a shared-memory slot), and nothing past the bucket is written."""
-    from weightsync.bucketing import RUN_MAX_TENSORS
+    from weightsync.push.packer import RUN_MAX_TENSORS
 
     gen = torch.Generator().manual_seed(1)
     tensors = {f"model.layers.{i // 128}.mlp.experts.{i % 128}.w": torch.randn(3, 2, generator=gen)
@@ -361,7 +362,7 @@ def test_runs_shared_with_the_helper_thread_are_pack_ones_bytes(threads: int, ca
     free and are copied here when it is busy; large tensors here on all threads once it is
     done. Every bucket's bytes are pack_one's, a cast included, with one thread or two, for
     runs cut at RUN_MAX_BYTES and tensors at LARGE_BYTES."""
-    from weightsync.bucketing import LARGE_BYTES, RUN_MAX_BYTES
+    from weightsync.push.packer import LARGE_BYTES, RUN_MAX_BYTES
 
     gen = torch.Generator().manual_seed(5)
     tensors = {f"e{i}": torch.randn(61, 67, generator=gen) for i in range(RUN_MAX_BYTES // (61 * 67 * 4) + 9)}
@@ -383,17 +384,17 @@ def test_a_stream_that_fails_leaves_no_copy_running(monkeypatch: pytest.MonkeyPa
     """When the stream fails while the helper thread copies a run into the bucket, pack_stream
     raises only once that copy is done: a caller that reuses the buffer (a shared-memory slot)
     finds no write still landing in it. The helper's copy is slowed down to show it."""
-    from weightsync import bucketing
+    from weightsync.push import packer
 
     done: list[str] = []
-    copy = bucketing._copy_run
+    copy = packer._copy_run
 
     def slow(buffer: torch.Tensor, entries: list, tensors: list, *, allow_overflow: bool) -> None:
         time.sleep(0.3)
         copy(buffer, entries, tensors, allow_overflow=allow_overflow)
         done.append(entries[-1].hf_name)
 
-    monkeypatch.setattr(bucketing, "_copy_run", slow)
+    monkeypatch.setattr(packer, "_copy_run", slow)
     tensors = {f"e{i}": torch.randn(4, 4) for i in range(8)}
     tensors["late"] = torch.arange(3, dtype=torch.int16)  # after the run, in the same bucket
     plan = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 20)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from torch_threads import torch_threads
-from weightsync.bucketing import plan_buckets, stream_order, unpack
+from weightsync.bucketing import plan_buckets, unpack
 from weightsync.manifest import BucketMeta, TensorMeta
+from weightsync.push.packer import stream_order
 from weightsync.push.pipeline import Stages, stream_buckets
 
 WEIGHTS = {f"w{i}": torch.full((4, 8), float(i)) for i in range(6)}

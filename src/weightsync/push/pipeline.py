@@ -23,9 +23,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from weightsync.bucketing import pack_stream
 from weightsync.digests import XXH3_64, digest
 from weightsync.manifest import BucketMeta
+from weightsync.push.packer import pack_stream
 from weightsync.reports import StageSeconds
 from weightsync.sources import WeightSource
 from weightsync.transports.base import NUM_SLOTS

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.bucketing import TensorParts, plan_buckets, stream_order
+from weightsync.bucketing import TensorParts, plan_buckets
 from weightsync.digests import XXH3_64, hasher
 from weightsync.dtypes import Cast, dtype_name
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
@@ -23,6 +23,7 @@ from weightsync.integrity import digest
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.modes import Selection
 from weightsync.naming import ExpertLayout, expert_stacks, has_fused_experts, rename
+from weightsync.push.packer import stream_order
 from weightsync.push.pipeline import Stages
 from weightsync.push.replicas import Replicas
 from weightsync.sources import WeightSource

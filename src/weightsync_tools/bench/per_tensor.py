@@ -167,10 +167,11 @@ def trainer_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: 
     two reused buffers and digest it (under no_grad, as a push packs)."""
     import torch
 
-    from weightsync.bucketing import pack_stream, plan_buckets, stream_order
+    from weightsync.bucketing import plan_buckets
     from weightsync.digests import digest
     from weightsync.manifest import Manifest
     from weightsync.modes import make_mode
+    from weightsync.push.packer import pack_stream, stream_order
 
     mode = make_mode("full")
     slots: dict[int, torch.Tensor] = {}
@@ -213,11 +214,12 @@ def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: i
     import copy
     import json
 
-    from weightsync.bucketing import pack_stream, plan_buckets, stream_order
+    from weightsync.bucketing import plan_buckets
     from weightsync.digests import digest
     from weightsync.manifest import Manifest
     from weightsync.modes import make_mode
     from weightsync.protocol import BeginRequest
+    from weightsync.push.packer import pack_stream, stream_order
     from weightsync.server.updates import WeightUpdater
 
     updater = WeightUpdater(copy.deepcopy(model), version=0, between_steps=contextlib.nullcontext,

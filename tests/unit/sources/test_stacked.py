@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from moe_models import CheckpointTensors, per_expert_trainer
-from weightsync.bucketing import TensorParts, pack_stream, plan_buckets, stream_order
+from weightsync.bucketing import TensorParts, plan_buckets
 from weightsync.errors import CastError
 from weightsync.manifest import TensorMeta
 from weightsync.modes import make_source, named_weights
+from weightsync.push.packer import pack_stream, stream_order
 from weightsync.sources import ModuleSource, StackedSource, stacked_source
 from weightsync.tiny import TinyModelConfig, build_model
 
