@@ -63,6 +63,10 @@ class AdapterRollover:
         """Retired name -> indices of the engines that still have to unload it."""
         self._lock = threading.Lock()
         self._job: Future[None] | None = None
+        self._running = False
+        """A background round runs: it takes what becomes due before it ends."""
+        self._again = False
+        """Something became due while the round ran."""
 
     @property
     def current(self) -> str | None:
@@ -89,11 +93,35 @@ class AdapterRollover:
                 self._due[name] = set(range(len(engines)))
 
     def retire(self, engines: Sequence[AdapterUnloader], pool: Executor, *, timeout_s: float) -> None:
-        """Unload what is due, in the background, unless an earlier round still runs."""
-        if self._job is not None and not self._job.done():
-            return
-        if self.due:
-            self._job = pool.submit(self._unload_due, engines, timeout_s)
+        """Unload what is due, in the background. A round that still runs (an unload waits
+        for the requests using its adapter) goes on with what became due meanwhile, so each
+        retired name goes once its last request ends, not at some later push."""
+        with self._lock:
+            if self._running:
+                self._again = True
+                return
+            if not self._due:
+                return
+            self._running = True
+        try:
+            self._job = pool.submit(self._unload_rounds, engines, timeout_s)
+        except BaseException:
+            with self._lock:
+                self._running = False
+            raise
+
+    def _unload_rounds(self, engines: Sequence[AdapterUnloader], timeout_s: float) -> None:
+        again = True
+        try:
+            while again:
+                self._unload_due(engines, timeout_s)
+                with self._lock:
+                    again, self._again = self._again, False
+                    self._running = again
+        except BaseException:
+            with self._lock:
+                self._running = False
+            raise
 
     def finish(self, engines: Sequence[AdapterUnloader], *, timeout_s: float) -> None:
         """At close: wait (bounded) for a running round, then one more round here."""

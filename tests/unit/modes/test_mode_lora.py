@@ -4,6 +4,8 @@ retire."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable
 
 import pytest
@@ -126,3 +128,41 @@ def test_lora_merged_sends_the_base_names_every_push_and_refuses_a_plain_model()
         assert selection.num_skipped == 0 and selection.lora_name is None
     with pytest.raises(ValueError, match="Sequential is not a PEFT model"):
         mode.source(nn.Sequential(nn.Linear(2, 2)))
+
+
+class BusyUnloader(Unloader):
+    """An engine whose unload of `busy` waits, as an engine's does while a request still uses
+    the adapter, until `request_done` is set."""
+
+    def __init__(self, busy: str) -> None:
+        super().__init__()
+        self.busy, self.waiting, self.request_done = busy, threading.Event(), threading.Event()
+
+    def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
+        if lora_name == self.busy:
+            self.waiting.set()
+            assert self.request_done.wait(timeout=30), "the test never ended the request"
+        super().unload_lora(lora_name, timeout_s=timeout_s)
+
+
+def test_a_name_retired_while_an_earlier_unload_waits_goes_when_that_wait_ends() -> None:
+    """keep=1: policy-v1 retires at v2's commit and its unload waits for a request; v2 retires
+    at v3's commit meanwhile. Once the request ends both go, with no further push and no
+    close (the background round took v2 along instead of leaving it to the next push)."""
+    model = peft_model()
+    engine = BusyUnloader("policy-v1")
+    planner = ModePlanner(unloaders=[engine])
+    mode = make_mode("lora", ModeOptions(lora_keep=1))
+    for version in (1, 2):
+        mode.committed(mode.select(mode.source(model), version, planner), version, planner)
+    assert engine.waiting.wait(timeout=30), "policy-v1's unload never started"
+    mode.committed(mode.select(mode.source(model), 3, planner), 3, planner)  # v2 retires during v1's wait
+    assert set(mode.rollover.due) == {"policy-v1", "policy-v2"}
+    engine.request_done.set()
+    deadline = time.monotonic() + 30  # a hang's bound: both unloads take no time once the request ended
+    while mode.rollover.due and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert mode.rollover.due == () and engine.unloaded == ["policy-v1", "policy-v2"]
+    assert mode.rollover.live == ("policy-v3",)
+    mode.close(planner)
+    assert engine.unloaded == ["policy-v1", "policy-v2"]
