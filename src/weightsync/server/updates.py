@@ -11,8 +11,9 @@ begins (`server.rollback`).
 
 At most one session is open:
 - "weightsync": opened by `/weightsync/begin` with a manifest; buckets arrive
-  by index (HTTP frame, shared memory, broadcast with weightsync keys, a disk
-  version directory) or as named tensors; `/weightsync/commit` applies them.
+  by index (HTTP frame, share, shared memory, broadcast with weightsync keys, the
+  group relay, a disk version directory), each through the one receive path
+  (`WeightUpdater.receive_path`), or as named tensors; `/weightsync/commit` applies them.
 - "sglang": opened by `/begin_weight_update`; SGLang-shaped routes stage named
   tensors into it; `/end_weight_update` applies them.
 With no session open, an SGLang-shaped update is staged and applied within
@@ -42,10 +43,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.bucketing import pack_one
 from weightsync.errors import ConflictError
 from weightsync.formats.checkpoint import read_version
 from weightsync.manifest import Manifest, TensorMeta
+from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
 from weightsync.receive.receiving import (
     NamedTensors,
     OpenUpdate,
@@ -62,6 +63,7 @@ from weightsync.server.layouts import Layouts
 from weightsync.server.requests import ServedVersion
 from weightsync.server.rollback import CommitHistory
 from weightsync.server.served import ServedWeights
+from weightsync.transports import make_receiver
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,12 @@ class WeightUpdater:
         self.session = UpdateSession(self, engine=ENGINE, rules=SessionRules(
             timeout_s=session_timeout_s, adapter_keeps_version=True))
         """The weightsync update session (at most one session of either kind is open)."""
+        self.receive_path = ReceivePath(self.session, make_receiver=make_receiver, hooks=ReceiveHooks(
+            alloc=self.weights.buffers.take, serves_received=True, served_buffers=self.weights.served_buffers,
+            joins_at_first_bucket=True))
+        """The one way bytes reach `session`, whichever route they came by: this engine's end of
+        each transport (made on first use, each keeping its session: the shm segment stays
+        mapped while its name stays the same), buffers from the receive pool, staging."""
         self._sglang: SglangSession | None = None
         self._update_label: str | None = None
         """The label the open weightsync update is served under; None: "N"."""
@@ -173,14 +181,6 @@ class WeightUpdater:
             self._sglang = None
             self._update_label = None
             return preempted
-
-    def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None,
-                     computed: str | None = None) -> str:
-        """Verify one packed bucket and stage it. Takes ownership of `buffer` (a copy the
-        caller made; `computed`: its digest, computed here while copying). Returns the
-        digest computed here."""
-        return self.session.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
-                                          computed=computed)
 
     def commit(self, version: int, *, held_slots: Callable[[], Mapping[str, tuple[int, ...]]] | None = None) -> Ack:
         """Apply the open weightsync session; returns the ack (`held_slots`: see
@@ -314,47 +314,26 @@ class WeightUpdater:
     def apply_version_dir(self, directory: Path, *, label: str | None) -> StageResult:
         """A disk version directory (manifest.json + bucket files), every bucket verified,
         applied as one update: into the open weightsync session of the same version
-        (which this commits), else through a session of its own. Served as the
-        manifest's version, labelled `label` (default: the version's decimal string).
+        (which this commits; its manifest.json must be the one given at begin, or the
+        session is aborted), else through a session of its own. Served as the manifest's
+        version, labelled `label` (default: the version's decimal string).
         """
-        manifest, buckets = read_version(directory)
+        manifest, _ = read_version(directory)  # manifest.json checked before anything begins
         update = self.session.open_update
         if update is not None:
             if update.version != manifest.version:
                 raise ConflictError(f"{directory} holds v{manifest.version}, the open session is v{update.version}")
-            if manifest.without_digests().buckets != update.manifest.without_digests().buckets:
-                raise ValueError(f"{directory}/manifest.json differs from the manifest given at begin")
         else:
             self.begin(manifest)
         try:
             if label is not None:
                 self._update_label = label
-            for bucket, buffer in buckets:
-                self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
-                                  digest_hex=bucket.digest)
+            self.receive_path.read_version_dir(directory, manifest.version)
             ack = self.commit(manifest.version)
         except BaseException:
             self.abort(manifest.version)
             raise
         return StageResult(f"applied {directory.name} as v{manifest.version}", ack=ack)
-
-    def stage_as_buckets(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
-        """Pack named tensors into the open weightsync session's bucket layout and stage
-        every bucket (checked against the manifest's digests where it has them)."""
-        update = self.session.open_update
-        if update is None:
-            raise ConflictError("no weightsync update session is open")
-        manifest = update.manifest
-        check_named(list(tensors.items()), {e.hf_name: e.meta for e in manifest.entries()},
-                    what=f"update v{manifest.version}", full=True)
-        digests = []
-        for bucket in manifest.buckets:
-            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            for entry in bucket.entries:
-                pack_one(buffer, entry, tensors[entry.hf_name])
-            digests.append(self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
-                                             digest_hex=None))
-        return digests
 
     # -- memory occupation (SGLang's release/resume of "weights") -----------------------------
 
