@@ -145,10 +145,10 @@ def test_transports_import_neither_engines_nor_server() -> None:
 
 
 def test_the_receiving_side_imports_no_engine_and_no_server() -> None:
-    """The update session (`receive/receiving.py`) and the receive path (`receive/receive_path.py`:
+    """The update session (`receive/update_session.py`) and the receive path (`receive/receive_path.py`:
     the one way bytes reach it) are shared by every engine: the vLLM worker extension and the
     embedded server import them, never the other way round, not even inside a function."""
-    paths = (PACKAGE / "receive" / "receiving.py", PACKAGE / "receive" / "receive_path.py")
+    paths = (PACKAGE / "receive" / "update_session.py", PACKAGE / "receive" / "receive_path.py")
     assert all(path.is_file() for path in paths), paths
     found = [f"{path.relative_to(SRC)}: {module}"
              for path in paths
@@ -195,7 +195,7 @@ def test_every_staged_bucket_goes_through_the_receive_path() -> None:
     callers = _callers(paths, "stage_bucket")
     assert callers == [("weightsync/receive/receive_path.py", "stage")], (
         "buckets staged other than through ReceivePath.stage: " + ", ".join(f"{p} ({f})" for p, f in callers))
-    assert _definitions(paths, "stage_bucket") == ["weightsync/receive/receiving.py"]
+    assert _definitions(paths, "stage_bucket") == ["weightsync/receive/update_session.py"]
 
 
 def test_a_call_around_the_receive_path_is_found(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.errors import EngineError
 from weightsync.formats.checkpoint import read_announced
 from weightsync.links import Delivery, Link
-from weightsync.receive.receiving import UpdateSession, check_named
+from weightsync.receive.update_session import UpdateSession, check_named
 from weightsync.reports import Ack
 from weightsync.transports.base import Receiver
 

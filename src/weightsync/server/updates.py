@@ -47,7 +47,8 @@ from weightsync.errors import ConflictError
 from weightsync.formats.checkpoint import read_version
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
-from weightsync.receive.receiving import (
+from weightsync.receive.sessions import Holder, SessionBusyError, take_over
+from weightsync.receive.update_session import (
     NamedTensors,
     OpenUpdate,
     SessionRules,
@@ -55,7 +56,6 @@ from weightsync.receive.receiving import (
     check_named,
     copies,
 )
-from weightsync.receive.sessions import Holder, SessionBusyError, take_over
 from weightsync.reports import Ack
 from weightsync.server import lora
 from weightsync.server.experts import ExpertFuser
@@ -96,7 +96,7 @@ class StageResult:
 class WeightUpdater:
     """The one open update session of an engine (weightsync's or SGLang's) over its served weights.
 
-    It is the `receive.receiving.Applier` of its weightsync sessions (`self.session`):
+    It is the `receive.update_session.Applier` of its weightsync sessions (`self.session`):
     a commit swaps the staged bucket-buffer views in between two steps."""
 
     def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
@@ -163,7 +163,7 @@ class WeightUpdater:
 
     def begin(self, manifest: Manifest) -> str | None:
         """Dry-run check of `manifest` against the served model, then open a session
-        (see `receive.receiving.UpdateSession.begin`); returns what was discarded. An empty
+        (see `receive.update_session.UpdateSession.begin`); returns what was discarded. An empty
         SGLang session gives way; one holding tensors is taken like an idle trainer's."""
         with self._lock:
             self.last_manifest = manifest
@@ -184,7 +184,7 @@ class WeightUpdater:
 
     def commit(self, version: int, *, held_slots: Callable[[], Mapping[str, tuple[int, ...]]] | None = None) -> Ack:
         """Apply the open weightsync session; returns the ack (`held_slots`: see
-        `receive.receiving.UpdateSession.commit`)."""
+        `receive.update_session.UpdateSession.commit`)."""
         with self._lock:
             return self.session.commit(version, held_slots=held_slots)
 
@@ -205,7 +205,7 @@ class WeightUpdater:
         with self._lock:
             return self.history.rollback(version, owner=owner)
 
-    # -- the receive.receiving.Applier of weightsync sessions --------------------------------
+    # -- the receive.update_session.Applier of weightsync sessions ---------------------------
 
     def expected(self) -> Mapping[str, TensorMeta]:
         return self.weights.metas
@@ -223,7 +223,7 @@ class WeightUpdater:
         lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
 
     def base_tensor(self, hf_name: str) -> torch.Tensor:
-        """The served tensor a sparse update is applied to (a copy of), as `receive.receiving.SparseBase`:
+        """The served tensor a sparse update is applied to (a copy of), as `receive.update_session.SparseBase`:
         parameters are replaced whole at a commit, never written in place, so reading one
         while generation runs is safe."""
         return self.weights.params[hf_name].detach()
