@@ -1,7 +1,7 @@
 """`MemoryEngine`: an engine whose weights are a dict, for the coordinator's unit tests
 (tests/unit/test_sync.py and the tests of what drives a `WeightSync`).
 
-It receives through the real `weightsync.receive.receiving.UpdateSession` (so those tests run
+It receives through the real `weightsync.receive.update_session.UpdateSession` (so those tests run
 the engines' receiving code too) and only adds failure injection and call counting.
 """
 
@@ -21,13 +21,13 @@ from weightsync.errors import ConflictError, EngineError, SyncTimeoutError
 from weightsync.formats.checkpoint import read_version
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
-from weightsync.receive.receiving import OpenUpdate, UpdateSession
+from weightsync.receive.update_session import OpenUpdate, UpdateSession
 from weightsync.reports import Ack
 from weightsync.transports.shmem import SharedSlots
 
 
 class MemoryEngine:
-    """An engine whose weights are a dict; the `receive.receiving.Applier` of a real update session."""
+    """An engine whose weights are a dict; the `receive.update_session.Applier` of a real update session."""
 
     transports: ClassVar[frozenset[str]] = frozenset({"http", "shm", "disk"})
     lora_transports: ClassVar[frozenset[str]] = frozenset({"http"})
@@ -152,7 +152,7 @@ class MemoryEngine:
         except ConflictError as e:
             raise EngineError(self.label, str(e), status=409, retry_after_s=e.retry_after_s) from None
 
-    # -- the receive.receiving.Applier -----------------------------------------------------------
+    # -- the receive.update_session.Applier ------------------------------------------------------
 
     def not_one_version(self) -> str | None:
         return None

@@ -4,6 +4,7 @@ reads verify, paths stay under their root."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,10 @@ from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import IntegrityError
 from weightsync.formats.checkpoint import (
     bucket_file_header,
+    check_announced,
     confine,
     publish,
+    read_announced,
     read_bucket,
     read_checkpoint_metas,
     read_version,
@@ -83,6 +86,22 @@ def test_read_version_verifies_every_bucket(tmp_path: Path) -> None:
     path.write_bytes(bytes(data[:-3]))
     with pytest.raises(IntegrityError, match="truncated"):
         read_bucket(final, manifest.buckets[0])
+
+
+def test_a_version_directory_must_hold_the_manifest_begun(tmp_path: Path) -> None:
+    """The one check of a version directory against the manifest given at begin (both the
+    disk receiver and the embedded server read through it): every field, every bucket, and
+    the digests begin named; a begin without digests (the trainer digests as it writes) fits."""
+    final, manifest = write_version(tmp_path, 2)
+    assert sum(buf.numel() for _, buf in read_announced(final, manifest.without_digests())) == manifest.num_bytes
+    check_announced(final, manifest, manifest)
+    with pytest.raises(IntegrityError, match=r"not the manifest begin announced \(differs in timeout_s\)"):
+        read_announced(final, replace(manifest, timeout_s=5.0))
+    with pytest.raises(IntegrityError, match=r"differs in buckets"):
+        check_announced(final, manifest, replace(manifest, buckets=manifest.buckets[:1]))
+    wrong = manifest.with_digests(["0" * 16, *manifest.digests[1:]])
+    with pytest.raises(IntegrityError, match=r"digests of bucket\(s\) \[0\] differ"):
+        read_announced(final, wrong)
 
 
 def test_versions_are_written_once(tmp_path: Path) -> None:

@@ -145,10 +145,10 @@ def test_transports_import_neither_engines_nor_server() -> None:
 
 
 def test_the_receiving_side_imports_no_engine_and_no_server() -> None:
-    """The update session (`receive/receiving.py`) and the receive path (`receive/receive_path.py`:
-    fetch by link, stage, ack) are written once for every engine: the vLLM worker extension and
-    the embedded server import them, never the other way round, not even inside a function."""
-    paths = (PACKAGE / "receive" / "receiving.py", PACKAGE / "receive" / "receive_path.py")
+    """The update session (`receive/update_session.py`) and the receive path (`receive/receive_path.py`:
+    the one way bytes reach it) are shared by every engine: the vLLM worker extension and the
+    embedded server import them, never the other way round, not even inside a function."""
+    paths = (PACKAGE / "receive" / "update_session.py", PACKAGE / "receive" / "receive_path.py")
     assert all(path.is_file() for path in paths), paths
     found = [f"{path.relative_to(SRC)}: {module}"
              for path in paths
@@ -156,6 +156,65 @@ def test_the_receiving_side_imports_no_engine_and_no_server() -> None:
              if _is_under(module, ("weightsync.engines", "weightsync.server", "weightsync.push.sync",
                                    "weightsync.modes", "weightsync.cli"))]
     assert not found, found
+
+
+def _calls(path: Path, attribute: str) -> list[tuple[int, str]]:
+    """(line, the function it is in) of every call of a method named `attribute` in `path`."""
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and child.func.attr == attribute:
+                found.append((child.lineno, where))
+            visit(child, where)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), "<module>")
+    return found
+
+
+def _callers(paths: list[Path], attribute: str) -> list[tuple[str, str]]:
+    """(module path under src/, the function it is in) of every call of `attribute` in `paths`."""
+    return [(str(path.relative_to(SRC)), where) for path in paths for _, where in _calls(path, attribute)]
+
+
+def _definitions(paths: list[Path], name: str) -> list[str]:
+    """The module path under src/ of every function or method named `name` in `paths`."""
+    return [str(path.relative_to(SRC)) for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name]
+
+
+def test_every_staged_bucket_goes_through_the_receive_path() -> None:
+    """One way in: every bucket an engine stages (http frames, shares, SGLang's broadcast, the
+    group relay, shm, a disk version directory, a PEFT directory) reaches the update session
+    through `ReceivePath.stage`, its one caller; no route, worker or tool calls
+    `UpdateSession.stage_bucket`, nor wraps it under that name."""
+    paths = sorted([*PACKAGE.rglob("*.py"), *(SRC / "weightsync_tools").rglob("*.py")])
+    callers = _callers(paths, "stage_bucket")
+    assert callers == [("weightsync/receive/receive_path.py", "stage")], (
+        "buckets staged other than through ReceivePath.stage: " + ", ".join(f"{p} ({f})" for p, f in callers))
+    assert _definitions(paths, "stage_bucket") == ["weightsync/receive/update_session.py"]
+
+
+def test_a_call_around_the_receive_path_is_found(tmp_path: Path) -> None:
+    path = tmp_path / "route.py"
+    path.write_text("def route(state):\n    state.updater.stage_bucket(version=1)\n"
+                    "    def work():\n        return updater.session.stage_bucket(version=1, index=0)\n"
+                    "    state.receive_path.stage(version=1)\n")
+    assert _calls(path, "stage_bucket") == [(2, "route"), (4, "work")]
+
+
+def test_the_version_directory_check_is_written_once() -> None:
+    """A disk version directory's manifest.json is checked against the manifest given at begin
+    by one function (`formats.checkpoint.check_announced`), for the vLLM worker's disk
+    receiver and the embedded server alike: no other function compares manifests without
+    their digests."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    assert _definitions(paths, "check_announced") == ["weightsync/formats/checkpoint.py"]
+    compared = _callers(paths, "without_digests")
+    assert compared and set(compared) == {("weightsync/formats/checkpoint.py", "check_announced")}, compared
 
 
 def test_the_library_never_imports_the_integrations() -> None:

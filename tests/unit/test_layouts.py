@@ -14,7 +14,7 @@ from weightsync.digests import digest
 from weightsync.errors import ConflictError, IntegrityError, ManifestError, ManifestMismatchError, UnknownLayoutError
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.protocol import BeginRequest
-from weightsync.receive.receiving import OpenUpdate, UpdateSession
+from weightsync.receive.update_session import OpenUpdate, UpdateSession
 from weightsync.server.layouts import Layouts
 
 SHAPES = {"a.weight": ((3, 4), torch.float32), "a.bias": ((3,), torch.float32),

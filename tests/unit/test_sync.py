@@ -1,7 +1,7 @@
 """The coordinator's own logic against an in-process engine, with failures injected.
 
 `MemoryEngine` (tests/support/memory_engine.py) is an engine whose weights are a
-dict: it receives through the real `weightsync.receive.receiving.UpdateSession` (so these
+dict: it receives through the real `weightsync.receive.update_session.UpdateSession` (so these
 tests run the engines' receiving code too) and only adds failure injection and call
 counting; the contract suite (tests/contract) runs the same flows against real servers.
 """

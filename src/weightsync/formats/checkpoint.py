@@ -145,6 +145,32 @@ def read_version(directory: Path) -> tuple[Manifest, Iterator[tuple[BucketMeta, 
     return manifest, buckets()
 
 
+def read_announced(directory: Path, announced: Manifest) -> Iterator[tuple[BucketMeta, torch.Tensor]]:
+    """The verified buckets of the version directory `directory`, whose manifest.json must be
+    `announced` (the manifest given at begin); the manifest is checked before this returns,
+    the buckets are read one at a time."""
+    on_disk, buckets = read_version(directory)
+    check_announced(directory, on_disk, announced)
+    return buckets
+
+
+def check_announced(directory: Path, on_disk: Manifest, announced: Manifest) -> None:
+    """`directory`'s manifest.json (`on_disk`) is the manifest given at begin (`announced`):
+    every field and every bucket equal, each bucket's digest too where begin named it (a
+    trainer may begin without digests: it computes them as it writes). IntegrityError naming
+    what differs otherwise."""
+    if on_disk.without_digests() != announced.without_digests():
+        fields, here = announced.to_dict(buckets=False), on_disk.to_dict(buckets=False)
+        differ = [k for k in fields if fields[k] != here[k]] or ["buckets"]
+        raise IntegrityError(f"{directory / MANIFEST_FILE} is not the manifest begin announced "
+                             f"(differs in {', '.join(differ)}); publish the version begun, or begin the one published")
+    wrong = [b.index for b, d in zip(announced.buckets, on_disk.buckets, strict=True)
+             if b.digest is not None and b.digest != d.digest]
+    if wrong:
+        raise IntegrityError(f"{directory / MANIFEST_FILE} is not the manifest begin announced: the digests of "
+                             f"bucket(s) {wrong[:8]} differ from begin's")
+
+
 def confine(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
     """Resolve `path` (symlinks included) and refuse it unless it lies under `root`."""
     real_root = Path(os.path.realpath(root))

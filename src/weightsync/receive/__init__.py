@@ -1,5 +1,5 @@
-"""The receiving side of an update, written once for every engine: who holds the engine's
-session (`sessions`), the update session that checks and stages what arrives (`receiving`),
-and the receive path that fetches by link, stages and acks (`receive_path`). It imports the
-core records and transports' receivers only: never an engine, the server, a mode or `push`.
+"""The receiving side of an update, shared by every engine: who holds the engine's session
+(`sessions`), the update session that checks and stages what arrives (`update_session`), and the
+receive path, the one way bytes reach it (`receive_path`). It imports the core records,
+formats and transports' receivers only: never an engine, the server, a mode or `push`.
 """

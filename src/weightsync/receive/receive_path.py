@@ -1,40 +1,32 @@
-"""The receive path of every engine, written once: fetch a bucket by its link, stage it, ack.
+"""The receive path, written once for every engine: the one way bytes enter an update session.
 
-An engine holds two things on its side of an update: its end of each transport
-(`transports.Receiver`, which joins sessions and moves bytes) and its update
-session (`receiving.UpdateSession`, which checks and stages what arrives and
-builds the ack). `ReceivePath` joins them: it keeps the engine's receivers (made
-on first use), fetches a bucket through the receiver of its link's transport into
-a buffer the session will own and stages it (the session checks its size and
-digest), reads a whole version at commit where the transport delivers nothing per
-bucket (disk), and names in the ack the transport slots the served weights live in
-(`Ack.held_slots`), so that the ack is whole when the session builds it.
-
-What differs between engines is a parameter (`ReceiveHooks`), as the vLLM side of
-checkpoint-engine's one receive loop supplies only `run=` and `post_hook=`: where a
-bucket's buffer comes from, whether the engine serves from the buffers bytes
-arrived in (then a bucket is taken where it lies, not copied), which received
-buffers it serves from after a commit, and whether it joins a link's session at
-its first bucket or wants it joined before (a `connect`). Both the embedded
-server's `/weightsync/receive` and `/weightsync/shm_bucket` routes and the vLLM
-worker extension's `receive`, `seal` and `commit` call it.
-
-It moves bytes through receivers and stages them; it never changes a served
-weight (that is the session's applier, at commit). Thread-safe as the session is:
-buckets may be received from several threads.
+Every bucket an engine stages goes through `ReceivePath.stage`, the one caller of
+`UpdateSession.stage_bucket`; the ways bytes arrive are its other methods: fetched by a
+link (`receive`), in a request's body (`stage_bytes`), read from a version directory
+(`read_at_commit`, `read_version_dir`), or as whole named tensors packed into the
+manifest's layout (`stage_as_buckets`). A route or a worker parses its own wire format and
+hands the bytes here; what differs between engines is a `ReceiveHooks` (where a bucket's
+buffer comes from, whether received buffers are served in place, whether a link's session
+is joined at its first bucket). At commit it names in the ack the transport slots the served
+weights live in (`held_slots`). It moves bytes and stages them; it never changes a served
+weight (the session's applier does, at commit). Thread-safe as the session is.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from weightsync.bucketing import pack_one
+from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.errors import EngineError
+from weightsync.formats.checkpoint import read_announced
 from weightsync.links import Delivery, Link
-from weightsync.receive.receiving import UpdateSession
+from weightsync.receive.update_session import UpdateSession, check_named
 from weightsync.reports import Ack
 from weightsync.transports.base import Receiver
 
@@ -92,12 +84,26 @@ class ReceivePath:
                 receiver = self._receivers[transport] = self._make_receiver(transport)
             return receiver
 
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A host uint8 buffer of `nbytes` bytes for one bucket, which `stage` then gives the
+        session to own (`ReceiveHooks.alloc`)."""
+        return self.hooks.alloc(nbytes)
+
+    def stage(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None = None,
+              computed: str | None = None) -> str:
+        """Stage bucket `index` of the open update `version` from `buffer`, which the session
+        then owns: the session checks its size, the manifest's digest and `digest_hex` (the
+        digest sent with it, if any). `computed`: the digest of `buffer` this process computed
+        as the bytes came in, never one that came with them. Returns the digest computed here.
+        Every bucket an engine stages goes through here."""
+        return self.session.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
+                                         computed=computed)
+
     def receive(self, link: Link, *, version: int, index: int, delivery: Delivery, digest_hex: str | None) -> str:
         """Fetch bucket `index` of the open update `version` from `link`'s session (where
-        `delivery` says it lies), stage it into the session, which checks its size, the
-        manifest's digest and `digest_hex` (the digest sent with it, if any); returns the
-        digest computed here. The bytes are hashed on the way in where the receiver can
-        (shm), else by the session; an adopted bucket is hashed in place."""
+        `delivery` says it lies) and stage it; returns the digest computed here. The bytes
+        are hashed on the way in where the receiver can (shm), else by the session; an
+        adopted bucket is hashed in place."""
         session = self.session
         bucket = session.bucket(version, index)  # an open update, a valid index
         receiver = self.receiver(link.transport)
@@ -110,10 +116,39 @@ class ReceivePath:
         if adopted is not None:
             buffer, computed = adopted, None
         else:
-            buffer, computed = receiver.fetch_hashed(link, bucket, delivery, self.hooks.alloc(bucket.nbytes),
+            buffer, computed = receiver.fetch_hashed(link, bucket, delivery, self.buffer(bucket.nbytes),
                                                      session.digest_algorithm(version))
-        return session.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
-                                    computed=computed)
+        return self.stage(version=version, index=index, buffer=buffer, digest_hex=digest_hex, computed=computed)
+
+    def stage_bytes(self, *, version: int, index: int, payload: memoryview, digest_hex: str | None) -> str:
+        """Stage bucket `index` of the open update `version` from bytes that came in a request
+        (an http frame): copied into a buffer of this engine's, hashed as they are copied.
+        Returns the digest computed here."""
+        buffer = self.buffer(len(payload))
+        computed = copy_hashed(buffer, bytes_tensor(payload), self.session.digest_algorithm(version))
+        return self.stage(version=version, index=index, buffer=buffer, digest_hex=digest_hex, computed=computed)
+
+    def stage_as_buckets(self, version: int, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+        """Stage whole named tensors (every one the open update `version` lists, a PEFT
+        directory's), packed into its manifest's bucket layout; each bucket is checked against
+        the manifest's digest where it has one. Returns the digests computed here."""
+        manifest = self.session.open_manifest(version)
+        check_named(list(tensors.items()), {e.hf_name: e.meta for e in manifest.entries()},
+                    what=f"update v{version}", full=True)
+        digests = []
+        for bucket in manifest.buckets:
+            buffer = host_buffer(bucket.nbytes)
+            for entry in bucket.entries:
+                pack_one(buffer, entry, tensors[entry.hf_name])
+            digests.append(self.stage(version=version, index=bucket.index, buffer=buffer))
+        return digests
+
+    def read_version_dir(self, directory: Path, version: int) -> None:
+        """Stage every bucket of the open update `version` from the version directory
+        `directory` (manifest.json + bucket files), whose manifest must be the one given at
+        begin (`formats.checkpoint.check_announced`); every bucket's digest is checked."""
+        for bucket, buffer in read_announced(directory, self.session.open_manifest(version)):
+            self.stage(version=version, index=bucket.index, buffer=buffer)
 
     def read_at_commit(self, link: Link | None, version: int) -> None:
         """Stage the open update `version` from `link`'s version directory, where its
@@ -125,7 +160,7 @@ class ReceivePath:
         receiver = self.receiver(link.transport)
         if receiver.reads_at_commit:
             for index, buffer in receiver.read(link, update.manifest):
-                self.session.stage_bucket(version=version, index=index, buffer=buffer)
+                self.stage(version=version, index=index, buffer=buffer)
 
     def commit(self, version: int, link: Link | None = None) -> Ack:
         """Apply the open update `version` (read first where `link`'s transport delivers at

@@ -29,7 +29,7 @@ from weightsync.bucketing import unpack
 from weightsync.errors import ManifestMismatchError, format_names
 from weightsync.formats.checkpoint import read_version
 from weightsync.naming import ExpertSlice, checkpoint_slices
-from weightsync.receive.receiving import NamedTensors
+from weightsync.receive.update_session import NamedTensors
 
 REFUSED = "update refused, served weights unchanged"
 

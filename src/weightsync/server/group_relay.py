@@ -110,7 +110,7 @@ class GroupRelay:
         except (ValueError, WeightSyncError) as e:  # no bucket of the open update: its bytes cannot be read
             self._stop(f"bucket {header.index} of v{version} from {source}: {e}")
             return False
-        buffer = self.updater.weights.buffers.take(header.nbytes)
+        buffer = self.updater.receive_path.buffer(header.nbytes)
         try:
             recv_hop_payload(self.group, buffer, src=src, timeout_s=self.timeout_s)
         except WeightSyncError as e:
@@ -119,7 +119,8 @@ class GroupRelay:
         if self._stopped is not None:
             return True  # dropped: the relay of this version already stopped here
         try:  # checks the bytes against header.digest before they are staged or forwarded
-            self.updater.stage_bucket(version=version, index=header.index, buffer=buffer, digest_hex=header.digest)
+            self.updater.receive_path.stage(version=version, index=header.index, buffer=buffer,
+                                            digest_hex=header.digest)
         except (ValueError, WeightSyncError) as e:  # recorded for the trainer, which fails the push naming it
             self._stop(f"bucket {header.index} of v{version} from {source} refused: {e}")
             return True

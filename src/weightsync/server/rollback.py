@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.errors import ConflictError
-from weightsync.receive.receiving import OpenUpdate
+from weightsync.receive.update_session import OpenUpdate
 from weightsync.server import lora
 from weightsync.server.served import ServedState, ServedWeights
 

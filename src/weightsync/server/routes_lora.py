@@ -110,7 +110,7 @@ def _stage_into_session(state: ServerState, name: str, config: dict[str, Any],
     assert manifest is not None
     if dict(manifest.lora_config or {}) != config:
         raise ValueError(f"adapter_config.json of {name!r} differs from the lora_config given at begin")
-    digests = state.updater.stage_as_buckets(tensors)
+    digests = state.receive_path.stage_as_buckets(manifest.version, tensors)
     return answer(f"LoRA adapter {name!r} staged into update v{manifest.version}; /weightsync/commit loads it",
                   digests=digests)
 

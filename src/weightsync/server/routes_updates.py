@@ -1,9 +1,10 @@
 """Weight-update routes: SGLang's contract and weightsync's `/weightsync/*` routes.
 
-Every route parses its body, turns the payload into checked tensors (ingest)
-and hands them to the updater, which stages them and commits atomically. See
-docs/PROTOCOL.md for the contract; blocking work (unpickling, digests,
-collectives, disk reads) runs in worker threads.
+Every route parses its wire format and hands what it carries on: a bucket's bytes to
+the receive path (`state.receive_path`, the one way bytes reach the update session),
+named tensors (ingest) to the updater, which stages them and commits atomically. See
+docs/PROTOCOL.md for the contract; blocking work (unpickling, digests, collectives,
+disk reads) runs in worker threads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from weightsync.bucketing import pack_one
-from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.dtypes import dtype_name
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError, UnknownLayoutError
@@ -271,7 +271,7 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
         try:
             named, buffer = ingest.receive_broadcast(
                 joined.group, entries, flattened=load_format == "flattened_bucket",
-                timeout_s=state.config.group_timeout_s, alloc=state.updater.weights.buffers.take)
+                timeout_s=state.config.group_timeout_s, alloc=state.receive_path.buffer)
         except (RuntimeError, SyncTimeoutError):  # the group broke (a trainer died) or stalled
             if bucket_index is not None:  # that trainer's weightsync update cannot complete
                 state.updater.abort(field_int(body, "weightsync_version"))
@@ -282,8 +282,8 @@ def _receive_distributed(state: ServerState, joined: JoinedGroup, entries: list[
     version = field_int(body, "weightsync_version", required=True)
     assert version is not None
     packed = buffer if buffer is not None else _pack_listed(state, version, bucket_index, named)
-    digest_hex = state.updater.stage_bucket(version=version, index=bucket_index, buffer=packed,
-                                            digest_hex=field_str(body, "weightsync_digest"))
+    digest_hex = state.receive_path.stage(version=version, index=bucket_index, buffer=packed,
+                                          digest_hex=field_str(body, "weightsync_digest"))
     return StageResult(f"bucket {bucket_index} of v{version} staged (digest {digest_hex})")
 
 
@@ -387,10 +387,8 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             header, payload = decode_frame(frame)
             if header.is_share:
                 return _stage_share(state, header, payload, forward)
-            buffer = updater.weights.buffers.take(len(payload))
-            computed = copy_hashed(buffer, bytes_tensor(payload), updater.session.digest_algorithm(header.version))
-            digest_hex = updater.stage_bucket(version=header.version, index=header.index, buffer=buffer,
-                                              digest_hex=header.digest, computed=computed)
+            digest_hex = state.receive_path.stage_bytes(version=header.version, index=header.index,
+                                                        payload=payload, digest_hex=header.digest)
             if header.forward:  # checked and staged here: now the next engine of the relay
                 forward(header, payload)
             return digest_hex
@@ -475,16 +473,16 @@ def _stage_share(state: ServerState, header: FrameHeader, payload: memoryview,
     the push is relayed, copied into the bucket; the whole bucket is staged (its digest
     checked against the whole-bucket digest) once its shares tile it. Returns its digest
     then, else None."""
-    updater = state.updater
-    bucket = updater.session.bucket(header.version, header.index)  # an open update, a valid index
+    bucket = state.updater.session.bucket(header.version, header.index)  # an open update, a valid index
     whole = state.assembly.add(version=header.version, index=header.index, nbytes=bucket.nbytes,
                                whole_digest=header.digest, num_ranges=header.share_ranges,
-                               share_digest=header.share_digest, payload=payload, alloc=updater.weights.buffers.take)
+                               share_digest=header.share_digest, payload=payload, alloc=state.receive_path.buffer)
     if header.forward:  # this share is what the trainer rank sent: the next engine checks it as this one did
         forward(header, payload)
     if whole is None:
         return None
-    return updater.stage_bucket(version=header.version, index=header.index, buffer=whole, digest_hex=header.digest)
+    return state.receive_path.stage(version=header.version, index=header.index, buffer=whole,
+                                    digest_hex=header.digest)
 
 
 def _stage_from_shm(state: ServerState, request: ShmBucketRequest) -> str:

@@ -1,8 +1,7 @@
 """Everything the routes share, built once at startup: model runner, scheduler,
-weight updater, LoRA store, the weight-update groups this engine joined (SGLang's
-group routes) and the receive path (`weightsync.receive.receive_path`: the engine ends of the
-transports that weightsync's routes fetch buckets through, joined to the updater's
-update session).
+weight updater (with its receive path, `weightsync.receive.receive_path`, the one way
+bytes reach its update session), LoRA store and the weight-update groups this engine
+joined (SGLang's group routes).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 
 from weightsync.formats.groups import UpdateGroup
 from weightsync.formats.shares import Assembly
-from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
+from weightsync.receive.receive_path import ReceivePath
 from weightsync.server.config import ServerConfig
 from weightsync.server.lora import LoraStore
 from weightsync.server.memory import MemoryOccupation
@@ -22,7 +21,6 @@ from weightsync.server.relay import Relay
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
 from weightsync.server.updates import WeightUpdater
-from weightsync.transports import make_receiver
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +42,6 @@ class ServerState:
     lora_store: LoraStore | None
     memory: MemoryOccupation
     """The memory tags released by /release_memory_occupation."""
-    receive_path: ReceivePath
-    """This engine's end of each transport, made on first use, and the updater's session:
-    `/weightsync/receive` and `/weightsync/shm_bucket` fetch and stage through it. Each
-    receiver keeps one session (the shm segment, mapped at its first bucket and kept while
-    its name stays the same: a fresh mapping page-faults every byte of the first copy out
-    of it)."""
     relay: Relay = field(default_factory=Relay)
     """Where this engine forwards the buckets of a relayed push (`weightsync.server.relay`)."""
     assembly: Assembly = field(default_factory=Assembly)
@@ -86,11 +78,14 @@ class ServerState:
                                 session_timeout_s=config.session_timeout_s, lora_store=lora_store)
         updater_box.append(updater)
         scheduler.start()
-        receive_path = ReceivePath(updater.session, make_receiver=make_receiver, hooks=ReceiveHooks(
-            alloc=updater.weights.buffers.take, serves_received=True, served_buffers=updater.weights.served_buffers,
-            joins_at_first_bucket=True))
         return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store,
-                   memory=MemoryOccupation(updater, scheduler), receive_path=receive_path)
+                   memory=MemoryOccupation(updater, scheduler))
+
+    @property
+    def receive_path(self) -> ReceivePath:
+        """The one way bytes reach the updater's session: every route that stages a bucket
+        hands it here (`WeightUpdater.receive_path`)."""
+        return self.updater.receive_path
 
     def close(self) -> None:
         self.scheduler.stop()

@@ -11,8 +11,9 @@ begins (`server.rollback`).
 
 At most one session is open:
 - "weightsync": opened by `/weightsync/begin` with a manifest; buckets arrive
-  by index (HTTP frame, shared memory, broadcast with weightsync keys, a disk
-  version directory) or as named tensors; `/weightsync/commit` applies them.
+  by index (HTTP frame, share, shared memory, broadcast with weightsync keys, the
+  group relay, a disk version directory), each through the one receive path
+  (`WeightUpdater.receive_path`), or as named tensors; `/weightsync/commit` applies them.
 - "sglang": opened by `/begin_weight_update`; SGLang-shaped routes stage named
   tensors into it; `/end_weight_update` applies them.
 With no session open, an SGLang-shaped update is staged and applied within
@@ -42,11 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightsync.bucketing import pack_one
 from weightsync.errors import ConflictError
 from weightsync.formats.checkpoint import read_version
 from weightsync.manifest import Manifest, TensorMeta
-from weightsync.receive.receiving import (
+from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
+from weightsync.receive.sessions import Holder, SessionBusyError, take_over
+from weightsync.receive.update_session import (
     NamedTensors,
     OpenUpdate,
     SessionRules,
@@ -54,7 +56,6 @@ from weightsync.receive.receiving import (
     check_named,
     copies,
 )
-from weightsync.receive.sessions import Holder, SessionBusyError, take_over
 from weightsync.reports import Ack
 from weightsync.server import lora
 from weightsync.server.experts import ExpertFuser
@@ -62,6 +63,7 @@ from weightsync.server.layouts import Layouts
 from weightsync.server.requests import ServedVersion
 from weightsync.server.rollback import CommitHistory
 from weightsync.server.served import ServedWeights
+from weightsync.transports import make_receiver
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ class StageResult:
 class WeightUpdater:
     """The one open update session of an engine (weightsync's or SGLang's) over its served weights.
 
-    It is the `receive.receiving.Applier` of its weightsync sessions (`self.session`):
+    It is the `receive.update_session.Applier` of its weightsync sessions (`self.session`):
     a commit swaps the staged bucket-buffer views in between two steps."""
 
     def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
@@ -114,6 +116,12 @@ class WeightUpdater:
         self.session = UpdateSession(self, engine=ENGINE, rules=SessionRules(
             timeout_s=session_timeout_s, adapter_keeps_version=True))
         """The weightsync update session (at most one session of either kind is open)."""
+        self.receive_path = ReceivePath(self.session, make_receiver=make_receiver, hooks=ReceiveHooks(
+            alloc=self.weights.buffers.take, serves_received=True, served_buffers=self.weights.served_buffers,
+            joins_at_first_bucket=True))
+        """The one way bytes reach `session`, whichever route they came by: this engine's end of
+        each transport (made on first use, each keeping its session: the shm segment stays
+        mapped while its name stays the same), buffers from the receive pool, staging."""
         self._sglang: SglangSession | None = None
         self._update_label: str | None = None
         """The label the open weightsync update is served under; None: "N"."""
@@ -155,7 +163,7 @@ class WeightUpdater:
 
     def begin(self, manifest: Manifest) -> str | None:
         """Dry-run check of `manifest` against the served model, then open a session
-        (see `receive.receiving.UpdateSession.begin`); returns what was discarded. An empty
+        (see `receive.update_session.UpdateSession.begin`); returns what was discarded. An empty
         SGLang session gives way; one holding tensors is taken like an idle trainer's."""
         with self._lock:
             self.last_manifest = manifest
@@ -174,17 +182,9 @@ class WeightUpdater:
             self._update_label = None
             return preempted
 
-    def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None,
-                     computed: str | None = None) -> str:
-        """Verify one packed bucket and stage it. Takes ownership of `buffer` (a copy the
-        caller made; `computed`: its digest, computed here while copying). Returns the
-        digest computed here."""
-        return self.session.stage_bucket(version=version, index=index, buffer=buffer, digest_hex=digest_hex,
-                                          computed=computed)
-
     def commit(self, version: int, *, held_slots: Callable[[], Mapping[str, tuple[int, ...]]] | None = None) -> Ack:
         """Apply the open weightsync session; returns the ack (`held_slots`: see
-        `receive.receiving.UpdateSession.commit`)."""
+        `receive.update_session.UpdateSession.commit`)."""
         with self._lock:
             return self.session.commit(version, held_slots=held_slots)
 
@@ -205,7 +205,7 @@ class WeightUpdater:
         with self._lock:
             return self.history.rollback(version, owner=owner)
 
-    # -- the receive.receiving.Applier of weightsync sessions --------------------------------
+    # -- the receive.update_session.Applier of weightsync sessions ---------------------------
 
     def expected(self) -> Mapping[str, TensorMeta]:
         return self.weights.metas
@@ -223,7 +223,7 @@ class WeightUpdater:
         lora.check_adapter(self.model, config, sent, lora_name=manifest.lora_name)
 
     def base_tensor(self, hf_name: str) -> torch.Tensor:
-        """The served tensor a sparse update is applied to (a copy of), as `receive.receiving.SparseBase`:
+        """The served tensor a sparse update is applied to (a copy of), as `receive.update_session.SparseBase`:
         parameters are replaced whole at a commit, never written in place, so reading one
         while generation runs is safe."""
         return self.weights.params[hf_name].detach()
@@ -314,47 +314,26 @@ class WeightUpdater:
     def apply_version_dir(self, directory: Path, *, label: str | None) -> StageResult:
         """A disk version directory (manifest.json + bucket files), every bucket verified,
         applied as one update: into the open weightsync session of the same version
-        (which this commits), else through a session of its own. Served as the
-        manifest's version, labelled `label` (default: the version's decimal string).
+        (which this commits; its manifest.json must be the one given at begin, or the
+        session is aborted), else through a session of its own. Served as the manifest's
+        version, labelled `label` (default: the version's decimal string).
         """
-        manifest, buckets = read_version(directory)
+        manifest, _ = read_version(directory)  # manifest.json checked before anything begins
         update = self.session.open_update
         if update is not None:
             if update.version != manifest.version:
                 raise ConflictError(f"{directory} holds v{manifest.version}, the open session is v{update.version}")
-            if manifest.without_digests().buckets != update.manifest.without_digests().buckets:
-                raise ValueError(f"{directory}/manifest.json differs from the manifest given at begin")
         else:
             self.begin(manifest)
         try:
             if label is not None:
                 self._update_label = label
-            for bucket, buffer in buckets:
-                self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
-                                  digest_hex=bucket.digest)
+            self.receive_path.read_version_dir(directory, manifest.version)
             ack = self.commit(manifest.version)
         except BaseException:
             self.abort(manifest.version)
             raise
         return StageResult(f"applied {directory.name} as v{manifest.version}", ack=ack)
-
-    def stage_as_buckets(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
-        """Pack named tensors into the open weightsync session's bucket layout and stage
-        every bucket (checked against the manifest's digests where it has them)."""
-        update = self.session.open_update
-        if update is None:
-            raise ConflictError("no weightsync update session is open")
-        manifest = update.manifest
-        check_named(list(tensors.items()), {e.hf_name: e.meta for e in manifest.entries()},
-                    what=f"update v{manifest.version}", full=True)
-        digests = []
-        for bucket in manifest.buckets:
-            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            for entry in bucket.entries:
-                pack_one(buffer, entry, tensors[entry.hf_name])
-            digests.append(self.stage_bucket(version=manifest.version, index=bucket.index, buffer=buffer,
-                                             digest_hex=None))
-        return digests
 
     # -- memory occupation (SGLang's release/resume of "weights") -----------------------------
 

@@ -126,7 +126,7 @@ class Receiver(Protocol):
     class attributes, read by the engine clients in the trainer process too:
     they decide what an engine must be told, so that no client compares names.
 
-    The engine's update session (`weightsync.receive.receiving`) verifies and stages
+    The engine's update session (`weightsync.receive.update_session`) verifies and stages
     what a receiver hands over; a receiver only moves bytes.
     """
 

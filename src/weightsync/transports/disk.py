@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.errors import IntegrityError, WeightSyncError
-from weightsync.formats.checkpoint import publish, read_version, write_bucket, write_manifest
+from weightsync.formats.checkpoint import publish, read_announced, write_bucket, write_manifest
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.owners import TAG_PATTERN, orphans, owner_tag
@@ -90,10 +90,7 @@ class DiskReceiver(ReceiverDefaults):
         if manifest.is_adapter:
             yield 0, _read_adapter_bucket(directory / LORA_WEIGHTS_FILE, manifest.buckets[0])
             return
-        on_disk, buckets = read_version(directory)
-        if on_disk.without_digests() != manifest.without_digests():
-            raise IntegrityError(f"{directory}: its manifest.json is not the manifest begin() announced")
-        for bucket, buffer in buckets:  # read_bucket verified each digest against manifest.json
+        for bucket, buffer in read_announced(directory, manifest):  # each digest verified against manifest.json
             yield bucket.index, buffer
 
 

@@ -236,7 +236,7 @@ def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: i
         begin = Manifest(version=version, buckets=plan).with_digests(digests)
         body = BeginRequest(manifest=begin, by_layout=layout == begin.layout_digest).to_json_text().encode()
         manifest_bytes = max(manifest_bytes, len(body))
-        buffers = [updater.weights.buffers.take(b.numel()) for b in packed]
+        buffers = [updater.receive_path.buffer(b.numel()) for b in packed]
         for buffer, data in zip(buffers, packed, strict=True):
             buffer.copy_(data)
         started = time.perf_counter()
@@ -246,7 +246,7 @@ def engine_pass(scenario: Scenario, model: Any, *, bucket_bytes: int, repeats: i
         updater.begin(manifest)
         layout = updater.layouts.remember(manifest, by_layout=begun.by_layout)
         for bucket, buffer, sent in zip(manifest.buckets, buffers, digests, strict=True):
-            updater.stage_bucket(version=version, index=bucket.index, buffer=buffer, digest_hex=sent)
+            updater.receive_path.stage(version=version, index=bucket.index, buffer=buffer, digest_hex=sent)
         updater.commit(version)
         if version > 1:
             runs.append(time.perf_counter() - started)

@@ -68,7 +68,7 @@ def _push(updater: WeightUpdater, weights: dict[str, torch.Tensor], version: int
     updater.begin(manifest)
     for bucket, data in zip(plan, packed, strict=True):
         buffer = updater.weights.buffers.take(bucket.nbytes).copy_(data)  # as the routes receive
-        updater.stage_bucket(version=version, index=bucket.index, buffer=buffer, digest_hex=digest(data))
+        updater.receive_path.stage(version=version, index=bucket.index, buffer=buffer, digest_hex=digest(data))
     if commit:
         updater.commit(version)
     else:
@@ -188,7 +188,7 @@ def test_a_final_or_foreign_commit_is_not_rolled_back() -> None:
     weights = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
     plan = plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], 200)
     updater.begin(Manifest(version=1, buckets=plan, owner="trainer-a"))
-    updater.stage_as_buckets(weights)
+    updater.receive_path.stage_as_buckets(1, weights)
     updater.commit(1)
     with pytest.raises(ConflictError, match=r"committed by another trainer \(trainer-a\)"):
         updater.rollback(1, owner="trainer-b")

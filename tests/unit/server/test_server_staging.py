@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +15,13 @@ from torch import nn
 
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import IntegrityError, ManifestMismatchError
-from weightsync.integrity import digest
+from weightsync.formats.checkpoint import publish, write_bucket, write_manifest
+from weightsync.integrity import digest, manifest_names_digest
 from weightsync.manifest import Manifest, TensorMeta
+from weightsync.reports import Ack
 from weightsync.server.errors import ConflictError
 from weightsync.server.requests import ServedVersion
-from weightsync.server.updates import WeightUpdater
+from weightsync.server.updates import ENGINE, WeightUpdater
 
 
 class Tiny(nn.Module):
@@ -69,12 +73,44 @@ def test_commit_swaps_everything_at_once(updater: WeightUpdater, model: Tiny) ->
     before = served(updater)
     updater.begin(manifest.without_digests())
     for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
-        assert updater.stage_bucket(version=4, index=bucket.index, buffer=buffer.clone(),
-                                    digest_hex=bucket.digest) == bucket.digest
+        assert updater.receive_path.stage(version=4, index=bucket.index, buffer=buffer.clone(),
+                                          digest_hex=bucket.digest) == bucket.digest
         assert served(updater) == before and updater.version == 3
     ack = updater.commit(4)
     assert ack.to_wire() == {"version": 4, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
     assert served(updater) == {n: digest(t) for n, t in weights.items()}
+
+
+def write_version_dir(root: Path, manifest: Manifest, buffers: list[torch.Tensor]) -> Path:
+    """`manifest`'s version directory under `root`, as the disk transport publishes it."""
+    tmp, final = root / f".tmp-v{manifest.version}", root / f"v{manifest.version:08d}"
+    tmp.mkdir()
+    for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
+        write_bucket(tmp, bucket, buffer)
+    write_manifest(tmp, manifest)
+    publish(tmp, final)
+    return final
+
+
+def test_a_version_directory_is_staged_through_the_receive_path(updater: WeightUpdater, model: Tiny,
+                                                                tmp_path: Path) -> None:
+    """/update_weights_from_disk into an open session: its manifest.json must be the one begun
+    (a field that differs refuses it and aborts the session, weights unchanged); then every
+    bucket is staged and committed."""
+    weights = new_weights(model, 5)
+    manifest, buffers = update(weights, 4)
+    directory = write_version_dir(tmp_path, manifest, buffers)
+    before = served(updater)
+    updater.begin(replace(manifest.without_digests(), timeout_s=30.0))
+    with pytest.raises(IntegrityError, match=r"not the manifest begin announced \(differs in timeout_s\)"):
+        updater.apply_version_dir(directory, label=None)
+    assert updater.session.open_update is None and served(updater) == before
+    updater.begin(manifest.without_digests())
+    assert updater.apply_version_dir(directory, label="disk").ack == Ack(
+        engine=ENGINE, version=4, digests=manifest.digests, loaded_names=frozenset(weights),
+        names_digest=manifest_names_digest(manifest.hf_names))
+    assert served(updater) == {n: digest(t) for n, t in weights.items()}
+    assert updater.weights.served == ServedVersion(4, "disk")
 
 
 def test_abort_and_refusals_leave_weights_bit_identical(updater: WeightUpdater, model: Tiny) -> None:
@@ -84,10 +120,10 @@ def test_abort_and_refusals_leave_weights_bit_identical(updater: WeightUpdater, 
     corrupt = buffers[0].clone()
     corrupt[0] ^= 1
     with pytest.raises(IntegrityError, match="digest"):
-        updater.stage_bucket(version=4, index=0, buffer=corrupt, digest_hex=manifest.buckets[0].digest)
+        updater.receive_path.stage(version=4, index=0, buffer=corrupt, digest_hex=manifest.buckets[0].digest)
     with pytest.raises(IntegrityError, match="truncated"):
-        updater.stage_bucket(version=4, index=0, buffer=buffers[0][:-1].clone(), digest_hex=None)
-    updater.stage_bucket(version=4, index=0, buffer=buffers[0].clone(), digest_hex=None)
+        updater.receive_path.stage(version=4, index=0, buffer=buffers[0][:-1].clone(), digest_hex=None)
+    updater.receive_path.stage(version=4, index=0, buffer=buffers[0].clone(), digest_hex=None)
     with pytest.raises(IntegrityError, match="never arrived"):
         updater.commit(4)
     assert updater.abort(4) is True and updater.abort(4) is False
@@ -207,7 +243,7 @@ def test_labels_are_sglang_strings_and_versions_stay_weightsync_integers(updater
     manifest, buffers = update(good, 7)
     updater.begin(manifest)
     for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
-        updater.stage_bucket(version=7, index=bucket.index, buffer=buffer.clone(), digest_hex=bucket.digest)
+        updater.receive_path.stage(version=7, index=bucket.index, buffer=buffer.clone(), digest_hex=bucket.digest)
     updater.commit(7)
     assert updater.weights.served == ServedVersion(7, "7")
 

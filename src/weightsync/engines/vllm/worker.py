@@ -38,7 +38,7 @@ from weightsync.formats.checkpoint import read_checkpoint_metas
 from weightsync.links import Delivery, Link
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.receive.receive_path import ReceivePath
-from weightsync.receive.receiving import OpenUpdate, SessionRules, UpdateSession
+from weightsync.receive.update_session import OpenUpdate, SessionRules, UpdateSession
 from weightsync.transports import make_receiver, parse_link
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ def _state(worker: Any) -> WorkerSync:
 
 class WorkerSync:
     """weightsync's state in one vLLM worker: links, version, adapters, and the
-    `receive.receiving.Applier` of its update session (`self.session`).
+    `receive.update_session.Applier` of its update session (`self.session`).
 
     `worker` is vLLM's worker object (`model_runner`, `vllm_config`,
     `reload_weights`); it is only read, except through `reload_weights`.
@@ -275,7 +275,7 @@ class WorkerSync:
         self.adapters.forget(str(body["lora_name"]))
         return {}
 
-    # -- the receive.receiving.Applier of the update session ------------------
+    # -- the receive.update_session.Applier of the update session ----------
 
     def expected(self) -> Mapping[str, TensorMeta] | None:
         return self._expected_metas()

@@ -1,15 +1,15 @@
-"""The receiving side of a weightsync update, written once for every engine.
+"""The update session of an engine: the state machine between a trainer's `begin` and its
+`commit` or `abort`, and the checks on what arrives. It moves no bytes: buckets reach it only
+through the receive path (`receive.receive_path.ReceivePath.stage`), named tensors through
+`stage_named`.
 
-`UpdateSession` is what an engine runs between a trainer's `begin` and its
-`commit` or `abort`: who holds the engine (`weightsync.receive.sessions`), whether a
-version may follow the served one, the dry run of the manifest, the checks of
-every bucket that arrives (index, size, digest), the staging of its tensors,
-"every tensor arrived" at commit, and the ack (`reports.Ack`, sent on the wire
-as `Ack.to_wire()`). It moves no bytes (transports deliver buffers to it) and
-changes no weight: what an engine does with a checked update goes through its
-`Applier` (the embedded engine swaps bucket-buffer views in between two
-generation steps; the vLLM worker reloads copies through vLLM's loader; the
-tests' in-memory engine updates a dict).
+`UpdateSession` decides who holds the engine (`weightsync.receive.sessions`), whether a
+version may follow the served one, the dry run of the manifest, the checks of every bucket
+staged (index, size, digest), the staging of its tensors, "every tensor arrived" at commit,
+and the ack (`reports.Ack`, sent on the wire as `Ack.to_wire()`). It changes no weight: what
+an engine does with a checked update goes through its `Applier` (the embedded engine swaps
+bucket-buffer views in between two generation steps; the vLLM worker reloads copies through
+vLLM's loader; the tests' in-memory engine updates a dict).
 
 Errors: `ConflictError` (HTTP 409, with `retry_after_s` when waiting helps)
 for a state clash: no such update open, a version that is not newer, a live
@@ -208,6 +208,11 @@ class UpdateSession:
         """Bucket `index` of the open update `version` (a sign of life of its trainer)."""
         return self._bucket(version, index)[1]
 
+    def open_manifest(self, version: int) -> Manifest:
+        """The manifest given at the begin of the open update `version`."""
+        with self._lock:
+            return self._require(version).manifest
+
     def digest_algorithm(self, version: int) -> str:
         """The digest algorithm the open update `version` names (for `Receiver.fetch_hashed`)."""
         with self._lock:
@@ -227,7 +232,8 @@ class UpdateSession:
         the digest sent with it) and stage its tensors as views of `buffer`, which the
         session now owns (a copy the caller made). `computed`: the digest of `buffer`
         this process computed while copying it in (`Receiver.fetch_hashed`), never one
-        that came with the bytes. Returns the digest computed here."""
+        that came with the bytes. Returns the digest computed here. Its one caller in the
+        library is `ReceivePath.stage`."""
         update, bucket = self._bucket(version, index)
         got = check_bucket(bucket, buffer, update.manifest.digest_algorithm, computed=computed)
         if digest_hex is not None and got != digest_hex:

@@ -1,4 +1,4 @@
-"""receiving.UpdateSession: the engine side of an update, against a dict of weights.
+"""update_session.UpdateSession: the engine side of an update, against a dict of weights.
 
 The applier here is a test double on purpose: the session is the unit under
 test; the embedded engine, the vLLM worker and tests/unit/test_sync.py's
@@ -19,7 +19,7 @@ from weightsync.errors import ConflictError, IntegrityError, ManifestError, Mani
 from weightsync.integrity import digest, names_digest, with_sent_names
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.owners import session_owner
-from weightsync.receive.receiving import OpenUpdate, SessionRules, UpdateSession
+from weightsync.receive.update_session import OpenUpdate, SessionRules, UpdateSession
 from weightsync.reports import Ack
 
 
@@ -330,7 +330,7 @@ def test_a_replaced_update_frees_what_it_held() -> None:
 
 
 class SparseDictApplier(DictApplier):
-    """A DictApplier that applies sparse updates (`receiving.SparseBase`)."""
+    """A DictApplier that applies sparse updates (`update_session.SparseBase`)."""
 
     def base_tensor(self, hf_name: str) -> torch.Tensor:
         return self.weights[hf_name]
