@@ -95,13 +95,14 @@ def test_full_push_matches_transformers(engine: VLLMEngine, model_dir: Path, tmp
 
 def test_ready_names_a_rank_without_the_open_update(engine: VLLMEngine, tmp_path: Path) -> None:
     """The round before the commit round of several replicas (`Engine.ready`) asks every rank."""
+    from weightsync.engines.base import EngineUpdate
     from weightsync.errors import EngineError
     from weightsync.manifest import Manifest
     from weightsync.transports.disk import DiskLink
 
     with pytest.raises(EngineError, match=r"update v12345 is no longer open on rank 0 \(open: None\)"):
         engine.ready(Manifest(version=12345, mode="full", buckets=()),
-                     DiskLink(transport="disk", root=str(tmp_path), timeout_s=30.0))
+                     EngineUpdate(version=12345, link=DiskLink(transport="disk", root=str(tmp_path), timeout_s=30.0)))
 
 
 def test_wrong_shape_is_refused_and_old_weights_keep_serving(engine: VLLMEngine, model_dir: Path) -> None:

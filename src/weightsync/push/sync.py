@@ -371,6 +371,7 @@ class WeightSync:
         adopting = all(c.adopts_shm for c in caps)
         replicas.join(self._make_transport(), max_bucket_bytes=max((b.nbytes for b in manifest.buckets), default=1),
                       leased_buckets=len(manifest.buckets) if adopting else 0)
+        replicas.open_updates(manifest, self.config.pause)
         paused = begun = committing = failed = False
         begin_notes: list[str] = []
 
@@ -407,7 +408,7 @@ class WeightSync:
             self._transport.finish(manifest)
             if not paused:
                 paused = True
-                replicas.pause(self.config.pause)
+                replicas.pause(self.config.pause, streamed=True)
             replicas.ready(manifest)
             t0 = time.perf_counter()
             committing = True
