@@ -3,7 +3,8 @@ engine at once and is bounded by the push's `timeout_s`, whatever the engine cli
 were built with.
 
 The rounds of one push, in the order the coordinator (`weightsync.push.sync`) makes them:
-capabilities (once per transport session), connect, pause, begin (asked again while
+the handshake (every engine's capabilities, once per transport session: the one round
+that asks them; everything else reads what it answered), connect, pause, begin (asked again while
 another live trainer's session holds an engine), receive (per bucket, beside the
 transport's own send), ready, commit (engines that can undo a commit first), resume.
 What the push has done with each engine (its pause, whether its commit resumed it) is
@@ -86,9 +87,11 @@ class Replicas:
 
     # -- what the engines declare --------------------------------------------
 
-    def capabilities(self) -> list[EngineCapabilities]:
-        """Every engine's declared capabilities, asked once per transport session; an engine
-        that declares it cannot take the transport in this mode, or the fan-out, is refused, naming it."""
+    def handshake(self) -> list[EngineCapabilities]:
+        """The session's one round of questions: every engine's declared capabilities, asked
+        here unless this transport session asked them already (the first push of a session,
+        or a close that needs them after the session was left); an engine that declares it
+        cannot take the transport in this mode, or the fan-out, is refused, naming it."""
         if self._caps is None:
             timeout_s = self.timeout_s
             deadline = time.monotonic() + timeout_s
@@ -104,6 +107,11 @@ class Replicas:
             self._caps = caps
         return self._caps
 
+    def capabilities(self) -> list[EngineCapabilities]:
+        """What every engine declared at this session's `handshake` (asks nothing)."""
+        assert self._caps is not None, "handshake() first"
+        return self._caps
+
     def by_label(self) -> dict[str, EngineCapabilities]:
         """Engine label -> its capabilities (the dtype it serves, the tensors it keeps in another)."""
         return dict(zip((e.label for e in self.engines), self.capabilities(), strict=True))
@@ -111,6 +119,11 @@ class Replicas:
     def expert_layouts(self) -> dict[str, ExpertLayout]:
         """Engine label -> the layout it loads Mixture-of-Experts layers in (`EngineCapabilities.expert_layout`)."""
         return {e.label: c.expert_layout for e, c in zip(self.engines, self.capabilities(), strict=True)}
+
+    @property
+    def asked(self) -> bool:
+        """This transport session's handshake was made (its capabilities are known)."""
+        return self._caps is not None
 
     def rollbackers(self) -> list[Rollbacker | None]:
         """Per engine: itself where it can undo its last commit (`EngineCapabilities.rolls_back`), else None."""
