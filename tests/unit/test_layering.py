@@ -517,22 +517,27 @@ def _self_state_writes(cls: ast.ClassDef) -> list[tuple[str, str, int]]:
     return writes
 
 
-def _per_push_state(text: str, filename: str, allowed: dict[str, dict[str, str]]) -> tuple[list[str], list[str]]:
-    """(each write in `text` to an engine client's attribute that is not connection state, the
-    engine clients found). An engine client: a class with the verbs `capabilities`, `begin`,
-    `commit` and `abort`, or a subclass of one in the same text. Outside the constructor
-    (`__init__`, `_init_state`) a client may set only `allowed[its name]` (its bases' too),
-    and no private attribute anywhere but those."""
-    tree = ast.parse(text, filename=filename)
-    classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+def _per_push_state(texts: dict[str, str], allowed: dict[str, dict[str, str]]) -> tuple[list[str], list[str]]:
+    """(each write, in the modules `texts` (filename -> source), to an engine client's attribute
+    that is not connection state; the engine clients found). An engine client: a class with
+    the verbs `capabilities`, `begin`, `commit` and `abort`, or a subclass of one (in any of
+    the modules). Outside the constructor (`__init__`, `_init_state`) a client may set only
+    `allowed[its name]` (its bases' too), and no private attribute anywhere but those."""
+    classes = [(filename, node) for filename, text in texts.items()
+               for node in ast.walk(ast.parse(text, filename=filename)) if isinstance(node, ast.ClassDef)]
     clients: dict[str, set[str]] = {}
-    for cls in classes:
-        methods = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        bases = [b.id for b in cls.bases if isinstance(b, ast.Name)]
-        if {"capabilities", "begin", "commit", "abort"} <= methods or any(b in clients for b in bases):
-            clients[cls.name] = set(allowed.get(cls.name, {})).union(*(clients.get(b, set()) for b in bases))
+    while True:  # subclasses of clients, whatever the order the modules define them in
+        before = len(clients)
+        for _, cls in classes:
+            methods = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            bases = [b.id for b in cls.bases if isinstance(b, ast.Name)]
+            if cls.name not in clients and ({"capabilities", "begin", "commit", "abort"} <= methods
+                                            or any(b in clients for b in bases)):
+                clients[cls.name] = set(allowed.get(cls.name, {})).union(*(clients.get(b, set()) for b in bases))
+        if len(clients) == before:
+            break
     found = []
-    for cls in classes:
+    for filename, cls in classes:
         if cls.name not in clients:
             continue
         for method, attr, line in _self_state_writes(cls):
@@ -548,13 +553,9 @@ def test_engine_clients_keep_no_per_push_state() -> None:
     it, the update open, the trainer that began it. That is the push's `EngineUpdate`, which
     the coordinator holds and hands to every verb (`engines/base.py`), so the coordinator, not
     the client, decides the pause and the order of the commits."""
-    found, clients = [], []
-    for path in sorted((PACKAGE / "engines").rglob("*.py")):
-        filename = str(path.relative_to(PACKAGE))
-        f, c = _per_push_state(path.read_text(), filename, CONNECTION_STATE)
-        found += f
-        clients += c
-    assert {"SGLangEngine", "VLLMEngine"} <= set(clients), clients
+    texts = {str(path.relative_to(PACKAGE)): path.read_text() for path in sorted((PACKAGE / "engines").rglob("*.py"))}
+    found, clients = _per_push_state(texts, CONNECTION_STATE)
+    assert {"SGLangEngine", "VLLMEngine", "VLLMTransferEngine"} <= set(clients), clients
     assert set(CONNECTION_STATE) <= set(clients), f"allowed state of a client that is gone: {CONNECTION_STATE}"
     assert not found, ("engine clients keep per-push state (put it in the push's EngineUpdate, or, if it is what "
                        "the client knows of its engine, in CONNECTION_STATE with its reason):\n" + "\n".join(found))
@@ -571,9 +572,10 @@ def test_per_push_state_in_an_engine_client_is_found() -> None:
             "class Serve(Client):\n"
             "    def relay(self, b):\n        self._forwarding += 1\n        self._http = 2\n"
             "class NotAClient:\n    def begin(self):\n        self._open = 1\n")
-    found, clients = _per_push_state(text, "f.py", {"Client": {"_http": "the connection"}})
-    assert clients == ["Client", "Serve"]
+    other = "class Other(Serve):\n    def x(self):\n        self._y = 1\n"
+    found, clients = _per_push_state({"f.py": text, "g.py": other}, {"Client": {"_http": "the connection"}})
+    assert clients == ["Client", "Other", "Serve"]
     assert [f.split(": ", 1)[1] for f in found] == [
         "Client.__init__ sets self._open", "Client.begin sets self._owner", "Client.begin sets self._open",
         "Client.pause sets self._paused", "Client.pause sets self.last_pause", "Client.commit sets self._acks",
-        "Serve.relay sets self._forwarding"], found
+        "Serve.relay sets self._forwarding", "Other.x sets self._y"], found
