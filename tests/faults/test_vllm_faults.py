@@ -225,8 +225,8 @@ class _PauseAnswerLost(VLLMEngine):
     behind its engine's outputs, README Known limits; checked here with the group SIGSTOPped
     while the /pause was sent: paused for good once continued)."""
 
-    def pause(self, policy: ws.PausePolicy, *, timeout_s: float | None = None) -> None:
-        super().pause(policy, timeout_s=timeout_s)
+    def pause(self, policy: ws.PausePolicy, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        super().pause(policy, pause_id=pause_id, timeout_s=timeout_s)
         raise ws.SyncTimeoutError(f"{self.label}: pause: injected lost answer")
 
 

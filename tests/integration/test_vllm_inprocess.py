@@ -40,6 +40,7 @@ import torch
 import vllm_fixtures as vf
 import vllm_support
 import weightsync as ws
+from weightsync.engines.base import EngineUpdate
 from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 from weightsync.engines.vllm.worker import EXTENSION
@@ -101,7 +102,7 @@ def test_ready_names_a_rank_without_the_open_update(engine: VLLMEngine, tmp_path
 
     with pytest.raises(EngineError, match=r"update v12345 is no longer open on rank 0 \(open: None\)"):
         engine.ready(Manifest(version=12345, mode="full", buckets=()),
-                     DiskLink(transport="disk", root=str(tmp_path), timeout_s=30.0))
+                     EngineUpdate(version=12345, link=DiskLink(transport="disk", root=str(tmp_path), timeout_s=30.0)))
 
 
 def test_wrong_shape_is_refused_and_old_weights_keep_serving(engine: VLLMEngine, model_dir: Path) -> None:
@@ -317,15 +318,15 @@ class _DiesAtBucket2:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def receive(self, bucket: Any, delivery: Any) -> None:
+    def receive(self, bucket: Any, delivery: Any, update: Any) -> None:
         if bucket.index == 2:
             raise ws.EngineError("test", "the trainer died")
-        self.inner.receive(bucket, delivery)
+        self.inner.receive(bucket, delivery, update)
 
-    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
+    def abort(self, update: Any, *, timeout_s: float | None = None) -> None:
         return None
 
-    def resume(self, *, timeout_s: float | None = None) -> None:
+    def resume(self, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
         return None
 
 
@@ -430,7 +431,8 @@ def test_two_replicas_over_disk_ask_ready_before_any_commits(backend: VLLMTransf
 
             def finish_then_drop_vllms_update(manifest: Any) -> None:
                 original_finish(manifest)
-                backend.abort(manifest.version)  # the update is gone on the vLLM replica
+                # the update is gone on the vLLM replica (an abort naming no trainer drops any)
+                backend.abort(EngineUpdate(version=manifest.version, link=sync._replicas.links[0]))  # type: ignore[index]
 
             sync._transport.finish = finish_then_drop_vllms_update  # type: ignore[union-attr, method-assign]
             vf.perturb(trainer, seed=97)

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from weightsync.engines.base import EngineCapabilities, PausePolicy
+from weightsync.engines.base import EngineCapabilities, EngineUpdate, PausePolicy
 from weightsync.errors import ConflictError, EngineError, SyncTimeoutError
 from weightsync.formats.checkpoint import read_version
 from weightsync.links import Delivery, Link
@@ -51,9 +51,6 @@ class MemoryEngine:
         self.corrupt_ack = False
         self.paused = False
         self.lose_pause_answer = False
-        self._link: Link | None = None
-        self._version = 0
-        """The version of the update begun last (a delivery does not name it)."""
         self.max_concurrent = 0
         self._inflight = 0
         self._lock = threading.Lock()
@@ -70,7 +67,7 @@ class MemoryEngine:
     def disconnect(self, link: Link) -> None:
         self.calls.append("disconnect")
 
-    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
+    def pause(self, policy: PausePolicy, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
         self.calls.append(f"pause:{policy.value}")
         if self.hang_pause:
             self.unhang.wait(60)
@@ -78,17 +75,16 @@ class MemoryEngine:
         if self.lose_pause_answer:  # paused, and the answer never came (vLLM applies a late /pause)
             raise SyncTimeoutError(f"{self.label}: pause: injected lost answer")
 
-    def resume(self, *, timeout_s: float | None = None) -> None:
+    def resume(self, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
         self.calls.append("resume")
         self.paused = False
 
-    def begin(self, manifest: Manifest, link: Link) -> None:
+    def begin(self, manifest: Manifest, update: EngineUpdate) -> None:
         self.calls.append("begin")
         with self._as_engine_errors():
             self.session.begin(manifest)
-        self._link, self._version = link, manifest.version
 
-    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+    def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
         with self._lock:
             self._inflight += 1
             self.max_concurrent = max(self.max_concurrent, self._inflight)
@@ -101,30 +97,29 @@ class MemoryEngine:
             if delivery.transport == "http":
                 data = delivery.data.clone()
             else:
-                assert self._link is not None
-                seg = SharedSlots.open(self._link.shm_name, slot_bytes=self._link.slot_bytes,
-                                       num_slots=self._link.num_slots)
+                link = update.link
+                seg = SharedSlots.open(link.shm_name, slot_bytes=link.slot_bytes, num_slots=link.num_slots)
                 data = seg.slot(delivery.slot, bucket.nbytes).clone()
             with self._as_engine_errors():
-                self.session.stage_bucket(version=self._version, index=bucket.index, buffer=data,
+                self.session.stage_bucket(version=update.version, index=bucket.index, buffer=data,
                                           digest_hex=bucket.digest)
         finally:
             with self._lock:
                 self._inflight -= 1
 
-    def ready(self, manifest: Manifest, link: Link) -> None:
+    def ready(self, manifest: Manifest, update: EngineUpdate) -> None:
         self.calls.append("ready")
         with self._as_engine_errors():
             if self.session.open_update is None or self.session.open_update.version != manifest.version:
                 raise ConflictError(f"update v{manifest.version} is no longer open")
 
-    def commit(self, manifest: Manifest, link: Link) -> Ack:
+    def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
         self.calls.append("commit")
         if self.fail_commit:
             raise EngineError(self.label, "injected failure at commit", status=None)
         with self._as_engine_errors():
-            if link.transport == "disk":
-                _, buckets = read_version(Path(link.version_dir(manifest.version)))
+            if update.link.transport == "disk":
+                _, buckets = read_version(Path(update.link.version_dir(manifest.version)))
                 for bucket, data in buckets:
                     self.session.stage_bucket(version=manifest.version, index=bucket.index, buffer=data)
             ack = self.session.commit(manifest.version)
@@ -132,11 +127,11 @@ class MemoryEngine:
             ack = replace(ack, digests=("0" * 16, *ack.digests[1:]))
         return ack
 
-    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
+    def abort(self, update: EngineUpdate, *, timeout_s: float | None = None) -> None:
         self.calls.append("abort")
-        self.session.abort(version)
+        self.session.abort(update.version)
 
-    def rollback(self, version: int, *, timeout_s: float | None = None) -> bool:
+    def rollback(self, version: int, *, owner: str | None = None, timeout_s: float | None = None) -> bool:
         self.calls.append("rollback")
         assert self.rolls_back, "the coordinator rolls back only engines that declare it"
         if self.previous is None or self.version != version:

@@ -28,6 +28,7 @@ class ModePlanner:
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.timeout_s = 10.0
         self.allow_overflow = False
+        self.digest_algorithm = "xxh3_64"
         self.stages = Stages()
         self.ranks = TrainerRanks(None)
         self.caps = list(capabilities)
@@ -35,10 +36,6 @@ class ModePlanner:
         self.served = list(served)
         self.instances = list(instances)
         self._unloaders = list(unloaders)
-
-    @property
-    def digest_algorithm(self) -> str:
-        return "xxh3_64"
 
     def share_step(self, step: Mapping[str, Any]) -> None:
         raise AssertionError(f"one trainer rank: no other rank to share {dict(step)} with")

@@ -19,6 +19,7 @@ from vllm_support import ENGINE_ARGS as ENGINE_ARGS
 from vllm_support import LOGPROB_TOLERANCE as LOGPROB_TOLERANCE
 from vllm_support import require_vllm as require_vllm
 from vllm_support import server_args as server_args
+from weightsync.engines.base import EngineUpdate
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta
 from weightsync.transports.shmem import SharedSlots
@@ -202,11 +203,11 @@ class CorruptingEngine:
         self._link = link
         self.inner.connect(link)
 
-    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+    def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
         if bucket.index == 1:
             assert self._link is not None and self._link.shm_name and delivery.slot is not None
             segment = SharedSlots.open(self._link.shm_name, slot_bytes=self._link.slot_bytes or 0,
                                        num_slots=self._link.num_slots or 0)
             segment.slot(delivery.slot)[3] ^= 0xFF
             segment.close()
-        self.inner.receive(bucket, delivery)
+        self.inner.receive(bucket, delivery, update)

@@ -510,3 +510,131 @@ def test_the_code_map_is_read_as_a_tree() -> None:
             "  c.py\nsrc/weightsync_tools/\n  bench/\n```\n")
     assert _code_map(text) == ["a.py", "b.py", "push/", "push/sync.py", "push/cleanup.py", "push/vllm/",
                                "push/vllm/x.py", "cli/", "c.py"]
+
+
+CONNECTION_STATE: dict[str, dict[str, str]] = {
+    "SGLangEngine": {
+        "_http": "the connection to the server",
+        "_native": "whether the server has weightsync's routes (probed once, with the capabilities)",
+        "_capabilities": "what the server declared (asked once)",
+        "_layout": "the layout digest the server remembers across pushes (what the engine knows, not a push)",
+    },
+    "VLLMEngine": {
+        "_backend": "the connection to the engine (its server or its in-process LLM)",
+        "_num_ranks": "the engine's TP x PP, given or asked once",
+        "_warned_unreset": "a prefix cache left unreset was logged once at WARNING (a log's state)",
+    },
+}
+"""Every attribute an engine client may set after it is built, or privately at all: what it
+knows of its engine and its connection, never what a push has done (that is the push's
+`EngineUpdate`, which the coordinator holds: `engines/base.py`). A new entry needs its reason."""
+
+_MUTATORS = frozenset({"append", "add", "update", "pop", "popitem", "clear", "setdefault", "extend", "remove",
+                       "discard", "insert"})
+
+
+def _self_state_writes(cls: ast.ClassDef) -> list[tuple[str, str, int]]:
+    """(method, attribute, line) for every write to an attribute of `self` in `cls`'s methods:
+    assigned (plainly, augmented, annotated, unpacked), an item of it assigned or deleted, or a
+    mutating method of it called (`self._open.append(...)`)."""
+
+    def attribute_of_self(node: ast.expr) -> str | None:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            return node.attr
+        return None
+
+    writes = []
+    for method in cls.body:
+        if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(method):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = list(node.targets)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in _MUTATORS):
+                targets = [node.func.value]
+            flat: list[ast.expr] = []
+            while targets:
+                target = targets.pop()
+                if isinstance(target, (ast.Tuple, ast.List)):
+                    targets.extend(target.elts)
+                elif isinstance(target, ast.Starred):
+                    targets.append(target.value)
+                else:
+                    flat.append(target)
+            for target in flat:
+                attr = attribute_of_self(target)
+                if attr is not None:
+                    writes.append((method.name, attr, node.lineno))
+    return writes
+
+
+def _per_push_state(texts: dict[str, str], allowed: dict[str, dict[str, str]]) -> tuple[list[str], list[str]]:
+    """(each write, in the modules `texts` (filename -> source), to an engine client's attribute
+    that is not connection state; the engine clients found). An engine client: a class with
+    the verbs `capabilities`, `begin`, `commit` and `abort`, or a subclass of one (in any of
+    the modules). Outside the constructor (`__init__`, `_init_state`) a client may set only
+    `allowed[its name]` (its bases' too), and no private attribute anywhere but those."""
+    classes = [(filename, node) for filename, text in texts.items()
+               for node in ast.walk(ast.parse(text, filename=filename)) if isinstance(node, ast.ClassDef)]
+    clients: dict[str, set[str]] = {}
+    while True:  # subclasses of clients, whatever the order the modules define them in
+        before = len(clients)
+        for _, cls in classes:
+            methods = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            bases = [b.id for b in cls.bases if isinstance(b, ast.Name)]
+            if cls.name not in clients and ({"capabilities", "begin", "commit", "abort"} <= methods
+                                            or any(b in clients for b in bases)):
+                clients[cls.name] = set(allowed.get(cls.name, {})).union(*(clients.get(b, set()) for b in bases))
+        if len(clients) == before:
+            break
+    found = []
+    for filename, cls in classes:
+        if cls.name not in clients:
+            continue
+        for method, attr, line in _self_state_writes(cls):
+            constructing = method in ("__init__", "_init_state")
+            if attr not in clients[cls.name] and (attr.startswith("_") or not constructing):
+                found.append(f"{filename}:{line}: {cls.name}.{method} sets self.{attr}")
+    return found, sorted(clients)
+
+
+def test_engine_clients_keep_no_per_push_state() -> None:
+    """An engine client keeps what it knows of its engine (its connection, the capabilities it
+    probed), never what a push has done with it: where it paused, whether its commit resumed
+    it, the update open, the trainer that began it. That is the push's `EngineUpdate`, which
+    the coordinator holds and hands to every verb (`engines/base.py`), so the coordinator, not
+    the client, decides the pause and the order of the commits."""
+    texts = {str(path.relative_to(PACKAGE)): path.read_text() for path in sorted((PACKAGE / "engines").rglob("*.py"))}
+    found, clients = _per_push_state(texts, CONNECTION_STATE)
+    assert {"SGLangEngine", "VLLMEngine", "VLLMTransferEngine"} <= set(clients), clients
+    assert set(CONNECTION_STATE) <= set(clients), f"allowed state of a client that is gone: {CONNECTION_STATE}"
+    assert not found, ("engine clients keep per-push state (put it in the push's EngineUpdate, or, if it is what "
+                       "the client knows of its engine, in CONNECTION_STATE with its reason):\n" + "\n".join(found))
+
+
+def test_per_push_state_in_an_engine_client_is_found() -> None:
+    text = ("class Client:\n"
+            "    def __init__(self):\n        self.url = 'u'\n        self._http = None\n        self._open = None\n"
+            "    def capabilities(self, t): ...\n"
+            "    def begin(self, m, u):\n        self._open, self._owner = m.version, m.owner\n"
+            "    def pause(self, p):\n        self._paused[p] = True\n        self.last_pause = p\n"
+            "    def commit(self, m, u):\n        self._acks.append(m)\n        self._http = 1\n"
+            "    def abort(self, u): ...\n"
+            "class Serve(Client):\n"
+            "    def relay(self, b):\n        self._forwarding += 1\n        self._http = 2\n"
+            "class NotAClient:\n    def begin(self):\n        self._open = 1\n")
+    other = "class Other(Serve):\n    def x(self):\n        self._y = 1\n"
+    found, clients = _per_push_state({"f.py": text, "g.py": other}, {"Client": {"_http": "the connection"}})
+    assert clients == ["Client", "Other", "Serve"]
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "Client.__init__ sets self._open", "Client.begin sets self._owner", "Client.begin sets self._open",
+        "Client.pause sets self._paused", "Client.pause sets self.last_pause", "Client.commit sets self._acks",
+        "Serve.relay sets self._forwarding", "Other.x sets self._y"], found

@@ -20,7 +20,7 @@ from torch import nn
 
 import weightsync as ws
 from memory_engine import MemoryEngine
-from weightsync.engines.base import EngineCapabilities
+from weightsync.engines.base import EngineCapabilities, EngineUpdate
 from weightsync.errors import (
     EngineError,
     IntegrityError,
@@ -28,7 +28,6 @@ from weightsync.errors import (
     SyncTimeoutError,
 )
 from weightsync.integrity import digest
-from weightsync.links import Link
 from weightsync.manifest import Manifest
 from weightsync.reports import Ack
 from weightsync.transports.broadcast import BroadcastTransport
@@ -70,9 +69,9 @@ class RestartedEngine(MemoryEngine):
     """Loses its open update after the bytes are written and before the commit (restarted,
     or its session expired): the engine that would miss the commit."""
 
-    def ready(self, manifest: Manifest, link: Link) -> None:
+    def ready(self, manifest: Manifest, update: EngineUpdate) -> None:
         self.session.abort(manifest.version)
-        super().ready(manifest, link)
+        super().ready(manifest, update)
 
 
 def test_no_replica_commits_when_one_cannot_over_disk(tmp_path: Path) -> None:
@@ -410,8 +409,8 @@ class SparseMemoryEngine(MemoryEngine):
     def base_tensor(self, hf_name: str) -> torch.Tensor:
         return self.weights[hf_name]
 
-    def commit(self, manifest: Manifest, link: Link) -> Ack:
-        ack = super().commit(manifest, link)
+    def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
+        ack = super().commit(manifest, update)
         if self.wrong_tensor_ack and ack.tensor_digests:
             first = sorted(ack.tensor_digests)[0]
             ack = replace(ack, tensor_digests={**ack.tensor_digests, first: "0" * 16})

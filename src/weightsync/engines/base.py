@@ -7,15 +7,23 @@ order for every push, and `abort` on any failure:
     capabilities(timeout_s)  once per transport session: what the engine can do
     connect(link)            once per transport session (joins a broadcast
                              group, maps shared memory)
-    pause(policy, timeout_s=...)
-    begin(manifest, link)    dry-run check: names, shapes, dtypes; nothing moves
-    receive(bucket, delivery)  for every bucket, as it becomes available
-    commit(manifest, link) -> Ack
-    resume(timeout_s=...)
+    pause(policy, pause_id=..., timeout_s=...)   before begin, or after the stream,
+                             or never where the commit carries the pause
+    begin(manifest, update)  dry-run check: names, shapes, dtypes; nothing moves
+    receive(bucket, delivery, update)  for every bucket, as it becomes available
+    ready(manifest, update)  with several replicas: can the engine still commit?
+    commit(manifest, update) -> Ack
+    resume(pause_id=..., timeout_s=...)   unless the commit resumed the engine
+
+The coordinator decides when each engine pauses and in which order engines commit;
+what one push has done with one engine lives in the `EngineUpdate` record the
+coordinator holds and hands to every verb of that push. An engine client keeps
+nothing of a push between calls, only what it knows of its engine (the connection,
+the capabilities it probed).
 
 Every call made on behalf of a push is bounded by that push's `timeout_s`,
-whatever the engine client was built with: verbs that take a `Link` use
-`link.timeout_s`, the others take `timeout_s`. An engine client's own
+whatever the engine client was built with: verbs that take an `EngineUpdate` use
+`update.link.timeout_s`, the others take `timeout_s`. An engine client's own
 `timeout_s` applies only to calls a user makes directly (generate, info).
 
 Engines never import transports; what a transport tells an engine travels in
@@ -39,7 +47,7 @@ from weightsync.naming import EXPERT_LAYOUTS, ExpertLayout
 from weightsync.reports import Ack
 
 __all__ = ["CLEANUP_TIMEOUT_S", "AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine",
-           "EngineCapabilities", "Link", "PausePolicy"]
+           "EngineCapabilities", "EngineUpdate", "Link", "PausePolicy"]
 
 CLEANUP_TIMEOUT_S = 10.0
 """Upper bound of a failed push's cleanup (abort, rollback, leaving the session, resume),
@@ -217,6 +225,42 @@ def _expert_layout(value: object) -> ExpertLayout:
     raise ValueError(f"unknown expert_layout {value!r}; one of {list(EXPERT_LAYOUTS)}")
 
 
+@dataclass(kw_only=True)
+class EngineUpdate:
+    """One push's update on one engine: made by the coordinator for each push (after the
+    transport session is joined) and handed to every verb of that push, so the engine
+    client keeps nothing of a push between calls. The coordinator writes every field but
+    `engine_session`, which the client's `begin` and `commit`/`abort` keep."""
+
+    version: int
+    """The version this push sends."""
+    link: Link
+    """The engine's link in the transport session; `link.timeout_s` bounds every call."""
+    owner: str | None = None
+    """The trainer sending it (`Manifest.owner`): an abort or rollback names it, so that
+    another trainer's update is never dropped."""
+    policy: PausePolicy = PausePolicy.NONE
+    """The push's pause policy (also what a commit does with caches: SGLang flushes them
+    unless requests keep running on them, `in_place`)."""
+    pause_at_commit: bool = False
+    """The coordinator chose to have the commit request pause generation for the commit
+    (`EngineCapabilities.pauses_at_commit`) instead of a pause call: the engine resumes
+    by itself once the commit is answered."""
+    pause_id: str | None = None
+    """The id of the pause sent to the engine in this push (None: none sent): the resume names it."""
+    resumed_by_commit: bool = False
+    """The commit carried the pause and was answered: the engine resumed by itself."""
+    checked: bool = False
+    """`ready` answered: the engine checked everything its commit would (vLLM: every rank
+    sealed the update), so the commit need not check again."""
+    forwards: bool = False
+    """Relayed in a broadcast group: this engine sends every bucket on to the next one
+    (`Relayer.relay_in_group`), and has not relayed until it has."""
+    engine_session: bool = False
+    """The engine's own update session is open (SGLang's `/begin_weight_update`, which
+    `begin` opened): commit or abort ends it. Kept by the engine client."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A client for one inference engine (one replica, possibly several ranks)."""
@@ -245,13 +289,15 @@ class Engine(Protocol):
     def disconnect(self, link: Link) -> None:
         """Leave a transport session; never raises for an already-gone peer."""
 
-    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
-        """Stop or hold generation per `policy` before an update."""
+    def pause(self, policy: PausePolicy, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        """Stop or hold generation per `policy` before an update. `pause_id` names this pause
+        (an engine that can cancels it should it arrive after the resume naming it)."""
 
-    def resume(self, *, timeout_s: float | None = None) -> None:
-        """Continue generation after an update (or after an abort)."""
+    def resume(self, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        """Continue generation after an update (or after an abort); `pause_id`: the id of the
+        pause this ends (None: none was sent with an id)."""
 
-    def begin(self, manifest: Manifest, link: Link) -> str | None:
+    def begin(self, manifest: Manifest, update: EngineUpdate) -> str | None:
         """Check `manifest` against the engine's weights and open an update.
 
         Raises ManifestMismatchError naming every offender; nothing changes. An
@@ -260,21 +306,22 @@ class Engine(Protocol):
         session was discarded), or None.
         """
 
-    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
-        """Take one bucket; the engine verifies its digest before use."""
+    def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
+        """Take one bucket of `update`; the engine verifies its digest before use."""
 
-    def ready(self, manifest: Manifest, link: Link) -> None:
+    def ready(self, manifest: Manifest, update: EngineUpdate) -> None:
         """Raise unless the engine can still commit `manifest` (its final digests in):
         the round before the commit round when a push has several replicas, so that an
         engine that cannot commit (unreachable, restarted, its session expired, and where
         the engine can check it now, bytes that are not the trainer's) is found before
         any engine commits. Applies nothing."""
 
-    def commit(self, manifest: Manifest, link: Link) -> Ack:
-        """Apply the update, flush caches derived from old weights, ack."""
+    def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
+        """Apply the update, flush caches derived from old weights, ack; pause generation
+        for the commit where `update.pause_at_commit`."""
 
-    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
-        """Discard the open update; the engine keeps its last good version."""
+    def abort(self, update: EngineUpdate, *, timeout_s: float | None = None) -> None:
+        """Discard `update`; the engine keeps its last good version."""
 
 
 @runtime_checkable
@@ -295,21 +342,22 @@ class Relayer(Protocol):
 
     label: str
 
-    def relay(self, bucket: BucketMeta, delivery: Delivery, forward: Sequence[str]) -> None:
+    def relay(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate, forward: Sequence[str]) -> None:
         """Take one bucket, as `Engine.receive`, and have it forwarded along `forward` (the
         URLs of the other engines, in order), each engine checking its digest first (http)."""
 
-    def relay_in_group(self, manifest: Manifest, link: Link, *, source: tuple[str, Link] | None,
+    def relay_in_group(self, manifest: Manifest, update: EngineUpdate, *, source: tuple[str, Link] | None,
                        forward: tuple[str, Link] | None) -> None:
         """Over a collective transport (broadcast), before the first bucket: have the engine
         take every bucket of `manifest` from the rank of `source` (its label and link; None:
         the trainer, rank 0), check its digest, stage it and send it on to the rank of
-        `forward` (None: this engine is the last). Returns once the engine has started;
-        `wait_relayed` says how the relay ended."""
+        `forward` (None: this engine is the last; the coordinator sets `update.forwards`
+        otherwise). Returns once the engine has started; `wait_relayed` says how the relay ended."""
 
-    def wait_relayed(self, manifest: Manifest, link: Link) -> None:
-        """Return once every bucket of `manifest` is staged here; raise, naming the engine
-        and the hop, where the relay into this engine or out of it failed."""
+    def wait_relayed(self, manifest: Manifest, update: EngineUpdate) -> None:
+        """Return once every bucket of `manifest` is staged here (and, where `update.forwards`,
+        sent on); raise, naming the engine and the hop, where the relay into this engine or
+        out of it failed."""
 
     def relay_error(self, version: int, *, timeout_s: float) -> str | None:
         """Why the relay of `version` stopped at this engine, naming the hop, or None (one
@@ -334,9 +382,9 @@ class Rollbacker(Protocol):
 
     label: str
 
-    def rollback(self, version: int, *, timeout_s: float | None = None) -> bool:
-        """Serve again what was served before this trainer's commit of `version`, while no
-        update began since; True if undone, False where `version` is not served (never
+    def rollback(self, version: int, *, owner: str | None = None, timeout_s: float | None = None) -> bool:
+        """Serve again what was served before the commit of `version` by the trainer `owner`
+        (`Manifest.owner`), while no update began since; True if undone, False where `version` is not served (never
         committed). Raises where it is served and cannot be undone."""
 
 

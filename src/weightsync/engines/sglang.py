@@ -28,14 +28,21 @@ needs no session.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
 from weightsync.dtypes import dtype_name
-from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
+from weightsync.engines.base import (
+    CLEANUP_TIMEOUT_S,
+    Completion,
+    Delivery,
+    EngineCapabilities,
+    EngineUpdate,
+    Link,
+    PausePolicy,
+)
 from weightsync.engines.http import JsonClient, decode, remote_error
 from weightsync.errors import AdapterNotLoadedError, EngineError, SyncTimeoutError
 from weightsync.formats.shares import Share
@@ -77,7 +84,10 @@ def stock_sglang() -> EngineCapabilities:
 
 
 class SGLangEngine:
-    """One SGLang server (or `weightsync serve`) at `url`."""
+    """One SGLang server (or `weightsync serve`) at `url`.
+
+    It keeps what it knows of the server (its connection, what it declared, the layout it
+    remembers); what a push has done with it is the push's `EngineUpdate`."""
 
     transports: ClassVar[frozenset[str]] = frozenset(TRANSPORTS)
     lora_transports: ClassVar[frozenset[str]] = frozenset(TRANSPORTS)
@@ -89,25 +99,15 @@ class SGLangEngine:
         self.label = label or self.url
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
-        self._http = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s)
+        self._http = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s)  # the connection
         self._native = False
+        """The server has weightsync's routes (probed once, with the capabilities)."""
         self._capabilities: EngineCapabilities | None = None
         """What the server declared (asked once)."""
-        self._session_open = False
-        self._flush_cache = True
-        self._pause_at_commit: str | None = None
-        """The pause mode the next commit request carries (`pauses_at_commit` engines)."""
-        self._resumed_by_commit = False
-        """The last commit was answered: the engine resumed generation by itself."""
-        self._pause_id: str | None = None
-        """The id of the pause sent last (`weightsync serve` only), which the next resume names."""
-        self._open: tuple[int, Link] | None = None  # (version, link) of the update in progress
         self._layout: str | None = None
-        """The layout digest the engine named in its answer to the last begin (it remembers
-        that layout): a begin of a manifest with this layout is sent by layout."""
-        self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
-        self._forwarding: int | None = None
-        """The version this engine relays on to another in a group (`relay_in_group`)."""
+        """The layout digest the engine named in its answer to the last begin: the engine
+        remembers that layout across pushes (what it knows, not a push's state), so a begin of
+        a manifest with this layout is sent by layout."""
 
     def _cleanup_timeout_s(self, timeout_s: float | None) -> float:
         return min(CLEANUP_TIMEOUT_S, self.timeout_s if timeout_s is None else timeout_s)
@@ -173,49 +173,24 @@ class SGLangEngine:
         except EngineError as e:
             log.warning("%s: destroying group %s: %s", self.label, group_name, e)
 
-    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
-        """Pause generation now, or, on an engine that stages the open update and
-        pauses at commit, let the commit request carry the mode (no round trip: the
-        update is swapped in at commit, so generating until then is safe)."""
+    def pause(self, policy: PausePolicy, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        """POST /pause_generation; to `weightsync serve` named by `pause_id`, so that the resume
+        that ends it cancels it should it reach the engine after that resume."""
         mode = policy.sglang_mode
-        # An update that flushes the cache while requests still run reports failure
-        # even though the weights changed (docs/ENGINES.md): keep the cache with in_place.
-        self._flush_cache = policy in (PausePolicy.ABORT, PausePolicy.RETRACT)
-        self._resumed_by_commit = False
         if mode is None:
             return
-        if self._commit_pauses():
-            self._pause_at_commit = mode
-            return
-        self._pause(mode, timeout_s)
-
-    def _pause(self, mode: str, timeout_s: float | None) -> None:
-        """POST /pause_generation; to `weightsync serve` named, so that the resume that ends it
-        cancels it should it reach the engine after that resume."""
         body: dict[str, str] = {"mode": mode}
-        if self._native:
-            self._pause_id = body["pause_id"] = secrets.token_hex(8)
+        if self._native and pause_id is not None:
+            body["pause_id"] = pause_id
         self._http.post("/pause_generation", body, timeout_s=timeout_s)
 
-    def resume(self, *, timeout_s: float | None = None) -> None:
-        """Continue generation, unless an answered commit already did."""
-        self._pause_at_commit = None
-        if self._resumed_by_commit:
-            self._resumed_by_commit = False
-            return
-        pause_id, self._pause_id = self._pause_id, None
-        self._http.post("/continue_generation", {} if pause_id is None else {"pause_id": pause_id},
-                        timeout_s=timeout_s)
+    def resume(self, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        """Continue generation (naming the pause it ends to `weightsync serve`)."""
+        named = self._native and pause_id is not None
+        self._http.post("/continue_generation", {"pause_id": pause_id} if named else {}, timeout_s=timeout_s)
 
-    def _commit_pauses(self) -> bool:
-        """An update is open and its commit request can hold generation for the commit."""
-        if self._open is None or not self._native:
-            return False
-        caps = self._capabilities
-        return (caps is not None and caps.pauses_at_commit and caps.stages_updates
-                and not receiver_class(self._open[1].transport).reads_at_commit)
-
-    def begin(self, manifest: Manifest, link: Link) -> str | None:
+    def begin(self, manifest: Manifest, update: EngineUpdate) -> str | None:
+        link = update.link
         timeout_s = link.timeout_s
         note = None
         receiver = receiver_class(link.transport)
@@ -225,12 +200,10 @@ class SGLangEngine:
             self._require_native(f"a LoRA adapter over {link.transport!r}", timeout_s)
         if self._is_native(timeout_s):
             note = self._begin(manifest, timeout_s).get("preempted")
-        self._open = (manifest.version, link)
-        self._owner = manifest.owner
         if receiver.collective:
             response = self._http.request("POST", "/begin_weight_update", json_body={"selector": "all"},
                                           allow=(404,), timeout_s=timeout_s)
-            self._session_open = response.status_code != 404
+            update.engine_session = response.status_code != 404
         return str(note) if note else None
 
     def _begin(self, manifest: Manifest, timeout_s: float) -> dict[str, Any]:
@@ -255,16 +228,16 @@ class SGLangEngine:
             self._layout = layout if isinstance(layout, str) else None
             return answer
 
-    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
-        self._receive(bucket, delivery, ())
+    def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
+        self._receive(bucket, delivery, update, ())
 
-    def relay(self, bucket: BucketMeta, delivery: Delivery, forward: Sequence[str]) -> None:
+    def relay(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate, forward: Sequence[str]) -> None:
         """`receive`, and the engine sends the bucket on along `forward` (`weightsync serve`,
         over http: `EngineCapabilities.relays`)."""
         if not receiver_class(delivery.transport).bytes_in_delivery:
             raise ValueError(f"{self.label}: buckets are relayed along URLs over http only, not "
                              f"{delivery.transport!r} (a group relays with relay_in_group)")
-        self._receive(bucket, delivery, tuple(forward))
+        self._receive(bucket, delivery, update, tuple(forward))
 
     def receive_share(self, share: Share, forward: Sequence[str], *, timeout_s: float) -> None:
         """One trainer rank's share of a bucket (`assembles_shares`); needs no `begin` here."""
@@ -274,12 +247,13 @@ class SGLangEngine:
         self._http.request("POST", BUCKET_ROUTE, content=body_chunks(encode_prefix(header), *share.payload()),
                            headers={"Content-Type": "application/octet-stream"}, timeout_s=timeout_s)
 
-    def relay_in_group(self, manifest: Manifest, link: Link, *, source: tuple[str, Link] | None,
+    def relay_in_group(self, manifest: Manifest, update: EngineUpdate, *, source: tuple[str, Link] | None,
                        forward: tuple[str, Link] | None) -> None:
         """`weightsync serve` takes the buckets of `manifest` from the rank before it in the
         broadcast group and sends them to the next (`/weightsync/relay`)."""
         from weightsync.transports.broadcast import BroadcastLink
 
+        link = update.link
         group = typed(link, BroadcastLink)
         source_label, source_rank = (("the trainer", 0) if source is None
                                      else (source[0], typed(source[1], BroadcastLink).rank_offset))
@@ -287,16 +261,15 @@ class SGLangEngine:
             version=manifest.version, group_name=group.group_name, source_rank=source_rank, source_label=source_label,
             forward_rank=None if forward is None else typed(forward[1], BroadcastLink).rank_offset,
             forward_label=None if forward is None else forward[0])
-        self._forwarding = manifest.version if forward is not None else None
         self._send(request, link.timeout_s)
 
-    def wait_relayed(self, manifest: Manifest, link: Link) -> None:
+    def wait_relayed(self, manifest: Manifest, update: EngineUpdate) -> None:
         """Return once every bucket of `manifest` is staged here (they come from the engine
         before this one in the relay) and, relayed in a group, sent on to the next engine;
         raise, naming this engine and the hop, where the relay into or out of here failed,
         or where buckets are still missing after timeout_s."""
+        link, forwards = update.link, update.forwards
         want = set(range(len(manifest.buckets)))
-        forwards = self._forwarding == manifest.version
         deadline = time.monotonic() + link.timeout_s
         backoff = 0.005
         while True:
@@ -333,9 +306,8 @@ class SGLangEngine:
                               f"session: {session or None}); it expired, was replaced, or the engine restarted")
         return session, info.get("relay") or {}
 
-    def _receive(self, bucket: BucketMeta, delivery: Delivery, forward: tuple[str, ...]) -> None:
-        assert self._open is not None, "begin() first"
-        version, link = self._open
+    def _receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate, forward: tuple[str, ...]) -> None:
+        version, link = update.version, update.link
         assert bucket.digest is not None, "buckets are hashed before they are sent"
         receiver = receiver_class(delivery.transport)
         if receiver.bytes_in_delivery:
@@ -354,59 +326,52 @@ class SGLangEngine:
         else:
             raise ValueError(f"{self.label}: no per-bucket receive for transport {delivery.transport!r}")
 
-    def ready(self, manifest: Manifest, link: Link) -> None:
-        """Also holds generation from here to the end of the push where the commit would
-        have paused it alone: with several replicas no request may run on a commit that
-        is then rolled back."""
-        version = manifest.version
+    def ready(self, manifest: Manifest, update: EngineUpdate) -> None:
+        link = update.link
         if not self._is_native(link.timeout_s):  # a stock SGLang holds no session: reachable is all it can say
             self._http.request("GET", "/health", timeout_s=link.timeout_s)
             return
-        self._open_session(version, link.timeout_s)
-        mode, self._pause_at_commit = self._pause_at_commit, None
-        if mode is not None:
-            self._pause(mode, link.timeout_s)
+        self._open_session(manifest.version, link.timeout_s)
 
-    def commit(self, manifest: Manifest, link: Link) -> Ack:
-        self._open = None
+    def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
+        """Where `update.pause_at_commit`, the commit request carries the pause mode: the
+        engine pauses for the commit and resumes once it is answered (an answer, an HTTP
+        error included, means it resumed)."""
+        link = update.link
         if receiver_class(link.transport).reads_at_commit:
-            return self._commit_disk(manifest, link)
+            return self._commit_disk(manifest, update)
         ack = None
         if self._is_native(link.timeout_s):
-            pause, self._pause_at_commit = self._pause_at_commit, None
-            try:
-                body = self._send(CommitRequest(version=manifest.version, pause=pause, names_digest=True),
-                                  link.timeout_s)
-            except EngineError as e:
-                self._resumed_by_commit = pause is not None and e.status is not None  # it answered
-                raise
-            self._resumed_by_commit = pause is not None
+            pause = update.policy.sglang_mode if update.pause_at_commit else None
+            body = self._send(CommitRequest(version=manifest.version, pause=pause, names_digest=True),
+                              link.timeout_s)
             ack = with_sent_names(Ack.from_dict(body["ack"], engine=self.label), manifest.hf_names)
-        if self._session_open:
-            self._session_open = False
-            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=link.timeout_s)
+        self._end_session(update, link.timeout_s)
         return ack or self._unverified_ack(manifest)
 
-    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
-        self._open = None
+    def abort(self, update: EngineUpdate, *, timeout_s: float | None = None) -> None:
         cleanup_s = self._cleanup_timeout_s(timeout_s)
         errors = []
         if self._is_native(cleanup_s):
             try:
-                self._send(AbortRequest(version=version, owner=self._owner), cleanup_s)
+                self._send(AbortRequest(version=update.version, owner=update.owner), cleanup_s)
             except EngineError as e:
                 errors.append(e)
-        if self._session_open:
-            self._session_open = False
-            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=cleanup_s)
+        self._end_session(update, cleanup_s)
         if errors:
             raise errors[0]
 
-    def rollback(self, version: int, *, timeout_s: float | None = None) -> bool:
-        """Undo this trainer's commit of `version` (weightsync serve only; see `Rollbacker`)."""
+    def _end_session(self, update: EngineUpdate, timeout_s: float) -> None:
+        """End SGLang's own update session where this push's begin opened it (once)."""
+        if update.engine_session:
+            update.engine_session = False
+            self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=timeout_s)
+
+    def rollback(self, version: int, *, owner: str | None = None, timeout_s: float | None = None) -> bool:
+        """Undo the commit of `version` by the trainer `owner` (weightsync serve only; see `Rollbacker`)."""
         timeout_s = self._cleanup_timeout_s(timeout_s)
         self._require_native("rolling back a commit", timeout_s)
-        body = self._send(RollbackRequest(version=version, owner=self._owner), timeout_s)
+        body = self._send(RollbackRequest(version=version, owner=owner), timeout_s)
         return bool(body.get("rolled_back"))
 
     def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
@@ -481,9 +446,10 @@ class SGLangEngine:
             body.update(weightsync_version=version, weightsync_bucket=bucket.index, weightsync_digest=bucket.digest)
         return body
 
-    def _commit_disk(self, manifest: Manifest, link: Link) -> Ack:
+    def _commit_disk(self, manifest: Manifest, update: EngineUpdate) -> Ack:
         from weightsync.transports.disk import DiskLink
 
+        link = update.link
         path = typed(link, DiskLink).version_dir(manifest.version)
         if manifest.is_adapter:
             assert manifest.lora_name is not None
@@ -495,7 +461,9 @@ class SGLangEngine:
             return self._unverified_ack(manifest)
         body = self._http.post("/update_weights_from_disk", {
             "model_path": path, "weight_version": str(manifest.version),
-            "flush_cache": self._flush_cache, "abort_all_requests": False,
+            # an update that flushes the cache while requests still run on it reports failure even
+            # though the weights changed (docs/ENGINES.md): in_place keeps the cache
+            "flush_cache": update.policy is not PausePolicy.IN_PLACE, "abort_all_requests": False,
         }, timeout_s=link.timeout_s)
         if "ack" in body:
             return Ack.from_dict(body["ack"], engine=self.label)

@@ -88,11 +88,8 @@ class Planner(Protocol):
     """For a mode's background work (lora: unloading retired adapters)."""
     timeout_s: float
     """The push's bound for every engine call."""
-    @property
-    def digest_algorithm(self) -> str:
-        """The algorithm this push's digests are computed with."""
-        ...
-
+    digest_algorithm: str
+    """The algorithm this push's digests are computed with."""
     allow_overflow: bool
     """Casts may turn finite values into infinities (`SyncConfig.allow_overflow`)."""
     stages: Stages
@@ -114,7 +111,7 @@ class Planner(Protocol):
         ...
 
     def capabilities(self) -> Sequence[EngineCapabilities]:
-        """Every engine's declared capabilities."""
+        """Every engine's declared capabilities, as the session's handshake answered them (asks nothing)."""
         ...
 
     def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:

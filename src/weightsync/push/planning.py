@@ -1,14 +1,19 @@
 """The plan of a push, before any byte moves: the dtype floating tensors travel in, the
 expert layout the engines load, the buckets (reused while a push selects the same
 tensors), and what a mode may ask of the coordinator while it chooses (`PushPlanner`,
-the `modes.base.Planner` of one phase of a push)."""
+the `modes.base.Planner` of one phase of a push).
+
+Everything here is planned from what the session's handshake answered
+(`Replicas.handshake`), passed in as plain values (`Casts`, the expert layout, the
+digest algorithm): nothing here asks an engine what it can do, or calls back into the
+coordinator for it."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,14 +46,30 @@ def _digest_as_sent(hf_name: str, tensor: torch.Tensor | TensorParts, cast: Cast
     return digest(tensor.to(cast.of(hf_name, tensor.dtype)).contiguous())
 
 
-def cast_dtype(forced: torch.dtype | None, served: Callable[[], Mapping[str, EngineCapabilities]], *,
+@dataclass(frozen=True, kw_only=True)
+class Casts:
+    """What the dtype floating tensors travel in is chosen from (`cast_dtype`), as plain values."""
+
+    forced: torch.dtype | None = None
+    """`SyncConfig.dtype`: the dtype the user forces (None: the engines')."""
+    served: Mapping[str, EngineCapabilities] = field(default_factory=dict)
+    """Engine label -> what it declared at the session's handshake."""
+    to_engine: Mapping[str, str] | None = None
+    """hf_name -> engine name where renamed (`SyncConfig.rename`)."""
+
+    def of(self, *, cast: bool) -> Cast:
+        """The dtype each floating tensor travels in, for a mode that casts (`cast`) or not."""
+        return cast_dtype(self.forced, self.served, cast=cast, to_engine=self.to_engine)
+
+
+def cast_dtype(forced: torch.dtype | None, served: Mapping[str, EngineCapabilities], *,
                cast: bool, to_engine: Mapping[str, str] | None = None) -> Cast:
     """The dtype each floating tensor travels in: `forced` (`SyncConfig.dtype`), else with `cast`
     the one dtype the engines serve; either way, a tensor the engines keep in another dtype
-    (`EngineCapabilities.kept_dtypes`, a router's float32 bias) travels in that one. `served()`:
+    (`EngineCapabilities.kept_dtypes`, a router's float32 bias) travels in that one. `served`:
     engine label -> its capabilities; `to_engine`: hf_name -> engine name where renamed. Replicas
     must agree; checked before any byte moves."""
-    capabilities = served() if cast or forced is not None else {}
+    capabilities = served if cast or forced is not None else {}
     kept_by: dict[str, dict[str, torch.dtype]] = {label: dict(c.kept_dtypes) for label, c in capabilities.items()}
     if len({tuple(sorted((n, dtype_name(d)) for n, d in k.items())) for k in kept_by.values()}) > 1:
         listed = "; ".join(f"{label} keeps {', '.join(f'{n} in {dtype_name(d)}' for n, d in sorted(k.items())[:4])}"
@@ -161,19 +182,21 @@ class BucketPlanner:
 
 
 class PushPlanner:
-    """What a mode may ask of the coordinator (`modes.base.Planner`) in one phase of a push."""
+    """What a mode may ask of the coordinator (`modes.base.Planner`) in one phase of a push:
+    the plain values the push is planned with (the handshake's capabilities, `casts`, the
+    digest algorithm, the expert layout), and the rounds a mode may start (hashing along
+    every trainer rank, reading served digests, unloading adapters)."""
 
     def __init__(self, replicas: Replicas, ranks: TrainerRanks, *, stages: Stages, allow_overflow: bool,
-                 digest_algorithm: Callable[[], str], cast_dtype: Callable[[bool], Cast],
-                 expert_layout: ExpertLayout) -> None:
+                 digest_algorithm: str, casts: Casts, expert_layout: ExpertLayout) -> None:
         self._replicas = replicas
         self.ranks = ranks
         self.stages = stages
         self.pool: Executor = replicas.pool
         self.timeout_s = replicas.timeout_s
         self.allow_overflow = allow_overflow
-        self._digest_algorithm = digest_algorithm
-        self._cast_dtype = cast_dtype
+        self.digest_algorithm = digest_algorithm
+        self.casts = casts
         self.expert_layout = expert_layout
         self._metas: tuple[WeightSource, list[TensorMeta]] | None = None
         """The source `metas` read this push, and what it read."""
@@ -186,12 +209,8 @@ class PushPlanner:
             self._metas = (source, list(source.metas()))
         return self._metas[1]
 
-    @property
-    def digest_algorithm(self) -> str:
-        return self._digest_algorithm()
-
     def cast_dtype(self, *, cast: bool) -> Cast:
-        return self._cast_dtype(cast)
+        return self.casts.of(cast=cast)
 
     def capabilities(self) -> Sequence[EngineCapabilities]:
         return self._replicas.capabilities()
@@ -200,7 +219,7 @@ class PushPlanner:
         """Digest of every tensor of `source` as the engines would hold it (cast where floating,
         with `cast`); every trainer rank gathers along."""
         t0 = time.perf_counter()
-        sent = self._cast_dtype(cast)
+        sent = self.casts.of(cast=cast)
         names = [m.hf_name for m in source.metas()]
         self.ranks.share({"mode": source.mode, "order": names, "expert_layout": self.expert_layout},
                          timeout_s=self.timeout_s)
@@ -217,6 +236,7 @@ class PushPlanner:
         return self._replicas.ask_digest_readers(lambda e: e.instance(timeout_s=timeout_s), "asking its instance")
 
     def unloaders(self) -> Sequence[AdapterUnloader]:
+        self._replicas.handshake()  # at close, the session may have been left since the last push: ask again
         return self._replicas.unloaders()
 
 

@@ -3,9 +3,13 @@ engine at once and is bounded by the push's `timeout_s`, whatever the engine cli
 were built with.
 
 The rounds of one push, in the order the coordinator (`weightsync.push.sync`) makes them:
-capabilities (once per transport session), connect, pause, begin (asked again while
+the handshake (every engine's capabilities, once per transport session: the one round
+that asks them; everything else reads what it answered), connect, pause, begin (asked again while
 another live trainer's session holds an engine), receive (per bucket, beside the
 transport's own send), ready, commit (engines that can undo a commit first), resume.
+What the push has done with each engine (its pause, whether its commit resumed it) is
+that engine's `EngineUpdate`, made here for each push and handed to its calls: this
+module decides where each engine pauses and the order of the commits, not the clients.
 Which engines the trainer sends a bucket to, and what else the rounds check, start or
 wait for, is the push's fan-out's (`weightsync.push.fanout`): the same rounds for each.
 After a failure the cleanup rounds (abort, rollback, leaving the session, resume)
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +34,7 @@ from weightsync.engines.base import (
     DigestReader,
     Engine,
     EngineCapabilities,
+    EngineUpdate,
     Link,
     PausePolicy,
     Rollbacker,
@@ -43,7 +49,7 @@ from weightsync.naming import ExpertLayout
 from weightsync.push.cleanup import Backlog
 from weightsync.push.fanout import FanOut
 from weightsync.reports import Ack
-from weightsync.transports import same_host_only
+from weightsync.transports import receiver_class, same_host_only
 from weightsync.transports.base import Transport
 
 log = logging.getLogger(__name__)
@@ -73,18 +79,25 @@ class Replicas:
         """Engines that timed out in this push and the cleanup they are owed."""
         self.links: list[Link] | None = None
         """Each engine's link in the transport session it joined (None: no session)."""
+        self.updates: list[EngineUpdate] = []
+        """Each engine's update in the push under way (`open_updates`), handed to its calls."""
         self._caps: list[EngineCapabilities] | None = None
         self._cleanup_by: float | None = None
         """While a failed push cleans up: when every cleanup round must have answered."""
 
     # -- what the engines declare --------------------------------------------
 
-    def capabilities(self) -> list[EngineCapabilities]:
-        """Every engine's declared capabilities, asked once per transport session; an engine
-        that declares it cannot take the transport in this mode, or the fan-out, is refused, naming it."""
+    def handshake(self) -> list[EngineCapabilities]:
+        """The session's one round of questions: every engine's declared capabilities, asked
+        here unless this transport session asked them already (the first push of a session,
+        or a close that needs them after the session was left); an engine that declares it
+        cannot take the transport in this mode, or the fan-out, is refused, naming it."""
         if self._caps is None:
             timeout_s = self.timeout_s
-            caps = self.all(lambda e, _: e.capabilities(timeout_s), "asking its capabilities")
+            deadline = time.monotonic() + timeout_s
+            asked = [self.pool.submit(e.capabilities, timeout_s) for e in self.engines]
+            caps = [self.wait(future, f"{e.label}: asking its capabilities", index=i, deadline=deadline)
+                    for i, (e, future) in enumerate(zip(self.engines, asked, strict=True))]
             for engine, c in zip(self.engines, caps, strict=True):
                 declared = c.lora_transports if self.sends_adapter else c.transports
                 if declared and self.transport not in declared:
@@ -94,6 +107,11 @@ class Replicas:
             self._caps = caps
         return self._caps
 
+    def capabilities(self) -> list[EngineCapabilities]:
+        """What every engine declared at this session's `handshake` (asks nothing)."""
+        assert self._caps is not None, "handshake() first"
+        return self._caps
+
     def by_label(self) -> dict[str, EngineCapabilities]:
         """Engine label -> its capabilities (the dtype it serves, the tensors it keeps in another)."""
         return dict(zip((e.label for e in self.engines), self.capabilities(), strict=True))
@@ -101,6 +119,11 @@ class Replicas:
     def expert_layouts(self) -> dict[str, ExpertLayout]:
         """Engine label -> the layout it loads Mixture-of-Experts layers in (`EngineCapabilities.expert_layout`)."""
         return {e.label: c.expert_layout for e, c in zip(self.engines, self.capabilities(), strict=True)}
+
+    @property
+    def asked(self) -> bool:
+        """This transport session's handshake was made (its capabilities are known)."""
+        return self._caps is not None
 
     def rollbackers(self) -> list[Rollbacker | None]:
         """Per engine: itself where it can undo its last commit (`EngineCapabilities.rolls_back`), else None."""
@@ -192,18 +215,51 @@ class Replicas:
 
     # -- the rounds of a push --------------------------------------------------
 
-    def pause(self, policy: PausePolicy) -> None:
-        """Pause every engine per `policy`. The caller resumes every engine even when this
-        raises: a pause that failed may have taken effect on some engine, or still take effect
-        (vLLM 0.32 applies a `/pause` it read after the client gave up on the answer), and
-        an engine left paused would hold every request forever."""
-        if policy is not PausePolicy.NONE:
-            timeout_s = self.timeout_s
-            self.all(lambda e, _: e.pause(policy, timeout_s=timeout_s), "pause")
+    def open_updates(self, manifest: Manifest, policy: PausePolicy) -> None:
+        """A push of `manifest` under `policy` starts, in the session joined: a fresh
+        `EngineUpdate` per engine, which every call of the push is handed."""
+        assert self.links is not None, "join() first"
+        self.updates = [EngineUpdate(version=manifest.version, link=link, owner=manifest.owner, policy=policy)
+                        for link in self.links]
+
+    def pause(self, policy: PausePolicy, *, streamed: bool = False) -> None:
+        """Pause every engine per `policy`. Once the update is begun and `streamed`, an engine
+        that stages it and can pause for the commit alone (`EngineCapabilities.pauses_at_commit`,
+        over a transport whose bytes are in before the commit) is not called: its commit
+        request will carry the pause (`EngineUpdate.pause_at_commit`), which saves two round
+        trips. The caller resumes every engine even when this raises: a pause that failed may
+        have taken effect on some engine, or still take effect (vLLM 0.32 applies a `/pause`
+        it read after the client gave up on the answer), and an engine left paused would hold
+        every request forever."""
+        if policy is PausePolicy.NONE:
+            return
+        at_commit = streamed and not receiver_class(self.transport).reads_at_commit
+        calling = []
+        for i, (update, caps) in enumerate(zip(self.updates, self.capabilities(), strict=True)):
+            if at_commit and caps.pauses_at_commit and caps.stages_updates:
+                update.pause_at_commit = True
+            else:
+                calling.append(i)
+        self.all(lambda e, update: self._pause(e, update), "pause", among=calling)
+
+    def _pause(self, engine: Engine, update: EngineUpdate) -> None:
+        """Pause `engine` now, naming the pause (the id is kept before the call: a pause that
+        times out may still land, and the resume cancels it by that id)."""
+        update.pause_at_commit = False
+        update.pause_id = secrets.token_hex(8)
+        engine.pause(update.policy, pause_id=update.pause_id, timeout_s=self.timeout_s)
 
     def resume(self, policy: PausePolicy, timeout_s: float) -> None:
-        if policy is not PausePolicy.NONE:
-            self.cleanup(lambda e, _: e.resume(timeout_s=timeout_s), "resuming generation", timeout_s=timeout_s)
+        """Resume every engine the push paused, or tried to, except those whose commit did."""
+        if policy is PausePolicy.NONE:
+            return
+        updates = self.updates  # a call left to the backlog runs after this push
+
+        def resume(engine: Engine, i: int) -> None:
+            if not updates[i].resumed_by_commit:
+                engine.resume(pause_id=updates[i].pause_id, timeout_s=timeout_s)
+
+        self.cleanup(resume, "resuming generation", timeout_s=timeout_s)
 
     def begin(self, manifest: Manifest) -> list[str]:
         """Every engine's dry run. An engine busy with another live trainer's session says
@@ -215,7 +271,7 @@ class Replicas:
         while True:
             try:
                 # each attempt has timeout_s of its own: an engine that answers 409 is alive
-                answers = self.all(lambda e, link: e.begin(manifest, link), "begin")
+                answers = self.all(lambda e, update: e.begin(manifest, update), "begin")
             except EngineError as e:
                 expires = e.retry_after_s
                 if e.status != 409 or expires is None or time.monotonic() + expires > deadline:
@@ -270,7 +326,15 @@ class Replicas:
         commit before any does."""
         self.fan_out.wait_delivered(self, manifest)
         if len(self.engines) > 1:
-            self.all(lambda e, link: e.ready(manifest, link), "checking it can commit")
+            self.all(lambda e, update: self._ready(e, manifest, update), "checking it can commit")
+
+    def _ready(self, engine: Engine, manifest: Manifest, update: EngineUpdate) -> None:
+        """`engine` can still commit; where its commit would have paused it alone, it pauses
+        now: with several replicas no request may run on a commit that is then rolled back."""
+        engine.ready(manifest, update)
+        update.checked = True
+        if update.pause_at_commit:
+            self._pause(engine, update)
 
     def commit(self, manifest: Manifest) -> list[Ack]:
         """Commit on every engine and check every ack against what was sent (where it carries
@@ -286,12 +350,24 @@ class Replicas:
             if not among:
                 continue
             # every answer is awaited: a rollback must not overtake a commit still under way
-            acks.update(zip(among, self.all(lambda e, link: e.commit(manifest, link), "commit",
+            acks.update(zip(among, self.all(lambda e, update: self._commit(e, manifest, update), "commit",
                                             among=among, settle=True), strict=True))
             problems = [p for i in among if digest_checked(acks[i]) for p in ack_problems(manifest, acks[i])]
             if problems:
                 raise IntegrityError("engines acked something other than what was sent: " + "; ".join(problems))
         return [acks[i] for i in range(len(self.engines))]
+
+    @staticmethod
+    def _commit(engine: Engine, manifest: Manifest, update: EngineUpdate) -> Ack:
+        """`engine` commits; where its commit carried the pause, the engine resumed once it
+        answered (an error with an HTTP status is an answer), and is not resumed again."""
+        try:
+            ack = engine.commit(manifest, update)
+        except EngineError as e:
+            update.resumed_by_commit = update.pause_at_commit and e.status is not None
+            raise
+        update.resumed_by_commit = update.pause_at_commit
+        return ack
 
     def ask_digest_readers(self, call: Callable[[DigestReader], T], what: str) -> list[T]:
         """`call` on every engine that reports digests of its served weights (`DigestReader`), at once."""
@@ -312,7 +388,8 @@ class Replicas:
 
     def abort(self, version: int) -> None:
         cleanup_s = self.cleanup_timeout_s
-        self.cleanup(lambda e, _: e.abort(version, timeout_s=cleanup_s), f"abort of v{version}")
+        updates = self.updates  # a call left to the backlog runs after this push
+        self.cleanup(lambda e, i: e.abort(updates[i], timeout_s=cleanup_s), f"abort of v{version}")
 
     def roll_back(self, version: int, error: BaseException) -> None:
         """After a failed commit round: undo `version` on every engine that committed it and
@@ -325,7 +402,8 @@ class Replicas:
             if engine is None:
                 continue
             future = self._cleanup_call(i, f"rollback of v{version}",
-                                        functools.partial(engine.rollback, version, timeout_s=cleanup_s))
+                                        functools.partial(engine.rollback, version, owner=self.updates[i].owner,
+                                                          timeout_s=cleanup_s))
             if future is None:
                 error.add_note(f"{engine.label} did not answer: its rollback of v{version} goes out in the "
                                f"background (if its commit landed, it serves v{version} until then)")
@@ -346,15 +424,15 @@ class Replicas:
 
     # -- bounded calls -------------------------------------------------------
 
-    def all(self, call: Callable[[Any, Link | None], T], what: str, *, among: Sequence[int] | None = None,
+    def all(self, call: Callable[[Any, EngineUpdate], T], what: str, *, among: Sequence[int] | None = None,
             settle: bool = False, deadline: float | None = None) -> list[T]:
-        """`call(engine, link)` on every engine (those at the indices `among`) at once, all
-        answered by `deadline` (default: timeout_s from now); the first error wins, raised
-        at once or, with `settle`, once every call answered or timed out."""
+        """`call(engine, update)` (its `EngineUpdate` in the push under way) on every engine (those
+        at the indices `among`) at once, all answered by `deadline` (default: timeout_s from now);
+        the first error wins, raised at once or, with `settle`, once every call answered or timed
+        out."""
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
-        links: Sequence[Link | None] = self.links or [None] * len(self.engines)
         chosen = range(len(self.engines)) if among is None else among
-        futures = [(i, self.pool.submit(call, self.engines[i], links[i])) for i in chosen]
+        futures = [(i, self.pool.submit(call, self.engines[i], self.updates[i])) for i in chosen]
         results: list[T] = []
         first: BaseException | None = None
         for i, future in futures:

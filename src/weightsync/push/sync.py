@@ -3,6 +3,8 @@ serving `version`, verified, or raises and leaves them on their last good one.
 
 One push, on the sending rank:
 
+    handshake every engine's capabilities (once per transport session: the only round
+              that asks them) -> the expert layout, the dtype to cast to   replicas.py
     plan      metas -> buckets (delta: only tensors whose digest changed)   planning.py
     session   transport.open + engine.connect (once; reused across pushes)
     begin     every engine checks the manifest (names, shapes, dtypes)
@@ -48,7 +50,7 @@ from torch import nn
 
 from weightsync.change_encoding import ENCODINGS
 from weightsync.digests import ALGORITHMS, COMBINABLE, for_device
-from weightsync.dtypes import Cast, dtype_from_name
+from weightsync.dtypes import dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.integrity import digest_checked
@@ -60,7 +62,7 @@ from weightsync.push.fanout import check_fan_out, make_fan_out
 from weightsync.push.fanout.base import Streaming
 from weightsync.push.followers import follow
 from weightsync.push.pipeline import Stages
-from weightsync.push.planning import BucketPlanner, PushPlan, PushPlanner, cast_dtype, cast_notes, expert_layout
+from weightsync.push.planning import BucketPlanner, Casts, PushPlan, PushPlanner, cast_notes, expert_layout
 from weightsync.push.rank_shares import ShareOrder, send_shares
 from weightsync.push.replicas import Replicas
 from weightsync.reports import Ack, SyncReport
@@ -291,7 +293,7 @@ class WeightSync:
             backlog.wait(self.config.timeout_s, "closing")
         except SyncTimeoutError as e:
             log.warning("%s", e)
-        self._mode.close(self._planner(Stages()))
+        self._mode.close(self._planner(Stages()))  # at close nothing is planned or cast
         self._replicas.leave(self._transport)
         backlog.start()
         self._replicas.pool.shutdown(wait=False)
@@ -307,7 +309,7 @@ class WeightSync:
     def _push(self, model: Any, version: int) -> SyncReport:
         """The mode's phases, each plan -> begin -> stream -> commit -> verify."""
         started = time.perf_counter()
-        self._expert_layout = expert_layout(self._replicas.expert_layouts(), model)
+        self._handshake(model)
         planner = self._planner(Stages())
         phases = []
         for first in self._mode.prepare(model, version, planner):
@@ -348,7 +350,7 @@ class WeightSync:
               held: Mapping[str, torch.dtype]) -> PushPlan:
         """What the mode selects, renamed, cast and cut into buckets; checked before a byte moves.
         `held`: every tensor of `source` -> its dtype."""
-        cast = self._cast_dtype(mode.casts)
+        cast = planner.cast_dtype(cast=mode.casts)
         selection = mode.select(source, version, planner)
         buckets = self._buckets.plan(
             held, selection.metas, cast=cast, bucket_bytes=self.config.bucket_bytes,
@@ -357,7 +359,7 @@ class WeightSync:
             version=version, mode=selection.mode, buckets=buckets.buckets,
             lora_config=selection.lora_config, lora_name=selection.lora_name,
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
-            digest_algorithm=selection.digest_algorithm or self._digest_algorithm(),
+            digest_algorithm=selection.digest_algorithm or planner.digest_algorithm,
         )
         return PushPlan(selection=selection, buckets=buckets, cast=cast, manifest=manifest)
 
@@ -371,6 +373,7 @@ class WeightSync:
         adopting = all(c.adopts_shm for c in caps)
         replicas.join(self._make_transport(), max_bucket_bytes=max((b.nbytes for b in manifest.buckets), default=1),
                       leased_buckets=len(manifest.buckets) if adopting else 0)
+        replicas.open_updates(manifest, self.config.pause)
         paused = begun = committing = failed = False
         begin_notes: list[str] = []
 
@@ -407,7 +410,7 @@ class WeightSync:
             self._transport.finish(manifest)
             if not paused:
                 paused = True
-                replicas.pause(self.config.pause)
+                replicas.pause(self.config.pause, streamed=True)
             replicas.ready(manifest)
             t0 = time.perf_counter()
             committing = True
@@ -471,20 +474,27 @@ class WeightSync:
 
     # -- what a push is planned with ------------------------------------------
 
-    def _planner(self, stages: Stages) -> PushPlanner:
-        return PushPlanner(self._replicas, self.ranks, stages=stages, allow_overflow=self.config.allow_overflow,
-                           digest_algorithm=self._digest_algorithm, cast_dtype=self._cast_dtype,
-                           expert_layout=self._expert_layout)
+    def _handshake(self, model: Any) -> None:
+        """The push's first step: every engine's capabilities, asked once per transport session
+        (`Replicas.handshake`), and what they decide before planning: the expert layout the
+        engines load (they must agree where `model` has experts)."""
+        self._replicas.handshake()
+        self._expert_layout = expert_layout(self._replicas.expert_layouts(), model)
 
-    def _cast_dtype(self, cast: bool) -> Cast:
-        """The dtype each floating tensor travels in (see `SyncConfig.dtype`)."""
+    def _planner(self, stages: Stages) -> PushPlanner:
+        """What one phase of a push is planned with, as plain values: what the handshake answered
+        (none yet at a close before any push), the config, the session's digest algorithm."""
         assert self.config.dtype is None or isinstance(self.config.dtype, torch.dtype)
-        return cast_dtype(self.config.dtype, self._replicas.by_label, cast=cast, to_engine=self.config.rename)
+        casts = Casts(forced=self.config.dtype, served=self._replicas.by_label() if self._replicas.asked else {},
+                      to_engine=self.config.rename)
+        return PushPlanner(self._replicas, self.ranks, stages=stages, allow_overflow=self.config.allow_overflow,
+                           digest_algorithm=self._digest_algorithm(), casts=casts, expert_layout=self._expert_layout)
 
     def _digest_algorithm(self) -> str:
-        """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`)."""
-        return self._fan_out.digest_algorithm(
-            lambda: self.config.digest_algorithm or for_device(self._make_transport().buffer_device))
+        """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`); by where the
+        transport's buffers live (a trainer rank that does not send has no transport: it hashes on CPU)."""
+        device = self._transport.buffer_device if self._transport is not None else torch.device("cpu")
+        return self._fan_out.digest_algorithm(lambda: self.config.digest_algorithm or for_device(device))
 
     def _tell_followers(self, message: dict[str, Any]) -> None:
         """Tell the other trainer ranks (`weightsync.push.followers`) what comes next."""

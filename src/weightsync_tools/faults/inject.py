@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import torch
 
-from weightsync.engines.base import Delivery, Link
+from weightsync.engines.base import Delivery, EngineUpdate, Link
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.errors import WeightSyncError
 from weightsync.formats.checkpoint import bucket_file_name
@@ -251,8 +251,8 @@ class _CommitsFirst:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def commit(self, manifest: Manifest, link: Link) -> Ack:
-        ack = self.inner.commit(manifest, link)
+    def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
+        ack = self.inner.commit(manifest, update)
         self.committed.set()
         return ack
 
@@ -271,11 +271,11 @@ class _FailsInCommit:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def commit(self, manifest: Manifest, link: Link) -> Ack:
+    def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
         if not self.other_committed.wait(self.wait_s):
             raise AssertionError(f"the other replica did not commit within {self.wait_s:.0f}s")
         self.on_fire()
-        ack: Ack = self.inner.commit(manifest, link)
+        ack: Ack = self.inner.commit(manifest, update)
         return ack
 
 
@@ -309,13 +309,13 @@ class _CutBodyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def begin(self, manifest: Manifest, link: Link) -> None:
+    def begin(self, manifest: Manifest, update: EngineUpdate) -> None:
         self.version = manifest.version
-        self.inner.begin(manifest, link)
+        self.inner.begin(manifest, update)
 
-    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
+    def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
         if bucket.index != self.at_bucket:
-            return self.inner.receive(bucket, delivery)
+            return self.inner.receive(bucket, delivery, update)
         assert bucket.digest is not None
         prefix = encode_prefix(FrameHeader(version=self.version, index=bucket.index,
                                            nbytes=bucket.nbytes, digest=bucket.digest))

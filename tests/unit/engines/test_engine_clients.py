@@ -26,6 +26,7 @@ from weightsync import (
     TensorMeta,
     plan_buckets,
 )
+from weightsync.engines.base import EngineUpdate
 from weightsync.engines.http import JsonClient
 from weightsync.transports import make_transport, parse_link
 
@@ -175,13 +176,14 @@ def test_a_stock_sglang_gets_its_own_routes(server: Recorder, tmp_path: Path) ->
         (link,) = disk.open([1], max_bucket_bytes=64)
         manifest = Manifest(version=7, buckets=plan_buckets([TensorMeta(hf_name="w", dtype=torch.float32,
                                                                         shape=(4,))], 64))
-        engine.begin(manifest, link)
-        ack = engine.commit(manifest, link)
+        update = EngineUpdate(version=7, link=link, policy=PausePolicy.RETRACT)  # as the coordinator holds it
+        engine.begin(manifest, update)
+        ack = engine.commit(manifest, update)
         assert ack.version == 7 and ack.digests == (None,) and ack.loaded_names == {"w"}
 
         http = make_transport("http").open([1], max_bucket_bytes=64)[0]
         with pytest.raises(EngineError, match="transport 'http' needs weightsync's routes.*use transport="):
-            engine.begin(manifest, http)
+            engine.begin(manifest, EngineUpdate(version=7, link=http))
     finally:
         engine.close()
     assert server.paths() == [

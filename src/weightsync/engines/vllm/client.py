@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.dtypes import dtype_from_name
-from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, Delivery, EngineCapabilities, Link, PausePolicy
+from weightsync.engines.base import (
+    CLEANUP_TIMEOUT_S,
+    Completion,
+    Delivery,
+    EngineCapabilities,
+    EngineUpdate,
+    Link,
+    PausePolicy,
+)
 from weightsync.engines.vllm.backends import (
     RPC_MARGIN_S,
     Backend,
@@ -93,12 +101,11 @@ class VLLMEngine:
         return engine
 
     def _init_state(self, num_ranks: int | None) -> None:
+        """What the client knows of its engine; what a push has done with it is the push's `EngineUpdate`."""
         self._num_ranks = num_ranks
-        self._policy = PausePolicy.NONE
-        self._open: tuple[int, Link] | None = None
-        self._sealed: int | None = None  # the version `ready` sealed on every rank
-        self._owner: str | None = None  # the trainer of the last update begun (aborts name it)
+        """The engine's workers (TP x PP), given or asked of the engine once."""
         self._warned_unreset = False
+        """A prefix cache left unreset was logged once at WARNING (later ones under in_place at INFO)."""
 
     # -- capabilities ------------------------------------------------------
 
@@ -151,30 +158,27 @@ class VLLMEngine:
         except WeightSyncError as e:
             log.warning("%s: leaving the %s session: %s", self.label, link.transport, e)
 
-    def pause(self, policy: PausePolicy, *, timeout_s: float | None = None) -> None:
-        self._policy = policy
+    def pause(self, policy: PausePolicy, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        """vLLM's `/pause?mode=` (its pauses are not named: `pause_id` is not sent)."""
         if policy.vllm_mode is not None:
             self._backend.pause(policy.vllm_mode, timeout_s=self._timeout(timeout_s))
 
-    def resume(self, *, timeout_s: float | None = None) -> None:
+    def resume(self, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
         self._backend.resume(timeout_s=self._timeout(timeout_s))
 
-    def begin(self, manifest: Manifest, link: Link) -> str | None:
-        self._sealed = None
+    def begin(self, manifest: Manifest, update: EngineUpdate) -> str | None:
+        link = update.link
         allowed = self.lora_transports if manifest.is_adapter else self.transports
         if link.transport not in allowed:
             raise EngineError(self.label, f"transport {link.transport!r} is not supported for mode "
                               f"{manifest.mode!r}; use one of {sorted(allowed)}")
         results = self._rpc("weightsync_begin", {"manifest": manifest.to_dict(), "link": link.to_dict()},
                             timeout_s=link.timeout_s)
-        self._open = (manifest.version, link)
-        self._owner = manifest.owner
         note = results[0].get("preempted")
         return str(note) if note else None
 
-    def receive(self, bucket: BucketMeta, delivery: Delivery) -> None:
-        assert self._open is not None, "begin() first"
-        version, link = self._open
+    def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
+        version, link = update.version, update.link
         assert bucket.digest is not None, "buckets are hashed before they are sent"
         receiver = receiver_class(delivery.transport)
         if receiver.bytes_in_delivery or receiver.reads_at_commit:  # the workers fetch the bytes themselves
@@ -182,23 +186,20 @@ class VLLMEngine:
         self._rpc("weightsync_receive", {"version": version, "index": bucket.index, "digest": bucket.digest,
                                          "delivery": delivery.to_dict()}, timeout_s=link.timeout_s)
 
-    def ready(self, manifest: Manifest, link: Link) -> None:
+    def ready(self, manifest: Manifest, update: EngineUpdate) -> None:
         """Every rank still holds the update, then every rank seals it (disk: reads it now;
         every bucket's bytes the trainer's), so a refusal comes before any replica commits."""
-        version = manifest.version
+        version, link = manifest.version, update.link
         for rank, info in enumerate(self._rpc("weightsync_info", {}, timeout_s=link.timeout_s)):
             if info.get("open_version") != version:
                 raise EngineError(self.label, f"update v{version} is no longer open on rank {rank} (open: "
                                   f"{info.get('open_version')}); it expired, was replaced, or the engine restarted")
         self._seal(manifest, link)
-        self._sealed = version
 
-    def commit(self, manifest: Manifest, link: Link) -> Ack:
-        self._open = None
-        policy, self._policy = self._policy, PausePolicy.NONE  # a push under "none" calls no pause()
-        if self._sealed != manifest.version:  # ready sealed it already with several replicas
+    def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
+        link = update.link
+        if not update.checked:  # `ready` sealed it already with several replicas
             self._seal(manifest, link)  # every rank checks before any rank applies
-        self._sealed = None
         results = self._rpc("weightsync_commit", {"version": manifest.version}, timeout_s=link.timeout_s)
         ack = self._combine_acks(results)
         if manifest.is_adapter:
@@ -208,7 +209,7 @@ class VLLMEngine:
                 raise EngineError(self.label, f"adapter {manifest.lora_name!r}: rank 0 reported no directory")
             self._backend.add_lora(manifest.lora_name, str(path), timeout_s=link.timeout_s)
         else:
-            self._reset_prefix_cache(policy, timeout_s=link.timeout_s)
+            self._reset_prefix_cache(update.policy, timeout_s=link.timeout_s)
         self._backend.set_weight_version(str(manifest.version), timeout_s=link.timeout_s)
         return ack
 
@@ -217,11 +218,8 @@ class VLLMEngine:
         self._rpc("weightsync_seal", {"version": manifest.version, "digests": [b.digest for b in manifest.buckets]},
                   timeout_s=link.timeout_s)
 
-    def abort(self, version: int, *, timeout_s: float | None = None) -> None:
-        self._open = None
-        self._sealed = None
-        self._policy = PausePolicy.NONE
-        self._rpc("weightsync_abort", {"version": version, "owner": self._owner},
+    def abort(self, update: EngineUpdate, *, timeout_s: float | None = None) -> None:
+        self._rpc("weightsync_abort", {"version": update.version, "owner": update.owner},
                   timeout_s=min(CLEANUP_TIMEOUT_S, self._timeout(timeout_s)), margin_s=0.0)
 
     def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.engines.base import Engine, EngineCapabilities, Link, ShareReceiver
+from weightsync.engines.base import Engine, EngineCapabilities, EngineUpdate, ShareReceiver
 from weightsync.formats.shares import Share
 from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
@@ -33,12 +33,13 @@ class Round(Protocol):
     """What a fan-out uses of the engines it delivers to (`push.replicas.Replicas`)."""
 
     engines: list[Engine]
-    links: list[Link] | None
+    updates: list[EngineUpdate]
+    """Each engine's update in the push under way (its link among it)."""
     timeout_s: float
     pool: ThreadPoolExecutor
 
-    def all(self, call: Callable[[Any, Link | None], Any], what: str) -> list[Any]:
-        """`call(engine, link)` on every engine at once, all answered within timeout_s."""
+    def all(self, call: Callable[[Any, EngineUpdate], Any], what: str) -> list[Any]:
+        """`call(engine, update)` on every engine at once, all answered within timeout_s."""
         ...
 
     def while_sending(self, calls: Sequence[tuple[int, Callable[[], object]]], send: Callable[[], None],

@@ -38,7 +38,8 @@ class DirectFanOut:
         return None
 
     def deliver(self, replicas: Round, bucket: BucketMeta, delivery: Delivery, send: Callable[[], None]) -> None:
-        calls = [(i, functools.partial(e.receive, bucket, delivery)) for i, e in enumerate(replicas.engines)]
+        calls = [(i, functools.partial(e.receive, bucket, delivery, update))
+                 for i, (e, update) in enumerate(zip(replicas.engines, replicas.updates, strict=True))]
         replicas.while_sending(calls, send, f"receiving bucket {bucket.index}")
 
     def deliver_share(self, replicas: Round, share: Share) -> None:

@@ -81,7 +81,7 @@ class RelayFanOut:
             return
         first = replicas.engines[0]
         assert isinstance(first, Relayer)
-        call = functools.partial(first.relay, bucket, delivery, _forward(replicas.engines))
+        call = functools.partial(first.relay, bucket, delivery, replicas.updates[0], _forward(replicas.engines))
         replicas.while_sending([(0, call)], send, f"receiving bucket {bucket.index}")
 
     def deliver_share(self, replicas: Round, share: Share) -> None:
@@ -90,7 +90,7 @@ class RelayFanOut:
         replicas.while_sending([(0, call)], nothing_to_send, f"receiving a share of bucket {share.index}")
 
     def wait_delivered(self, replicas: Round, manifest: Manifest) -> None:
-        replicas.all(lambda e, link: e.wait_relayed(manifest, link), "waiting for the relayed buckets")
+        replicas.all(lambda e, update: e.wait_relayed(manifest, update), "waiting for the relayed buckets")
 
     def stream(self, push: Streaming) -> list[str]:
         return stream_whole_buckets(push)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from weightsync.engines.base import Link, Relayer
+from weightsync.engines.base import EngineUpdate, Relayer
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.push.fanout.base import Round
@@ -38,16 +38,15 @@ class RelayChain:
         the rank before it (the first: the trainer's) and sending them to the next one's."""
         replicas = self.replicas
         self.version = manifest.version
-        links = replicas.links
-        assert links is not None, "join() first"
-        hops = [(e.label, link) for e, link in zip(replicas.engines, links, strict=True)]
+        hops = [(e.label, update.link) for e, update in zip(replicas.engines, replicas.updates, strict=True)]
         position = {id(e): i for i, e in enumerate(replicas.engines)}
 
-        def start(engine: Any, link: Link | None) -> None:
-            assert isinstance(engine, Relayer) and link is not None
+        def start(engine: Any, update: EngineUpdate) -> None:
+            assert isinstance(engine, Relayer)
             i = position[id(engine)]
-            engine.relay_in_group(manifest, link, source=hops[i - 1] if i else None,
-                                  forward=hops[i + 1] if i + 1 < len(hops) else None)
+            forward = hops[i + 1] if i + 1 < len(hops) else None
+            update.forwards = forward is not None
+            engine.relay_in_group(manifest, update, source=hops[i - 1] if i else None, forward=forward)
 
         replicas.all(start, "starting its relay in the group")
 
