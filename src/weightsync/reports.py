@@ -8,7 +8,7 @@ commit answer, docs/PROTOCOL.md). No I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -95,6 +95,22 @@ class StageSeconds:
         """Every stage; "diff" only where there was one (a "sparse" push)."""
         stages = ("gather", "pack", "hash", "wire", "load") + (("diff",) if self.diff else ())
         return {k: round(getattr(self, k), 6) for k in stages}
+
+
+@dataclass
+class Stages:
+    """`StageSeconds` while a push runs: the pipeline and the modes add to it, `frozen()` is
+    what the report keeps. Its fields are `StageSeconds`'s (tests/unit/test_reports.py)."""
+
+    gather: float = 0.0
+    pack: float = 0.0
+    hash: float = 0.0
+    wire: float = 0.0
+    load: float = 0.0
+    diff: float = 0.0
+
+    def frozen(self) -> StageSeconds:
+        return StageSeconds(**asdict(self))
 
 
 @dataclass(frozen=True, kw_only=True)

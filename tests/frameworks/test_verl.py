@@ -35,7 +35,8 @@ import torch
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.integrations.verl_plan import StreamPlan
 from weightsync.manifest import TensorMeta
-from weightsync.push.pipeline import Stages, stream_buckets
+from weightsync.push.pipeline import stream_buckets
+from weightsync.reports import Stages
 from weightsync.server import ServerProcess, launch_server
 from weightsync.tiny import TinyModelConfig, make_tiny_model
 from weightsync.transports import make_receiver

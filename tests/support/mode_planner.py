@@ -13,7 +13,7 @@ import torch
 from weightsync import EngineCapabilities, TensorMeta, WeightSource
 from weightsync.dtypes import Cast
 from weightsync.integrity import digest
-from weightsync.push.pipeline import Stages
+from weightsync.reports import Stages
 from weightsync.trainer_ranks import TrainerRanks
 
 

@@ -13,7 +13,8 @@ from torch_threads import torch_threads
 from weightsync.bucketing import plan_buckets, unpack
 from weightsync.manifest import BucketMeta, TensorMeta
 from weightsync.push.packer import stream_order
-from weightsync.push.pipeline import Stages, stream_buckets
+from weightsync.push.pipeline import stream_buckets
+from weightsync.reports import Stages
 
 WEIGHTS = {f"w{i}": torch.full((4, 8), float(i)) for i in range(6)}
 

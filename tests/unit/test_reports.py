@@ -4,10 +4,11 @@ the other trainer ranks receive them."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 
-from weightsync.reports import Ack, StageSeconds, SyncReport
+from weightsync.reports import Ack, Stages, StageSeconds, SyncReport
 
 
 def test_report_round_trip() -> None:
@@ -31,3 +32,11 @@ def test_a_report_with_a_first_phase_round_trips_with_it() -> None:
                         seconds=0.75, verified=True, phases=(base,))
     again = SyncReport.from_dict(json.loads(json.dumps(report.to_dict())))
     assert again == report and again.phases[0].num_bytes == 1_000 and again.phases[0].stages.pack == 0.125
+
+
+def test_the_running_stages_are_the_reported_ones() -> None:
+    """`Stages` (added to while a push runs) and `StageSeconds` (the report's) name the same stages."""
+    assert [f.name for f in fields(Stages)] == [f.name for f in fields(StageSeconds)]
+    stages = Stages(gather=1.0, diff=2.0)
+    stages.wire += 0.5
+    assert stages.frozen() == StageSeconds(gather=1.0, wire=0.5, diff=2.0)

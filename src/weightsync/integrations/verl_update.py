@@ -27,8 +27,8 @@ from weightsync.integrations.verl_plan import StreamPlan
 from weightsync.integrity import ack_problems, check_bucket
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
-from weightsync.push.pipeline import Stages, stream_buckets
-from weightsync.reports import Ack
+from weightsync.push.pipeline import stream_buckets
+from weightsync.reports import Ack, Stages
 from weightsync.transports.base import Receiver, Transport
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.manifest import TensorMeta
 from weightsync.naming import ExpertLayout, expert_stacks
-from weightsync.push.pipeline import Stages
+from weightsync.reports import Stages
 from weightsync.sources import ModuleSource, StackedSource, WeightSource, as_source
 from weightsync.stacking import ExpertStack
 from weightsync.trainer_ranks import TrainerRanks

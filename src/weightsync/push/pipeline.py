@@ -26,27 +26,11 @@ import torch
 from weightsync.digests import XXH3_64, digest
 from weightsync.manifest import BucketMeta
 from weightsync.push.packer import pack_stream
-from weightsync.reports import StageSeconds
+from weightsync.reports import Stages
 from weightsync.sources import WeightSource
 from weightsync.transports.base import NUM_SLOTS
 
 T = TypeVar("T")
-
-
-@dataclass
-class Stages:
-    """Seconds spent per stage of one push (see `reports.StageSeconds`)."""
-
-    gather: float = 0.0
-    pack: float = 0.0
-    hash: float = 0.0
-    wire: float = 0.0
-    load: float = 0.0
-    diff: float = 0.0
-
-    def frozen(self) -> StageSeconds:
-        return StageSeconds(gather=self.gather, pack=self.pack, hash=self.hash, wire=self.wire, load=self.load,
-                            diff=self.diff)
 
 
 class Handoff(Generic[T]):

@@ -29,8 +29,8 @@ from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.modes import Selection
 from weightsync.naming import ExpertLayout, expert_stacks, has_fused_experts, rename
 from weightsync.push.packer import stream_order
-from weightsync.push.pipeline import Stages
 from weightsync.push.replicas import Replicas
+from weightsync.reports import Stages
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 

@@ -49,7 +49,8 @@ from weightsync.errors import CastError, WeightSyncError
 from weightsync.formats.shares import Share, merge_ranges
 from weightsync.integrity import byte_view
 from weightsync.manifest import BucketMeta, Manifest
-from weightsync.push.pipeline import Handoff, Stages
+from weightsync.push.pipeline import Handoff
+from weightsync.reports import Stages
 from weightsync.sources.fsdp import local_shard
 from weightsync.trainer_ranks import TrainerRanks
 

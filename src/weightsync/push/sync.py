@@ -61,11 +61,10 @@ from weightsync.owners import session_owner
 from weightsync.push.fanout import check_fan_out, make_fan_out
 from weightsync.push.fanout.base import Streaming
 from weightsync.push.followers import follow
-from weightsync.push.pipeline import Stages
 from weightsync.push.planning import BucketPlanner, Casts, PushPlan, PushPlanner, cast_notes, expert_layout
 from weightsync.push.rank_shares import ShareOrder, send_shares
 from weightsync.push.replicas import Replicas
-from weightsync.reports import Ack, SyncReport
+from weightsync.reports import Ack, Stages, SyncReport
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports import TRANSPORTS, make_transport

@@ -22,8 +22,9 @@ from weightsync.engines.base import Engine, EngineCapabilities, EngineUpdate, Sh
 from weightsync.formats.shares import Share
 from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
-from weightsync.push.pipeline import Stages, stream_buckets, threads_beside_engines
+from weightsync.push.pipeline import stream_buckets, threads_beside_engines
 from weightsync.push.rank_shares import ShareOrder
+from weightsync.reports import Stages
 from weightsync.sources import WeightSource
 from weightsync.trainer_ranks import TrainerRanks
 from weightsync.transports.base import Transport
