@@ -41,8 +41,8 @@ import pytest
 import sglang_wheel
 from fault_helpers import READ_ONLY, app_routes
 from weightsync.formats.checkpoint import MAX_MANIFEST_BYTES, bucket_file_name
-from weightsync.server.http import HTTPError, require_admin
 from weightsync.server.launch import ServerProcess
+from weightsync.server.routes_common import HTTPError, require_admin
 from weightsync.server.unpickle import UnsafePickleError, safe_loads
 from weightsync_tools.faults import ADMIN_KEY, Rig
 
@@ -120,7 +120,7 @@ def test_the_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
         calls.append((a, b))
         return real(a, b)
 
-    import weightsync.server.http as server_http
+    import weightsync.server.routes_common as server_http
 
     monkeypatch.setattr(server_http.hmac, "compare_digest", spy)
     for token, ok in ((ADMIN_KEY, True), ("wrong", False), (ADMIN_KEY + "x", False)):

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from weightsync.engines.http import JsonClient
+from weightsync.engines.json_client import JsonClient
 from weightsync.server.serving import bind_socket, make_server, url_of
 
 

@@ -26,8 +26,11 @@ whatever the engine client was built with: verbs that take an `EngineUpdate` use
 `update.link.timeout_s`, the others take `timeout_s`. An engine client's own
 `timeout_s` applies only to calls a user makes directly (generate, info).
 
-Engines never import transports; what a transport tells an engine travels in
-the plain `Link` and `Delivery` records of `weightsync.links`.
+Engine clients read what the transports declare (their registry, `transports.TRANSPORTS`
+and `receiver_class`) and, for SGLang's own group and disk routes, those transports' link
+records; a worker side receives through a transport's receiving half (`make_receiver`).
+What one push tells an engine travels in the `Link` and `Delivery` records of
+`weightsync.links`. No transport imports an engine.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from weightsync.engines.base import (
     Link,
     PausePolicy,
 )
-from weightsync.engines.http import JsonClient, decode, remote_error
+from weightsync.engines.json_client import JsonClient, decode, remote_error
 from weightsync.errors import AdapterNotLoadedError, EngineError, SyncTimeoutError
 from weightsync.formats.shares import Share
 from weightsync.formats.wire import FrameHeader, body_chunks, encode_prefix

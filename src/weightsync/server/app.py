@@ -22,8 +22,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from weightsync.errors import WeightSyncError
-from weightsync.server.http import HTTPError, answer, error_response, read_json, require_admin
 from weightsync.server.requests import GenerateItem, GenRequest, parse_generate, to_response
+from weightsync.server.routes_common import HTTPError, answer, error_response, read_json, require_admin
 from weightsync.server.sampling import SamplingParams, make_generator
 from weightsync.server.state import ServerState
 

@@ -20,8 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from weightsync.server.checker import SELECTORS, WeightChecker
-from weightsync.server.http import HTTPError, admin_json, answer, field_bool, field_str
 from weightsync.server.memory import WEIGHTS, parse_tags
+from weightsync.server.routes_common import HTTPError, admin_json, answer, field_bool, field_str
 from weightsync.server.state import ServerState
 
 ENGINE_VERSION = "weightsync-embedded"

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from weightsync.errors import IntegrityError, format_names
 from weightsync.manifest import Manifest
 from weightsync.server import ingest, lora
-from weightsync.server.http import (
+from weightsync.server.routes_common import (
     HTTPError,
     admin_json,
     answer,

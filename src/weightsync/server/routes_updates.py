@@ -48,7 +48,8 @@ from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
 from weightsync.server.experts import read_checkpoint_version
 from weightsync.server.group_relay import GroupRelay
-from weightsync.server.http import (
+from weightsync.server.relay import RelayError
+from weightsync.server.routes_common import (
     HTTPError,
     admin_json,
     answer,
@@ -60,7 +61,6 @@ from weightsync.server.http import (
     require_admin,
     weight_version_field,
 )
-from weightsync.server.relay import RelayError
 from weightsync.server.scheduler import PAUSE_MODES
 from weightsync.server.state import JoinedGroup, ServerState
 from weightsync.server.updates import StageResult

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from weightsync.dtypes import dtype_name
-from weightsync.engines.http import JsonClient
+from weightsync.engines.json_client import JsonClient
 from weightsync.formats.groups import UpdateGroup, finish_hosting, host_group
 from weightsync.modes import named_weights
 

@@ -1,4 +1,4 @@
-"""The engine clients' side of HTTP as units: `engines.http.JsonClient` (what it sends,
+"""The engine clients' side of HTTP as units: `engines.json_client.JsonClient` (what it sends,
 how every kind of answer comes back) and `SGLangEngine`'s requests to a stock SGLang
 (no weightsync routes), against a real HTTP server on 127.0.0.1 that records each
 request and answers what the test sets. `weightsync serve`'s own routes are driven by
@@ -27,7 +27,7 @@ from weightsync import (
     plan_buckets,
 )
 from weightsync.engines.base import EngineUpdate
-from weightsync.engines.http import JsonClient
+from weightsync.engines.json_client import JsonClient
 from weightsync.transports import make_transport, parse_link
 
 

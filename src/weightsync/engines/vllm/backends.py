@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from weightsync.engines.base import Completion
-from weightsync.engines.http import JsonClient
+from weightsync.engines.json_client import JsonClient
 from weightsync.engines.vllm.worker import EXTENSION
 from weightsync.errors import AdapterNotLoadedError, EngineError, SyncTimeoutError
 
