@@ -1,28 +1,10 @@
-"""mode="lora": only the adapter, loaded on the engines under a versioned name.
+"""mode="lora": only the adapter, loaded on the engines under a versioned name (`policy-v7`).
 
-The first push checks that every engine that reports digests serves the
-trainer's base weights, and pushes them (as a full update of the same version)
-where one does not; so does the first push after a failed one, or after an
-engine restarted (its process id, `DigestReader.instance`, changed: it serves
-its checkpoint's weights again); other pushes send the adapter tensors alone, uncast (engines
-cast adapters themselves) unless a dtype is forced.
-
-"lora" pushes load each adapter version under a name of its own (`policy-v7`),
-so a request names the exact weights it wants. Names are retired by one rule:
-
-    the adapter of push N stays loaded until push N + keep has committed.
-
-So with keep >= 2 (the default), a name read from `WeightSync.lora_name` at any
-moment stays servable until the second push after the one that made it current
-has committed: a client has at least one whole push interval to send requests
-naming it. With keep = 1 a name goes as soon as the next version commits, and a
-client still holding it gets "not loaded". Engines must be able to hold
-keep + 1 adapters: the new one loads before the oldest is unloaded.
-
-Retired names are unloaded in the background, since an engine's unload waits
-for the requests still using the adapter. A failed unload is retried after
-every later commit and at close, until each engine has unloaded the name or
-says it has no adapter of that name; nothing is forgotten, so nothing leaks.
+The first push, and the first after a failed one or an engine's restart, checks the engines' base
+weights by digest and pushes them as a full update of the same version where they differ; other
+pushes send the adapter tensors alone, uncast (engines cast adapters) unless a dtype is forced.
+`AdapterRollover` keeps push N's adapter loaded until push N + keep has committed, then unloads it
+in the background, retrying until each engine has none (docs/USAGE.md, "LoRA three ways").
 """
 
 from __future__ import annotations

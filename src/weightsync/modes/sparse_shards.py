@@ -1,28 +1,10 @@
 """mode="sparse" on a sharded trainer (FSDP2): each rank diffs its own rows.
 
-Every rank keeps its own rows of the snapshot (the acked version in the engines'
-dtype) and, on a push, casts and compares only those. Nothing gathers a whole
-weight unless it goes dense. What crosses the trainer's process group, every call
-bounded by `timeout_s`, in the same order on every rank:
-
-1. all_gather of a small table: per tensor, the elements this rank holds, how many
-   changed, whether its snapshot rows are new (a first push, a new shape) and
-   whether its cast overflowed. From it every rank derives the same plan: which
-   tensors are unchanged, which go sparse, which dense (`smallest_encoding` of
-   the total count), and where each rank's rows start in the whole tensor (FSDP2
-   puts the rows of dim 0 in rank order: `sources.fsdp.local_shard`).
-2. (sparse pushes) all_gather of each rank's wsmix64 terms of its rows of every
-   tensor sent (`digests.wsmix64_part`): the sender combines them into the digest
-   of the whole cast tensor, which the engines check after applying and ack.
-   So a sharded sparse push digests in wsmix64 (`SyncConfig.digest_algorithm`).
-3. gather to the sender of every rank's changed elements, values then positions
-   already translated to whole-tensor coordinates (int64), one buffer per rank.
-4. while the sender streams: for each dense tensor, gather of its rows from every
-   rank's snapshot (half the bytes of gathering fp32 masters).
-
-A plain tensor (not a DTensor: every rank holds all of it) is the sender's alone.
-A follower never raises on its own (the sender would wait for it): an overflowing
-cast is a flag in the table, and the sender raises for every rank.
+Every rank keeps its own rows of the snapshot (the acked version in the engines' dtype) and casts
+and compares only those; nothing gathers a whole weight unless it goes dense. `modes/sparse.py`
+uses it when a push has a process group: every rank makes the same collectives in the same order,
+each bounded by `timeout_s`, and only the sender raises (for every rank). What crosses the process
+group, step by step: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The cleanup a push owes engines that stopped answering, run in the background.
 
-An engine whose call timed out in a push (no answer within `timeout_s`) is not
-waited on again while that push fails: nothing is gained by waiting on it twice.
-The cleanup calls it still needs (abort of the version, rollback, leaving the
-session, resume) join its backlog instead, in the order the coordinator asked
-for them, and once the push has raised they run on the coordinator's pool, one
-task per engine: first the calls still in flight to that engine settle (they
-answer, or `settle_s` passes), then the owed calls go out one after another,
-each bounded by the timeout it was built with. The next push and `close()`
-wait for those tasks before they begin (`Backlog.wait`), so a woken engine has
-dropped the failed update before another one opens.
-
-This module knows nothing of engines or transports: it holds futures and calls.
+An engine whose call timed out is not waited on again while that push fails: the calls it is owed
+(abort, rollback, leaving the session, resume) wait in its `Backlog` and go out once the push has
+raised; the next push and `close()` wait for them (`Backlog.wait`). `push/replicas.py` fills it.
+It knows nothing of engines or transports: it holds futures and calls. The order it keeps:
+docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

@@ -90,25 +90,16 @@ def stream_buckets(source: WeightSource, plan: Iterable[BucketMeta], order: Sequ
                    allow_overflow: bool = False, drain: bool = False,
                    digest_algorithm: str = XXH3_64, first: Callable[[], None] | None = None,
                    pack_threads: int | None = None) -> list[str]:
-    """Gather/pack/hash on a producer thread while this thread calls `deliver(bucket,
-    buffer)` for each bucket in plan order; returns the buckets' digests (computed with
-    `digest_algorithm` on the device of the slot: wsmix64 hashes a CUDA slot in place).
+    """Pack (gather, cast, hash) on a producer thread while this thread calls `deliver(bucket, buffer)`
+    for each bucket in plan order; returns the buckets' digests (`digest_algorithm`, computed on the
+    slot's device: wsmix64 hashes a CUDA slot in place).
 
-    `order` holds the source's (hf) names in stream order; the plan holds engine
-    names (`to_engine` maps them; None: the source's names are the engine's). The plan
-    may be laid out as the stream is read (`integrations.verl_plan`): it is iterated once,
-    each bucket before its tensors are asked for. `slot(index, nbytes)` is the buffer
-    bucket `index` is packed into.
-
-    `first`: called on this thread once the producer has started, before the first
-    `deliver` (the engines' begin, so that its round trip overlaps the packing of the
-    first buckets); when it raises, the producer stops at its next slot and nothing is
-    delivered.
-
-    `pack_threads`: torch's intra-op threads on the producer thread while it packs and
-    hashes (None: torch's count; `threads_beside_engines` where the engines share this
-    host). Under OpenMP, torch's default on Linux, the count is each thread's own: the
-    caller's stays as it is, and the producer puts its own back before it ends.
+    `order`: the source's (hf) names in stream order; the plan holds engine names (`to_engine` maps
+    them; None: the same names). The plan is iterated once, each bucket before its tensors are asked
+    for, so it may be laid out as the stream is read. `slot(index, nbytes)`: the buffer bucket `index`
+    is packed into. `first`: called here once the producer has started, before the first `deliver` (the
+    engines' begin, overlapping the first packing); if it raises, nothing is delivered. `pack_threads`:
+    torch's intra-op threads on the producer (None: torch's count); the caller's own stays as it is.
     """
     free_slots = threading.Semaphore(NUM_SLOTS)
     waited = 0.0

@@ -1,33 +1,10 @@
 """Every trainer rank sends its own share of each bucket (`SyncConfig.send_shares`).
 
-Under FSDP2 each rank holds its rows of every weight (dim 0, in rank order). With
-`send_shares` nothing is gathered to the sending rank: the sender plans and begins
-as usual, tells the other ranks the buckets (`ShareOrder`), and then every rank, the
-sender included, runs `send_shares`:
-
-    layout    one all_gather of how many elements of each tensor each rank holds:
-              where each rank's rows start in the whole tensor, and so in the bucket
-    digests   this rank's rows of every bucket, cast to the engines' dtype, and the
-              wsmix64 terms of each tensor's rows where they lie in the bucket
-              (`digests.wsmix64_part`); one all_gather of every rank's terms (a few
-              numbers per range) and of any overflowing cast: every rank combines
-              the WHOLE buckets' digests (`digests.combine_wsmix64`) before a byte
-              is sent, and an overflow anywhere stops every rank here
-    send      a producer thread packs the share of bucket k+2 (cast again, into one
-              of three buffers kept across pushes) while the shares of buckets k and
-              k+1 go out (`weightsync.formats.shares.Share`; IN_FLIGHT at once, so the link
-              stays busy while an engine takes one) to every engine, or relayed to
-              the first: no collective while bytes move
-    outcome   one all_gather of every rank's error, if any: all ranks return the
-              same digests, or every rank learns the same failure
-
-A plain tensor (not a DTensor: every rank holds all of it) is the sender's to send.
-The trainer's memory beyond its shard stays three buffers of its share of a bucket.
-Every collective is bounded by `timeout_s`. A rank that fails (an overflowing cast,
-an engine that refused its share) does not raise alone: it says so in the next
-all_gather, and the sender raises for all. Casting twice is the price of a stream with
-no collective in it: a per-bucket exchange of terms waits, per bucket, a round trip
-through trainer links that the shares keep busy (docs/SCALE.md).
+Under FSDP2 nothing is gathered to the sending rank: the sender plans and begins, tells the other
+ranks the buckets (`ShareOrder`), then every rank runs `send_shares` (handed to `push/fanout/shares.py`
+and `push/followers.py`), making the same collectives in the same order, or the ranks deadlock. A
+rank that fails does not raise alone: the sender raises for all. The engines join the shares into
+buckets (`formats.shares`). The collectives, step by step: docs/ARCHITECTURE.md, "Design notes".
 """
 
 from __future__ import annotations

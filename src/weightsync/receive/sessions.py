@@ -1,21 +1,9 @@
 """Who holds an engine's open update session, and when another trainer may take it.
 
-One rule for every receiving side (the embedded engine and the vLLM worker
-extension), so a crashed trainer never locks an engine:
-
-- a `begin` from the session's own owner replaces it (that owner's previous
-  push failed or timed out);
-- a `begin` from another owner preempts the session when its owner is provably
-  gone (a process of this host and pid namespace that no longer exists, see
-  `owners`) or has been silent longer than its own push timeout (`timeout_s`
-  from its manifest; the server's fallback for sessions without one);
-- otherwise the newcomer is refused with `SessionBusyError`, naming the holder
-  and how long until its session would expire, so it can retry then. A live
-  owner's session is never taken.
-
-Transports that see a peer vanish (a cut HTTP body, a broken process group)
-abort the session at once; this rule covers the trainers that vanish between
-two requests. Pure: the caller passes the clock.
+One rule for every receiving side (`receive/update_session.py`, `server/updates.py`), so a crashed
+trainer never locks an engine: a newcomer takes a session whose owner is provably gone or silent
+past its own `timeout_s`, and is refused with `SessionBusyError` otherwise (docs/GUARANTEES.md, 3;
+the rest of the rule: docs/ARCHITECTURE.md, "Design notes"). Pure: the caller passes the clock.
 """
 
 from __future__ import annotations

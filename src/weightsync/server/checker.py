@@ -1,22 +1,9 @@
-"""SGLang's `/weights_checker` on the embedded engine: snapshot, reset_tensors,
-compare and checksum of the served weights.
+"""SGLang's `/weights_checker` on the embedded engine: snapshot, reset_tensors, compare and checksum.
 
-slime and miles run it with `--check-weight-update-equal`: `snapshot` the weights
-the engine loaded from the checkpoint, `reset_tensors` (overwrite them with noise),
-push the trainer's weights, then `compare`: the push must restore every tensor
-bit for bit. `checksum` reports a digest per tensor, as SGLang's CPU path
-computes it (`sglang.srt.utils.weight_checker`: the first 8 bytes of the
-SHA-256 of the tensor's bytes, in hex), and their combination.
-
-Differences from SGLang, all visible in the answers:
-- Names are the checkpoint's (HF) names, as the embedded engine serves them;
-  SGLang reports its runtime names (fused `qkv_proj`, `gate_up_proj`), so
-  checksums compare engines of the same kind only.
-- After `reset_tensors` the engine serves no update's weights: generation
-  answers 503 and a delta naming the previous version is refused, until an
-  update of every parameter (`coverage`); SGLang would generate from the noise.
-- A snapshot holds one copy of the served weights until `compare` consumes it
-  (or the next `snapshot` replaces it).
+slime and miles run it with `--check-weight-update-equal` (docs/ENGINES.md): snapshot the loaded
+weights, overwrite them with noise, push, then compare: the push must restore every tensor bit for
+bit. `server/routes_control.py` serves it. How its answers differ from SGLang's (names, hash, torn
+weights after a reset): docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

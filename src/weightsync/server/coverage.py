@@ -1,34 +1,10 @@
 """Whether the served weights are one update's, and whether they may be served.
 
-SGLang applies each update request when it arrives, so an update sent as
-several requests (slime's buckets, every one under the same `weight_version`
-label) is served partly between them, and an update whose later request is
-refused stays half applied. The embedded engine keeps SGLang's per-request
-application and this rule, so a mix of two updates is never served silently:
-
-- **partial**: SGLang-shaped requests applied on arrival (or an SGLang
-  begin/end session) have rewritten some, not all, parameters since the served
-  weights were last one update's. `/weightsync/info` reports it (`dirty: true`
-  and `partial_update`); generation goes on, as on SGLang (the frameworks pause
-  it around their updates).
-- **torn**: while partial, a request of the same update (same label, or none)
-  was refused, so that update cannot complete as sent. `/generate` and
-  `/health_generate` answer 503 naming the refusal, and `/weightsync/info`
-  reports `torn`. Released weights (`/release_memory_occupation`) and weights
-  overwritten by `/weights_checker` `reset_tensors` are the same state: the
-  parameters hold no update's weights.
-- **whole again** once the parameters rewritten since then cover every
-  parameter (resending the refused bucket completes slime's update; any full
-  update, e.g. `/update_weights_from_disk` of the previous checkpoint, reverts),
-  or a weightsync commit lands on weights that were whole.
-
-A refusal during an open `/begin_weight_update` session marks the session: when
-`/end_weight_update` applies what it staged and that is not every parameter,
-the engine is torn. Only refusals after the admin check count (an
-unauthenticated client cannot tear an engine), and a refused request of a
-new label is a new update that applied nothing: it leaves a partial one as is.
-
-Pure bookkeeping: names in, a verdict out; the caller holds the lock.
+Tracks which parameters SGLang-shaped requests (applied on arrival, as SGLang does) have rewritten
+since the served weights were last one update's, and says whether they are partial (generation goes
+on) or torn (a request of that update was refused: generation answers 503). It applies nothing:
+`server/served.py` asks it, holding the lock. Pure bookkeeping: names in, a verdict out. The states
+and what ends them: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Per-expert checkpoint names on SGLang's own update routes, written into the served
-model's fused expert parameters.
+"""Per-expert checkpoint names on SGLang's update routes, written into the served fused experts (`ExpertFuser`).
 
-SGLang's loaders read checkpoint names, so a trainer that pushes to a stock SGLang
-(and to `weightsync serve --sglang-only`, which stands in for one) sends a
-Mixture-of-Experts layer as per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`,
-`up_proj`, `down_proj`), and `/update_weights_from_disk` of a `save_pretrained`
-checkpoint holds the same names. This server serves transformers' model, whose experts
-are fused 3-D parameters (`experts.gate_up_proj` `[E, 2I, H]`, `down_proj`). `ExpertFuser`
-writes each received expert into a copy of its fused tensor (the copy staged earlier in
-the same update, else the served tensor), as SGLang's loader writes it into its fused
-parameter: an update may carry any subset of a layer's experts, in any number of
-requests. The split is `naming.ExpertSlice`'s (transformers' conversion mapping, the one
-the trainer's per-expert stream uses).
-
-Only the SGLang-shaped routes come here; weightsync's own routes take the fused layout
-this server declares (`EngineCapabilities.expert_layout`) and never send per-expert names.
+A trainer pushing to a stock SGLang (or `weightsync serve --sglang-only`) sends a Mixture-of-Experts
+layer as per-expert tensors, as a `save_pretrained` checkpoint holds it; this server serves
+transformers' fused 3-D experts. Only the SGLang-shaped routes come here (`server/routes_updates.py`,
+`server/updates.py`); weightsync's own routes take the fused layout. How an update fills the fused
+tensors: docs/MOE.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""Start `weightsync serve` processes without paying their imports each time: a fork
-server that imports what a server imports (torch, transformers, the app) once, then
-forks one child per server.
+"""Start `weightsync serve` processes without paying their imports each time.
 
-Of a `weightsync serve` start (about 5.5 s on a 2-core Xeon), about 5 s are imports; a
-child forked from here starts in the rest. For test suites and CI that start many
-servers (weightsync's own starts about ninety):
-
-    with ForkServer.start() as forks:
-        use_forkserver(forks)          # later launch_server() calls go through it
-        with launch_server(model_dir) as server: ...
-
-The child runs the same code as `python -m weightsync serve ARGS` (`cli.main.main`),
-with the caller's working directory and environment, its stdout and stderr, in its own
-session (process group), and exits through the interpreter's normal shutdown. What
-differs: its modules were imported before it got that environment, so `launch_server`
-calls that pass `env=` (variables that may matter at import) or a `prefix` (another
-network namespace) exec a fresh interpreter as before.
-
-The fork server itself never runs torch's thread pools (imports only), so each child
-starts them fresh. Requests come over a Unix socket in a directory only this user can
-enter, as a JSON line (never pickled) with the child's stdout and stderr passed as file
-descriptors; the reply is the child's pid, then, on the same connection, its exit code.
-The fork server exits on SIGTERM (`close()`), or when its stdin closes (its parent is
-gone), stopping its children. Not on stdin alone: a process forked from the caller (a
-multiprocessing child) holds the pipe's other end too, for as long as it lives.
+A fork server imports what a server imports (torch, transformers, the app) once, then forks one
+child per server, which runs `cli.main.main` as `python -m weightsync serve ARGS` would. For test
+suites that start many servers: after `use_forkserver(ForkServer.start())`, `launch_server` calls
+without `env=` or `prefix` fork from it; those with either still exec a fresh interpreter. What a
+child shares, the socket protocol, when it exits: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

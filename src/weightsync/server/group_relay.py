@@ -1,24 +1,10 @@
-"""The relay of a broadcast push (`fan_out="relay"` over transport "broadcast"): this engine
-takes each bucket of one version from the rank before it in the weight-update group (the
-trainer's, or the engine before this one's), checks its bytes against the digest the
-trainer computed (in the hop header, `transports.broadcast.HopHeader`), stages them, and
-sends them on to the next engine's rank while it takes the next bucket. One thread
-receives, one sends; at most `DEPTH` staged buckets wait between them, so a slower next
-hop holds this engine's receives, and so the sender before it (backpressure).
+"""The engine side of a relayed broadcast push (`fan_out="relay"` over transport "broadcast").
 
-Nothing unchecked goes further: a bucket whose digest does not match, or anything else
-that stops the relay here, is recorded for the trainer (`Relay.fail`, read through
-`/weightsync/info`) and goes on down the chain as a hop header carrying the error, so the
-engines after this one stop waiting at once. This engine then goes on taking (and
-dropping) what the rank before it still sends of the version, so that no sender waits on
-a receiver that stopped. Every receive and send is bounded by the update's timeout_s
-(a send and the wait for room by half of it, so this engine names its broken hop before
-the trainer's own bound runs out).
-
-gloo closes every connection of a process's group when one of its operations times out,
-so the other thread's operation then fails too, and so do its neighbours' with this
-engine: the operation that timed out is the cause, and the failures it brings about
-here are not recorded in its place (`_failed`).
+This engine takes each bucket of a version from the rank before it in the weight-update group,
+checks it against the trainer's digest in its hop header (`transports.broadcast.HopHeader`), stages
+it, and sends it on to the next engine's rank while it takes the next. A failure is recorded for
+the trainer and sent on down the chain. The trainer side is `push/fanout/relay_chain.py`, the relay
+over http `server/relay.py`; threads, bounds, failures: docs/ARCHITECTURE.md, "Design notes".
 """
 
 from __future__ import annotations

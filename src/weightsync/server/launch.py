@@ -114,19 +114,12 @@ def launch_server(
 ) -> ServerProcess:
     """Run `python -m weightsync serve --model DIR --port 0 *args` and wait for /health.
 
-    `env` is added to the current environment. The server's stderr goes to a
-    temporary log file, removed on close unless `log_dir` is given. Raises
-    ServerStartError (with the log tail) if it exits or does not answer
-    within `timeout_s`.
-
-    `prefix` goes before the command and must exec it in place (so signals reach
-    the server), e.g. `["ip", "netns", "exec", "NS"]` for a server in another
-    network namespace. /health is then not asked from here (this process may not
-    reach that namespace): the listening line is printed once the socket
-    accepts connections.
-
-    After `use_forkserver(...)`, a call without `env` and `prefix` forks the server
-    from the fork server instead (the same command, its imports already done).
+    `env`: added to the current environment. `log_dir`: keeps the server's stderr log there (default: a
+    temporary file, removed on close). `timeout_s`: ServerStartError, with the log tail, if the server
+    exits or does not answer within it. `prefix`: goes before the command and must exec it in place, so
+    signals reach the server (`["ip", "netns", "exec", "NS"]`); /health is then not asked from here
+    (this process may not reach that namespace), only the listening line awaited. After
+    `use_forkserver(...)`, a call without `env` and `prefix` forks the server from the fork server.
     """
     log_path = Path(tempfile.mkstemp(prefix="weightsync-serve-", suffix=".log", dir=log_dir)[1])
     argv = ["serve", "--model", str(model_dir), "--port", "0", *args]

@@ -1,19 +1,10 @@
 """Layouts an engine remembers, so that a trainer pushing the same plan again names it
-instead of sending it.
+instead of sending it (docs/PROTOCOL.md, "Begin by layout").
 
-A layout is a manifest's buckets without their digests: which tensor goes where, in
-what dtype and shape (`Manifest.layout_digest`). An RL trainer sends the same one
-every step; parsing it again is most of a begin's cost for tens of thousands of
-tensors (a 3.8 MB manifest for 30,003). An engine remembers the layouts of the last
-few begins it accepted, by a digest it computes itself from what it parsed (never
-one a trainer gave), and names it in its answer; a trainer whose plan has that digest
-sends the next begin by layout (`protocol.BeginRequest.by_layout`). What a layout
-saves is the parse only: the dry run against the served weights, every bucket's
-digest, and the ack of version and names are checked for a begin by layout exactly
-as for a whole one. A layout not remembered (the engine restarted, or began others
-since) is refused with 409 "unknown_layout", and the trainer sends the manifest whole.
-
-Pure bookkeeping: no I/O. Thread-safe.
+A layout is a manifest's buckets without their digests, remembered for the last few accepted
+begins under a digest this engine computes from what it parsed (never one a trainer gave). It saves
+the parse only: `server/updates.py` checks a begin by layout as it checks a whole one. Pure
+bookkeeping: no I/O. Thread-safe.
 """
 
 from __future__ import annotations

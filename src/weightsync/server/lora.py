@@ -1,21 +1,10 @@
 """LoRA adapters on the served model: checks, an LRU store, per-request routing.
 
-An adapter arrives as PEFT's saved tensors (`peft_name`s of the form
-`base_model.model.<module path>.lora_A.weight` / `.lora_B.weight`, no
-adapter-name segment) plus its adapter_config.json. It is applied with a
-forward hook on every targeted `nn.Linear`, computing exactly what PEFT's
-`lora.Linear.forward` computes:
-
-    result = base(x) + lora_B(lora_A(x)) * scaling,   scaling = alpha / r  (alpha / sqrt(r) with rsLoRA)
-
-Adapter weights are kept in float32 (PEFT's `autocast_adapter_dtype`), the
-input is cast to them and the sum back to the layer's dtype. Only the adapter
-the scheduler activated for the current forward is applied, so requests are
-routed per adapter name. DoRA, LoRA biases, modules_to_save and non-Linear
-targets are refused with the offending option or layer named.
-
-Reference counts keep an adapter loaded while requests use it: eviction (LRU
-beyond `max_loaded`) skips adapters in use or pinned, and unloading waits.
+An adapter arrives as PEFT's saved tensors (`peft_name`s `base_model.model.<module path>.lora_A.weight`,
+no adapter-name segment) plus its adapter_config.json, and is applied as PEFT's `lora.Linear.forward`
+computes it, to the requests that name it. `server/updates.py` loads adapters into the store
+(`LoraStore`) and the runner activates a request's adapter; the trainer's side is `weightsync.lora`.
+The math, dtypes, what is refused, eviction: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

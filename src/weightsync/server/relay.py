@@ -1,19 +1,10 @@
-"""The relay of a push to several replicas (`fan_out="relay"`): each bucket frame an engine
-receives over http names the engines it goes on to (`formats.wire.FrameHeader.forward`); once the
-bucket is checked against its digest and staged here, this engine sends it to the first of
-them, with the rest, while it takes the next bucket from upstream. So the trainer's link
-carries each bucket once, and the push takes about one model over one link plus a bucket
-per hop.
+"""The engine side of a relayed push over http (`fan_out="relay"`).
 
-Buckets go out in the order they were staged, one at a time, at most `DEPTH` waiting: a
-slower next hop holds this engine's answers to upstream, and so the trainer (backpressure,
-not a growing queue). A bucket that cannot be forwarded (the next engine is gone, refuses
-it, or does not answer within the update's timeout) is this engine's relay error for that
-version: `/weightsync/info` reports it, and the trainer's wait for the relay to end names
-this engine and the hop. Buckets of a version that already failed are not forwarded.
-
-A relayed broadcast push forwards in its group instead (`weightsync.server.group_relay`),
-and records what it forwarded and why it stopped here too.
+Each bucket frame names the engines it goes on to (`formats.wire.FrameHeader.forward`); once it is
+checked against its digest and staged here, this engine sends it to the first of them, with the
+rest, while it takes the next, so the trainer's link carries each bucket once. A bucket it cannot
+forward is its relay error for that version, in `/weightsync/info`. A broadcast group relays in
+`server/group_relay.py`; backpressure and failures: docs/ARCHITECTURE.md, "Design notes".
 """
 
 from __future__ import annotations

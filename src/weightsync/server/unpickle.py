@@ -1,24 +1,10 @@
 """An allow-listed unpickler for the tensors SGLang-shaped routes carry.
 
-`/update_weights_from_tensor` and `/load_lora_adapter_from_tensors` receive
-pickles. Nothing is unpickled here unless every global it names is on an
-explicit list: the functions and classes that `pickle.dumps` of CPU tensors
-uses (`torch._utils._rebuild_tensor_v2`, `torch.storage._load_from_bytes`,
-`collections.OrderedDict`), `torch.Size`, torch dtypes, builtin containers,
-and plain stand-ins for SGLang's `FlattenedTensorMetadata` and
-`LocalSerializedTensor` (the two SGLang classes SGLang's own SafeUnpickler
-allows on this route; a LocalSerializedTensor's inner payload goes through
-this same allow-list). Anything else
-(`os.system`, `builtins.eval`, `subprocess.Popen`, torch's shared-memory
-rebuild functions ...) is refused with an error naming the global.
-
-`torch.storage._load_from_bytes` would call `torch.load(weights_only=False)`
-on attacker-chosen bytes; it is replaced by `load_storage_bytes`, a parser of
-torch's legacy storage format that reads raw bytes and unpickles its small
-header with a stricter allow-list. The tensor rebuild functions are wrapped to
-refuse views reaching past their storage (torch would grow the storage).
-
-Pure: bytes in, Python objects and CPU tensors out; no I/O.
+`/update_weights_from_tensor` and `/load_lora_adapter_from_tensors` receive pickles, which
+`server/ingest.py` hands to `safe_loads`: nothing is unpickled unless every global it names is on an
+explicit list, and anything else (`os.system`, torch's shared-memory rebuild functions ...) is
+refused naming the global. Pure: bytes in, Python objects and CPU tensors out; no I/O. The list, and
+what replaces `torch.storage._load_from_bytes`: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations
