@@ -40,7 +40,7 @@ import pytest
 
 import sglang_wheel
 from fault_helpers import READ_ONLY, app_routes
-from weightsync.formats.checkpoint import MAX_MANIFEST_BYTES, bucket_file_name
+from weightsync.formats.version_dir import MAX_MANIFEST_BYTES, bucket_file_name
 from weightsync.server.launch import ServerProcess
 from weightsync.server.routes_common import HTTPError, require_admin
 from weightsync.server.unpickle import UnsafePickleError, safe_loads
@@ -335,7 +335,7 @@ def test_oversized_manifest_and_bucket_header_on_disk_are_refused(admin: httpx.C
     info = admin.get("/weightsync/info").json()
     from weightsync.bucketing import plan_buckets
     from weightsync.dtypes import dtype_from_name
-    from weightsync.formats.checkpoint import write_manifest
+    from weightsync.formats.version_dir import write_manifest
     from weightsync.manifest import Manifest, TensorMeta
 
     metas = [TensorMeta(hf_name=n, dtype=dtype_from_name(p["dtype"]), shape=tuple(p["shape"]))

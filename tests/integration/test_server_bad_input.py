@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.formats.checkpoint import bucket_file_name
+from weightsync.formats.version_dir import bucket_file_name
 
 # fixtures tiny_model, model_root, kit, one_torch_thread: tests/support/server_fixtures.py
 

@@ -18,7 +18,7 @@ import torch
 
 from weightsync.engines.base import EngineCapabilities, EngineUpdate, PausePolicy
 from weightsync.errors import ConflictError, EngineError, SyncTimeoutError
-from weightsync.formats.checkpoint import read_version
+from weightsync.formats.version_dir import read_version
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.receive.update_session import OpenUpdate, UpdateSession

@@ -33,8 +33,8 @@ import torch
 from serve_check import checked
 from torch_threads import torch_threads
 from weightsync.bucketing import pack, plan_buckets
-from weightsync.formats.checkpoint import publish, write_bucket, write_manifest
 from weightsync.formats.groups import UpdateGroup, finish_hosting, host_group
+from weightsync.formats.version_dir import publish, write_bucket, write_manifest
 from weightsync.formats.wire import FrameHeader, encode_prefix
 from weightsync.integrity import digest
 from weightsync.manifest import Manifest, TensorMeta

@@ -208,13 +208,13 @@ def test_a_call_around_the_receive_path_is_found(tmp_path: Path) -> None:
 
 def test_the_version_directory_check_is_written_once() -> None:
     """A disk version directory's manifest.json is checked against the manifest given at begin
-    by one function (`formats.checkpoint.check_announced`), for the vLLM worker's disk
+    by one function (`formats.version_dir.check_announced`), for the vLLM worker's disk
     receiver and the embedded server alike: no other function compares manifests without
     their digests."""
     paths = sorted(PACKAGE.rglob("*.py"))
-    assert _definitions(paths, "check_announced") == ["weightsync/formats/checkpoint.py"]
+    assert _definitions(paths, "check_announced") == ["weightsync/formats/version_dir.py"]
     compared = _callers(paths, "without_digests")
-    assert compared and set(compared) == {("weightsync/formats/checkpoint.py", "check_announced")}, compared
+    assert compared and set(compared) == {("weightsync/formats/version_dir.py", "check_announced")}, compared
 
 
 def test_the_library_never_imports_the_integrations() -> None:

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from weightsync.bucketing import plan_buckets
-    from weightsync.formats.checkpoint import read_checkpoint_metas
+    from weightsync.formats.version_dir import read_checkpoint_metas
     from weightsync.manifest import Manifest
 
     directory = Path(args.dir)

@@ -237,7 +237,7 @@ class WeightSync:
         """The expert layout of the push under way, which other trainer ranks read in too."""
         self.owner = session_owner()
         """This trainer's identity on the engines: its sessions are never taken by another
-        live trainer, and it takes over those of a dead one (see `weightsync.receive.sessions`)."""
+        live trainer, and it takes over those of a dead one (see `weightsync.receive.takeover`)."""
         self._share_buffers: list[torch.Tensor] = []
         """`send_shares`: this rank's share buffers, kept across pushes."""
         self._closed = False

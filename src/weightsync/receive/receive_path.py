@@ -24,7 +24,7 @@ import torch
 from weightsync.bucketing import pack_one
 from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.errors import EngineError
-from weightsync.formats.checkpoint import read_announced
+from weightsync.formats.version_dir import read_announced
 from weightsync.links import Delivery, Link
 from weightsync.receive.update_session import UpdateSession, check_named
 from weightsync.reports import Ack
@@ -146,7 +146,7 @@ class ReceivePath:
     def read_version_dir(self, directory: Path, version: int) -> None:
         """Stage every bucket of the open update `version` from the version directory
         `directory` (manifest.json + bucket files), whose manifest must be the one given at
-        begin (`formats.checkpoint.check_announced`); every bucket's digest is checked."""
+        begin (`formats.version_dir.check_announced`); every bucket's digest is checked."""
         for bucket, buffer in read_announced(directory, self.session.open_manifest(version)):
             self.stage(version=version, index=bucket.index, buffer=buffer)
 

@@ -3,7 +3,7 @@
 through the receive path (`receive.receive_path.ReceivePath.stage`), named tensors through
 `stage_named`.
 
-`UpdateSession` decides who holds the engine (`weightsync.receive.sessions`), whether a
+`UpdateSession` decides who holds the engine (`weightsync.receive.takeover`), whether a
 version may follow the served one, the dry run of the manifest, the checks of every bucket
 staged (index, size, digest), the staging of its tensors, "every tensor arrived" at commit,
 and the ack (`reports.Ack`, sent on the wire as `Ack.to_wire()`). It changes no weight: what
@@ -57,7 +57,7 @@ from weightsync.integrity import (
     manifest_names_digest,
 )
 from weightsync.manifest import PARTIAL_MODES, BucketMeta, Manifest, TensorMeta
-from weightsync.receive.sessions import Holder, SessionBusyError, take_over
+from weightsync.receive.takeover import Holder, SessionBusyError, take_over
 from weightsync.reports import Ack
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class UpdateSession:
     def begin(self, manifest: Manifest) -> str | None:
         """Check `manifest` (version, dry run) and open its update.
 
-        An open update gives way by `weightsync.receive.sessions.take_over`: to its own
+        An open update gives way by `weightsync.receive.takeover.take_over`: to its own
         trainer, or when that trainer is gone or silent past its timeout (returns
         what was discarded); a live trainer's update is never taken (ConflictError
         with `retry_after_s`). A refused begin leaves the open update as it was.

@@ -17,7 +17,7 @@ from torch import nn
 
 from weightsync.bucketing import unpack
 from weightsync.errors import ManifestMismatchError, format_names
-from weightsync.formats.checkpoint import read_version
+from weightsync.formats.version_dir import read_version
 from weightsync.naming import ExpertSlice, checkpoint_slices
 from weightsync.receive.update_session import NamedTensors
 
@@ -86,7 +86,7 @@ class ExpertFuser:
 
 
 def read_checkpoint_version(directory: Path) -> NamedTensors:
-    """Every tensor of a disk version directory (`weightsync.formats.checkpoint`), each bucket
+    """Every tensor of a disk version directory (`weightsync.formats.version_dir`), each bucket
     verified against its digest, as named tensors (views of the bucket buffers): the
     version read as the checkpoint its safetensors bucket files are. Dense entries only."""
 

@@ -25,9 +25,9 @@ from weightsync.bucketing import pack_one
 from weightsync.dtypes import dtype_name
 from weightsync.engines.base import EngineCapabilities
 from weightsync.errors import SyncTimeoutError, UnknownLayoutError
-from weightsync.formats.checkpoint import MANIFEST_FILE, confine, read_manifest
 from weightsync.formats.groups import join_group
 from weightsync.formats.shares import RANGE_BYTES
+from weightsync.formats.version_dir import MANIFEST_FILE, confine, read_manifest
 from weightsync.formats.wire import MAX_HEADER_BYTES, FrameHeader, decode_frame
 from weightsync.links import Delivery
 from weightsync.manifest import TensorEntry, TensorMeta

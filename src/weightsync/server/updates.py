@@ -44,10 +44,10 @@ import torch
 from torch import nn
 
 from weightsync.errors import ConflictError
-from weightsync.formats.checkpoint import read_version
+from weightsync.formats.version_dir import read_version
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
-from weightsync.receive.sessions import Holder, SessionBusyError, take_over
+from weightsync.receive.takeover import Holder, SessionBusyError, take_over
 from weightsync.receive.update_session import (
     NamedTensors,
     OpenUpdate,

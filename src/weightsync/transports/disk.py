@@ -1,6 +1,6 @@
 """Disk transport: each bucket written as a safetensors file into a temporary
 directory, fsynced, then the directory renamed into place as `<root>/v%08d`
-with its manifest.json (`DiskTransport`; the format is `weightsync.formats.checkpoint`).
+with its manifest.json (`DiskTransport`; the format is `weightsync.formats.version_dir`).
 
 Engines load the whole version at commit (`DiskReceiver.read` where weightsync
 stages it, SGLang's (`update_weights_from_disk` elsewhere, a PEFT directory
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.errors import IntegrityError, WeightSyncError
-from weightsync.formats.checkpoint import publish, read_announced, write_bucket, write_manifest
+from weightsync.formats.version_dir import publish, read_announced, write_bucket, write_manifest
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.owners import TAG_PATTERN, orphans, owner_tag

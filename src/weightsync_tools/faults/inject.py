@@ -30,7 +30,7 @@ import torch
 from weightsync.engines.base import Delivery, EngineUpdate, Link
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.errors import WeightSyncError
-from weightsync.formats.checkpoint import bucket_file_name
+from weightsync.formats.version_dir import bucket_file_name
 from weightsync.formats.wire import FrameHeader, encode_prefix
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.push.sync import WeightSync

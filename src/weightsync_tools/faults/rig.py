@@ -24,7 +24,7 @@ import torch
 
 from weightsync.engines.base import CLEANUP_TIMEOUT_S
 from weightsync.engines.sglang import SGLangEngine
-from weightsync.formats.checkpoint import MANIFEST_FILE, bucket_file_name
+from weightsync.formats.version_dir import MANIFEST_FILE, bucket_file_name
 from weightsync.integrity import digest
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.push.sync import WeightSync

@@ -15,7 +15,7 @@ from torch import nn
 
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import IntegrityError, ManifestMismatchError
-from weightsync.formats.checkpoint import publish, write_bucket, write_manifest
+from weightsync.formats.version_dir import publish, write_bucket, write_manifest
 from weightsync.integrity import digest, manifest_names_digest
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.reports import Ack

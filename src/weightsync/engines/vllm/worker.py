@@ -34,7 +34,7 @@ from weightsync.errors import (
     WeightSyncError,
     format_names,
 )
-from weightsync.formats.checkpoint import read_checkpoint_metas
+from weightsync.formats.version_dir import read_checkpoint_metas
 from weightsync.links import Delivery, Link
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.receive.receive_path import ReceivePath

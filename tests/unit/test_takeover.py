@@ -1,4 +1,4 @@
-"""The one rule for who may take an engine's open update session (weightsync.receive.sessions)."""
+"""The one rule for who may take an engine's open update session (weightsync.receive.takeover)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from weightsync.owners import owner_tag, session_owner
-from weightsync.receive.sessions import Holder, SessionBusyError, take_over
+from weightsync.receive.takeover import Holder, SessionBusyError, take_over
 
 
 def dead_owner() -> str:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import IntegrityError
-from weightsync.formats.checkpoint import (
+from weightsync.formats.version_dir import (
     bucket_file_header,
     check_announced,
     confine,
