@@ -7,8 +7,8 @@ commit answer, docs/PROTOCOL.md). No I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -38,6 +38,13 @@ class Ack:
     """shm segment name -> the slots of it the engine serves weights from (it adopted
     them instead of copying their bytes out): the trainer writes none of them until an
     ack no longer names them. Empty for an engine that copies."""
+    peak_extra_bytes: int | None = None
+    """The engine's peak resident bytes during this update beyond its resident set at begin
+    (`process_memory.MemoryMark`), the processes that received it summed (each vLLM worker);
+    None where the engine did not measure it (no /proc, an older engine, a stock SGLang)."""
+    kept_bytes: int | None = None
+    """The engine's resident bytes after the commit minus those at begin, summed as
+    `peak_extra_bytes` (negative where it holds less); None where not measured."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"engine": self.engine, **self.to_wire()}
@@ -57,6 +64,10 @@ class Ack:
             d["tensor_digests"] = dict(sorted(self.tensor_digests.items()))
         if self.held_slots:
             d["held_slots"] = {name: list(slots) for name, slots in sorted(self.held_slots.items())}
+        if self.peak_extra_bytes is not None:
+            d["peak_extra_bytes"] = self.peak_extra_bytes
+        if self.kept_bytes is not None:
+            d["kept_bytes"] = self.kept_bytes
         return d
 
     @classmethod
@@ -69,7 +80,28 @@ class Ack:
             names_digest=None if d.get("names_digest") is None else str(d["names_digest"]),
             tensor_digests={str(k): str(v) for k, v in (d.get("tensor_digests") or {}).items()},
             held_slots={str(k): tuple(int(s) for s in v) for k, v in (d.get("held_slots") or {}).items()},
+            peak_extra_bytes=_int_or_none(d.get("peak_extra_bytes")),
+            kept_bytes=_int_or_none(d.get("kept_bytes")),
         )
+
+    def without_memory(self) -> Ack:
+        """This ack less its memory figures: what two workers of one engine must ack alike."""
+        return replace(self, peak_extra_bytes=None, kept_bytes=None)
+
+    @staticmethod
+    def summed(acks: Sequence[Ack]) -> Ack:
+        """The first of `acks` (the workers of one engine, which acked alike) with their memory
+        figures summed, as the workers are separate processes of one host; None where any
+        worker's is None."""
+        def total(values: Sequence[int | None]) -> int | None:
+            return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+        return replace(acks[0], peak_extra_bytes=total([a.peak_extra_bytes for a in acks]),
+                       kept_bytes=total([a.kept_bytes for a in acks]))
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +168,8 @@ class SyncReport:
     verified: bool = False
     """True when every engine acked this version, every bucket digest and every name sent."""
     acks: tuple[Ack, ...] = ()
-    """One ack per engine."""
+    """One ack per engine, each with the engine's own memory figures of this push
+    (`Ack.peak_extra_bytes`, `Ack.kept_bytes`; None where it did not measure them)."""
     num_skipped: int = 0
     """Tensors left out because they were unchanged ("delta" mode)."""
     num_elements: int = 0

@@ -35,6 +35,14 @@ def assert_served(client: Any, weights: dict[str, torch.Tensor], version: int) -
     assert {n: served[n] for n in weights} == {n: digest(t) for n, t in weights.items()}
 
 
+def without_memory(ack: dict[str, Any]) -> dict[str, Any]:
+    """A wire ack less the server's memory figures (`Ack.peak_extra_bytes`, `Ack.kept_bytes`),
+    which this Linux server always measures: checked here, returned without them."""
+    assert isinstance(ack.get("peak_extra_bytes"), int) and isinstance(ack.get("kept_bytes"), int), ack
+    assert ack["peak_extra_bytes"] >= max(0, ack["kept_bytes"]), ack
+    return {k: v for k, v in ack.items() if k not in ("peak_extra_bytes", "kept_bytes")}
+
+
 def test_disk_manifest_dir_applies_and_generation_follows(client: Any, kit: SimpleNamespace, tiny_model: Path,
                                                           model_root: Path) -> None:
     version = client.version() + 1
@@ -43,7 +51,7 @@ def test_disk_manifest_dir_applies_and_generation_follows(client: Any, kit: Simp
     assert len(manifest.buckets) > 1
     directory = kit.write_version_dir(model_root, manifest, buffers)
     got = client.ok("/update_weights_from_disk", {"model_path": str(directory)})
-    assert got["ack"] == {"version": version, "digests": list(manifest.digests),
+    assert without_memory(got["ack"]) == {"version": version, "digests": list(manifest.digests),
                           "loaded_names": sorted(weights)}
     assert_served(client, weights, version)
 
@@ -88,7 +96,8 @@ def test_http_frames_begin_bucket_commit(client: Any, kit: SimpleNamespace, tiny
     manifest = begin_and_send_frames(client, kit, weights, version)
     assert client.version() == version - 1  # nothing is served before commit
     ack = client.ok("/weightsync/commit", {"version": version})["ack"]
-    assert ack == {"version": version, "digests": list(manifest.digests), "loaded_names": sorted(weights)}
+    assert without_memory(ack) == {"version": version, "digests": list(manifest.digests),
+                                   "loaded_names": sorted(weights)}
     assert_served(client, weights, version)
 
 
@@ -100,7 +109,8 @@ def test_a_trainer_that_asks_gets_the_loaded_names_as_their_digest(client: Any, 
     weights = kit.perturbed(tiny_model, seed=13)
     manifest = begin_and_send_frames(client, kit, weights, version)
     ack = client.ok("/weightsync/commit", {"version": version, "names_digest": True})["ack"]
-    assert ack == {"version": version, "digests": list(manifest.digests), "names_digest": names_digest(weights)}
+    assert without_memory(ack) == {"version": version, "digests": list(manifest.digests),
+                                   "names_digest": names_digest(weights)}
     assert_served(client, weights, version)
 
 
@@ -388,3 +398,27 @@ def test_broadcast_from_a_gloo_group(client: Any, kit: SimpleNamespace, tiny_mod
     finally:
         client.ok("/destroy_weights_update_group", {"group_name": group_name})
         group.destroy()
+
+
+def test_a_push_reports_the_servers_memory(client: Any, kit: SimpleNamespace, tiny_model: Path) -> None:
+    """A push's `SyncReport` carries the server's memory figures in its ack: over http the
+    server copies every bucket into a buffer it allocates and holds them all until the commit,
+    so its peak beyond begin is at least the bytes sent, less MARGIN. The bucket size is this
+    test's own, so no buffer the server pooled from earlier updates fits them; a begin and an
+    abort first make the last commit final, so nothing it kept is freed during the push."""
+    import weightsync
+
+    margin = 1 << 20  # what the server's Python objects and allocator may give back meanwhile
+    throwaway, _ = kit.make_update(kit.perturbed(tiny_model, seed=90), version=client.version() + 1)
+    client.ok("/weightsync/begin", {"manifest": throwaway.to_dict()})
+    client.ok("/weightsync/abort", {"version": throwaway.version})
+    weights = kit.perturbed(tiny_model, seed=91)
+    trainer = kit.load_model(tiny_model, weights)
+    with weightsync.WeightSync([weightsync.SGLangEngine(client.url)], transport="http",
+                               bucket_bytes=(3 << 20) + 4093) as sync:
+        report = sync.push(trainer, version=client.version() + 1)
+    (ack,) = report.acks
+    assert report.verified and ack.peak_extra_bytes is not None and ack.kept_bytes is not None
+    assert ack.peak_extra_bytes >= report.num_bytes - margin, (ack.peak_extra_bytes, report.num_bytes)
+    assert report.to_dict()["acks"][0]["peak_extra_bytes"] == ack.peak_extra_bytes
+    assert_served(client, weights, report.version)

@@ -65,6 +65,9 @@ def test_full_push_matches_transformers(engine: VLLMEngine, model_dir: Path, tmp
             version = vf.next_version(engine)
             report = sync.push(trainer, version=version)
             vf.assert_verified(report, version)
+            (ack,) = report.acks  # the worker's memory figures, measured in its process from begin to commit
+            assert isinstance(ack.peak_extra_bytes, int) and isinstance(ack.kept_bytes, int), ack
+            assert ack.peak_extra_bytes >= max(0, ack.kept_bytes)
             gap = vf.assert_parity(engine, trainer)
             completion = engine.generate([vf.PROMPTS[0]], max_new_tokens=2)[0]
             assert completion.weight_version == str(version)  # vLLM's own label, set by the push

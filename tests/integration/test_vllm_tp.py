@@ -91,6 +91,8 @@ def test_full_push_to_two_ranks_matches_transformers(engine: VLLMEngine, model_d
             report = sync.push(trainer, version=version)
             vf.assert_verified(report, version)
             assert report.acks[0].loaded_names == frozenset(n for n, _ in trainer.named_parameters())
+            # each worker measured its own process; the engine's ack is their sum (None if either had none)
+            assert isinstance(report.acks[0].peak_extra_bytes, int) and isinstance(report.acks[0].kept_bytes, int)
             vf.assert_parity(engine, trainer)
 
 

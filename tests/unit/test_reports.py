@@ -40,3 +40,29 @@ def test_the_running_stages_are_the_reported_ones() -> None:
     stages = Stages(gather=1.0, diff=2.0)
     stages.wire += 0.5
     assert stages.frozen() == StageSeconds(gather=1.0, wire=0.5, diff=2.0)
+
+
+def test_an_acks_memory_figures_round_trip_and_are_none_where_absent() -> None:
+    """`peak_extra_bytes` and `kept_bytes` travel in the wire ack and in the report; an ack
+    without them (an older engine, a stock SGLang) reads as None, never as 0."""
+    ack = Ack(engine="http://e", version=2, digests=("aa",), loaded_names=frozenset({"x"}),
+              peak_extra_bytes=5 << 20, kept_bytes=-4096)
+    wire = ack.to_wire()
+    assert wire["peak_extra_bytes"] == 5 << 20 and wire["kept_bytes"] == -4096
+    assert Ack.from_dict(json.loads(json.dumps(wire)), engine="http://e") == ack
+    report = SyncReport(version=2, mode="full", transport="shm", num_bytes=1, num_tensors=1, num_buckets=1,
+                        seconds=1.0, acks=(ack,))
+    assert report.to_dict()["acks"][0]["peak_extra_bytes"] == 5 << 20
+    assert SyncReport.from_dict(json.loads(json.dumps(report.to_dict()))).acks == (ack,)
+    older = Ack.from_dict({"version": 2, "digests": ["aa"], "loaded_names": ["x"]}, engine="http://e")
+    assert older.peak_extra_bytes is None and older.kept_bytes is None
+    assert older == ack.without_memory() and "kept_bytes" not in older.to_wire()
+
+
+def test_the_workers_of_one_engine_sum_their_memory() -> None:
+    """vLLM's tensor-parallel workers are separate processes: an engine's figures are their
+    sum, and unknown where any worker's is."""
+    one = Ack(engine="vllm", version=3, peak_extra_bytes=100, kept_bytes=10)
+    two = Ack(engine="vllm", version=3, peak_extra_bytes=200, kept_bytes=-5)
+    assert Ack.summed([one, two]) == Ack(engine="vllm", version=3, peak_extra_bytes=300, kept_bytes=5)
+    assert Ack.summed([one, two.without_memory()]) == one.without_memory()

@@ -14,6 +14,10 @@ trainer's peak memory for merged LoRA (when lora-merged is among --modes).
 --suite per-tensor: models of many small tensors (many-small; moe-30k, 30,003
 tensors) against a dense model of the same bytes: push time ratio, microseconds
 per tensor, manifest size, the trainer's peak memory beyond the model.
+--suite engine-memory: each engine's memory beyond the model during the second of two
+full pushes (weightsync serve over shm and http; vLLM TP=1 and TP=2 over shm when
+installed), peak and kept, in model copies: from the engine's ack and from the Pss
+of its processes (default 204MiB float32 model, 32MiB buckets).
 
 Prints a table and ends with one JSON line (with --json: only the JSON line on
 stdout, the table on stderr). Timings are only as good as the machine is
@@ -40,6 +44,8 @@ EPILOG = """examples:
   weightsync bench --suite sparse                   # fp32 AdamW steps at lr 1e-6, 1e-5 into a bf16 engine
   weightsync bench --suite sparse-fsdp              # the same from 2 FSDP2 ranks (128 MiB bf16 by default)
   weightsync bench --suite per-tensor               # many small tensors vs dense, same bytes (shm, broadcast)
+  weightsync bench --suite engine-memory            # engine peak and kept memory of a push, every engine
+  weightsync bench --suite engine-memory --engines embedded --model-bytes 32MiB --bucket-bytes 4MiB
   weightsync bench --quick --json > bench.json
 """
 
@@ -77,11 +83,14 @@ def _sizes(text: str) -> tuple[int, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark syncs against the machine's limits and today's baselines",
                        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["sync", "faults", "sparse", "sparse-fsdp", "per-tensor"], default="sync",
+    p.add_argument("--suite", choices=["sync", "faults", "sparse", "sparse-fsdp", "per-tensor", "engine-memory"],
+                   default="sync",
                    help="what to run (default sync; sparse: mode='sparse' on real RL steps against full pushes, "
                         "--model-bytes then sizes the bf16 engine, default 512MiB; sparse-fsdp: the same from 2 "
                         "FSDP2 ranks, default 128MiB; per-tensor: many small tensors against dense, same bytes, "
-                        "default scenarios many-small,moe-30k over shm,broadcast, 64MiB buckets)")
+                        "default scenarios many-small,moe-30k over shm,broadcast, 64MiB buckets; engine-memory: "
+                        "every engine's peak and kept memory of a push, default 204MiB, 32MiB buckets, vllm meaning "
+                        "TP=1 and TP=2)")
     p.add_argument("--quick", action="store_true",
                    help="about a minute: 64 MiB models, one 16 MiB bucket size, 2 pushes per cell, no vLLM")
     p.add_argument("--model-bytes", type=_size, default=None, help="weights per model (default 512MiB)")

@@ -29,6 +29,11 @@ commit (IntegrityError) and the served weights stay as they were. The ack carrie
 those whole-tensor digests, so the trainer checks them too. An applier that is no
 `SparseBase` gets sparse updates refused at begin (409: the trainer sends a full one).
 
+Memory: at begin the session resets this process's peak mark and notes its resident set
+(`process_memory.MemoryMark`); the ack reports the peak beyond it during the update and what
+is still kept once the update is closed (`Ack.peak_extra_bytes`, `Ack.kept_bytes`), an abort
+logs them. The process's, so all it did meanwhile counts (generation included).
+
 Thread-safe: buckets may be staged from several threads (their digests are
 computed outside the lock); begin, commit and abort are serialised.
 """
@@ -57,6 +62,7 @@ from weightsync.integrity import (
     manifest_names_digest,
 )
 from weightsync.manifest import PARTIAL_MODES, BucketMeta, Manifest, TensorMeta
+from weightsync.process_memory import MemoryMark
 from weightsync.receive.takeover import Holder, SessionBusyError, take_over
 from weightsync.reports import Ack
 
@@ -85,6 +91,9 @@ class OpenUpdate:
     views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     """Bucket index -> the buffer it arrived in and the views of it staged for its entries,
     in bucket order (a staged tensor that is still one of them lives in that buffer)."""
+    memory: MemoryMark | None = None
+    """This process's resident set at begin, the peak mark reset there (None without /proc):
+    the ack's `peak_extra_bytes` and `kept_bytes` are measured from it."""
     sealed: Ack | None = None
     """Set by `UpdateSession.seal`: every check passed, the ack it will commit with
     (its loaded names still to come from the applier)."""
@@ -199,7 +208,8 @@ class UpdateSession:
             self._dry_run(manifest)
             if current is not None:
                 self._close(current)
-            self._open = OpenUpdate(manifest=manifest, timeout_s=manifest.timeout_s or self.rules.timeout_s)
+            self._open = OpenUpdate(manifest=manifest, timeout_s=manifest.timeout_s or self.rules.timeout_s,
+                                    memory=MemoryMark.take())
             log.info("%s: update v%d (%s, %d buckets) begun", self.engine, manifest.version, manifest.mode,
                      len(manifest.buckets))
             return preempted
@@ -316,8 +326,9 @@ class UpdateSession:
             held = held_slots() if held_slots is not None else {}
             names, sent = frozenset(loaded), update.manifest.hf_names
             exact = len(names) == len(sent) and names == frozenset(sent)  # so their digests are equal too
+            peak, kept = _memory_since(update)
             return replace(sealed, loaded_names=names, names_digest=manifest_names_digest(sent) if exact else None,
-                           held_slots=dict(held))
+                           held_slots=dict(held), peak_extra_bytes=peak, kept_bytes=kept)
 
     def abort(self, version: int | None = None, *, owner: str | None = None) -> bool:
         """Drop the open update (if `version` matches or is None, and it is not another
@@ -328,8 +339,10 @@ class UpdateSession:
                 return False
             if owner is not None and update.owner not in (None, owner):
                 return False
-            log.info("%s: update v%s aborted; served weights unchanged", self.engine, update.version)
             self._close(update)
+            peak, kept = _memory_since(update)
+            log.info("%s: update v%s aborted; served weights unchanged (peak %s, kept %s bytes beyond begin)",
+                     self.engine, update.version, peak, kept)
             return True
 
     def drop_if_idle(self) -> bool:
@@ -449,6 +462,13 @@ class UpdateSession:
         update.tensors = {}
         update.buffers = []
         update.views = {}
+
+
+def _memory_since(update: OpenUpdate) -> tuple[int | None, int | None]:
+    """(peak bytes beyond begin, bytes kept beyond begin) of this process during `update`, read
+    once it is closed (its staging freed); (None, None) where not measured."""
+    figures = update.memory.since() if update.memory is not None else None
+    return figures if figures is not None else (None, None)
 
 
 def _check_sent(version: int, here: Sequence[str], sent: Sequence[str | None]) -> None:

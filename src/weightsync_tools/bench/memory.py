@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from weightsync.process_memory import MemoryMark
 
 METHODS = ("layer-by-layer", "whole-model", "merge-and-unload")
 CHILD_TIMEOUT_S = 600.0
@@ -37,19 +38,6 @@ class MemoryResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"/proc/self/status has no {field}")
-    return int(match.group(1))
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _merge(method: str, model: Any) -> None:
@@ -82,13 +70,15 @@ def _child(method: str, scenario_json: str) -> dict[str, Any]:
     base = model.get_base_model()
     model_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "lora_" not in n)
     largest = max(p.numel() * p.element_size() for p in base.parameters())
-    base_rss = _status_kib("VmRSS") * 1024
-    _reset_peak()
+    mark = MemoryMark.take()
+    if mark is None:
+        raise RuntimeError("this machine's /proc cannot reset or read the peak resident set (Linux only)")
     with torch.no_grad():
         _merge(method, model)
-    peak = _status_kib("VmHWM") * 1024
-    return MemoryResult(method=method, model_bytes=model_bytes, base_rss_bytes=base_rss,
-                        peak_extra_bytes=max(0, peak - base_rss), largest_tensor_bytes=largest).to_dict()
+    figures = mark.since()
+    assert figures is not None  # /proc was readable a moment ago
+    return MemoryResult(method=method, model_bytes=model_bytes, base_rss_bytes=mark.start_bytes,
+                        peak_extra_bytes=figures[0], largest_tensor_bytes=largest).to_dict()
 
 
 def measure_memory(method: str, model_config: dict[str, Any], *, timeout_s: float = CHILD_TIMEOUT_S) -> MemoryResult:

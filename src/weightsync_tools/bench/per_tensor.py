@@ -9,7 +9,6 @@ memory. The method: docs/PERFORMANCE.md ("How the bench measures").
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightsync.process_memory import peak_resident_bytes, reset_peak, resident_bytes
 from weightsync_tools.bench.scenarios import DEFAULT_MODEL_BYTES, Scenario, engine_model_dir, make_scenario
 
 SCENARIOS = ("dense", "many-small", "moe-30k")
@@ -145,14 +145,14 @@ def _pushes(scenario: Scenario, model: Any, engine: Any, transport: str, bucket_
             repeats: int) -> PushFigures:
     import weightsync as ws
 
-    rss_before = _status_bytes("VmRSS")
-    _reset_peak()
+    rss_before = resident_bytes()
+    reset_peak()
     reports = []
     with ws.WeightSync([engine.client], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300.0) as sync:
         sync.push(model, version=engine.next_version())
         for _ in range(max(1, repeats)):
             reports.append(sync.push(model, version=engine.next_version()))
-        peak = _status_bytes("VmHWM")
+        peak = peak_resident_bytes()
     median = sorted(reports, key=lambda r: r.seconds)[len(reports) // 2]
     return PushFigures(scenario=scenario.name, transport=transport, num_tensors=median.num_tensors,
                        num_bytes=median.num_bytes, num_buckets=median.num_buckets,
@@ -335,20 +335,3 @@ def format_table(result: PerTensorResult) -> str:
     lines += [f"error: {e}" for e in result.errors]
     return "\n".join(lines)
 
-
-def _status_bytes(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(rf"^{field_name}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
-
-
-def _reset_peak() -> None:
-    """Start the kernel's peak-RSS mark (VmHWM) afresh, where it lets us."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass

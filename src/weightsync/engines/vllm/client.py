@@ -336,10 +336,10 @@ class VLLMEngine:
     def _combine_acks(self, results: list[dict[str, Any]]) -> Ack:
         acks = [Ack.from_dict(r["ack"], engine=self.label) for r in results]
         for rank, ack in enumerate(acks[1:], start=1):
-            if ack != acks[0]:
+            if ack.without_memory() != acks[0].without_memory():
                 raise IntegrityError(f"{self.label}: worker {rank} acked {ack.to_dict()} but worker 0 acked "
                                      f"{acks[0].to_dict()}; the engine's ranks hold different weights")
-        return acks[0]
+        return Ack.summed(acks)  # the workers' memory: separate processes of one host
 
     def _reset_prefix_cache(self, policy: PausePolicy, *, timeout_s: float) -> None:
         """After a full commit: drop every prefix-cache entry (docs/VLLM.md).

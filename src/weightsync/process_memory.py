@@ -1,0 +1,95 @@
+"""What a process's memory is, as Linux reports it: its resident set now (VmRSS) and at its
+peak (VmHWM, the kernel's high-water mark, which `reset_peak` sets back to the resident set
+now), from /proc/self/status, and a process's proportional set size (Pss: each shared page
+divided among the processes that map it) from /proc/PID/smaps_rollup.
+
+`MemoryMark` is the one measurement built on them: taken at the start of something, it tells
+at its end the peak bytes beyond the level at the start and the bytes still kept. An update
+session takes one at begin and puts the figures in its ack (`reports.Ack.peak_extra_bytes`);
+the bench's trainer-memory children and its engine-memory scenario read the same helpers.
+
+Where /proc is not there (not Linux) or refuses (a kernel without clear_refs), every reader
+answers None: no figure is ever made up. The resident set counts this process only, every
+page it touched, shared ones (a mapped shm segment) in full. No weightsync imports.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_KIB = 1024
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A "kB" field of /proc/PID/status (VmRSS, VmHWM, ...) in bytes; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            text = f.read()
+    except OSError:
+        return None
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return None if match is None else int(match.group(1)) * _KIB
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (VmRSS), or None."""
+    return status_bytes("VmRSS")
+
+
+def peak_resident_bytes() -> int | None:
+    """This process's largest resident set since it started or since the last `reset_peak` (VmHWM), or None."""
+    return status_bytes("VmHWM")
+
+
+def reset_peak() -> bool:
+    """Set the kernel's peak mark of this process (VmHWM) back to its resident set now (Linux 4.0
+    and later: "5" into /proc/self/clear_refs). The mark is the whole process's: whoever resets it
+    resets it for every other reader in the process too. False where it could not be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def pss_bytes(pid: int) -> int | None:
+    """Process `pid`'s proportional set size (Pss in /proc/PID/smaps_rollup) in bytes; None where it
+    cannot be read (no such process, not Linux, not permitted)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            text = f.read()
+    except OSError:
+        return None
+    match = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
+    return None if match is None else int(match.group(1)) * _KIB
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryMark:
+    """This process's resident set at the start of something, with the peak mark reset there."""
+
+    start_bytes: int
+    """The resident set (VmRSS) right after the peak mark was reset."""
+
+    @classmethod
+    def take(cls) -> MemoryMark | None:
+        """Reset the peak mark and note the resident set; None where either cannot be done."""
+        if not reset_peak():
+            return None
+        start = resident_bytes()
+        return None if start is None else cls(start_bytes=start)
+
+    def since(self) -> tuple[int, int] | None:
+        """(peak bytes beyond the start, bytes kept beyond it now) since the mark was taken; None
+        where /proc cannot be read any more. The peak is never below 0 (the start was a moment of
+        it); what is kept is negative where the process holds less than at the start. Another
+        `reset_peak` in this process meanwhile lowers the peak to what followed it."""
+        peak, now = peak_resident_bytes(), resident_bytes()
+        if peak is None or now is None:
+            return None
+        return max(0, max(peak, now) - self.start_bytes), now - self.start_bytes
+
+
+__all__ = ["MemoryMark", "peak_resident_bytes", "pss_bytes", "reset_peak", "resident_bytes", "status_bytes"]
