@@ -21,15 +21,20 @@ from dataclasses import dataclass
 _KIB = 1024
 
 
-def status_bytes(field: str, pid: int | str = "self") -> int | None:
-    """A "kB" field of /proc/PID/status (VmRSS, VmHWM, ...) in bytes; None where it cannot be read."""
+def _kib_field(path: str, field: str) -> int | None:
+    """A "FIELD:  N kB" line of a /proc file, in bytes; None where it cannot be read."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             text = f.read()
     except OSError:
         return None
     match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
     return None if match is None else int(match.group(1)) * _KIB
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A "kB" field of /proc/PID/status (VmRSS, VmHWM, ...) in bytes; None where it cannot be read."""
+    return _kib_field(f"/proc/{pid}/status", field)
 
 
 def resident_bytes() -> int | None:
@@ -57,13 +62,7 @@ def reset_peak() -> bool:
 def pss_bytes(pid: int) -> int | None:
     """Process `pid`'s proportional set size (Pss in /proc/PID/smaps_rollup) in bytes; None where it
     cannot be read (no such process, not Linux, not permitted)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            text = f.read()
-    except OSError:
-        return None
-    match = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
-    return None if match is None else int(match.group(1)) * _KIB
+    return _kib_field(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
 @dataclass(frozen=True, kw_only=True)

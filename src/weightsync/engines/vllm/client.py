@@ -13,15 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.dtypes import dtype_from_name
-from weightsync.engines.base import (
-    CLEANUP_TIMEOUT_S,
-    Completion,
-    Delivery,
-    EngineCapabilities,
-    EngineUpdate,
-    Link,
-    PausePolicy,
-)
+from weightsync.engines.base import CLEANUP_TIMEOUT_S, Completion, EngineCapabilities, EngineUpdate, PausePolicy
 from weightsync.engines.vllm.backends import (
     RPC_MARGIN_S,
     Backend,
@@ -38,6 +30,7 @@ from weightsync.errors import (
     SyncTimeoutError,
     WeightSyncError,
 )
+from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.reports import Ack
 from weightsync.transports import TRANSPORTS, receiver_class
