@@ -157,6 +157,20 @@ class ServedWeights:
         log.info("v%d (%r) committed (%d tensor(s))", served.version, served.label, len(staged))
         return released
 
+    def load_in_place(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write `tensors` (a streamed commit's checked bucket) into the served parameters
+        between two steps. A parameter that views a received buffer (a staged commit served it
+        from there, a transport's slot maybe) gets a copy of its own instead, so that no
+        received buffer is written; so does one whose storage was released. The version and
+        label are the caller's to change (`serve`), once every bucket loaded."""
+        with self.between_steps():
+            for name, tensor in tensors.items():
+                data = self._data[name]
+                if self._backing.pop(name, None) is not None or data.shape != tensor.shape:
+                    self.params[name].data = self._data[name] = tensor.clone()
+                else:
+                    data.copy_(tensor)
+
     def saved(self) -> ServedState:
         """What is served now, to serve it again later (`restore`)."""
         return ServedState(served=self.served, params=dict(self._data), backing=dict(self._backing),
