@@ -211,7 +211,8 @@ class Scheduler:
                 self._cond.wait_for(self._has_work, timeout=HELD_CHECK_S)
                 if self._stopping:
                     return
-                held = bool(self._waiting or self._running) and self._hold() is not None
+                held = (bool(self._waiting or self._running) and self._refusal() is None
+                        and self._hold() is not None)
             if held:
                 self._on_held()
                 continue

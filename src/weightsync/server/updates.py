@@ -233,8 +233,9 @@ class WeightUpdater:
 
     def base_tensor(self, hf_name: str) -> torch.Tensor:
         """The served tensor a sparse update is applied to (a copy of), as `receive.update_session.SparseBase`:
-        parameters are replaced whole at a commit, never written in place, so reading one
-        while generation runs is safe."""
+        parameters are replaced whole at a staged commit, and written in place only by a
+        streamed one, while no step runs and no other update is open, so reading one while
+        generation runs is safe."""
         return self.weights.params[hf_name].detach()
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
