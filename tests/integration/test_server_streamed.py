@@ -1,9 +1,10 @@
 """Streamed commits (`WeightSync(commit="streamed")`) into a real `weightsync serve`: each
 bucket is written into the served parameters once its digest checks, and the served bytes
 are exactly the trainer's afterwards (digests of every tensor) with transformers' own
-greedy tokens and logprobs on those weights, in full, delta and sparse mode, over http
-and over shm (where the parameters a staged shm push left on the trainer's slots are
-moved off them, never written). Faults in a streamed push: tests/faults/test_streamed_faults.py."""
+greedy tokens and logprobs on those weights, in full mode over every transport (over shm
+the parameters a staged push left on the trainer's slots are moved off them, never
+written; over disk every bucket loads at the commit, read from the version directory),
+delta and sparse over http. Faults in a streamed push: tests/faults/test_streamed_faults.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import weightsync as ws
 from weightsync.integrity import digest
 from weightsync.naming import map_names
 
-# fixtures server, client, tiny_model, kit: tests/support/server_fixtures.py
+# fixtures server, client, tiny_model, model_root, kit: tests/support/server_fixtures.py
 
 BUCKET_BYTES = 64 << 10  # a dozen buckets for the tiny model
 PROMPT = [5, 17, 42]
@@ -43,14 +44,16 @@ def _assert_serves(client: Any, kit: SimpleNamespace, model: torch.nn.Module, ve
     assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("transport", ["http", "shm"])
+@pytest.mark.parametrize("transport", ["http", "shm", "disk", "broadcast"])
 def test_a_streamed_full_push_serves_the_trainers_bytes(server: Any, client: Any, tiny_model: Path,
-                                                        kit: SimpleNamespace, transport: str) -> None:
+                                                        kit: SimpleNamespace, transport: str, model_root: Path) -> None:
     engine = ws.SGLangEngine(server.url)
     assert engine.capabilities(30.0).streams_commit
-    with ws.WeightSync([engine], transport=transport, bucket_bytes=BUCKET_BYTES) as staged:
+    options: dict[str, Any] = {"disk_root": str(model_root / "streamed")} if transport == "disk" else {}
+    with ws.WeightSync([engine], transport=transport, bucket_bytes=BUCKET_BYTES, **options) as staged:
         staged.push(_trainer(tiny_model, kit, seed=1), version=(version := client.version() + 1))
-    with ws.WeightSync([engine], transport=transport, bucket_bytes=BUCKET_BYTES, commit="streamed") as sync:
+    with ws.WeightSync([engine], transport=transport, bucket_bytes=BUCKET_BYTES, commit="streamed",
+                       **options) as sync:
         trainer = _trainer(tiny_model, kit, seed=2)
         report = sync.push(trainer, version=(version := version + 1))
         assert report.verified and report.commit == "streamed" and report.to_dict()["commit"] == "streamed"
