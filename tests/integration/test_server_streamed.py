@@ -58,6 +58,7 @@ def test_a_streamed_full_push_serves_the_trainers_bytes(server: Any, client: Any
         report = sync.push(trainer, version=(version := version + 1))
         assert report.verified and report.commit == "streamed" and report.to_dict()["commit"] == "streamed"
         assert report.num_buckets > 2
+        assert report.acks[0].held_slots == {}  # written into the parameters: no received buffer is served
         _assert_serves(client, kit, trainer, version)
 
 

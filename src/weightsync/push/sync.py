@@ -387,7 +387,7 @@ class WeightSync:
         `_Refused` (nothing moved) when an engine refused at begin and the mode plans again."""
         manifest, version, replicas = plan.manifest, plan.manifest.version, self._replicas
         caps = replicas.capabilities()
-        adopting = all(c.adopts_shm for c in caps)
+        adopting = manifest.commit == "staged" and all(c.adopts_shm for c in caps)  # streamed: copied, let go
         replicas.join(self._make_transport(), max_bucket_bytes=max((b.nbytes for b in manifest.buckets), default=1),
                       leased_buckets=len(manifest.buckets) if adopting else 0)
         replicas.open_updates(manifest, self.config.pause)
