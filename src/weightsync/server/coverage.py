@@ -17,6 +17,10 @@ application and this rule, so a mix of two updates is never served silently:
   reports `torn`. Released weights (`/release_memory_occupation`) and weights
   overwritten by `/weights_checker` `reset_tensors` are the same state: the
   parameters hold no update's weights.
+- **refusing**: a streamed weightsync update (`Manifest.commit == "streamed"`) wrote
+  some buckets into the parameters and ended without its commit (`streamed_failed`):
+  torn, with its own reason, and, unlike the other torn states, no request runs at
+  all, not even one already admitted (`refusal`, which the scheduler asks).
 - **whole again** once the parameters rewritten since then cover every
   parameter (resending the refused bucket completes slime's update; any full
   update, e.g. `/update_weights_from_disk` of the previous checkpoint, reverts),

@@ -7,7 +7,10 @@ copy: staged bytes become the served weights), so served parameters may view
 received bucket buffers. A buffer goes back to the receive pool only when no
 parameter views it any more; a buffer that a partial (delta) commit leaves partly
 served is compacted: its remaining tensors are cloned out, so served memory stays
-the size of the model.
+the size of the model. A streamed commit is the one change that copies: each bucket
+is written into the parameters in place (`load_in_place`), and a parameter that
+views a received buffer gets a copy of its own instead, so no received buffer is
+written and none is kept.
 
 This module knows nothing of update sessions (`server.updates`), of the undo of the
 last commit (`server.rollback`, which keeps a `ServedState` and restores it), or of
