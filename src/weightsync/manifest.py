@@ -57,6 +57,8 @@ Mode = Literal["full", "lora", "lora-merged", "delta", "sparse"]
 MODES: tuple[str, ...] = ("full", "lora", "lora-merged", "delta", "sparse")
 PARTIAL_MODES = frozenset({"delta", "sparse"})
 """Modes whose manifest applies on top of a `base_version` and may leave tensors out."""
+COMMITS: tuple[str, ...] = ("staged", "streamed")
+"""How an engine commits an update (`Manifest.commit`; docs/GUARANTEES.md has the promise of each)."""
 
 MANIFEST_FORMAT = "weightsync.manifest"
 MANIFEST_FORMAT_VERSION = 1
@@ -366,6 +368,12 @@ class Manifest:
     digest_algorithm: str = DIGEST_ALGORITHM
     """How every bucket digest is computed (`weightsync.digests.ALGORITHMS`): "xxh3_64"
     or "wsmix64". An engine refuses, at begin, one it does not compute."""
+    commit: str = "staged"
+    """How the engine commits (`COMMITS`): "staged", the whole update staged and swapped in
+    at the commit (all or nothing); "streamed", each bucket loaded into the served weights
+    once its digest checks and let go, generation held from begin to commit (never a mix:
+    a failure midway leaves the engine refusing generation until a full push lands). On the
+    wire only when "streamed" (absent: "staged")."""
 
     @property
     def num_bytes(self) -> int:
@@ -417,6 +425,7 @@ class Manifest:
             "base_version": self.base_version,
             "owner": self.owner,
             "timeout_s": self.timeout_s,
+            **({"commit": self.commit} if self.commit != "staged" else {}),
         }
         if buckets:
             d["buckets"] = [b.to_dict() for b in self.buckets]
@@ -507,10 +516,16 @@ class Manifest:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
                                       or not 0 < timeout_s < 1e6):
             raise ManifestError("timeout_s must be a positive number of seconds or null")
+        commit = d.get("commit", "staged")
+        if commit not in COMMITS:
+            raise ManifestError(f"unknown commit {commit!r}; one of {COMMITS}")
+        if commit == "streamed" and mode == "lora":
+            raise ManifestError("a 'lora' manifest is committed staged (the adapter loads beside the served "
+                                "weights); leave out 'commit'")
         return cls(version=version, mode=mode, buckets=buckets, lora_config=lora_config,
                    lora_name=lora_name, base_version=base_version, owner=owner,
                    timeout_s=float(timeout_s) if timeout_s is not None else None,
-                   digest_algorithm=digest_algorithm)
+                   digest_algorithm=digest_algorithm, commit=commit)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:

@@ -182,6 +182,10 @@ class SyncReport:
     """The pushes of this version that went first, as phases of this one, each with its own
     bytes, tensors and stages ("lora": the base weights, where an engine did not serve the
     trainer's); the fields above are this mode's own, `seconds` spans them all."""
+    commit: str = "staged"
+    """How the engines committed, and so the promise this push kept (docs/GUARANTEES.md):
+    "staged", all or nothing across replicas; "streamed", never a mix (an engine that
+    failed midway refuses generation until a full push lands)."""
 
     @property
     def gbps(self) -> float:
@@ -205,6 +209,7 @@ class SyncReport:
             "verified": self.verified,
             "acks": [a.to_dict() for a in self.acks],
             "notes": list(self.notes),
+            "commit": self.commit,
             **({"phases": [p.to_dict() for p in self.phases]} if self.phases else {}),
         }
 
@@ -226,4 +231,5 @@ class SyncReport:
             acks=tuple(Ack.from_dict(a) for a in d.get("acks", ())),
             notes=tuple(d.get("notes", ())),
             phases=tuple(SyncReport.from_dict(p) for p in d.get("phases", ())),
+            commit=str(d.get("commit", "staged")),
         )

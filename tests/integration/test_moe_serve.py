@@ -82,6 +82,22 @@ def test_serve_takes_fused_experts_full_delta_sparse(qwen3_moe: tuple[Path, Serv
             vf.assert_parity(engine, trainer)
 
 
+def test_serve_takes_streamed_pushes_of_fused_experts(qwen3_moe: tuple[Path, ServerProcess]) -> None:
+    model_dir, server = qwen3_moe
+    engine = ws.SGLangEngine(server.url)
+    trainer = vf.load_trainer(model_dir)
+    vf.perturb(trainer, seed=11)
+    with ws.WeightSync([engine], transport="http", mode="sparse", commit="streamed", bucket_bytes=64 << 10) as sync:
+        report = sync.push(trainer, version=(version := next_version(engine)))  # whole: no base yet
+        assert report.verified and report.commit == "streamed" and report.num_buckets > 2
+        edit_two_experts(trainer, layer=1)
+        report = sync.push(trainer, version=(version := next_version(engine)))
+        assert report.verified and report.mode == "sparse" and report.commit == "streamed"
+    assert engine.weight_version() == str(version)
+    assert engine.digests() == {n: digest(t) for n, t in trainer.state_dict().items()}
+    vf.assert_parity(engine, trainer)
+
+
 def test_lora_merged_on_attention_serves_the_merged_weights(qwen3_moe: tuple[Path, ServerProcess]) -> None:
     from peft import LoraConfig, get_peft_model
 

@@ -607,3 +607,14 @@ def test_an_engine_that_does_not_assemble_shares_is_refused_before_any_byte_move
             pytest.raises(ws.EngineError, match="old-serve.*does not assemble buckets from trainer ranks' shares"):
         sync.push(tiny(), version=1)
     assert engine.version == 0 and "begin" not in " ".join(engine.calls)
+
+
+def test_a_streamed_commit_is_refused_at_the_handshake_naming_an_engine_that_cannot_stream() -> None:
+    model = tiny()
+    engines = [engine_for(model, label="a"), engine_for(model, label="b")]
+    refused = pytest.raises(EngineError, match="commit='streamed' needs engines .*a, b cannot: use commit='staged'")
+    with ws.WeightSync(engines, transport="http", commit="streamed") as sync, refused:
+        sync.push(model, version=1)
+    assert all("begin" not in e.calls and e.version == 0 for e in engines)
+    with ws.WeightSync(engines, transport="http") as sync:
+        assert sync.push(model, version=1).commit == "staged"

@@ -7,7 +7,7 @@ MemoryEngine run the same session against their own appliers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import pytest
@@ -337,7 +337,8 @@ class SparseDictApplier(DictApplier):
 
 
 def sparse_update(new: dict[str, torch.Tensor], base: dict[str, torch.Tensor], version: int, *,
-                  base_version: int = 3, lie_about: str | None = None) -> tuple[Manifest, list[torch.Tensor]]:
+                  base_version: int = 3, lie_about: str | None = None,
+                  bucket_bytes: int = 32) -> tuple[Manifest, list[torch.Tensor]]:
     """A "sparse" update from `base` to `new`, every tensor encoded as `change_encoding.encode` picks;
     `lie_about`: that tensor's whole-tensor digest is announced wrong (the payload is right)."""
     metas, tensors = [], {}
@@ -347,7 +348,7 @@ def sparse_update(new: dict[str, torch.Tensor], base: dict[str, torch.Tensor], v
         metas.append(TensorMeta(hf_name=name, dtype=tensor.dtype, shape=tuple(tensor.shape), encoding=enc.encoding,
                                 num_changed=enc.num_changed if enc.payload is not None else 0, tensor_digest=whole))
         tensors[name] = enc.payload if enc.payload is not None else tensor
-    plan = plan_buckets(metas, 32)
+    plan = plan_buckets(metas, bucket_bytes)
     buffers = [pack(b, {e.hf_name: tensors[e.hf_name] for e in b.entries}) for b in plan]
     manifest = Manifest(version=version, mode="sparse", base_version=base_version, buckets=plan)
     return manifest.with_digests([digest(b) for b in buffers]), buffers
@@ -391,3 +392,141 @@ def test_a_sparse_update_needs_its_base_and_an_engine_that_applies_it() -> None:
         session(DictApplier(WEIGHTS)).begin(manifest)  # no base_tensor: 409, the trainer sends it whole
     with pytest.raises(ConflictError, match="sparse update v4 applies on top of v2, but test engine serves v3"):
         session(SparseDictApplier(WEIGHTS)).begin(sparse_update(new, WEIGHTS, 4, base_version=2)[0])
+
+
+class StreamedDictApplier(SparseDictApplier):
+    """A SparseDictApplier that takes streamed commits (`update_session.StreamedLoader`):
+    records what it was asked, in order."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], version: int = 3) -> None:
+        super().__init__(weights, version)
+        self.calls: list[str] = []
+        self.refusal: str | None = None
+
+    def hold(self, update: OpenUpdate) -> None:
+        self.calls.append(f"hold v{update.version}")
+
+    def load(self, update: OpenUpdate, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.calls.append("load " + ",".join(tensors))
+        for name, tensor in tensors.items():
+            self.weights[name].copy_(tensor)
+
+    def finish(self, update: OpenUpdate) -> Sequence[str]:
+        self.calls.append(f"finish v{update.version}")
+        self.version, self.refusal = update.version, None
+        return sorted(update.loaded)
+
+    def abandon(self, update: OpenUpdate, reason: str) -> None:
+        self.calls.append(f"abandon v{update.version}")
+        if update.loaded:
+            self.refusal = reason
+
+
+def streamed(manifest: Manifest) -> Manifest:
+    return replace(manifest, commit="streamed")
+
+
+def test_a_streamed_update_loads_each_bucket_as_it_arrives_and_stages_nothing() -> None:
+    applier = StreamedDictApplier(WEIGHTS)
+    s = session(applier)
+    new = new_weights(21)
+    manifest, buffers = update(new, 4)
+    manifest = streamed(manifest)
+    assert len(manifest.buckets) >= 2
+    s.begin(manifest)
+    assert applier.calls == ["hold v4"]
+    stage_all(s, manifest, buffers[:1])
+    assert applier.calls[-1] == "load " + ",".join(manifest.buckets[0].hf_names)
+    open_update = s.open_update
+    assert open_update is not None and not open_update.tensors and not open_update.buffers  # let go
+    assert s.serves_whole(4) is False  # never adopted: the bytes are copied into the served weights
+    for bucket, buffer in zip(manifest.buckets[1:], buffers[1:], strict=True):
+        s.stage_bucket(version=4, index=bucket.index, buffer=buffer.clone())
+    ack = s.commit(4)
+    assert applier.calls[-1] == "finish v4" and applier.version == 4 and applier.refusal is None
+    assert ack.digests == manifest.digests and ack.names_digest == names_digest(manifest.hf_names)
+    assert all(torch.equal(applier.weights[n], new[n]) for n in new)
+
+
+def test_a_streamed_update_that_fails_midway_leaves_the_engine_refusing_with_the_reason() -> None:
+    applier = StreamedDictApplier(WEIGHTS)
+    s = session(applier)
+    manifest, buffers = update(new_weights(22), 4)
+    manifest = streamed(manifest)
+    s.begin(manifest)
+    stage_all(s, manifest, buffers[:1])
+    corrupt = buffers[1].clone()
+    corrupt[0] ^= 1
+    with pytest.raises(IntegrityError, match="bucket 1: digest"):
+        s.stage_bucket(version=4, index=1, buffer=corrupt)
+    assert applier.calls[-1].startswith("load ")  # bucket 1 was not loaded
+    assert s.abort(4) is True
+    assert applier.calls[-1] == "abandon v4" and applier.version == 3
+    assert applier.refusal is not None and "bucket 1: digest" in applier.refusal and "aborted" in applier.refusal
+    # a full update afterwards lands, streamed or not, and clears it
+    s.begin(replace(update(WEIGHTS, 5)[0], commit="streamed"))
+    stage_all(s, *update(WEIGHTS, 5))
+    s.commit(5)
+    assert applier.refusal is None and unchanged(applier)
+
+
+def test_a_streamed_update_aborted_before_its_first_bucket_refuses_nothing() -> None:
+    applier = StreamedDictApplier(WEIGHTS)
+    s = session(applier)
+    s.begin(streamed(update(new_weights(23), 4)[0]))
+    assert s.abort(4) is True
+    assert applier.calls == ["hold v4", "abandon v4"] and applier.refusal is None and unchanged(applier)
+
+
+def test_a_streamed_update_whose_trainer_went_silent_is_dropped_refusing() -> None:
+    applier = StreamedDictApplier(WEIGHTS)
+    s = session(applier)
+    manifest, buffers = update(new_weights(24), 4, timeout_s=0.001)
+    manifest = streamed(manifest)
+    s.begin(manifest)
+    stage_all(s, manifest, buffers[:1])
+    assert s.open_update is not None
+    s.open_update.touched -= 1.0  # silent for longer than its timeout, without waiting
+    assert s.drop_if_idle() is True
+    assert applier.refusal is not None and "silent" in applier.refusal
+
+
+def test_a_streamed_sparse_update_is_rebuilt_bucket_by_bucket_and_checked_whole() -> None:
+    applier = StreamedDictApplier(WEIGHTS)
+    s = session(applier)
+    new = {n: t.clone() for n, t in WEIGHTS.items()}
+    new["a.weight"][1, 2] = 100.0
+    new["b.weight"][0, 0] = -3.0
+    manifest, buffers = sparse_update(new, WEIGHTS, 4, bucket_bytes=8)
+    s.begin(streamed(manifest))
+    stage_all(s, manifest, buffers)
+    ack = s.commit(4)
+    assert all(torch.equal(applier.weights[n].view(-1).view(torch.uint8), new[n].view(-1).view(torch.uint8))
+               for n in new)
+    assert ack.tensor_digests == {n: digest(t.contiguous()) for n, t in new.items()}
+
+    assert len(manifest.buckets) >= 2
+    last = manifest.buckets[-1].hf_names[0]
+    applier = StreamedDictApplier(WEIGHTS)
+    s = session(applier)
+    manifest, buffers = sparse_update(new, WEIGHTS, 4, lie_about=last, bucket_bytes=8)
+    s.begin(streamed(manifest))
+    with pytest.raises(IntegrityError, match=rf"1 tensor\(s\) differ .*{last}"):
+        stage_all(s, manifest, buffers)
+    assert torch.equal(applier.weights[last], WEIGHTS[last])  # its bucket loaded nothing
+    s.abort(4)
+    assert applier.version == 3 and applier.refusal is not None and last in applier.refusal
+
+
+def test_a_streamed_update_is_refused_by_an_engine_that_cannot_stream() -> None:
+    with pytest.raises(ConflictError, match="does not take a streamed commit; send commit='staged'"):
+        session(DictApplier(WEIGHTS)).begin(streamed(update(new_weights(25), 4)[0]))
+
+
+def test_the_commit_kind_travels_in_the_manifest_only_when_streamed() -> None:
+    manifest = update(WEIGHTS, 4)[0]
+    assert "commit" not in manifest.to_dict()
+    assert Manifest.from_dict(manifest.to_dict()).commit == "staged"
+    assert Manifest.from_json(streamed(manifest).to_json()).commit == "streamed"
+    with pytest.raises(ManifestError, match="unknown commit 'eager'"):
+        Manifest.from_dict({**manifest.to_dict(), "commit": "eager"})

@@ -176,6 +176,10 @@ class EngineCapabilities:
     """Checkpoint tensors the engine only loads together (vLLM reloads a fused
     qkv_proj or gate_up_proj from all of its checkpoint tensors at once): a delta
     that changes one tensor of a group sends the whole group."""
+    streams_commit: bool = False
+    """The engine takes a streamed commit (`Manifest.commit == "streamed"`): each bucket loaded
+    into the served weights once its digest checks, generation held until the commit, and a
+    failure midway leaves it refusing generation until a full push lands."""
     expert_layout: ExpertLayout = "per-expert"
     """How the engine loads a Mixture-of-Experts model's experts (`naming.ExpertLayout`):
     "per-expert" checkpoint tensors (vLLM, SGLang: what `save_pretrained` writes), or
@@ -193,6 +197,7 @@ class EngineCapabilities:
             "unloads_adapters": self.unloads_adapters, "rolls_back": self.rolls_back,
             **({"relays": True} if self.relays else {}),
             **({"assembles_shares": True} if self.assembles_shares else {}),
+            **({"streams_commit": True} if self.streams_commit else {}),
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
             **({"fused_groups": [list(g) for g in self.fused_groups]} if self.fused_groups else {}),
             "expert_layout": self.expert_layout,
@@ -215,6 +220,7 @@ class EngineCapabilities:
             rolls_back=bool(d.get("rolls_back", False)),
             relays=bool(d.get("relays", False)),
             assembles_shares=bool(d.get("assembles_shares", False)),
+            streams_commit=bool(d.get("streams_commit", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),
             fused_groups=tuple(tuple(str(n) for n in g) for g in d.get("fused_groups") or ()),
             expert_layout=_expert_layout(d.get("expert_layout", "per-expert")),

@@ -16,6 +16,11 @@ One push, on the sending rank:
     commit    pause (per policy) -> every engine applies and acks -> resume
     verify    acks: version, every bucket digest, every name
 
+With `commit="streamed"` every engine loads each bucket as it arrives (no staging):
+engines are paused before begin, and one that fails midway refuses generation until a
+full push lands; its next push goes whole on its own (delta and sparse modes fall back
+to the whole model on its 409), and nothing is rolled back (docs/GUARANTEES.md).
+
 A mode may ask for other pushes of the version first (lora: the base weights): they
 run as phases of the same push, and the report lists them (`SyncReport.phases`).
 
@@ -54,7 +59,7 @@ from weightsync.dtypes import dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.integrity import digest_checked
-from weightsync.manifest import MODES, BucketMeta, Manifest
+from weightsync.manifest import COMMITS, MODES, BucketMeta, Manifest
 from weightsync.modes import ModeOptions, PushMode, make_mode
 from weightsync.naming import ExpertLayout
 from weightsync.owners import session_owner
@@ -139,6 +144,14 @@ class SyncConfig:
     """How bucket digests are computed, one of `weightsync.digests.ALGORITHMS`. None: by
     where the transport's buffers live: "wsmix64" on a device (CUDA buckets are hashed
     in place), "xxh3_64" on the CPU (faster there)."""
+    commit: str = "staged"
+    """How engines commit a push (`manifest.COMMITS`, docs/GUARANTEES.md): "staged", each
+    engine stages the whole update and swaps it in (all or nothing, across replicas too;
+    memory: the update staged beside the model); "streamed", each bucket is loaded into the
+    served weights once its digest checks and let go (memory: the buckets in flight; no
+    generation from begin to commit; a push that fails midway leaves an engine refusing
+    generation until a full push lands, and its next push goes whole). "streamed" needs
+    engines that declare `streams_commit` and fan_out "direct"; "lora" adapters always go staged."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -156,6 +169,8 @@ class SyncConfig:
             raise ValueError(f"dtype must be a floating dtype (only floating tensors are cast), got {dtype}")
         object.__setattr__(self, "dtype", dtype)
         check_fan_out(self.fan_out)
+        if self.commit not in COMMITS:
+            raise ValueError(f"unknown commit {self.commit!r}; one of {', '.join(COMMITS)}")
         if self.digest_algorithm is not None and self.digest_algorithm not in ALGORITHMS:
             raise ValueError(f"unknown digest_algorithm {self.digest_algorithm!r}; one of {', '.join(ALGORITHMS)}")
 
@@ -220,7 +235,8 @@ class WeightSync:
                              f"pass {', '.join(repr(a) for a in sorted(COMBINABLE))}")
         self._fan_out = make_fan_out(self.config.fan_out, transport=self.config.transport,
                                      send_shares=self.config.send_shares, mode=self.config.mode,
-                                     sends_shares=self._mode.sends_shares, digest_algorithm=algorithm)
+                                     sends_shares=self._mode.sends_shares, digest_algorithm=algorithm,
+                                     commit=self.config.commit)
         """How a push's bytes reach the engines (`weightsync.push.fanout`), chosen once."""
         self._replicas = Replicas(engines, timeout_s=self.config.timeout_s,
                                   cleanup_timeout_s=self.config.cleanup_timeout_s, transport=self.config.transport,
@@ -339,7 +355,7 @@ class WeightSync:
         return SyncReport(
             version=version, mode=manifest.mode, transport=self.config.transport, num_bytes=manifest.num_bytes,
             num_tensors=len(metas), num_buckets=len(manifest.buckets), seconds=time.perf_counter() - started,
-            stages=planner.stages.frozen(), verified=not unchecked, acks=tuple(acks),
+            stages=planner.stages.frozen(), verified=not unchecked, acks=tuple(acks), commit=manifest.commit,
             num_skipped=plan.selection.num_skipped, notes=tuple(notes),
             num_elements=sum(e.numel if e.is_dense else e.num_changed for e in entries),
             encodings={k: encodings[k] for k in ENCODINGS if k in encodings},
@@ -359,6 +375,7 @@ class WeightSync:
             lora_config=selection.lora_config, lora_name=selection.lora_name,
             base_version=selection.base_version, owner=self.owner, timeout_s=self.config.timeout_s,
             digest_algorithm=selection.digest_algorithm or planner.digest_algorithm,
+            commit="staged" if selection.lora_config is not None else self.config.commit,
         )
         return PushPlan(selection=selection, buckets=buckets, cast=cast, manifest=manifest)
 
@@ -369,7 +386,7 @@ class WeightSync:
         `_Refused` (nothing moved) when an engine refused at begin and the mode plans again."""
         manifest, version, replicas = plan.manifest, plan.manifest.version, self._replicas
         caps = replicas.capabilities()
-        adopting = all(c.adopts_shm for c in caps)
+        adopting = manifest.commit == "staged" and all(c.adopts_shm for c in caps)  # streamed: copied, let go
         replicas.join(self._make_transport(), max_bucket_bytes=max((b.nbytes for b in manifest.buckets), default=1),
                       leased_buckets=len(manifest.buckets) if adopting else 0)
         replicas.open_updates(manifest, self.config.pause)
@@ -391,7 +408,7 @@ class WeightSync:
             replicas.start(manifest)
 
         try:
-            if not all(c.stages_updates for c in caps):
+            if manifest.commit == "streamed" or not all(c.stages_updates for c in caps):
                 paused = True  # before asking: a pause that timed out may land when the engine wakes
                 replicas.pause(self.config.pause)
             assert self._transport is not None
@@ -478,6 +495,11 @@ class WeightSync:
         (`Replicas.handshake`), and what they decide before planning: the expert layout the
         engines load (they must agree where `model` has experts)."""
         self._replicas.handshake()
+        if self.config.commit == "streamed":
+            unable = [label for label, c in self._replicas.by_label().items() if not c.streams_commit]
+            if unable:
+                raise EngineError(unable[0], f"commit='streamed' needs engines that load each bucket as it arrives "
+                                  f"(streams_commit); {', '.join(unable)} cannot: use commit='staged'")
         self._expert_layout = expert_layout(self._replicas.expert_layouts(), model)
 
     def _planner(self, stages: Stages) -> PushPlanner:

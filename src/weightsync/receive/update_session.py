@@ -34,6 +34,13 @@ Memory: at begin the session resets this process's peak mark and notes its resid
 is still kept once the update is closed (`Ack.peak_extra_bytes`, `Ack.kept_bytes`), an abort
 logs them. The process's, so all it did meanwhile counts (generation included).
 
+A "streamed" update (`Manifest.commit`) is loaded bucket by bucket instead: each bucket,
+once its digest checks (and, sparse, each of its tensors rebuilt and its whole digest
+checked), goes to the applier's `StreamedLoader.load` and its buffer is let go; nothing
+is staged. From begin to commit the engine generates nothing (`StreamedLoader.hold`); an
+update closed without its commit after a bucket loaded leaves the engine refusing
+generation, with the reason, until a full update commits (`StreamedLoader.abandon`).
+
 Thread-safe: buckets may be staged from several threads (their digests are
 computed outside the lock); begin, commit and abort are serialised.
 """
@@ -94,6 +101,15 @@ class OpenUpdate:
     memory: MemoryMark | None = None
     """This process's resident set at begin, the peak mark reset there (None without /proc):
     the ack's `peak_extra_bytes` and `kept_bytes` are measured from it."""
+    streamed: bool = False
+    """The update is committed streamed (`Manifest.commit`): buckets are loaded as they
+    arrive, nothing is staged."""
+    loaded: set[str] = field(default_factory=set)
+    """Streamed: hf_names loaded into the served weights so far."""
+    tensor_digests: dict[str, str] = field(default_factory=dict)
+    """Streamed "sparse": hf_name -> the whole digest of each tensor loaded, rebuilt."""
+    failure: str | None = None
+    """Streamed: what failed while a bucket was loaded (the refusal names it)."""
     sealed: Ack | None = None
     """Set by `UpdateSession.seal`: every check passed, the ack it will commit with
     (its loaded names still to come from the applier)."""
@@ -153,6 +169,31 @@ class SparseBase(Protocol):
         ...
 
 
+@runtime_checkable
+class StreamedLoader(Protocol):
+    """An applier that takes streamed commits: buckets loaded into the served weights as
+    they arrive (`Manifest.commit == "streamed"`)."""
+
+    def hold(self, update: OpenUpdate) -> None:
+        """`update` begins: generate nothing until `finish` or `abandon`."""
+        ...
+
+    def load(self, update: OpenUpdate, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write `tensors` (checked; views of a bucket buffer let go after the call) into the
+        served weights, in place."""
+        ...
+
+    def finish(self, update: OpenUpdate) -> Sequence[str]:
+        """Every tensor of `update` loaded: serve it as `update.version` and generate again;
+        returns the names loaded."""
+        ...
+
+    def abandon(self, update: OpenUpdate, reason: str) -> None:
+        """`update` closed without its commit: generate again where nothing loaded, else
+        refuse generation naming `reason` until a full update commits."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class SessionRules:
     """The points on which engines' sessions differ."""
@@ -206,10 +247,16 @@ class UpdateSession:
             self._check_newer(manifest)
             self._check_digest_algorithm(manifest)
             self._dry_run(manifest)
+            streamed = manifest.commit == "streamed"
+            if streamed and not isinstance(self.applier, StreamedLoader):
+                raise ConflictError(f"{self.engine} does not take a streamed commit; send commit='staged'")
             if current is not None:
-                self._close(current)
+                self._close(current, f"update v{manifest.version} replaced it ({preempted or 'its own trainer'})")
             self._open = OpenUpdate(manifest=manifest, timeout_s=manifest.timeout_s or self.rules.timeout_s,
-                                    memory=MemoryMark.take())
+                                    memory=MemoryMark.take(), streamed=streamed)
+            if streamed:
+                assert isinstance(self.applier, StreamedLoader)
+                self.applier.hold(self._open)
             log.info("%s: update v%d (%s, %d buckets) begun", self.engine, manifest.version, manifest.mode,
                      len(manifest.buckets))
             return preempted
@@ -233,8 +280,8 @@ class UpdateSession:
         (full, lora-merged), so an engine may serve them from the buffer they arrived in
         (`Receiver.adopt`); adapters, deltas and sparse payloads are copied."""
         with self._lock:
-            manifest = self._require(version).manifest
-        return not manifest.is_adapter and manifest.mode not in PARTIAL_MODES
+            update = self._require(version)
+        return not update.streamed and not update.manifest.is_adapter and update.manifest.mode not in PARTIAL_MODES
 
     def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None = None,
                      computed: str | None = None) -> str:
@@ -245,15 +292,25 @@ class UpdateSession:
         that came with the bytes. Returns the digest computed here. Its one caller in the
         library is `ReceivePath.stage`."""
         update, bucket = self._bucket(version, index)
-        got = check_bucket(bucket, buffer, update.manifest.digest_algorithm, computed=computed)
-        if digest_hex is not None and got != digest_hex:
-            raise IntegrityError(f"bucket {index}: digest {got} != sent {digest_hex} "
-                                 f"(first tensor {bucket.hf_names[0] if bucket.entries else '-'!r}); "
-                                 "bytes were corrupted in transit")
+        try:
+            got = check_bucket(bucket, buffer, update.manifest.digest_algorithm, computed=computed)
+            if digest_hex is not None and got != digest_hex:
+                raise IntegrityError(f"bucket {index}: digest {got} != sent {digest_hex} "
+                                     f"(first tensor {bucket.hf_names[0] if bucket.entries else '-'!r}); "
+                                     "bytes were corrupted in transit")
+        except IntegrityError as e:
+            if update.streamed:
+                update.failure = str(e)
+            raise
         with self._lock:
             if self._open is not update:
                 raise ConflictError(f"update v{version} was aborted or replaced while bucket {index} arrived")
             views = bucket_views(buffer, bucket)
+            if update.streamed:
+                self._load(update, bucket, views)
+                update.digests[index] = got
+                update.touched = time.monotonic()
+                return got
             update.tensors.update(zip(bucket.hf_names, views, strict=True))
             update.buffers.append(buffer)
             update.views[index] = (buffer, views)
@@ -265,6 +322,8 @@ class UpdateSession:
         """Stage named tensors (checked against the manifest, copied) into the open update."""
         with self._lock:
             update = self._require(version)
+            if update.streamed:
+                raise ConflictError(f"update v{version} is committed streamed: it takes buckets by index only")
             check_named(named, {e.hf_name: e.meta for e in update.manifest.entries()},
                         what=f"update v{version}")
             update.tensors.update(copies(named))
@@ -284,7 +343,8 @@ class UpdateSession:
             if update.sealed is not None:
                 return update.sealed
             manifest = update.manifest
-            missing = [n for n in manifest.hf_names if n not in update.tensors]
+            arrived = update.loaded if update.streamed else update.tensors
+            missing = [n for n in manifest.hf_names if n not in arrived]
             if missing:
                 raise IntegrityError(f"update v{version} cannot commit: {len(missing)} tensor(s) never arrived: "
                                      f"{format_names(missing)}")
@@ -294,13 +354,13 @@ class UpdateSession:
                             for b in manifest.buckets)
             if sent_digests is not None:
                 _check_sent(version, digests, sent_digests)
-            tensor_digests: dict[str, str] = {}
-            if manifest.mode == "sparse":
+            tensor_digests: dict[str, str] = dict(update.tensor_digests)
+            if manifest.mode == "sparse" and not update.streamed:
                 try:
                     self._check_base(manifest)
                     tensor_digests = self._rebuild_sparse(update)
                 except BaseException:  # payloads may be half rebuilt: this update is done
-                    self._close(update)
+                    self._close(update, "its sparse payloads did not rebuild")
                     raise
             update.sealed = Ack(engine=self.engine, version=version, digests=digests, tensor_digests=tensor_digests)
             return update.sealed
@@ -319,10 +379,14 @@ class UpdateSession:
                 if update.manifest.is_adapter:
                     self.applier.install_adapter(update)
                     loaded: Sequence[str] = update.manifest.hf_names
+                elif update.streamed:
+                    assert isinstance(self.applier, StreamedLoader)
+                    loaded = self.applier.finish(update)
+                    update.streamed = False  # committed: nothing to abandon
                 else:
                     loaded = self.applier.apply(update)
             finally:
-                self._close(update)
+                self._close(update, "its commit failed")
             held = held_slots() if held_slots is not None else {}
             names, sent = frozenset(loaded), update.manifest.hf_names
             exact = len(names) == len(sent) and names == frozenset(sent)  # so their digests are equal too
@@ -339,10 +403,10 @@ class UpdateSession:
                 return False
             if owner is not None and update.owner not in (None, owner):
                 return False
-            self._close(update)
+            self._close(update, "its trainer aborted it")
             peak, kept = _memory_since(update)
-            log.info("%s: update v%s aborted; served weights unchanged (peak %s, kept %s bytes beyond begin)",
-                     self.engine, update.version, peak, kept)
+            log.info("%s: update v%s aborted%s (peak %s, kept %s bytes beyond begin)", self.engine, update.version,
+                     " (streamed)" if update.streamed else "; served weights unchanged", peak, kept)
             return True
 
     def drop_if_idle(self) -> bool:
@@ -354,7 +418,7 @@ class UpdateSession:
                 return False
             log.warning("%s: discarding update v%s silent for more than %.0fs", self.engine, update.version,
                         update.timeout_s)
-            self._close(update)
+            self._close(update, f"its trainer was silent for more than {update.timeout_s:.0f}s")
             return True
 
     # -- internals ---------------------------------------------------------------------------
@@ -455,9 +519,55 @@ class UpdateSession:
             raise ConflictError(f"the open update session is v{update.version}, not v{version}")
         return update
 
-    def _close(self, update: OpenUpdate) -> None:
+    def _load(self, update: OpenUpdate, bucket: BucketMeta, views: Sequence[torch.Tensor]) -> None:
+        """A streamed update's checked bucket into the served weights (the caller holds the
+        lock): sparse payloads rebuilt on the served tensors and their whole digests checked
+        first, so a bucket that does not check loads nothing of itself."""
+        manifest = update.manifest
+        tensors = dict(zip(bucket.hf_names, views, strict=True))
+        try:
+            if manifest.mode == "sparse":
+                tensors = self._rebuild_bucket(update, bucket, tensors)
+            assert isinstance(self.applier, StreamedLoader)
+            self.applier.load(update, tensors)
+        except BaseException as e:
+            update.failure = f"bucket {bucket.index} did not load: {type(e).__name__}: {e}"
+            raise
+        update.loaded.update(tensors)
+
+    def _rebuild_bucket(self, update: OpenUpdate, bucket: BucketMeta,
+                        tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A streamed sparse bucket's tensors, rebuilt on the served ones and digested whole."""
+        applier, manifest = self.applier, update.manifest
+        assert isinstance(applier, SparseBase)
+        rebuilt, wrong = {}, []
+        for entry in bucket.entries:
+            tensor = tensors[entry.hf_name]
+            if not entry.is_dense:
+                base = applier.base_tensor(entry.hf_name)
+                if base is None:
+                    raise ConflictError(f"{self.engine} no longer holds {entry.hf_name!r} as served")
+                tensor = apply_payload(base, encoding=entry.encoding, num_changed=entry.num_changed,
+                                       payload=tensor, hf_name=entry.hf_name)
+            got = digest_of(tensor.contiguous(), manifest.digest_algorithm)
+            if entry.tensor_digest is not None and got != entry.tensor_digest:
+                wrong.append(entry.hf_name)
+            rebuilt[entry.hf_name] = tensor
+            update.tensor_digests[entry.hf_name] = got
+        if wrong:
+            raise IntegrityError(f"sparse update v{manifest.version}: {len(wrong)} tensor(s) differ from the "
+                                 f"trainer's once applied (whole-tensor digest): {format_names(wrong)}")
+        return rebuilt
+
+    def _close(self, update: OpenUpdate, reason: str = "it was closed") -> None:
+        """`update` ends; `reason`: why, where it ends without its commit (a streamed update
+        that loaded a bucket leaves the engine refusing generation, naming it)."""
         if self._open is update:
             self._open = None
+        if update.streamed:
+            update.streamed = False
+            assert isinstance(self.applier, StreamedLoader)
+            self.applier.abandon(update, reason if update.failure is None else f"{update.failure}; {reason}")
         self.applier.release(update)
         update.tensors = {}
         update.buffers = []
@@ -512,4 +622,5 @@ def _digest_staged(hf_names: Sequence[str], tensors: Mapping[str, torch.Tensor],
     return hasher.hexdigest()
 
 
-__all__ = ["Applier", "OpenUpdate", "SessionRules", "SparseBase", "UpdateSession", "check_named", "copies"]
+__all__ = ["Applier", "OpenUpdate", "SessionRules", "SparseBase", "StreamedLoader", "UpdateSession", "check_named",
+           "copies"]

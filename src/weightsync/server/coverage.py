@@ -2,7 +2,8 @@
 
 Tracks which parameters SGLang-shaped requests (applied on arrival, as SGLang does) have rewritten
 since the served weights were last one update's, and says whether they are partial (generation goes
-on) or torn (a request of that update was refused: generation answers 503). It applies nothing:
+on), torn (a request of that update was refused: generation answers 503) or refusing (a streamed
+update loaded some buckets and ended without its commit: no request runs at all). It applies nothing:
 `server/served.py` asks it, holding the lock. Pure bookkeeping: names in, a verdict out. The states
 and what ends them: docs/ARCHITECTURE.md, "Design notes, by module".
 """
@@ -50,6 +51,8 @@ class Coverage:
         self.torn: str | None = None
         """Why generation is refused; None while the weights may be served."""
         self._session_refusal: str | None = None
+        self._streamed: str | None = None
+        """The reason a failed streamed commit gave (`streamed_failed`), while it is `torn`."""
         self._lock = threading.Lock()
 
     @property
@@ -89,6 +92,22 @@ class Coverage:
             if label is not None and label != partial.label:
                 return
             self.torn = reason
+
+    def streamed_failed(self, loaded: Iterable[str], reason: str) -> None:
+        """A streamed commit loaded `loaded` and then failed: the weights are a mix, torn with
+        `reason` (generation refused, `refusal`) until an update rewrites every parameter."""
+        with self._lock:
+            partial = self.partial = self.partial or PartialUpdate()
+            partial.names.update(loaded)
+            partial.labels.append(None)
+            partial.requests += 1
+            self.torn = self._streamed = reason
+
+    def refusal(self) -> str | None:
+        """Why no request may run, not even one already admitted: a failed streamed commit's
+        reason while it stands (other torn states refuse new requests only)."""
+        torn = self.torn
+        return torn if torn is not None and torn is self._streamed else None
 
     def saved(self) -> CoverageState:
         """The state now, for `restore` (a rolled-back commit)."""

@@ -82,7 +82,7 @@ class CommitHistory:
             if self.weights.version != version:
                 return False
             raise ConflictError(f"v{version} cannot be rolled back here: it is final (an update began since "
-                                "it committed, or it was not a weightsync commit)")
+                                "it committed, it was committed streamed, or it was not a weightsync commit)")
         if owner is not None and last.owner not in (None, owner):
             raise ConflictError(f"v{version} was committed by another trainer ({last.owner}); not rolled back")
         self._last = None

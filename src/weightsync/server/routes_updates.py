@@ -312,7 +312,8 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype, kept_dtypes=kept, stages_updates=True,
             pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
-            unloads_adapters=lora_enabled, rolls_back=True, relays=True, assembles_shares=True, expert_layout="fused",
+            unloads_adapters=lora_enabled, rolls_back=True, relays=True, assembles_shares=True, streams_commit=True,
+            expert_layout="fused",
             transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
         return {
             "success": True,
@@ -325,6 +326,8 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             "dirty": updater.weights.coverage.dirty,  # SGLang-shaped requests applied part of an update
             "partial_update": updater.weights.coverage.info(),
             "torn": updater.weights.coverage.unservable(),
+            "loading": updater.loading,  # a streamed update loading: no step runs until its commit
+            "refusing": updater.weights.coverage.refusal(),  # a streamed update failed midway
             "transports": sorted(capabilities.transports),
             "lora_transports": sorted(capabilities.lora_transports),
             "loaded_loras": state.lora_store.names() if state.lora_store is not None else [],

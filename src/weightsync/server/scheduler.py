@@ -13,6 +13,13 @@ Pause modes (SGLang's `/pause_generation`), applied between steps:
   which are recomputed from prompt + generated tokens after resume;
 - in_place: requests keep tokens and KV caches; stepping just stops.
 While paused, new requests queue up and wait for `/continue_generation`.
+
+Two more states come from the weights (a streamed commit, `server.updates`): held
+(`hold` says why: an update is loading into the served weights) no step runs and
+requests wait, as paused; refused (`refusal` says why: a streamed commit failed midway)
+every running and waiting request finishes with finish_reason abort naming the reason.
+While held with requests waiting, the loop calls `on_held` every `HELD_CHECK_S` (the
+updater drops an update whose trainer went silent, which ends the hold).
 """
 
 from __future__ import annotations
@@ -30,15 +37,24 @@ from weightsync.server.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+HELD_CHECK_S = 1.0
+"""How often a held loop with waiting requests calls `on_held`."""
 RESUMED_PAUSES_KEPT = 64
 """Pause ids remembered after their resume: a pause arrives late by one failed push at most."""
+
+
+def _none() -> None:
+    return None
 
 
 class Scheduler:
     """Owns the request queues and the step thread."""
 
     def __init__(self, runner: ModelRunner, *, max_running: int, served: Callable[[], ServedVersion],
-                 release_adapter: Callable[[Any], None] | None = None) -> None:
+                 release_adapter: Callable[[Any], None] | None = None, hold: Callable[[], str | None] = _none,
+                 refusal: Callable[[], str | None] = _none, on_held: Callable[[], object] = _none) -> None:
+        """`hold`, `refusal`, `on_held`: see the module docstring; whoever changes what they
+        answer does so inside `between_steps()`, which wakes the loop when it ends."""
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         self.runner = runner
@@ -46,6 +62,7 @@ class Scheduler:
         self._served = served
         """The weights in force now (read at the start of each step)."""
         self._release_adapter = release_adapter
+        self._hold, self._refusal, self._on_held = hold, refusal, on_held
         self.step_lock = threading.RLock()
         """Held for every step; use `between_steps()` rather than taking it directly."""
         self._cond = threading.Condition()
@@ -191,9 +208,14 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(self._has_work)
+                self._cond.wait_for(self._has_work, timeout=HELD_CHECK_S)
                 if self._stopping:
                     return
+                held = (bool(self._waiting or self._running) and self._refusal() is None
+                        and self._hold() is not None)
+            if held:
+                self._on_held()
+                continue
             with self.step_lock:
                 batch = self._admit()
                 if not batch:
@@ -201,14 +223,26 @@ class Scheduler:
                 self._step(batch)
 
     def _has_work(self) -> bool:
-        return self._stopping or (self._paused is None and self._interrupts == 0
-                                  and bool(self._running or self._waiting))
+        if self._stopping:
+            return True
+        work = bool(self._running or self._waiting)
+        if work and self._refusal() is not None:
+            return True
+        return self._paused is None and self._interrupts == 0 and work and self._hold() is None
 
     def _admit(self) -> list[GenRequest]:
         """Move waiting requests into the running set; the batch for this step (empty if
         paused or someone waits to act between steps)."""
         with self._cond:
-            if self._paused is not None or self._stopping or self._interrupts:
+            refusal = self._refusal()
+            if refusal is not None:
+                victims = self._running + list(self._waiting)
+                self._running.clear()
+                self._waiting.clear()
+                for req in victims:
+                    self._finish(req, abort_reason(refusal))
+                return []
+            if self._paused is not None or self._stopping or self._interrupts or self._hold() is not None:
                 return []
             while self._waiting and len(self._running) < self.max_running:
                 self._running.append(self._waiting.popleft())

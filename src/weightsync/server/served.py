@@ -7,7 +7,10 @@ copy: staged bytes become the served weights), so served parameters may view
 received bucket buffers. A buffer goes back to the receive pool only when no
 parameter views it any more; a buffer that a partial (delta) commit leaves partly
 served is compacted: its remaining tensors are cloned out, so served memory stays
-the size of the model.
+the size of the model. A streamed commit is the one change that copies: each bucket
+is written into the parameters in place (`load_in_place`), and a parameter that
+views a received buffer gets a copy of its own instead, so no received buffer is
+written and none is kept.
 
 This module knows nothing of update sessions (`server.updates`), of the undo of the
 last commit (`server.rollback`, which keeps a `ServedState` and restores it), or of
@@ -156,6 +159,20 @@ class ServedWeights:
             released = self._rebind_backing(staged, owners)
         log.info("v%d (%r) committed (%d tensor(s))", served.version, served.label, len(staged))
         return released
+
+    def load_in_place(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write `tensors` (a streamed commit's checked bucket) into the served parameters
+        between two steps. A parameter that views a received buffer (a staged commit served it
+        from there, a transport's slot maybe) gets a copy of its own instead, so that no
+        received buffer is written; so does one whose storage was released. The version and
+        label are the caller's to change (`serve`), once every bucket loaded."""
+        with self.between_steps():
+            for name, tensor in tensors.items():
+                data = self._data[name]
+                if self._backing.pop(name, None) is not None or data.shape != tensor.shape:
+                    self.params[name].data = self._data[name] = tensor.clone()
+                else:
+                    data.copy_(tensor)
 
     def saved(self) -> ServedState:
         """What is served now, to serve it again later (`restore`)."""

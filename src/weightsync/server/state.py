@@ -71,6 +71,9 @@ class ServerState:
             max_running=config.max_running,
             served=lambda: updater_box[0].weights.served,
             release_adapter=lora_store.release if lora_store is not None else None,
+            hold=lambda: updater_box[0].holding(),
+            refusal=lambda: updater_box[0].weights.coverage.refusal(),
+            on_held=lambda: updater_box[0].expire_silent(),
         )
         label = config.weight_version
         version = int(label) if label.isascii() and label.isdigit() else 0

@@ -9,6 +9,13 @@ an update that fails, is aborted or never completes leaves the served weights
 bit-identical. The last weightsync commit can be undone until the next update
 begins (`server.rollback`).
 
+A streamed weightsync update (`Manifest.commit == "streamed"`) is the exception: no
+step runs from its begin to its commit (the scheduler's hold), each checked bucket is
+written into the served parameters in place and let go (`ServedWeights.load_in_place`),
+and nothing is kept to roll back. Closed without its commit once a bucket loaded, it
+leaves the weights torn (`server.coverage`): every request is refused, naming the
+version, what failed and the fix, until an update rewrites every parameter.
+
 At most one session is open:
 - "weightsync": opened by `/weightsync/begin` with a manifest; buckets arrive
   by index (HTTP frame, share, shared memory, broadcast with weightsync keys, the
@@ -123,6 +130,8 @@ class WeightUpdater:
         each transport (made on first use, each keeping its session: the shm segment stays
         mapped while its name stays the same), buffers from the receive pool, staging."""
         self._sglang: SglangSession | None = None
+        self.loading: int | None = None
+        """The streamed update loading into the served weights (no step runs meanwhile)."""
         self._update_label: str | None = None
         """The label the open weightsync update is served under; None: "N"."""
         self.last_manifest: Manifest | None = None
@@ -224,8 +233,9 @@ class WeightUpdater:
 
     def base_tensor(self, hf_name: str) -> torch.Tensor:
         """The served tensor a sparse update is applied to (a copy of), as `receive.update_session.SparseBase`:
-        parameters are replaced whole at a commit, never written in place, so reading one
-        while generation runs is safe."""
+        parameters are replaced whole at a staged commit, and written in place only by a
+        streamed one, while no step runs and no other update is open, so reading one while
+        generation runs is safe."""
         return self.weights.params[hf_name].detach()
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
@@ -244,6 +254,48 @@ class WeightUpdater:
         self.weights.serve(served)
         self.history.keep(last)
         log.info("LoRA adapter %s loaded as v%d (%r)", manifest.lora_name, served.version, served.label)
+
+    # -- the receive.update_session.StreamedLoader of streamed commits -----------------------
+
+    def hold(self, update: OpenUpdate) -> None:
+        """No step from now until `finish` or `abandon`; nothing kept to roll back, no receive
+        buffer kept for reuse (a streamed update holds at most the buckets in flight)."""
+        with self.weights.between_steps():
+            self.loading = update.version
+        self.history.make_final()
+        self.weights.buffers.clear()
+
+    def holding(self) -> str | None:
+        """Why no step may run now (the scheduler's `hold`), or None."""
+        version = self.loading
+        return None if version is None else f"streamed update v{version} is loading"
+
+    def expire_silent(self) -> None:
+        """The scheduler's `on_held`: drop a streamed update whose trainer went silent."""
+        self.session.drop_if_idle()
+
+    def load(self, update: OpenUpdate, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.weights.load_in_place(tensors)
+
+    def finish(self, update: OpenUpdate) -> Sequence[str]:
+        served = self._served_after(update)
+        with self.weights.between_steps():
+            self.weights.coverage.applied(update.loaded, label=served.label, atomic=True)
+            self.weights.serve(served)
+            self.loading = None
+        log.info("v%d (%r) committed streamed (%d tensor(s))", served.version, served.label, len(update.loaded))
+        return list(update.loaded)
+
+    def abandon(self, update: OpenUpdate, reason: str) -> None:
+        with self.weights.between_steps():
+            self.loading = None
+            if update.loaded:
+                refusal = (f"this server refuses to generate: streamed update v{update.version} stopped after "
+                           f"loading {len(update.loaded)} of {len(update.manifest.hf_names)} tensor(s): {reason}. "
+                           f"Its weights are neither v{self.version} nor v{update.version}; the next full push "
+                           "restores it (a trainer's next push after a failed streamed one goes whole)")
+                self.weights.coverage.streamed_failed(update.loaded, refusal)
+                log.warning("%s", refusal)
 
     def release(self, update: OpenUpdate) -> None:
         """Give back to the pool the update's bucket buffers that no served parameter

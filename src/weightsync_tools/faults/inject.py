@@ -371,7 +371,7 @@ def child_main(spec: dict[str, Any]) -> int:
     result: dict[str, Any] = {"ok": True}
     try:
         with WeightSync([engine], transport=transport, bucket_bytes=spec["bucket_bytes"],
-                        timeout_s=spec["timeout_s"]) as sync:
+                        timeout_s=spec["timeout_s"], commit=spec.get("commit", "staged")) as sync:
             sync.push(DictSource(weights), version=spec["version"])
     except (WeightSyncError, OSError) as e:
         result = {"ok": False, "error_type": type(e).__name__, "error": str(e)}

@@ -235,3 +235,31 @@ def test_a_pause_named_by_an_earlier_resume_is_not_applied(scheduler: Scheduler,
     assert scheduler.paused == "retract"
     scheduler.resume(pause_id="p2")
     assert scheduler.paused is None
+
+
+def test_a_held_loop_steps_nothing_and_a_refusal_finishes_every_request(runner: FakeRunner) -> None:
+    """A streamed commit's states (`hold`, `refusal`): held, requests wait and `on_held` is
+    called; refused, running and waiting requests finish with the reason, none steps."""
+    state: dict[str, str | None] = {"hold": "streamed update v4 is loading", "refusal": None}
+    held_calls = threading.Event()
+    scheduler = Scheduler(runner, max_running=1, served=lambda: ServedVersion(3, "v3"),  # type: ignore[arg-type]
+                          hold=lambda: state["hold"], refusal=lambda: state["refusal"], on_held=held_calls.set)
+    scheduler.start()
+    try:
+        req, done = make_request("r", 3)
+        scheduler.submit(req)
+        runner.run_freely()
+        assert held_calls.wait(10)  # held with a request waiting: on_held, no step
+        assert not done.is_set() and not req.output_ids and scheduler.num_steps == 0
+        with scheduler.between_steps():
+            state["hold"], state["refusal"] = None, "this server refuses to generate: v4 stopped"
+        assert done.wait(10) and req.finish_reason is not None
+        assert req.finish_reason["type"] == "abort" and "refuses to generate" in req.finish_reason["message"]
+        assert not req.output_ids and scheduler.num_steps == 0
+        with scheduler.between_steps():
+            state["refusal"] = None
+        again, again_done = make_request("again", 2)
+        scheduler.submit(again)
+        assert again_done.wait(10) and again.finish_reason == {"type": "length", "length": 2}
+    finally:
+        scheduler.stop()

@@ -36,12 +36,17 @@ def check_fan_out(name: str) -> None:
 
 
 def make_fan_out(name: str, *, transport: str, send_shares: bool, mode: str, sends_shares: bool,
-                 digest_algorithm: str | None) -> FanOut:
+                 digest_algorithm: str | None, commit: str = "staged") -> FanOut:
     """The strategy `fan_out=name` names over transport `transport` (its name), wrapped in
     `SharesFanOut` where every trainer rank sends its own shares (`send_shares`, which
     refuses a `mode` whose `sends_shares` is False and a `digest_algorithm` that cannot
-    be combined)."""
+    be combined). A streamed `commit` takes the direct fan-out alone (a relaying or
+    assembling engine forwards or assembles staged buckets)."""
     check_fan_out(name)
+    if commit == "streamed" and (name != "direct" or send_shares):
+        raise ValueError(f"commit='streamed' sends every bucket to every engine directly; it does not go with "
+                         f"fan_out={name!r}{' and send_shares=True' if send_shares else ''}: use fan_out='direct' "
+                         "without send_shares, or commit='staged'")
     module_name, class_name = _FAN_OUTS[name].split(":")
     route: FanOut = getattr(importlib.import_module(module_name), class_name)(transport=transport)
     if not send_shares:
