@@ -53,6 +53,10 @@ class ModeOptions:
     sparse_snapshot: str = "trainer"
     """"sparse": where the copy of the acked version lives, "trainer" (each tensor's own
     device) or "host" (CPU memory); one model copy in the engines' dtype either way."""
+    commit: str = "staged"
+    """How engines commit ("staged" or "streamed", `SyncConfig.commit`): after a failed
+    streamed push an engine may refuse generation until a full push lands ("lora" sends its
+    base whole first)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -150,6 +150,8 @@ class LoraMode(ModeDefaults):
         self._base_checked = False
         self._instances: list[str | None] = []
         """The engines' process ids when the base was last checked."""
+        self._base_due = False
+        """A streamed push failed: the next push sends the base whole first (`failed`)."""
 
     @property
     def lora_name(self) -> str | None:
@@ -167,6 +169,9 @@ class LoraMode(ModeDefaults):
         """First push, and after a failure or an engine restart: make sure each engine that
         reports digests serves the trainer's base weights; where one does not, a full push
         of them as `version` goes first."""
+        if self._base_due:  # a streamed push failed: an engine may refuse until a full push lands
+            self._base_due = False
+            return (FullMode(self.options),)
         if not any(c.reads_digests for c in planner.capabilities()):
             return ()
         instances = planner.served_instances()
@@ -182,6 +187,10 @@ class LoraMode(ModeDefaults):
 
     def failed(self, version: int) -> None:
         self._base_checked = False
+        # A streamed base phase that failed after its last bucket loaded leaves weights whose
+        # digests are the trainer's on an engine that refuses generation: the digest check
+        # would send the adapter alone, so the next push sends the base whole, unchecked.
+        self._base_due = self.options.commit == "streamed"
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
         config = source.config() if isinstance(source, AdapterSource) else None

@@ -226,7 +226,8 @@ class WeightSync:
         """The sending rank's transport (given, or made by name); the other ranks have none."""
         self._mode = make_mode(self.config.mode, ModeOptions(
             adapter_name=self.config.adapter_name, lora_prefix=self.config.lora_prefix,
-            lora_keep=self.config.lora_keep, sparse_snapshot=self.config.sparse_snapshot))
+            lora_keep=self.config.lora_keep, sparse_snapshot=self.config.sparse_snapshot,
+            commit=self.config.commit))
         """What pushes send, and what that mode remembers between pushes."""
         algorithm = self.config.digest_algorithm
         if self._mode.digests_from_parts and self.ranks.is_distributed and algorithm not in (None, *COMBINABLE):

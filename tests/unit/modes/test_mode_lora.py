@@ -166,3 +166,21 @@ def test_a_name_retired_while_an_earlier_unload_waits_goes_when_that_wait_ends()
     assert mode.rollover.live == ("policy-v3",)
     mode.close(planner)
     assert engine.unloaded == ["policy-v1", "policy-v2"]
+
+
+def test_after_a_failed_streamed_push_the_base_goes_whole_though_its_digests_match() -> None:
+    """commit="streamed": a base phase that failed after its last bucket loaded leaves an engine
+    whose digests are the trainer's but which refuses generation until a full push lands. The
+    push after the failure sends the base first without asking digests; staged pushes keep
+    the digest check (the engine kept its last version)."""
+    model = peft_model()
+    same = ModePlanner([DIGESTS], served=[base_digests(model)], instances=["pid-1"])
+    streamed = make_mode("lora", ModeOptions(commit="streamed"))
+    assert [m.name for m in streamed.prepare(model, 1, same)] == []
+    streamed.failed(1)
+    assert [m.name for m in streamed.prepare(model, 2, same)] == ["full"]
+    assert [m.name for m in streamed.prepare(model, 3, same)] == [], "once the base went, digests rule again"
+    staged = make_mode("lora")
+    assert [m.name for m in staged.prepare(model, 1, same)] == []
+    staged.failed(1)
+    assert [m.name for m in staged.prepare(model, 2, same)] == []
