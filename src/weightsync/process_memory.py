@@ -15,6 +15,7 @@ page it touched, shared ones (a mapped shm segment) in full. No weightsync impor
 
 from __future__ import annotations
 
+import ctypes
 import re
 from dataclasses import dataclass
 
@@ -91,4 +92,17 @@ class MemoryMark:
         return max(0, max(peak, now) - self.start_bytes), now - self.start_bytes
 
 
-__all__ = ["MemoryMark", "peak_resident_bytes", "pss_bytes", "reset_peak", "resident_bytes", "status_bytes"]
+__all__ = ["MemoryMark", "peak_resident_bytes", "pss_bytes", "reset_peak", "resident_bytes", "status_bytes",
+           "trim_heap"]
+
+
+def trim_heap() -> bool:
+    """Give the allocator's free memory back to the system (glibc's `malloc_trim(0)`): freed
+    buffers of up to 32 MiB come from the heap, and glibc keeps up to twice the largest one
+    freed before trimming, so a process that let go of its buckets still holds them. False
+    where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))

@@ -53,6 +53,7 @@ from torch import nn
 from weightsync.errors import ConflictError
 from weightsync.formats.version_dir import read_version
 from weightsync.manifest import Manifest, TensorMeta
+from weightsync.process_memory import trim_heap
 from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
 from weightsync.receive.takeover import Holder, SessionBusyError, take_over
 from weightsync.receive.update_session import (
@@ -303,6 +304,9 @@ class WeightUpdater:
         after a commit."""
         served = {id(b) for b in self.weights.served_buffers()}
         self.weights.buffers.give(b for b in update.buffers if id(b) not in served)
+        if update.manifest.commit == "streamed":  # memory over reuse: keep no receive buffer once it ends
+            self.weights.buffers.clear()
+            trim_heap()
 
     def _served_after(self, update: OpenUpdate) -> ServedVersion:
         return ServedVersion(update.version, str(update.version) if self._update_label is None else self._update_label)

@@ -3,7 +3,8 @@ holds beyond the model while a full update arrives and after it committed, in by
 model copies.
 
 For every engine ("embedded": `weightsync serve`; "vllm-tp1", "vllm-tp2": `vllm serve` with
-weightsync's worker extension, when vLLM is installed) and transport, a fresh engine gets two
+weightsync's worker extension, when vLLM is installed), transport and commit it takes
+(`COMMITS`: "staged", and "streamed" where the engine streams), a fresh engine gets two
 full pushes of the same dense float32 model; the second one is measured two ways:
 - the engine's own word, from its ack (`Ack.peak_extra_bytes`, `Ack.kept_bytes`: the resident
   set of the process(es) that received the update, summed over vLLM's workers, from the
@@ -29,6 +30,8 @@ from weightsync.process_memory import pss_bytes
 
 ENGINES = ("embedded", "vllm-tp1", "vllm-tp2")
 DEFAULT_TRANSPORTS = {"embedded": ("shm", "http"), "vllm-tp1": ("shm",), "vllm-tp2": ("shm",)}
+COMMITS = {"embedded": ("staged", "streamed"), "vllm-tp1": ("staged",), "vllm-tp2": ("staged",)}
+"""The commits each engine takes (`WeightSync(commit=...)`): only `weightsync serve` streams."""
 """What each engine is measured over unless asked otherwise (the issue's cells)."""
 DEFAULT_MODEL_BYTES = 204 << 20
 DEFAULT_BUCKET_BYTES = 32 << 20
@@ -45,6 +48,8 @@ class EngineMemory:
     engine: str
     """One of ENGINES."""
     transport: str
+    commit: str = "staged"
+    """`WeightSync(commit=...)`: "staged" or "streamed"."""
     model_bytes: int
     """Bytes of the weights pushed (float32)."""
     bucket_bytes: int
@@ -127,18 +132,19 @@ class PssSampler:
 
 
 def measure_engine(kind: str, transport: str, *, model: Any, model_dir: Path, model_bytes: int,
-                   bucket_bytes: int, root: Path) -> EngineMemory:
+                   bucket_bytes: int, root: Path, commit: str = "staged") -> EngineMemory:
     """Start engine `kind` on `model_dir`, push `model` to it twice over `transport`, and measure
     the second push (see the module docstring). An engine that fails gives a cell with `error`."""
     import weightsync as ws
     from weightsync_tools.bench.engines import start_engine
 
-    cell = EngineMemory(engine=kind, transport=transport, model_bytes=model_bytes, bucket_bytes=bucket_bytes)
+    cell = EngineMemory(engine=kind, transport=transport, commit=commit, model_bytes=model_bytes,
+                        bucket_bytes=bucket_bytes)
     engine_kind, tp = ("embedded", 1) if kind == "embedded" else ("vllm", int(kind.removeprefix("vllm-tp")))
     try:
         with start_engine(engine_kind, model_dir, disk_root=root, timeout_s=300.0,
                           tensor_parallel_size=tp) as engine, \
-                ws.WeightSync([engine.client], transport=transport, bucket_bytes=bucket_bytes,
+                ws.WeightSync([engine.client], transport=transport, bucket_bytes=bucket_bytes, commit=commit,
                               disk_root=str(root / "versions")) as sync:
             sync.push(model, version=engine.next_version())
             pids = engine_processes(engine.pid)
@@ -195,12 +201,13 @@ def run_engine_memory_suite(*, root: Path, model_bytes: int = DEFAULT_MODEL_BYTE
     model = trainer_model(scenario)
     for kind in engines:
         for transport in transports or DEFAULT_TRANSPORTS[kind]:
-            progress(f"{kind} over {transport}: two full pushes, the second measured")
-            cell = measure_engine(kind, transport, model=model, model_dir=model_dir,
-                                  model_bytes=scenario.num_bytes, bucket_bytes=bucket_bytes, root=root)
-            result.cells.append(cell)
-            if cell.error:
-                result.notes.append(f"{kind}/{transport}: {cell.error}")
+            for commit in COMMITS[kind]:
+                progress(f"{kind} over {transport}, {commit}: two full pushes, the second measured")
+                cell = measure_engine(kind, transport, model=model, model_dir=model_dir, commit=commit,
+                                      model_bytes=scenario.num_bytes, bucket_bytes=bucket_bytes, root=root)
+                result.cells.append(cell)
+                if cell.error:
+                    result.notes.append(f"{kind}/{transport}/{commit}: {cell.error}")
     return result
 
 
@@ -220,15 +227,15 @@ def format_table(result: EngineMemoryResult) -> str:
              f"({scenario['num_tensors']} tensors), "
              f"{result.cells[0].bucket_bytes >> 20 if result.cells else 0} MiB buckets; "
              "model copies (MiB) beyond the level at begin (ack) or before the push (Pss)",
-             f"{'engine':<10} {'transport':<9} {'ack peak':>16} {'ack kept':>16} {'Pss peak':>16} {'Pss kept':>16}"
-             f" {'procs':>5}"]
+             f"{'engine':<10} {'transport':<9} {'commit':<8} {'ack peak':>16} {'ack kept':>16} {'Pss peak':>16}"
+             f" {'Pss kept':>16} {'procs':>5}"]
     for c in result.cells:
         if c.error:
-            lines.append(f"{c.engine:<10} {c.transport:<9} FAILED: {c.error}")
+            lines.append(f"{c.engine:<10} {c.transport:<9} {c.commit:<8} FAILED: {c.error}")
             continue
         figures = [f"{_copies(c.copies(v))} ({_mib(v)})" for v in
                    (c.ack_peak_extra_bytes, c.ack_kept_bytes, c.pss_peak_extra_bytes, c.pss_kept_bytes)]
-        lines.append(f"{c.engine:<10} {c.transport:<9} " + " ".join(f"{f:>16}" for f in figures)
+        lines.append(f"{c.engine:<10} {c.transport:<9} {c.commit:<8} " + " ".join(f"{f:>16}" for f in figures)
                      + f" {c.num_processes:>5}")
     m = result.machine
     lines.append(f"machine: {m.get('cpu_model')}, {m.get('cpu_count')} cores, "
@@ -236,5 +243,5 @@ def format_table(result: EngineMemoryResult) -> str:
     return "\n".join(lines + [f"note: {n}" for n in result.notes])
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_MODEL_BYTES", "ENGINES", "EngineMemory", "EngineMemoryResult",
+__all__ = ["COMMITS", "DEFAULT_BUCKET_BYTES", "DEFAULT_MODEL_BYTES", "ENGINES", "EngineMemory", "EngineMemoryResult",
            "engine_processes", "format_table", "measure_engine", "run_engine_memory_suite"]

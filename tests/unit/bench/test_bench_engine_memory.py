@@ -42,6 +42,6 @@ def test_the_table_gives_model_copies_and_mib_and_names_a_failed_cell() -> None:
     table = format_table(EngineMemoryResult(scenario={"num_bytes": model, "num_tensors": 9}, machine={},
                                             cells=[ok, failed]))
     row = next(line for line in table.splitlines() if line.startswith("embedded"))
-    assert row.split()[2:10] == ["+0.38", "(75)", "+0.50", "(100)", "+0.25", "(50)", "-0.05", "(-10)"]
-    assert "vllm-tp2   shm       FAILED: RuntimeError: no second core" in table
+    assert row.split()[2:11] == ["staged", "+0.38", "(75)", "+0.50", "(100)", "+0.25", "(50)", "-0.05", "(-10)"]
+    assert "vllm-tp2   shm       staged   FAILED: RuntimeError: no second core" in table
     assert ok.copies(None) is None and ok.to_dict()["ack_kept_bytes"] == 100 * MiB
