@@ -548,7 +548,7 @@ def test_a_staged_update_that_would_not_fit_in_memory_is_refused_at_begin_naming
     e = _refusal(s, manifest)
     assert (e.needed_bytes, e.available_bytes) == (needed, needed - 1)
     message = str(e)
-    assert f"needs {needed} bytes" in message and f"{STAGING_MARGIN_BYTES + needed - 1} available" in message
+    assert f"needs {needed} bytes" in message and f"has {STAGING_MARGIN_BYTES + needed - 1} available" in message
     assert 'commit="streamed"' in message and "test engine keeps serving" in message
     assert s.open_update is None and applier.calls == [] and unchanged(applier) and applier.version == 3
     s.begin(streamed(manifest))  # a streamed update holds a bucket or two: never checked

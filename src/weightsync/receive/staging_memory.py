@@ -54,8 +54,8 @@ def check_staging_fits(manifest: Manifest, *, engine: str, needed_bytes: int, st
     `commit="streamed"`, which the error then names as the fix. `available` answers None where the
     host cannot tell: no check then (a limit is still checked)."""
     host = available()
-    room = [(host - STAGING_MARGIN_BYTES, f"{host} available on this host (MemAvailable, less a margin of "
-                                          f"{STAGING_MARGIN_BYTES} for the process's own allocations)")
+    room = [(host - STAGING_MARGIN_BYTES, f"this host has {host} available (MemAvailable, of which "
+                                          f"{STAGING_MARGIN_BYTES} are left for the process's own allocations)")
             ] if host is not None else []
     if limit_bytes is not None:
         room.append((limit_bytes, f"its staging limit is {limit_bytes} (--staging-bytes-limit)"))
@@ -69,11 +69,12 @@ def check_staging_fits(manifest: Manifest, *, engine: str, needed_bytes: int, st
                "that fails midway leaves the engine refusing generation until a full push lands), "
                "or push a smaller update, or give the engine more memory")
     else:
-        fix = (f"{engine} does not take commit=\"streamed\": push a smaller update (a delta, sparse or lora "
+        fix = (f"{engine} does not take commit=\"streamed\" (yet): push a smaller update (a delta, sparse or lora "
                "mode, or a smaller model), or give the engine more memory")
     raise StagingMemoryError(
         f"staged update v{manifest.version} refused before a byte moved, {engine} keeps serving: staging it "
-        f"beside the served model needs {needed_bytes} bytes ({manifest.num_bytes} sent), {why}; {fix}",
+        f"beside the served model needs {needed_bytes} bytes beyond what it holds (the update is "
+        f"{manifest.num_bytes} bytes), {why}; {fix}",
         needed_bytes=needed_bytes, available_bytes=max(0, fits))
 
 
