@@ -37,7 +37,7 @@ def test_a_staged_push_too_big_to_stage_is_refused_naming_bytes_and_streamed_and
     with ws.WeightSync([engine], transport="http") as sync, pytest.raises(EngineError) as refused:
         sync.push(trainer, version=version + 1)
     e = refused.value
-    assert e.status == 413, e
+    assert e.status == 413 and e.engine == server.url, e
     needed = int(re.search(r"needs (\d+) bytes", str(e)).group(1))  # type: ignore[union-attr]
     assert needed > 1_000_000  # the whole model, staged beside the served one
     assert f"its staging limit is {LIMIT_BYTES}" in str(e) and 'set commit="streamed"' in str(e)
