@@ -76,7 +76,7 @@ class CommitHistory:
             return 0
         now = self.weights.saved()
         served = {t.untyped_storage().data_ptr() for t in [*now.params.values(), *now.backing.values()]}
-        kept = {}
+        kept: dict[int, int] = {}  # storage address -> its bytes
         for tensor in [*last.before.params.values(), *last.before.backing.values()]:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in served:
