@@ -62,6 +62,17 @@ class ConflictError(WeightSyncError):
         self.retry_after_s = retry_after_s
 
 
+class StagingMemoryError(WeightSyncError):
+    """An engine refused a staged update at begin: staging it beside the served model would not
+    fit in its host's memory (HTTP 413; the engine keeps serving). Raised on the engine side,
+    naming the bytes needed and available and what to set; a trainer sees it as EngineError 413."""
+
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
 class UnknownLayoutError(ConflictError):
     """A begin named its buckets by a layout digest the engine does not remember (it
     restarted, or began another layout since, or is another engine): HTTP 409 carrying

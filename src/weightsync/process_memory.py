@@ -8,6 +8,11 @@ at its end the peak bytes beyond the level at the start and the bytes still kept
 session takes one at begin and puts the figures in its ack (`reports.Ack.peak_extra_bytes`);
 the bench's trainer-memory children and its engine-memory scenario read the same helpers.
 
+`host_available_bytes` is what the host can still give a process: MemAvailable of
+/proc/meminfo, or less where the process's cpuset confines it to some NUMA nodes (their MemFree,
+from /sys/devices/system/node). A memory policy set with `numactl --membind` (set_mempolicy) is
+not seen, nor a cgroup's memory limit: an engine takes those as an explicit limit instead.
+
 Where /proc is not there (not Linux) or refuses (a kernel without clear_refs), every reader
 answers None: no figure is ever made up. The resident set counts this process only, every
 page it touched, shared ones (a mapped shm segment) in full. No weightsync imports.
@@ -23,14 +28,50 @@ _KIB = 1024
 
 
 def _kib_field(path: str, field: str) -> int | None:
-    """A "FIELD:  N kB" line of a /proc file, in bytes; None where it cannot be read."""
+    """A "FIELD:  N kB" line of a /proc file (a node's meminfo prefixes it with "Node N "), in
+    bytes; None where it cannot be read."""
     try:
         with open(path) as f:
             text = f.read()
     except OSError:
         return None
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    match = re.search(rf"^(?:Node \d+ )?{field}:\s+(\d+) kB", text, re.MULTILINE)
     return None if match is None else int(match.group(1)) * _KIB
+
+
+def _node_list(text: str) -> set[int]:
+    """The nodes of a kernel list such as "0-1,3"."""
+    nodes: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            nodes.update(range(int(first), int(last or first) + 1))
+    return nodes
+
+
+def host_available_bytes(*, proc: str = "/proc", nodes_dir: str = "/sys/devices/system/node") -> int | None:
+    """The bytes this host can still give this process without swapping: MemAvailable of
+    /proc/meminfo, or where the process's cpuset allows fewer NUMA nodes than are online
+    (Mems_allowed_list of /proc/self/status), the MemFree of those nodes if lower (a node
+    reports no MemAvailable; its MemFree leaves out the reclaimable page cache, so it errs low).
+    None without /proc/meminfo. `proc`, `nodes_dir`: where to read them (tests)."""
+    available = _kib_field(f"{proc}/meminfo", "MemAvailable")
+    if available is None:
+        return None
+    try:
+        with open(f"{proc}/self/status") as f:
+            match = re.search(r"^Mems_allowed_list:\s*(\S+)", f.read(), re.MULTILINE)
+        with open(f"{nodes_dir}/online") as f:
+            online = _node_list(f.read())
+    except (OSError, ValueError):
+        return available
+    allowed = _node_list(match.group(1)) & online if match is not None else online
+    if not allowed or allowed == online:
+        return available
+    free = [_kib_field(f"{nodes_dir}/node{node}/meminfo", "MemFree") for node in sorted(allowed)]
+    if any(f is None for f in free):
+        return available
+    return min(available, sum(f for f in free if f is not None))
 
 
 def status_bytes(field: str, pid: int | str = "self") -> int | None:
@@ -92,8 +133,8 @@ class MemoryMark:
         return max(0, max(peak, now) - self.start_bytes), now - self.start_bytes
 
 
-__all__ = ["MemoryMark", "peak_resident_bytes", "pss_bytes", "reset_peak", "resident_bytes", "status_bytes",
-           "trim_heap"]
+__all__ = ["MemoryMark", "host_available_bytes", "peak_resident_bytes", "pss_bytes", "reset_peak", "resident_bytes",
+           "status_bytes", "trim_heap"]
 
 
 def trim_heap() -> bool:

@@ -10,6 +10,7 @@ resident set moves by their size within the margin below.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch
 from weightsync import process_memory
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.manifest import Manifest, TensorMeta
-from weightsync.process_memory import MemoryMark
+from weightsync.process_memory import MemoryMark, host_available_bytes
 from weightsync.receive.update_session import OpenUpdate, UpdateSession
 
 MIB = 1 << 20
@@ -119,3 +120,31 @@ def test_the_readers_answer_none_for_what_they_cannot_read() -> None:
     assert process_memory.pss_bytes(2**31 - 1) is None
     assert process_memory.status_bytes("NoSuchField") is None
     assert (process_memory.resident_bytes() or 0) > 0 and (process_memory.peak_resident_bytes() or 0) > 0
+
+
+def _fake_host(tmp_path: Path, *, allowed: str, online: str = "0-1") -> tuple[str, str]:
+    """A /proc and a node directory: 8 GiB available on the host, node 0 with 1 GiB free, node 1 with 2 GiB."""
+    proc, nodes = tmp_path / "proc", tmp_path / "node"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       16777216 kB\nMemFree:         1000 kB\n"
+                                  "MemAvailable:    8388608 kB\n")
+    (proc / "self" / "status").write_text(f"Name:\tpython\nMems_allowed:\t00000003\nMems_allowed_list:\t{allowed}\n")
+    for node, free_kib in ((0, 1 << 20), (1, 2 << 20)):
+        (nodes / f"node{node}").mkdir(parents=True)
+        (nodes / f"node{node}" / "meminfo").write_text(f"Node {node} MemTotal:  8388608 kB\n"
+                                                       f"Node {node} MemFree:   {free_kib} kB\n")
+    (nodes / "online").write_text(online + "\n")
+    return str(proc), str(nodes)
+
+
+def test_host_available_bytes_is_memavailable_or_the_free_memory_of_the_nodes_the_process_may_use(
+        tmp_path: Path) -> None:
+    proc, nodes = _fake_host(tmp_path / "a", allowed="0-1")
+    assert host_available_bytes(proc=proc, nodes_dir=nodes) == 8 << 30  # every node: the host's figure
+    proc, nodes = _fake_host(tmp_path / "b", allowed="1")
+    assert host_available_bytes(proc=proc, nodes_dir=nodes) == 2 << 30  # bound to node 1
+    proc, nodes = _fake_host(tmp_path / "c", allowed="0", online="0")
+    assert host_available_bytes(proc=proc, nodes_dir=nodes) == 8 << 30  # one node online: MemAvailable
+    assert host_available_bytes(proc=str(tmp_path / "nowhere"), nodes_dir=nodes) is None  # no /proc: no figure
+    real = host_available_bytes()
+    assert real is not None and real > 0  # this Linux host's own

@@ -15,10 +15,11 @@ import torch
 
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.change_encoding import encode
-from weightsync.errors import ConflictError, IntegrityError, ManifestError, ManifestMismatchError
+from weightsync.errors import ConflictError, IntegrityError, ManifestError, ManifestMismatchError, StagingMemoryError
 from weightsync.integrity import digest, names_digest, with_sent_names
 from weightsync.manifest import Manifest, TensorMeta
 from weightsync.owners import session_owner
+from weightsync.receive.staging_memory import STAGING_MARGIN_BYTES, staging_bytes
 from weightsync.receive.update_session import OpenUpdate, SessionRules, UpdateSession
 from weightsync.reports import Ack
 
@@ -530,3 +531,77 @@ def test_the_commit_kind_travels_in_the_manifest_only_when_streamed() -> None:
     assert Manifest.from_json(streamed(manifest).to_json()).commit == "streamed"
     with pytest.raises(ManifestError, match="unknown commit 'eager'"):
         Manifest.from_dict({**manifest.to_dict(), "commit": "eager"})
+
+
+def _refusal(s: UpdateSession, manifest: Manifest) -> StagingMemoryError:
+    with pytest.raises(StagingMemoryError) as refused:
+        s.begin(manifest)
+    return refused.value
+
+
+def test_a_staged_update_that_would_not_fit_in_memory_is_refused_at_begin_naming_bytes_and_fix() -> None:
+    applier = StreamedDictApplier(WEIGHTS)
+    s = session(applier)
+    manifest, buffers = update(new_weights(20), 4)
+    needed = manifest.num_bytes
+    s.host_available = lambda: STAGING_MARGIN_BYTES + needed - 1  # one byte short
+    e = _refusal(s, manifest)
+    assert (e.needed_bytes, e.available_bytes) == (needed, needed - 1)
+    message = str(e)
+    assert f"needs {needed} bytes" in message and f"has {STAGING_MARGIN_BYTES + needed - 1} available" in message
+    assert 'commit="streamed"' in message and "test engine keeps serving" in message
+    assert s.open_update is None and applier.calls == [] and unchanged(applier) and applier.version == 3
+    s.begin(streamed(manifest))  # a streamed update holds a bucket or two: never checked
+    s.abort(4)
+    s.host_available = lambda: STAGING_MARGIN_BYTES + needed  # exactly enough
+    s.begin(manifest)
+    stage_all(s, manifest, buffers)
+    assert s.commit(4).version == 4
+
+
+def test_an_engine_that_cannot_stream_says_so_and_every_copy_on_the_host_counts() -> None:
+    applier = DictApplier(WEIGHTS)
+    s = session(applier, num_staging_copies=3)
+    manifest, _ = update(new_weights(21), 4)
+    s.host_available = lambda: STAGING_MARGIN_BYTES + 3 * manifest.num_bytes - 1
+    e = _refusal(s, manifest)
+    assert e.needed_bytes == 3 * manifest.num_bytes
+    assert 'test engine does not take commit="streamed"' in str(e) and "more memory" in str(e)
+    s.host_available = lambda: STAGING_MARGIN_BYTES + 3 * manifest.num_bytes
+    s.begin(manifest)
+
+
+def test_staging_counts_sparse_tensors_rebuilt_whole_and_reuses_what_the_engine_lets_go() -> None:
+    new = {n: t.clone() for n, t in WEIGHTS.items()}
+    new["a.weight"][1, 2] += 1.0
+    manifest, _ = sparse_update(new, WEIGHTS, 4, bucket_bytes=64)
+    rebuilt = [e for e in manifest.entries() if not e.is_dense]
+    whole = sum(WEIGHTS[e.hf_name].nbytes for e in rebuilt)  # each served tensor, copied and patched at commit
+    assert rebuilt and staging_bytes(manifest) == manifest.num_bytes + whole
+
+    class ReusingApplier(SparseDictApplier):
+        reused = 0
+
+        def staging_reused_bytes(self, manifest: Manifest) -> int:
+            return self.reused
+
+    applier = ReusingApplier(WEIGHTS)
+    s = session(applier)
+    s.host_available = lambda: STAGING_MARGIN_BYTES
+    assert _refusal(s, manifest).needed_bytes == staging_bytes(manifest)
+    applier.reused = staging_bytes(manifest) - 1
+    assert _refusal(s, manifest).needed_bytes == 1
+    applier.reused += 1
+    s.begin(manifest)
+
+
+def test_without_proc_nothing_is_checked_but_an_engines_limit_is() -> None:
+    s = session(DictApplier(WEIGHTS), staging_bytes_limit=10)
+    s.host_available = lambda: None
+    manifest, _ = update(new_weights(22), 4)
+    e = _refusal(s, manifest)
+    assert (e.needed_bytes, e.available_bytes) == (manifest.num_bytes, 10) and "--staging-bytes-limit" in str(e)
+    session(DictApplier(WEIGHTS)).begin(manifest)  # the host's figures, if any: a few bytes fit
+    s = session(DictApplier(WEIGHTS))
+    s.host_available = lambda: None
+    s.begin(manifest)

@@ -38,6 +38,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--session-timeout", type=float, default=60.0,
                    help="seconds an idle update session survives a competing begin, for trainers "
                         "that send no timeout of their own (default 60)")
+    p.add_argument("--staging-bytes-limit", type=int, default=None,
+                   help="bytes a staged update may take beyond what the engine holds at begin, where the "
+                        "host's MemAvailable overstates what this process may use (a container's cgroup "
+                        "limit); a staged push that needs more is refused at begin (default: MemAvailable "
+                        "less a 256 MiB margin)")
     p.add_argument("--max-running", type=int, default=16, help="requests stepped together (default 16)")
     p.add_argument("--group-timeout", type=float, default=120.0,
                    help="seconds to join a weight-update group or finish a broadcast (default 120)")
@@ -66,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         disk_root=args.disk_root,
         weight_version=args.weight_version,
         session_timeout_s=args.session_timeout,
+        staging_bytes_limit=args.staging_bytes_limit,
         max_running=args.max_running,
         group_timeout_s=args.group_timeout,
         num_threads=args.num_threads,

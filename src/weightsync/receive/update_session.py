@@ -41,6 +41,9 @@ is staged. From begin to commit the engine generates nothing (`StreamedLoader.ho
 update closed without its commit after a bucket loaded leaves the engine refusing
 generation, with the reason, until a full update commits (`StreamedLoader.abandon`).
 
+Fit: a staged update is refused at begin (`StagingMemoryError`, HTTP 413) where staging it
+would not fit in the host's memory (`weightsync.receive.staging_memory`).
+
 Thread-safe: buckets may be staged from several threads (their digests are
 computed outside the lock); begin, commit and abort are serialised.
 """
@@ -69,7 +72,8 @@ from weightsync.integrity import (
     manifest_names_digest,
 )
 from weightsync.manifest import PARTIAL_MODES, BucketMeta, Manifest, TensorMeta
-from weightsync.process_memory import MemoryMark
+from weightsync.process_memory import MemoryMark, host_available_bytes
+from weightsync.receive.staging_memory import StagingReuse, check_staging_fits, staging_bytes
 from weightsync.receive.takeover import Holder, SessionBusyError, take_over
 from weightsync.reports import Ack
 
@@ -206,6 +210,11 @@ class SessionRules:
     refuse_delta: str | None = None
     """Why this engine refuses delta updates (HTTP 409, so the trainer sends the whole
     model); None: a delta is applied on top of the version it names as its base."""
+    num_staging_copies: int = 1
+    """The processes on this host that each stage the same update (a vLLM engine's workers)."""
+    staging_bytes_limit: int | None = None
+    """Bytes a staged update may take beyond what the engine holds at begin, where the host's
+    memory figures overstate what it may use (a cgroup's limit); None: the host's figures only."""
 
 
 class UpdateSession:
@@ -218,6 +227,9 @@ class UpdateSession:
         self.rules = rules or SessionRules()
         self._lock = threading.RLock()
         self._open: OpenUpdate | None = None
+        self.host_available: Callable[[], int | None] = host_available_bytes
+        """The bytes this host can still give this process, or None where it cannot tell (no
+        check then): asked at the begin of every staged update."""
 
     @property
     def open_update(self) -> OpenUpdate | None:
@@ -250,6 +262,8 @@ class UpdateSession:
             streamed = manifest.commit == "streamed"
             if streamed and not isinstance(self.applier, StreamedLoader):
                 raise ConflictError(f"{self.engine} does not take a streamed commit; send commit='staged'")
+            if not streamed:
+                self._check_fits(manifest, current)
             if current is not None:
                 self._close(current, f"update v{manifest.version} replaced it ({preempted or 'its own trainer'})")
             self._open = OpenUpdate(manifest=manifest, timeout_s=manifest.timeout_s or self.rules.timeout_s,
@@ -457,6 +471,17 @@ class UpdateSession:
         expected = self.applier.expected()
         if expected is not None:
             check_manifest_fits(manifest, expected, partial=manifest.mode in PARTIAL_MODES)
+
+    def _check_fits(self, manifest: Manifest, current: OpenUpdate | None) -> None:
+        """Staging `manifest` fits in this host's memory beside what the engine keeps
+        (`staging_memory.check_staging_fits`); `current`, the update it replaces, frees its buffers."""
+        reused = self.applier.staging_reused_bytes(manifest) if isinstance(self.applier, StagingReuse) else 0
+        if current is not None:
+            reused += sum(b.numel() * b.element_size() for b in current.buffers)
+        needed = max(0, staging_bytes(manifest) - reused) * self.rules.num_staging_copies
+        check_staging_fits(manifest, engine=self.engine, needed_bytes=needed,
+                           streams=isinstance(self.applier, StreamedLoader), available=self.host_available,
+                           limit_bytes=self.rules.staging_bytes_limit)
 
     def _check_base(self, manifest: Manifest) -> None:
         """A delta or sparse update applies on top of the served version only, and only

@@ -32,6 +32,11 @@ class ServerConfig:
     """How long an update session of a trainer that sent no timeout_s (an SGLang-shaped
     session, or a manifest without one) may stay idle before another begin takes it;
     weightsync trainers send their push timeout, which rules their own sessions."""
+    staging_bytes_limit: int | None = None
+    """Bytes a staged update may take beyond what the engine holds at begin, where the host's
+    MemAvailable overstates what this process may use (a cgroup's limit); None: MemAvailable
+    less `receive.staging_memory.STAGING_MARGIN_BYTES` only. A staged push needing more is
+    refused at begin (HTTP 413)."""
     max_running: int = 16
     """Requests stepped together; more wait in the queue."""
     max_json_bytes: int = 64 << 20

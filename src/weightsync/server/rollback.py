@@ -68,6 +68,21 @@ class CommitHistory:
         if last is not None:
             self.weights.buffers.give(last.replaced)
 
+    def kept_bytes(self) -> int:
+        """Bytes held only to roll the last commit back: the storages served before it that
+        nothing serves now (each counted once; a bucket buffer and its views share one)."""
+        last = self._last
+        if last is None:
+            return 0
+        now = self.weights.saved()
+        served = {t.untyped_storage().data_ptr() for t in [*now.params.values(), *now.backing.values()]}
+        kept: dict[int, int] = {}  # storage address -> its bytes
+        for tensor in [*last.before.params.values(), *last.before.backing.values()]:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in served:
+                kept[storage.data_ptr()] = storage.nbytes()
+        return sum(kept.values())
+
     def forget(self) -> None:
         """The weights the last commit replaced are gone (released or resumed): nothing to roll back to."""
         self._last = None

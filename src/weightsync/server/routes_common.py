@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from weightsync.errors import ManifestMismatchError, SyncTimeoutError, WeightSyncError
+from weightsync.errors import ManifestMismatchError, StagingMemoryError, SyncTimeoutError, WeightSyncError
 from weightsync.server.config import ServerConfig
 from weightsync.server.errors import ConflictError
 
@@ -58,6 +58,8 @@ def _status_of(exc: BaseException) -> tuple[int, dict[str, Any]]:
                      "mismatched": list(exc.mismatched)}
     if isinstance(exc, ConflictError):
         return 409, {} if exc.retry_after_s is None else {"retry_after_s": round(exc.retry_after_s, 3)}
+    if isinstance(exc, StagingMemoryError):
+        return 413, {"needed_bytes": exc.needed_bytes, "available_bytes": exc.available_bytes}
     if isinstance(exc, SyncTimeoutError | TimeoutError):
         return 504, {}
     if isinstance(exc, PermissionError):

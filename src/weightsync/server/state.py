@@ -78,7 +78,8 @@ class ServerState:
         label = config.weight_version
         version = int(label) if label.isascii() and label.isdigit() else 0
         updater = WeightUpdater(runner.model, version=version, label=label, between_steps=scheduler.between_steps,
-                                session_timeout_s=config.session_timeout_s, lora_store=lora_store)
+                                session_timeout_s=config.session_timeout_s, lora_store=lora_store,
+                                staging_bytes_limit=config.staging_bytes_limit)
         updater_box.append(updater)
         scheduler.start()
         return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store,

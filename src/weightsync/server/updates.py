@@ -109,7 +109,8 @@ class WeightUpdater:
 
     def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
                  between_steps: Callable[[], ContextManager[None]], session_timeout_s: float,
-                 lora_store: lora.LoraStore | None = None) -> None:
+                 lora_store: lora.LoraStore | None = None, staging_bytes_limit: int | None = None) -> None:
+        """`staging_bytes_limit`: `ServerConfig.staging_bytes_limit`."""
         self.model = model
         self._lock = threading.RLock()
         self.weights = ServedWeights(model, version=version, label=label, between_steps=between_steps,
@@ -122,7 +123,7 @@ class WeightUpdater:
         self.history = CommitHistory(self.weights, lora_store, timeout_s=session_timeout_s)
         """The last weightsync commit while it can still be rolled back."""
         self.session = UpdateSession(self, engine=ENGINE, rules=SessionRules(
-            timeout_s=session_timeout_s, adapter_keeps_version=True))
+            timeout_s=session_timeout_s, adapter_keeps_version=True, staging_bytes_limit=staging_bytes_limit))
         """The weightsync update session (at most one session of either kind is open)."""
         self.receive_path = ReceivePath(self.session, make_receiver=make_receiver, hooks=ReceiveHooks(
             alloc=self.weights.buffers.take, serves_received=True, served_buffers=self.weights.served_buffers,
@@ -238,6 +239,13 @@ class WeightUpdater:
         streamed one, while no step runs and no other update is open, so reading one while
         generation runs is safe."""
         return self.weights.params[hf_name].detach()
+
+    def staging_reused_bytes(self, manifest: Manifest) -> int:
+        """As `receive.staging_memory.StagingReuse`: the receive pool's free buffers and the copy
+        of the previous version kept for rollback, which the begin lets go (`history.make_final`).
+        The pool hands a buffer to a bucket of its exact size only: a layout that changed since
+        reuses fewer, and the estimate errs low by at most the pool's size (the served model's)."""
+        return self.weights.buffers.free_bytes + self.history.kept_bytes()
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
         served, last = self._served_after(update), self.history.record(update)

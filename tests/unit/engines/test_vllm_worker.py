@@ -32,3 +32,13 @@ def test_the_plugin_grants_amx_where_the_cpu_has_it() -> None:
     from weightsync.engines.vllm.plugin import grant_amx
 
     assert grant_amx() == torch.cpu._is_amx_tile_supported()
+
+
+def test_a_staging_refusal_reaches_the_trainer_as_the_embedded_engines_413() -> None:
+    """A vLLM worker's `StagingMemoryError` crosses the RPC boundary as EngineError 413 with its
+    message, as `weightsync serve` answers it."""
+    from weightsync.engines.vllm.worker import error_payload
+    from weightsync.errors import StagingMemoryError
+
+    payload = error_payload(StagingMemoryError("needs 9 bytes", needed_bytes=9, available_bytes=1))
+    assert payload == {"type": "EngineError", "message": "needs 9 bytes", "status": 413, "retry_after_s": None}

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from weightsync.bucketing import pack, plan_buckets
-from weightsync.errors import ConflictError
+from weightsync.errors import ConflictError, StagingMemoryError
 from weightsync.integrity import digest
 from weightsync.manifest import Manifest, TensorMeta
+from weightsync.receive.staging_memory import STAGING_MARGIN_BYTES
 from weightsync.server.buffers import BufferPool
 from weightsync.server.updates import WeightUpdater
 
@@ -196,3 +197,23 @@ def test_a_final_or_foreign_commit_is_not_rolled_back() -> None:
     with pytest.raises(ConflictError, match="v1 cannot be rolled back here: it is final"):
         updater.rollback(1, owner="trainer-a")
     assert updater.version == 1 and _served(updater) == {n: digest(t) for n, t in weights.items()}
+
+
+def test_a_staged_update_reuses_the_rollback_copy_and_the_pool_so_steady_pushes_need_no_new_memory() -> None:
+    """The embedded engine keeps the previous version for rollback until the next begin lets it
+    go, and lands buckets in its receive pool: from the second push on, staging takes no memory
+    beyond what the engine held at begin, and the fit check says so (`staging_reused_bytes`)."""
+    updater = _updater(Tiny())
+    weights = {n: torch.randn(t.shape) for n, t in updater.weights.params.items()}
+    model_bytes = sum(t.nbytes for t in weights.values())
+    updater.session.host_available = lambda: STAGING_MARGIN_BYTES  # no room beyond the margin
+    with pytest.raises(StagingMemoryError) as refused:  # nothing held to reuse yet: the whole update
+        _push(updater, weights, 1)
+    assert refused.value.needed_bytes == model_bytes and updater.version == 0
+    updater.session.host_available = lambda: STAGING_MARGIN_BYTES + model_bytes
+    _push(updater, weights, 1)  # the loaded model is kept for rollback now
+    updater.session.host_available = lambda: STAGING_MARGIN_BYTES
+    assert updater.staging_reused_bytes(Manifest(version=2)) == model_bytes
+    for version in (2, 3):  # the rollback copy (the loaded model, then v1's buffers) is reused
+        _push(updater, {n: t + version for n, t in weights.items()}, version)
+    assert updater.version == 3

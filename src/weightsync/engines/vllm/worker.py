@@ -31,6 +31,7 @@ from weightsync.errors import (
     EngineError,
     IntegrityError,
     ManifestMismatchError,
+    StagingMemoryError,
     WeightSyncError,
     format_names,
 )
@@ -133,6 +134,8 @@ def error_payload(e: BaseException) -> dict[str, Any]:
     payload: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
     if isinstance(e, ConflictError):  # a state clash, as the embedded engine's HTTP 409
         payload.update(type="EngineError", status=409, retry_after_s=e.retry_after_s)
+    if isinstance(e, StagingMemoryError):  # too big to stage here, as the embedded engine's HTTP 413
+        payload.update(type="EngineError", status=413, retry_after_s=None)
     if isinstance(e, EngineError):
         payload["message"] = e.remote_message
         payload["status"] = e.status
@@ -174,7 +177,11 @@ class WorkerSync:
         self.version = 0
         self.dirty = False
         self.session = UpdateSession(self, engine=self.who, rules=SessionRules(
-            timeout_s=SESSION_TIMEOUT_S, refuse_delta=refuse_delta))
+            timeout_s=SESSION_TIMEOUT_S, refuse_delta=refuse_delta,
+            num_staging_copies=self.num_ranks if _stages_on_host(worker) else 0))
+        """Every worker of the engine stages a whole copy of a staged update: the fit check at
+        begin counts all of them on this host (vLLM's ranks of one engine usually share one).
+        A worker on a GPU stages on its device, which the check does not count (docs/LIMITS.md)."""
         self.receive_path = ReceivePath(self.session, make_receiver=lambda transport: make_receiver(
             transport, max_sessions=MAX_SESSIONS, device=_device(worker)))
         """This worker's end of each transport, holding the sessions it joined: up to
@@ -407,6 +414,13 @@ def _engine_rank() -> tuple[int, int]:
 
     tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
     return tp.rank_in_group + tp.world_size * pp.rank_in_group, tp.world_size * pp.world_size
+
+
+def _stages_on_host(worker: Any) -> bool:
+    """The worker's received buckets land in host memory (a CPU worker; on a GPU they land on
+    its device, where the host's available memory says nothing)."""
+    device = _device(worker)
+    return device is not None and device.type == "cpu"
 
 
 def _device(worker: Any) -> torch.device | None:
