@@ -24,7 +24,7 @@ import weightsync as ws
 from contract_helpers import PROBE_PROMPTS, load_trainer, next_version, perturb, served_state
 from engine_matrix import EMBEDDED, KINDS_BY_NAME, EnginePool, engine_params, kind_params
 from weightsync.bucketing import plan_buckets
-from weightsync.engines.base import DigestReader
+from weightsync.engines.base import DigestReader, verbs_of
 from weightsync.integrity import digest
 from weightsync.manifest import TensorMeta
 from weightsync.push.packer import pack_stream, stream_order
@@ -73,9 +73,10 @@ def test_fp32_trainer_to_bf16_engine_is_bit_exact(engine_kind: str, transport: s
     plan = plan_buckets([TensorMeta.of(n, t) for n, t in bf16.items()], BUCKET_BYTES)
     packed = pack_stream(plan, ((n, bf16[n]) for n in stream_order(plan)))
     assert list(report.acks[0].digests) == [digest(buffer) for _, buffer in packed]
-    if engine.capabilities(30.0).reads_digests and isinstance(engine, DigestReader):
+    reader = verbs_of(engine, 30.0)  # weightsync serve: its own client (engines/serve.py)
+    if engine.capabilities(30.0).reads_digests and isinstance(reader, DigestReader):
         want = {n: digest(t) for n, t in bf16.items()}
-        assert engine.digests() == want, "every served tensor == trainer_tensor.to(bfloat16), bit for bit"
+        assert reader.digests() == want, "every served tensor == trainer_tensor.to(bfloat16), bit for bit"
     # and the engine scores its own greedy tokens as transformers does with those bf16 weights
     # (teacher-forced, no token agreement: which token wins a near-tie over bf16 weights depends
     # on the CPU's kernels; one greedy token of 24 flipped on an AMD EPYC, none on an Intel Xeon)

@@ -19,6 +19,7 @@ import torch
 import weightsync as ws
 from contract_helpers import load_trainer, perturb
 from serve_check import launch_servers
+from weightsync.engines.serve import ServeClient
 from weightsync.integrity import digest
 from weightsync.server.launch import ServerProcess
 from weightsync.transports import make_transport
@@ -98,15 +99,22 @@ def test_a_corrupted_bucket_goes_no_further_and_no_replica_changes(transport: st
     assert all(e.digests() == trainer_digests(model) for e in engines)
 
 
-class _CannotRelay(ws.SGLangEngine):
-    """A client whose engine cannot take its part in the relay (after begin): over broadcast it
-    cannot start its hop in the group, over http it cannot take the first bucket."""
+class _CannotRelayServe(ServeClient):
+    """weightsync serve's own verbs, of an engine that cannot take its part in the relay (after
+    begin): over broadcast it cannot start its hop in the group, over http it cannot take the
+    first bucket."""
 
     def relay_in_group(self, *args: Any, **kwargs: Any) -> None:
         raise ws.EngineError(self.label, "injected: this engine cannot start its hop")
 
     def relay(self, *args: Any, **kwargs: Any) -> None:
         raise ws.EngineError(self.label, "injected: this engine cannot relay")
+
+
+class _CannotRelay(ws.SGLangEngine):
+    """A client of such an engine."""
+
+    serve_client = _CannotRelayServe
 
 
 def test_a_relay_that_cannot_run_after_begin_leaves_no_update_open(transport: str, servers: list[ServerProcess],

@@ -99,6 +99,22 @@ def test_a_transport_it_does_not_take_is_refused_before_any_byte_moves(stock: Se
     assert client.weight_version() == before
 
 
+def test_a_relay_is_refused_at_the_handshake_naming_the_engine(stock: ServerProcess, tiny_model_dir: Path) -> None:
+    """`ws.SGLangEngine(url)` is the line for a stock SGLang and for `weightsync serve`, so the
+    client passes the relay's check when the WeightSync is built; the stock engine declares no
+    `relays` at the handshake and is refused there, named, before any begin. What only
+    `weightsync serve` does is not on this client: asking for it names the engine and the fix."""
+    client = ws.SGLangEngine(stock.url)
+    before = client.weight_version()
+    with ws.WeightSync([client], transport="broadcast", fan_out="relay", timeout_s=30) as sync, \
+            pytest.raises(EngineError, match=f"{stock.url}.*no `relays` capability: a stock SGLang cannot relay"):
+        sync.push(trainer(tiny_model_dir, seed=9), version=int(before) + 1)
+    assert client.weight_version() == before
+    assert client.extension(30.0) is None
+    with pytest.raises(EngineError, match="stock SGLang server.*need `weightsync serve`"):
+        client.digests()
+
+
 def test_lora_goes_by_disk_and_only_by_disk(stock: ServerProcess, tiny_model_dir: Path, disk_root: Path) -> None:
     from peft import LoraConfig, get_peft_model
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_matrix import Client
-from weightsync.engines.base import DigestReader
+from weightsync.engines.base import DigestReader, verbs_of
 
 _versions = itertools.count(1)
 PROBE_PROMPTS = [[5, 17, 42, 7], [300, 2, 99], [11, 12, 13, 14, 15, 16]]
@@ -38,8 +38,9 @@ def perturb(model: torch.nn.Module, seed: int, *, only: str | None = None) -> No
 
 def served_digests(engine: Client) -> dict[str, str] | None:
     """What the engine serves, as digests, where it declares it can tell (else None)."""
-    if engine.capabilities(CAPABILITIES_TIMEOUT_S).reads_digests and isinstance(engine, DigestReader):
-        return engine.digests()
+    reader = verbs_of(engine, CAPABILITIES_TIMEOUT_S)  # weightsync serve: its own client (engines/serve.py)
+    if engine.capabilities(CAPABILITIES_TIMEOUT_S).reads_digests and isinstance(reader, DigestReader):
+        return reader.digests()
     return None
 
 

@@ -515,7 +515,8 @@ def test_the_code_map_is_read_as_a_tree() -> None:
 CONNECTION_STATE: dict[str, dict[str, str]] = {
     "SGLangEngine": {
         "_http": "the connection to the server",
-        "_native": "whether the server has weightsync's routes (probed once, with the capabilities)",
+        "_serve": "the client of weightsync serve's own verbs, where the server has its routes (probed once, "
+                  "with the capabilities)",
         "_capabilities": "what the server declared (asked once)",
         "_layout": "the layout digest the server remembers across pushes (what the engine knows, not a push)",
     },
@@ -638,3 +639,47 @@ def test_per_push_state_in_an_engine_client_is_found() -> None:
         "Client.__init__ sets self._open", "Client.begin sets self._owner", "Client.begin sets self._open",
         "Client.pause sets self._paused", "Client.pause sets self.last_pause", "Client.commit sets self._acks",
         "Serve.relay sets self._forwarding", "Other.x sets self._y"], found
+
+
+SERVE_ONLY_VERBS = frozenset({"relay", "relay_in_group", "wait_relayed", "relay_error", "receive_share", "rollback",
+                              "instance"})
+"""What only `weightsync serve` does beyond an update (`Relayer`, `ShareReceiver`, `Rollbacker`,
+`DigestReader`; `digests` stays on `SGLangEngine` as the user's reading, delegated)."""
+SGLANG_WEIGHTSYNC_REQUESTS = frozenset({"INFO_ROUTE", "AbortRequest", "BeginRequest", "CommitRequest", "ReceiveRequest",
+                                        "WeightsyncRequest"})
+"""The weightsync routes `engines/sglang.py` calls: its probe and an update's (begin, receive over
+shm, commit, abort); the others are `engines/serve.py`'s."""
+
+
+def test_what_only_weightsync_serve_does_lives_in_its_own_client() -> None:
+    """`SGLangEngine` speaks SGLang's API, plus an update's weightsync routes where its probe found
+    `weightsync serve`; what only weightsync serve does is `engines/serve.py`'s client, which
+    `SGLangEngine.extension` hands out after the probe and the coordinator calls where the engine
+    declared it (`EngineCapabilities`), never assumed from the client's class."""
+    from weightsync.engines.base import DigestReader, Relayer, Rollbacker, ShareReceiver
+    from weightsync.engines.json_client import JsonClient
+    from weightsync.engines.serve import ServeClient
+    from weightsync.engines.sglang import SGLangEngine
+
+    path = PACKAGE / "engines" / "sglang.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SGLangEngine")
+    verbs = {n.name for n in engine.body if isinstance(n, ast.FunctionDef)} & SERVE_ONLY_VERBS
+    assert not verbs, f"SGLangEngine defines weightsync serve's verbs {sorted(verbs)}: move them to engines/serve.py"
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module == "weightsync.protocol" for alias in node.names}
+    assert imported <= SGLANG_WEIGHTSYNC_REQUESTS, sorted(imported - SGLANG_WEIGHTSYNC_REQUESTS)
+    literals = [node.lineno for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and "/weightsync/" in node.value
+                and node.value.lstrip().startswith("/weightsync/")]
+    assert not literals, f"engines/sglang.py names weightsync routes at lines {literals}: use weightsync.protocol"
+    protocols = (Relayer, ShareReceiver, Rollbacker, DigestReader)
+    engine_client = SGLangEngine("http://127.0.0.1:1")  # nothing is sent: no verb is called
+    http = JsonClient(engine_client.url, timeout_s=1.0)
+    serve = ServeClient(http, url=engine_client.url, label="serve", timeout_s=1.0)
+    try:
+        assert not any(isinstance(engine_client, p) for p in protocols), "SGLangEngine passes for weightsync serve"
+        assert all(isinstance(serve, p) for p in protocols)
+    finally:
+        engine_client.close()
+        http.close()

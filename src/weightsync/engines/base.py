@@ -50,7 +50,7 @@ from weightsync.naming import EXPERT_LAYOUTS, ExpertLayout
 from weightsync.reports import Ack
 
 __all__ = ["CLEANUP_TIMEOUT_S", "AdapterUnloader", "Completion", "Delivery", "DigestReader", "Engine",
-           "EngineCapabilities", "EngineUpdate", "Link", "PausePolicy"]
+           "EngineCapabilities", "EngineUpdate", "Extended", "Link", "PausePolicy", "verbs_of"]
 
 CLEANUP_TIMEOUT_S = 10.0
 """Upper bound of a failed push's cleanup (abort, rollback, leaving the session, resume),
@@ -331,6 +331,25 @@ class Engine(Protocol):
 
     def abort(self, update: EngineUpdate, *, timeout_s: float | None = None) -> None:
         """Discard `update`; the engine keeps its last good version."""
+
+
+@runtime_checkable
+class Extended(Protocol):
+    """An engine client whose engine may do more than its API's (`Relayer`, `ShareReceiver`,
+    `Rollbacker`, `DigestReader`), which it hands out in a client of their own once it knows its
+    engine has them (`SGLangEngine` on `weightsync serve`: `engines.serve.ServeClient`). The
+    engine declares which of them it does (`EngineCapabilities`); the coordinator asks only those."""
+
+    def extension(self, timeout_s: float) -> object | None:
+        """The client of the engine's own verbs, or None where the engine has none; asks the
+        engine (within `timeout_s`) unless its capabilities were asked."""
+
+
+def verbs_of(engine: Engine, timeout_s: float) -> object:
+    """Where the verbs beyond `Engine` that `engine` declared are called: its client's extension
+    (`Extended`), else the engine client itself (a client written with those verbs)."""
+    extension = engine.extension(timeout_s) if isinstance(engine, Extended) else None
+    return engine if extension is None else extension
 
 
 @runtime_checkable

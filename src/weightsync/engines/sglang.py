@@ -1,5 +1,10 @@
 """Client for SGLang's HTTP API, and for `weightsync serve`, which speaks it.
 
+What only `weightsync serve` can do beyond an update (relays, shares, rollback, digests of
+the served weights) is its own client, `engines/serve.py`, which this one hands out
+(`SGLangEngine.extension`) once `/weightsync/info` answered: the coordinator reaches those
+verbs through it where the engine declared them (`EngineCapabilities`), never on this client.
+
 Maps the weightsync protocol onto SGLang's routes (docs/ENGINES.md), by the traits
 each transport's receiver declares (`weightsync.transports.base.Receiver`),
 never by its name: a collective transport (broadcast) goes through SGLang's
@@ -28,7 +33,6 @@ needs no session.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -44,21 +48,16 @@ from weightsync.engines.base import (
     PausePolicy,
 )
 from weightsync.engines.json_client import JsonClient, decode, remote_error
-from weightsync.errors import AdapterNotLoadedError, EngineError, SyncTimeoutError
-from weightsync.formats.shares import Share
-from weightsync.formats.wire import FrameHeader, body_chunks, encode_prefix
-from weightsync.integrity import byte_view, with_sent_names
+from weightsync.engines.serve import ServeClient
+from weightsync.errors import AdapterNotLoadedError, EngineError
+from weightsync.integrity import with_sent_names
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.protocol import (
-    BUCKET_ROUTE,
     INFO_ROUTE,
     AbortRequest,
     BeginRequest,
     CommitRequest,
-    DigestsRequest,
-    GroupRelayRequest,
     ReceiveRequest,
-    RollbackRequest,
     WeightsyncRequest,
 )
 from weightsync.reports import Ack
@@ -84,7 +83,7 @@ def stock_sglang() -> EngineCapabilities:
 
 
 class SGLangEngine:
-    """One SGLang server (or `weightsync serve`) at `url`.
+    """One SGLang server (or `weightsync serve`, whose own verbs are `extension()`'s) at `url`.
 
     It keeps what it knows of the server (its connection, what it declared, the layout it
     remembers); what a push has done with it is the push's `EngineUpdate`."""
@@ -92,6 +91,8 @@ class SGLangEngine:
     transports: ClassVar[frozenset[str]] = frozenset(TRANSPORTS)
     lora_transports: ClassVar[frozenset[str]] = frozenset(TRANSPORTS)
     transports_note: str | None = None
+    serve_client: ClassVar[type[ServeClient]] = ServeClient
+    """The client `extension` hands out on `weightsync serve` (a test injects faults by its subclass)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  num_ranks: int = 1, label: str | None = None) -> None:
@@ -100,8 +101,9 @@ class SGLangEngine:
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
         self._http = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s)  # the connection
-        self._native = False
-        """The server has weightsync's routes (probed once, with the capabilities)."""
+        self._serve: ServeClient | None = None
+        """The client of weightsync's own verbs, where the server has weightsync's routes (probed
+        once, with the capabilities)."""
         self._capabilities: EngineCapabilities | None = None
         """What the server declared (asked once)."""
         self._layout: str | None = None
@@ -123,6 +125,24 @@ class SGLangEngine:
         assert self._capabilities is not None
         return replace(self._capabilities, num_ranks=self.num_ranks)
 
+    def extension(self, timeout_s: float) -> ServeClient | None:
+        """The client of what only `weightsync serve` can do (relays, shares, rollback, digests:
+        `engines.serve.ServeClient`), where the server is one; None from a stock SGLang. Probes
+        the server (within `timeout_s`) unless its capabilities were asked."""
+        return self._serve if self._is_native(timeout_s) else None
+
+    def serve(self, timeout_s: float | None = None) -> ServeClient:
+        """`extension`, for a user's own calls (`engine.serve().digests()`); raises on a stock SGLang."""
+        serve = self.extension(self.timeout_s if timeout_s is None else timeout_s)
+        if serve is None:
+            raise EngineError(self.label, "this is a stock SGLang server, without weightsync's routes: "
+                              "relays, shares, rollback and digests need `weightsync serve`")
+        return serve
+
+    def digests(self, hf_names: Sequence[str] | None = None, *, timeout_s: float | None = None) -> dict[str, str]:
+        """Digests of the served weights: `serve().digests` (weightsync serve only)."""
+        return self.serve(timeout_s).digests(hf_names, timeout_s=timeout_s)
+
     def _is_native(self, timeout_s: float | None = None) -> bool:
         """True when the server has weightsync's routes; asked once (within `timeout_s`)."""
         if self._capabilities is None:
@@ -131,8 +151,8 @@ class SGLangEngine:
                 self._capabilities = stock_sglang()
             else:
                 self._capabilities = EngineCapabilities.from_dict(decode(response).get("capabilities") or {})
-                self._native = True
-        return self._native
+                self._serve = self.serve_client(self._http, url=self.url, label=self.label, timeout_s=self.timeout_s)
+        return self._serve is not None
 
     @property
     def num_requests(self) -> int:
@@ -180,13 +200,13 @@ class SGLangEngine:
         if mode is None:
             return
         body: dict[str, str] = {"mode": mode}
-        if self._native and pause_id is not None:
+        if self._serve is not None and pause_id is not None:
             body["pause_id"] = pause_id
         self._http.post("/pause_generation", body, timeout_s=timeout_s)
 
     def resume(self, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
         """Continue generation (naming the pause it ends to `weightsync serve`)."""
-        named = self._native and pause_id is not None
+        named = self._serve is not None and pause_id is not None
         self._http.post("/continue_generation", {"pause_id": pause_id} if named else {}, timeout_s=timeout_s)
 
     def begin(self, manifest: Manifest, update: EngineUpdate) -> str | None:
@@ -229,93 +249,13 @@ class SGLangEngine:
             return answer
 
     def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
-        self._receive(bucket, delivery, update, ())
 
-    def relay(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate, forward: Sequence[str]) -> None:
-        """`receive`, and the engine sends the bucket on along `forward` (`weightsync serve`,
-        over http: `EngineCapabilities.relays`)."""
-        if not receiver_class(delivery.transport).bytes_in_delivery:
-            raise ValueError(f"{self.label}: buckets are relayed along URLs over http only, not "
-                             f"{delivery.transport!r} (a group relays with relay_in_group)")
-        self._receive(bucket, delivery, update, tuple(forward))
-
-    def receive_share(self, share: Share, forward: Sequence[str], *, timeout_s: float) -> None:
-        """One trainer rank's share of a bucket (`assembles_shares`); needs no `begin` here."""
-        header = FrameHeader(version=share.version, index=share.index, nbytes=share.nbytes, digest=share.digest,
-                             forward=tuple(forward), share_ranges=len(share.ranges),
-                             share_digest=share.payload_digest())
-        self._http.request("POST", BUCKET_ROUTE, content=body_chunks(encode_prefix(header), *share.payload()),
-                           headers={"Content-Type": "application/octet-stream"}, timeout_s=timeout_s)
-
-    def relay_in_group(self, manifest: Manifest, update: EngineUpdate, *, source: tuple[str, Link] | None,
-                       forward: tuple[str, Link] | None) -> None:
-        """`weightsync serve` takes the buckets of `manifest` from the rank before it in the
-        broadcast group and sends them to the next (`/weightsync/relay`)."""
-        from weightsync.transports.broadcast import BroadcastLink
-
-        link = update.link
-        group = typed(link, BroadcastLink)
-        source_label, source_rank = (("the trainer", 0) if source is None
-                                     else (source[0], typed(source[1], BroadcastLink).rank_offset))
-        request = GroupRelayRequest(
-            version=manifest.version, group_name=group.group_name, source_rank=source_rank, source_label=source_label,
-            forward_rank=None if forward is None else typed(forward[1], BroadcastLink).rank_offset,
-            forward_label=None if forward is None else forward[0])
-        self._send(request, link.timeout_s)
-
-    def wait_relayed(self, manifest: Manifest, update: EngineUpdate) -> None:
-        """Return once every bucket of `manifest` is staged here (they come from the engine
-        before this one in the relay) and, relayed in a group, sent on to the next engine;
-        raise, naming this engine and the hop, where the relay into or out of here failed,
-        or where buckets are still missing after timeout_s."""
-        link, forwards = update.link, update.forwards
-        want = set(range(len(manifest.buckets)))
-        deadline = time.monotonic() + link.timeout_s
-        backoff = 0.005
-        while True:
-            session, relay = self._open_session(manifest.version, link.timeout_s)
-            error = (relay.get("errors") or {}).get(str(manifest.version))
-            if error:
-                raise EngineError(self.label, f"relay of v{manifest.version}: {error}")
-            missing = want - set(session.get("buckets_received") or ())
-            forwarded = int((relay.get("forwarded") or {}).get(str(manifest.version), 0))
-            if not missing and (not forwards or forwarded >= len(want)):
-                return
-            if time.monotonic() >= deadline:
-                if not missing:
-                    raise SyncTimeoutError(f"{self.label}: {len(want) - forwarded} bucket(s) of v{manifest.version} "
-                                           f"not sent on to the next engine within {link.timeout_s:.0f}s")
-                raise SyncTimeoutError(f"{self.label}: bucket(s) {sorted(missing)[:8]} of v{manifest.version} did "
-                                       f"not arrive through the relay within {link.timeout_s:.0f}s (an engine "
-                                       "before this one stopped forwarding)")
-            time.sleep(backoff)
-            backoff = min(2 * backoff, 0.02)  # a cheap view; the last buckets arrive a hop apart
-
-    def relay_error(self, version: int, *, timeout_s: float) -> str | None:
-        info = decode(self._http.request("GET", f"{INFO_ROUTE}?only=session", timeout_s=timeout_s))
-        error = ((info.get("relay") or {}).get("errors") or {}).get(str(version))
-        return None if error is None else str(error)
-
-    def _open_session(self, version: int, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The engine's open update session and relay state (`/weightsync/info?only=session`, without
-        the model's parameter list); raises unless update `version` is still open there."""
-        info = decode(self._http.request("GET", f"{INFO_ROUTE}?only=session", timeout_s=timeout_s))
-        session = info.get("session") or {}
-        if session.get("kind") != "weightsync" or session.get("version") != version:
-            raise EngineError(self.label, f"update v{version} is no longer open on this engine (its open "
-                              f"session: {session or None}); it expired, was replaced, or the engine restarted")
-        return session, info.get("relay") or {}
-
-    def _receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate, forward: tuple[str, ...]) -> None:
         version, link = update.version, update.link
         assert bucket.digest is not None, "buckets are hashed before they are sent"
         receiver = receiver_class(delivery.transport)
-        if receiver.bytes_in_delivery:
-            prefix = encode_prefix(FrameHeader(version=version, index=bucket.index, nbytes=bucket.nbytes,
-                                               digest=bucket.digest, forward=forward))
-            payload = byte_view(delivery.data).numpy().data
-            self._http.request("POST", BUCKET_ROUTE, content=body_chunks(prefix, payload),
-                               headers={"Content-Type": "application/octet-stream"}, timeout_s=link.timeout_s)
+        if receiver.bytes_in_delivery:  # weightsync's frame route (begin required weightsync serve)
+            assert self._serve is not None, "begin refuses a bytes-in-delivery transport without weightsync's routes"
+            self._serve.post_bucket(bucket, delivery, update)
         elif receiver.collective:
             self._http.post("/update_weights_from_distributed", self._broadcast_request(bucket, version, link),
                             timeout_s=link.timeout_s)
@@ -331,7 +271,8 @@ class SGLangEngine:
         if not self._is_native(link.timeout_s):  # a stock SGLang holds no session: reachable is all it can say
             self._http.request("GET", "/health", timeout_s=link.timeout_s)
             return
-        self._open_session(manifest.version, link.timeout_s)
+        assert self._serve is not None
+        self._serve.open_session(manifest.version, link.timeout_s)
 
     def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
         """Where `update.pause_at_commit`, the commit request carries the pause mode: the
@@ -367,13 +308,6 @@ class SGLangEngine:
             update.engine_session = False
             self._http.request("POST", "/end_weight_update", json_body={}, allow=(404,), timeout_s=timeout_s)
 
-    def rollback(self, version: int, *, owner: str | None = None, timeout_s: float | None = None) -> bool:
-        """Undo the commit of `version` by the trainer `owner` (weightsync serve only; see `Rollbacker`)."""
-        timeout_s = self._cleanup_timeout_s(timeout_s)
-        self._require_native("rolling back a commit", timeout_s)
-        body = self._send(RollbackRequest(version=version, owner=owner), timeout_s)
-        return bool(body.get("rolled_back"))
-
     def unload_lora(self, lora_name: str, *, timeout_s: float | None = None) -> None:
         """Unload an adapter; SGLang waits for requests still using it. Raises
         `AdapterNotLoadedError` when no adapter of that name is loaded."""
@@ -406,19 +340,6 @@ class SGLangEngine:
 
     def weight_version(self) -> str:
         return str(self._http.get("/model_info").get("weight_version"))
-
-    def digests(self, hf_names: Sequence[str] | None = None, *, timeout_s: float | None = None) -> dict[str, str]:
-        """Digests of the served weights (weightsync serve only)."""
-        self._require_native("reading weight digests", self.timeout_s if timeout_s is None else timeout_s)
-        request = DigestsRequest(names=tuple(hf_names) if hf_names else None)
-        return dict(self._send(request, timeout_s)["digests"])
-
-    def instance(self, *, timeout_s: float | None = None) -> str | None:
-        """The id the server process drew at start (weightsync serve; a stock SGLang: None)."""
-        if not self._is_native(self.timeout_s if timeout_s is None else timeout_s):
-            return None
-        answer = decode(self._http.request("GET", INFO_ROUTE, timeout_s=timeout_s)).get("instance")
-        return str(answer) if answer is not None else None
 
     def close(self) -> None:
         self._http.close()

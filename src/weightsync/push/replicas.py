@@ -38,6 +38,7 @@ from weightsync.engines.base import (
     Link,
     PausePolicy,
     Rollbacker,
+    verbs_of,
 )
 from weightsync.errors import EngineError, IntegrityError, SyncTimeoutError, WeightSyncError
 from weightsync.formats.shares import Share
@@ -126,9 +127,11 @@ class Replicas:
         return self._caps is not None
 
     def rollbackers(self) -> list[Rollbacker | None]:
-        """Per engine: itself where it can undo its last commit (`EngineCapabilities.rolls_back`), else None."""
-        return [e if c.rolls_back and isinstance(e, Rollbacker) else None
-                for e, c in zip(self.engines, self.capabilities(), strict=True)]
+        """Per engine: where it undoes its last commit (`engines.base.verbs_of`), where it declares it
+        can (`EngineCapabilities.rolls_back`), else None."""
+        verbs = [verbs_of(e, self.timeout_s) if c.rolls_back else None
+                 for e, c in zip(self.engines, self.capabilities(), strict=True)]
+        return [v if isinstance(v, Rollbacker) else None for v in verbs]
 
     def unloaders(self) -> list[AdapterUnloader]:
         """The engines that unload LoRA adapters by name (`EngineCapabilities.unloads_adapters`)."""
@@ -371,11 +374,12 @@ class Replicas:
 
     def ask_digest_readers(self, call: Callable[[DigestReader], T], what: str) -> list[T]:
         """`call` on every engine that reports digests of its served weights (`DigestReader`), at once."""
-        readers = [(i, e) for i, (e, c) in enumerate(zip(self.engines, self.capabilities(), strict=True))
-                   if c.reads_digests and isinstance(e, DigestReader)]
+        verbs = [verbs_of(e, self.timeout_s) if c.reads_digests else None
+                 for e, c in zip(self.engines, self.capabilities(), strict=True)]
+        readers = [(i, v) for i, v in enumerate(verbs) if isinstance(v, DigestReader)]
         deadline = time.monotonic() + self.timeout_s
         futures = [(i, e, self.pool.submit(call, e)) for i, e in readers]
-        return [self.wait(f, f"{e.label}: {what}", index=i, deadline=deadline) for i, e, f in futures]
+        return [self.wait(f, f"{self.engines[i].label}: {what}", index=i, deadline=deadline) for i, _, f in futures]
 
     # -- after a failure -----------------------------------------------------
 

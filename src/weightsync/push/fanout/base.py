@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.engines.base import Engine, EngineCapabilities, EngineUpdate, ShareReceiver
+from weightsync.engines.base import Engine, EngineCapabilities, EngineUpdate, Relayer, ShareReceiver, verbs_of
 from weightsync.formats.shares import Share
 from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
@@ -142,11 +142,21 @@ def stream_whole_buckets(push: Streaming) -> list[str]:
         pack_threads=threads_beside_engines() if push.transport.same_host_only else None)
 
 
-def share_receivers(engines: Sequence[Engine]) -> list[ShareReceiver]:
-    """`engines`, each an engine client that sends shares (send_shares refuses the others when built)."""
-    receivers: list[ShareReceiver] = [e for e in engines if isinstance(e, ShareReceiver)]
-    assert len(receivers) == len(engines), "refuse_unfit refuses engines that take no shares"
+def share_receivers(engines: Sequence[Engine], timeout_s: float) -> list[ShareReceiver]:
+    """Where each of `engines` takes shares (`engines.base.verbs_of`): send_shares refuses an
+    engine client that never does when built, and an engine that does not declare it at the handshake."""
+    receivers: list[ShareReceiver] = [v for v in (verbs_of(e, timeout_s) for e in engines)
+                                      if isinstance(v, ShareReceiver)]
+    assert len(receivers) == len(engines), "refuse_unfit and refuse_engine refuse engines that take no shares"
     return receivers
+
+
+def relayer(engine: Engine, timeout_s: float) -> Relayer:
+    """Where `engine` relays (`engines.base.verbs_of`): fan_out='relay' refuses an engine client
+    that never does when built, and an engine that does not declare `relays` at the handshake."""
+    verbs = verbs_of(engine, timeout_s)
+    assert isinstance(verbs, Relayer), "refuse_unfit and refuse_engine refuse engines that do not relay"
+    return verbs
 
 
 def nothing_to_send() -> None:

@@ -44,7 +44,7 @@ class DirectFanOut:
 
     def deliver_share(self, replicas: Round, share: Share) -> None:
         calls = [(i, functools.partial(e.receive_share, share, (), timeout_s=replicas.timeout_s))
-                 for i, e in enumerate(share_receivers(replicas.engines))]
+                 for i, e in enumerate(share_receivers(replicas.engines, replicas.timeout_s))]
         replicas.while_sending(calls, nothing_to_send, f"receiving a share of bucket {share.index}")
 
     def wait_delivered(self, replicas: Round, manifest: Manifest) -> None:

@@ -11,12 +11,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from weightsync.engines.base import Engine, EngineCapabilities, Relayer
+from weightsync.engines.base import Engine, EngineCapabilities, Extended, Relayer
 from weightsync.errors import EngineError
 from weightsync.formats.shares import Share
 from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
-from weightsync.push.fanout.base import Round, Streaming, nothing_to_send, share_receivers, stream_whole_buckets
+from weightsync.push.fanout.base import (
+    Round,
+    Streaming,
+    nothing_to_send,
+    relayer,
+    share_receivers,
+    stream_whole_buckets,
+)
 from weightsync.push.fanout.relay_chain import RelayChain
 from weightsync.transports import receiver_class
 from weightsync.transports.base import Transport
@@ -39,7 +46,9 @@ class RelayFanOut:
         """Relays run over http (engines forward the frames they received) and broadcast
         (point-to-point sends in the group, from a transport built with `relay=True`); disk
         engines each read the shared directory, and shm reaches one host, where every engine
-        maps the trainer's segment itself: nothing to relay."""
+        maps the trainer's segment itself: nothing to relay. An engine client that may relay
+        (`Relayer`, or one that hands out its engine's own verbs: `Extended`) passes here; its
+        engine is refused at the handshake unless it declares `relays` (`refuse_engine`)."""
         if self.in_group and not transport.relays:
             raise ValueError(f"fan_out='relay' over transport={self.transport!r} needs the transport built to relay: "
                              "pass it by name, or build BroadcastTransport(relay=True)")
@@ -48,7 +57,7 @@ class RelayFanOut:
                              f"transport={self.transport!r} does not send: use transport='http' or 'broadcast', or "
                              "fan_out='direct'")
         for e in replicas.engines:
-            if not isinstance(e, Relayer) or e.url is None:
+            if not isinstance(e, (Relayer, Extended)) or e.url is None:
                 raise ValueError(f"{e.label} cannot be part of a relay (it needs an engine client that relays, "
                                  "with a URL the other engines reach: SGLangEngine on weightsync serve); "
                                  "use fan_out='direct'")
@@ -79,18 +88,18 @@ class RelayFanOut:
             assert self._chain is not None, "start() first"
             self._chain.send_first_hop(bucket, send)
             return
-        first = replicas.engines[0]
-        assert isinstance(first, Relayer)
+        first = relayer(replicas.engines[0], replicas.timeout_s)
         call = functools.partial(first.relay, bucket, delivery, replicas.updates[0], _forward(replicas.engines))
         replicas.while_sending([(0, call)], send, f"receiving bucket {bucket.index}")
 
     def deliver_share(self, replicas: Round, share: Share) -> None:
-        first = share_receivers(replicas.engines)[0]
+        first = share_receivers(replicas.engines[:1], replicas.timeout_s)[0]
         call = functools.partial(first.receive_share, share, _forward(replicas.engines), timeout_s=replicas.timeout_s)
         replicas.while_sending([(0, call)], nothing_to_send, f"receiving a share of bucket {share.index}")
 
     def wait_delivered(self, replicas: Round, manifest: Manifest) -> None:
-        replicas.all(lambda e, update: e.wait_relayed(manifest, update), "waiting for the relayed buckets")
+        replicas.all(lambda e, update: relayer(e, replicas.timeout_s).wait_relayed(manifest, update),
+                     "waiting for the relayed buckets")
 
     def stream(self, push: Streaming) -> list[str]:
         return stream_whole_buckets(push)

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from weightsync.engines.base import EngineUpdate, Relayer
+from weightsync.engines.base import EngineUpdate, Relayer, verbs_of
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.manifest import BucketMeta, Manifest
-from weightsync.push.fanout.base import Round
+from weightsync.push.fanout.base import Round, relayer
 
 RELAY_CAUSE_S = 2.0
 """How long the trainer asks the engines of a relay in a group why it stopped, after its own
@@ -42,11 +42,11 @@ class RelayChain:
         position = {id(e): i for i, e in enumerate(replicas.engines)}
 
         def start(engine: Any, update: EngineUpdate) -> None:
-            assert isinstance(engine, Relayer)
             i = position[id(engine)]
             forward = hops[i + 1] if i + 1 < len(hops) else None
             update.forwards = forward is not None
-            engine.relay_in_group(manifest, update, source=hops[i - 1] if i else None, forward=forward)
+            relayer(engine, replicas.timeout_s).relay_in_group(manifest, update, source=hops[i - 1] if i else None,
+                                                               forward=forward)
 
         replicas.all(start, "starting its relay in the group")
 
@@ -80,8 +80,9 @@ class RelayChain:
         while time.monotonic() < deadline:
             # each asked again once it answered: a silent one holds none up
             for i, engine in enumerate(self.replicas.engines):
-                if isinstance(engine, Relayer) and (i not in asking or asking[i].done()):
-                    asking[i] = self.replicas.pool.submit(engine.relay_error, version, timeout_s=limit_s)
+                verbs = verbs_of(engine, limit_s)
+                if isinstance(verbs, Relayer) and (i not in asking or asking[i].done()):
+                    asking[i] = self.replicas.pool.submit(verbs.relay_error, version, timeout_s=limit_s)
             time.sleep(0.05)
             for i, future in sorted(asking.items()):
                 if future.done() and future.exception() is None and (error := future.result()) is not None:

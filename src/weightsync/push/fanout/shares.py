@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from weightsync.digests import COMBINABLE, WSMIX64
-from weightsync.engines.base import Engine, EngineCapabilities, ShareReceiver
+from weightsync.engines.base import Engine, EngineCapabilities, Extended, ShareReceiver
 from weightsync.errors import EngineError
 from weightsync.formats.shares import Share
 from weightsync.links import Delivery
@@ -46,7 +46,7 @@ class SharesFanOut:
             raise ValueError(f"send_shares=True sends each trainer rank's share of a bucket in a request of its own, "
                              f"which transport={self.transport!r} does not: use transport='http'")
         for e in replicas.engines:
-            if not isinstance(e, ShareReceiver):
+            if not isinstance(e, (ShareReceiver, Extended)):
                 raise ValueError(f"{e.label} cannot take buckets in shares (it needs an engine client that sends "
                                  "them: SGLangEngine on weightsync serve); use send_shares=False")
 
