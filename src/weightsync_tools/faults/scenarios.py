@@ -300,6 +300,10 @@ def trainer_killed(rig: Rig, transport: str, *, mid_wire: bool = False) -> Fault
     out.bad_version_dirs = version_dir_problems(root)
     if left := leftover_temp_dirs(root) + segments_left(ready):
         out.notes.append(f"the killed trainer left {left} (hidden from engines; the next push removes them)")
+    named = json.loads(ready.removeprefix("READY").strip() or "[]")
+    if named and not segments_left(ready):  # another process on this host made a segment meanwhile
+        out.notes.append(f"the killed trainer's segments {named} were gone before the next push (an orphan "
+                         "sweep: any segment made on this host removes those of a dead creator)")
     with rig.sync(transport, disk_root=root) as sync:  # a new trainer, built as the README builds it
         _next_push(out, rig, sync)  # takes over the dead trainer's session: no 409 reaches the user
     out.leftovers = leftover_temp_dirs(root) + segments_left(ready)
