@@ -11,7 +11,7 @@ by a fixture is charged to the test that started it, and its work during a push 
 test that pushed.
 
     python scripts/suite.py -p cpu_profile     # cpu-profile-first.tsv and cpu-profile-second.tsv
-    python scripts/cpu_report.py cpu-profile-*.tsv
+    sort -rn cpu-profile-*.tsv | head -25       # CPU s, wall s, test
 """
 
 from __future__ import annotations
