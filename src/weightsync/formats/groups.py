@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+ABORT_TIMEOUT_S = 10.0
+"""Longest the caller waits for NCCL's abort of a group whose collective outran its bound."""
+
 MAX_WORLD_SIZE = 1 << 16
 """Largest weight-update group accepted (torch's store takes a C int; beyond it raises TypeError)."""
 
@@ -143,11 +146,15 @@ class UpdateGroup:
         longer waits for it). gloo needs none: its calls end at their own timeout."""
         if self.backend != "nccl" or self.group is None:
             return
-        try:
+
+        def run(_: float) -> None:
             from torch.distributed.distributed_c10d import _abort_process_group
 
             _abort_process_group(self.group)
-        except Exception as e:  # best effort: an older torch, or already torn down
+
+        try:  # bounded too: an abort that waited on the stuck build would hang the caller
+            _bounded(run, ABORT_TIMEOUT_S, f"aborting group {self.group_name!r}")
+        except Exception as e:  # best effort: an older torch, already torn down, or stuck
             log.warning("aborting NCCL group %s: %s", self.group_name, e)
 
     def destroy(self) -> None:
