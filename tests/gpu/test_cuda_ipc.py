@@ -58,15 +58,14 @@ def test_an_engine_process_maps_the_trainers_cuda_slots_and_reads_its_bytes(into
     transport = ShmTransport(cuda_ipc=True)
     try:
         (link,) = transport.open([1], max_bucket_bytes=3 << 20)
-        link = dataclasses.replace(link)  # what the engine gets: the JSON of it
         assert isinstance(link, ShmLink) and link.cuda_ipc is not None
         assert decode_handle(link.cuda_ipc).gpu_uuid == str(torch.cuda.get_device_properties(0).uuid)
         gen = torch.Generator(device="cuda").manual_seed(7)
         sizes = [3 << 20, (1 << 20) + 3]
         expected = []
+        transport.begin(SimpleNamespace(buckets=sizes))  # type: ignore[arg-type]
         for slot, nbytes in enumerate(sizes):
             data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
-            transport.begin(SimpleNamespace(buckets=sizes))  # type: ignore[arg-type]
             buffer = transport.slot(slot, nbytes)
             buffer.copy_(data)
             transport.deliver(SimpleNamespace(index=slot, nbytes=nbytes), buffer)  # type: ignore[arg-type]
