@@ -3,8 +3,11 @@
 The trainer is rank 0 (TCP store host, broadcast source); engine ranks join as `rank_offset + tp_rank`
 through a `PrefixStore(group_name)`. A side group: no default process group is needed or touched.
 Across hosts each gloo rank binds the address its peers can reach (`hosts.local_address_towards`,
-unless GLOO_SOCKET_IFNAME is set). Used by the broadcast transport (trainer), the embedded server and
-the vLLM worker (engines); the rendezvous in full: docs/ENGINES.md ("SGLang").
+unless GLOO_SOCKET_IFNAME is set). Every collective, and the group's forming, runs on a worker thread
+that the caller waits for at most `timeout_s` (`_bounded`): NCCL blocks inside the call that builds its
+communicator, where no `Work.wait(timeout)` reaches; gloo takes the same path. Used by the broadcast
+transport (trainer), the embedded server and the vLLM worker (engines); the rendezvous in full:
+docs/ENGINES.md ("SGLang").
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +35,11 @@ from weightsync.errors import SyncTimeoutError, WeightSyncError
 from weightsync.hosts import local_address_towards
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ABORT_TIMEOUT_S = 10.0
+"""Longest the caller waits for NCCL's abort of a group whose collective outran its bound."""
 
 MAX_WORLD_SIZE = 1 << 16
 """Largest weight-update group accepted (torch's store takes a C int; beyond it raises TypeError)."""
@@ -47,62 +57,150 @@ class UpdateGroup:
     backend: str
     bind_address: str = ""
     """The address this rank's gloo device binds (the trainer's: master_address)."""
+    broken: str | None = None
+    """Why the group can no longer be used (a collective outran its bound); None while usable."""
+
+    def _collective(self, issue: Callable[[], dist.Work], tensor: torch.Tensor, timeout_s: float,
+                    what: str) -> None:
+        """Issue a collective and wait for it, both within `timeout_s` (`_bounded`). Past the
+        bound the group is broken for good: NCCL's communicator is aborted, and every later
+        call is refused at once."""
+        if self.broken is not None:
+            raise WeightSyncError(f"{what}: the group is unusable ({self.broken}); form a new one")
+        stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+
+        def run(deadline: float) -> None:
+            if stream is not None:  # the worker thread: the caller's device and stream, so the bytes are ordered
+                torch.cuda.set_device(tensor.device)
+                with torch.cuda.stream(stream):
+                    _wait(issue(), max(deadline - time.monotonic(), 1e-3), what)
+                    stream.synchronize()  # the bytes are there when the caller resumes
+            else:
+                _wait(issue(), max(deadline - time.monotonic(), 1e-3), what)
+
+        try:
+            _bounded(run, timeout_s, what)
+        except SyncTimeoutError as e:
+            self.broken = str(e)
+            self.abort()
+            raise
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, timeout_s: float) -> None:
         """Broadcast `tensor` from `src`; raises SyncTimeoutError past `timeout_s`."""
-        work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
-        _wait(work, timeout_s, f"broadcast in group {self.group_name!r}")
+        self._collective(lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True), tensor,
+                         timeout_s, f"broadcast in group {self.group_name!r}")
 
     def send(self, tensor: torch.Tensor, *, dst: int, tag: int, timeout_s: float) -> None:
         """Send `tensor` to rank `dst` alone (a relayed push's hop); `tag` pairs it with the
         receiver's `recv`. Raises SyncTimeoutError past `timeout_s`, WeightSyncError when
         the peer is gone."""
         what = f"send to rank {dst} in group {self.group_name!r}"
-        try:  # group ranks: this side group's own (no global mapping); a pair already broken raises here
-            work = self.group.send([tensor], dst, tag)
-        except RuntimeError as e:
-            raise WeightSyncError(f"{what} failed (did a peer die or leave the group?): {e}") from e
-        _wait(work, timeout_s, what)
+
+        def issue() -> dist.Work:
+            try:  # group ranks: this side group's own (no global mapping); a pair already broken raises here
+                return self.group.send([tensor], dst, tag)
+            except RuntimeError as e:
+                raise WeightSyncError(f"{what} failed (did a peer die or leave the group?): {e}") from e
+
+        self._collective(issue, tensor, timeout_s, what)
 
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int, timeout_s: float) -> None:
         """Receive into `tensor` (its exact size) what rank `src` sends with `tag`."""
         what = f"receive from rank {src} in group {self.group_name!r}"
-        try:
-            work = self.group.recv([tensor], src, tag)
-        except RuntimeError as e:
-            raise WeightSyncError(f"{what} failed (did a peer die or leave the group?): {e}") from e
-        _wait(work, timeout_s, what)
+
+        def issue() -> dist.Work:
+            try:
+                return self.group.recv([tensor], src, tag)
+            except RuntimeError as e:
+                raise WeightSyncError(f"{what} failed (did a peer die or leave the group?): {e}") from e
+
+        self._collective(issue, tensor, timeout_s, what)
 
     def all_gather(self, tensor: torch.Tensor, *, timeout_s: float) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape and dtype on every rank), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        work = dist.all_gather(out, tensor, group=self.group, async_op=True)
-        _wait(work, timeout_s, f"all_gather in group {self.group_name!r}")
+        self._collective(lambda: dist.all_gather(out, tensor, group=self.group, async_op=True), tensor,
+                         timeout_s, f"all_gather in group {self.group_name!r}")
         return out
 
     def gather(self, tensor: torch.Tensor, *, dst: int = 0, timeout_s: float) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape and dtype on every rank) on rank `dst`, in
         rank order; an empty list on the other ranks."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == dst else None
-        work = dist.gather(tensor, out, dst=dst, group=self.group, async_op=True)
-        _wait(work, timeout_s, f"gather in group {self.group_name!r}")
+        self._collective(lambda: dist.gather(tensor, out, dst=dst, group=self.group, async_op=True), tensor,
+                         timeout_s, f"gather in group {self.group_name!r}")
         return out or []
 
     def all_reduce_max(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
         """`tensor` becomes the elementwise maximum over every rank's, in place."""
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        _wait(work, timeout_s, f"all_reduce in group {self.group_name!r}")
+        self._collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                         tensor, timeout_s, f"all_reduce in group {self.group_name!r}")
 
     def barrier(self, *, timeout_s: float) -> None:
         flag = torch.zeros(1, dtype=torch.uint8)
         self.broadcast(flag, src=0, timeout_s=timeout_s)
 
+    def abort(self) -> None:
+        """NCCL: abort the group's communicators, so a collective stuck in them returns (one
+        stuck building its communicator may stay blocked on its worker thread; the caller no
+        longer waits for it). gloo needs none: its calls end at their own timeout."""
+        if self.backend != "nccl" or self.group is None:
+            return
+
+        def run(_: float) -> None:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group(self.group)
+
+        try:  # bounded too: an abort that waited on the stuck build would hang the caller
+            _bounded(run, ABORT_TIMEOUT_S, f"aborting group {self.group_name!r}")
+        except Exception as e:  # best effort: an older torch, already torn down, or stuck
+            log.warning("aborting NCCL group %s: %s", self.group_name, e)
+
     def destroy(self) -> None:
-        """Tear the group down; safe to call twice and after a peer died."""
+        """Tear the group down; safe to call twice and after a peer died. A broken NCCL group
+        was aborted instead (destroying it could wait on the stuck collective)."""
+        if self.broken is not None and self.backend == "nccl":
+            return
         try:
             dist.destroy_process_group(self.group)
         except (RuntimeError, ValueError, KeyError) as e:  # already gone or never registered
             log.debug("destroying group %s: %s", self.group_name, e)
+
+
+def _bounded(fn: Callable[[float], T], timeout_s: float, what: str,
+             on_abandoned: Callable[[T], None] | None = None) -> T:
+    """`fn(deadline)` run on a worker thread, waited for at most `timeout_s`; past it,
+    SyncTimeoutError, and the thread is left to end on its own (`on_abandoned` gets what
+    it returns if it ever does). `fn` bounds its own waits by `deadline` (time.monotonic)."""
+    deadline = time.monotonic() + timeout_s
+    done = threading.Event()
+    box: dict[str, Any] = {}
+    abandoned = threading.Event()
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            box["value"] = fn(deadline)
+        except BaseException as e:
+            box["error"] = e
+        with lock:
+            done.set()
+            late = abandoned.is_set()
+        if late and on_abandoned is not None and "value" in box:
+            on_abandoned(box["value"])
+
+    threading.Thread(target=run, name=f"weightsync-{what}"[:60], daemon=True).start()
+    finished = done.wait(timeout_s)
+    with lock:
+        if not finished and not done.is_set():
+            abandoned.set()
+            raise SyncTimeoutError(f"{what} did not finish within {timeout_s:.1f}s (the call itself blocked: "
+                                   "a peer never joined or stopped; NCCL builds its communicator in the first "
+                                   "collective)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
@@ -176,10 +274,16 @@ def host_group(*, master_address: str, world_size: int, group_name: str, backend
 
 def finish_hosting(holder: UpdateGroup, *, timeout_s: float) -> UpdateGroup:
     """Trainer side, step 2: form the group as rank 0 (blocks until all ranks join)."""
+    what = f"weight-update group {holder.group_name!r}"
     try:
-        holder.group = _new_group(holder.store, rank=0, world_size=holder.world_size,
-                                  group_name=holder.group_name, backend=holder.backend, timeout_s=timeout_s,
-                                  bind_address=holder.bind_address)
+        holder.group = _bounded(
+            lambda deadline: _new_group(holder.store, rank=0, world_size=holder.world_size,
+                                        group_name=holder.group_name, backend=holder.backend,
+                                        timeout_s=max(deadline - time.monotonic(), 1e-3),
+                                        bind_address=holder.bind_address),
+            timeout_s, f"forming {what}", on_abandoned=_destroy_pg)
+    except SyncTimeoutError as e:
+        raise SyncTimeoutError(f"{what} did not form within {timeout_s:.1f}s: {e}") from e
     except RuntimeError as e:
         raise SyncTimeoutError(
             f"weight-update group {holder.group_name!r} did not form within {timeout_s:.1f}s: {e}"
@@ -197,18 +301,29 @@ def join_group(*, master_address: str, master_port: int, rank: int, world_size: 
         raise ValueError(f"engine rank {rank} must be in 1..{world_size - 1} (rank 0 is the trainer)")
     init_method = f"tcp://{master_address}:{master_port}"
     bind_address = local_address_towards(master_address)
-    try:
-        store, rank, world_size = next(
-            rendezvous(init_method, rank, world_size, timeout=timedelta(seconds=timeout_s))
-        )
+    def form(deadline: float) -> tuple[dist.Store, dist.ProcessGroup]:
+        left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+        store, _, _ = next(rendezvous(init_method, rank, world_size, timeout=left))
         store.set_timeout(timedelta(seconds=timeout_s))
-        pg = _new_group(store, rank=rank, world_size=world_size, group_name=group_name,
-                        backend=backend, timeout_s=timeout_s, bind_address=bind_address)
+        return store, _new_group(store, rank=rank, world_size=world_size, group_name=group_name, backend=backend,
+                                 timeout_s=max(deadline - time.monotonic(), 1e-3), bind_address=bind_address)
+
+    try:
+        store, pg = _bounded(form, timeout_s, f"joining group {group_name!r} at {init_method}",
+                             on_abandoned=lambda formed: _destroy_pg(formed[1]))
     except RuntimeError as e:
         raise SyncTimeoutError(f"joining group {group_name!r} at {init_method} failed: {e}"
                                f"{_mesh_hint(str(e), bind_address)}") from e
     return UpdateGroup(group=pg, store=store, rank=rank, world_size=world_size,
                        group_name=group_name, backend=backend, bind_address=bind_address)
+
+
+def _destroy_pg(pg: dist.ProcessGroup) -> None:
+    """A group formed after its caller stopped waiting for it: nobody will use it."""
+    try:
+        dist.destroy_process_group(pg)
+    except (RuntimeError, ValueError, KeyError) as e:
+        log.debug("destroying an abandoned group: %s", e)
 
 
 def _mesh_hint(text: str, bind_address: str) -> str:

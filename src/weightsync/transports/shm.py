@@ -5,6 +5,8 @@ An engine copies a slot out (two slots reused), or, declaring `adopts_shm`, hash
 serves from it; the trainer then leases every bucket a slot of its own and never writes a slot an
 ack still names (`Ack.held_slots`). The segment lives for the session and is replaced when too small
 or too full. Slot leasing, memory bounds and the trust it needs: docs/ARCHITECTURE.md ("Design notes").
+With `cuda_ipc=True` the slots are one CUDA buffer of the trainer's instead, mapped by engines on the
+same GPU (`transports.cuda_ipc`; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from weightsync.digests import copy_hashed
+from weightsync.digests import copy_hashed, digest
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.reports import Ack
@@ -29,7 +31,8 @@ from weightsync.transports.base import (
     TransportDefaults,
     typed,
 )
-from weightsync.transports.shmem import SharedSlots
+from weightsync.transports.cuda_ipc import CudaSlots, encode_handle, export_slots
+from weightsync.transports.shmem import NAME_PREFIX, SharedSlots
 
 
 class ShmReceiver(ReceiverDefaults):
@@ -42,7 +45,9 @@ class ShmReceiver(ReceiverDefaults):
     joins_session: ClassVar[bool] = True
 
     def __init__(self, *, max_sessions: int = 1, device: torch.device | None = None) -> None:
-        self._segments: Joined[SharedSlots] = Joined(max_sessions, SharedSlots.close)
+        self.device = device
+        """The CUDA device whose memory a `cuda_ipc` link must name (default: any of this process's)."""
+        self._segments: Joined[SharedSlots | CudaSlots] = Joined(max_sessions, _close_slots)
         self._lock = threading.Lock()
         self._adopted: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}
         """id(slot view) -> (the view, its segment, its slot), for the views `adopt` handed out."""
@@ -54,7 +59,13 @@ class ShmReceiver(ReceiverDefaults):
             raise ValueError("slot_bytes and num_slots must be positive")
         with self._lock:
             mapped = self._segments.get(name)
-            if mapped is None or (mapped.slot_bytes, mapped.num_slots) != (slot_bytes, num_slots):
+            if shm.cuda_ipc is not None:  # the trainer's CUDA slots, mapped once per session
+                layout = (slot_bytes, num_slots)
+                if not isinstance(mapped, CudaSlots) or (mapped.slot_bytes, mapped.num_slots) != layout:
+                    self._segments.drop(name)
+                    self._segments.add(name, CudaSlots.open(shm.cuda_ipc, slot_bytes=slot_bytes, num_slots=num_slots,
+                                                            device=self.device))
+            elif mapped is None or (mapped.slot_bytes, mapped.num_slots) != (slot_bytes, num_slots):
                 self._segments.add(name, SharedSlots.open(name, slot_bytes=slot_bytes, num_slots=num_slots))
 
     def leave(self, link: Link) -> None:
@@ -73,12 +84,23 @@ class ShmReceiver(ReceiverDefaults):
                               "connect() first")
 
     def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
-        return into.copy_(self._slot(link, bucket, delivery))
+        into.copy_(slot := self._slot(link, bucket, delivery))
+        if slot.is_cuda and into.is_cuda:
+            torch.cuda.current_stream(into.device).synchronize()  # read before the trainer may reuse the slot
+        return into
 
     def fetch_hashed(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor,
                      algorithm: str) -> tuple[torch.Tensor, str | None]:
-        """The copy out of the slot, hashed piece by piece as it lands (`copy_hashed`)."""
-        return into, copy_hashed(into, self._slot(link, bucket, delivery), algorithm)
+        """The copy out of the slot, hashed piece by piece as it lands (`copy_hashed`); a
+        CUDA IPC slot is hashed on its device, then copied."""
+        slot = self._slot(link, bucket, delivery)
+        if slot.is_cuda:
+            hashed = digest(slot, algorithm)
+            into.copy_(slot)
+            if into.is_cuda:
+                torch.cuda.current_stream(into.device).synchronize()  # read before the trainer may reuse the slot
+            return into, hashed
+        return into, copy_hashed(into, slot, algorithm)
 
     def adopt(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor | None:
         """The slot itself, to stage and serve from without copying it out, where the
@@ -117,6 +139,10 @@ class ShmReceiver(ReceiverDefaults):
             self._segments.clear()
 
 
+def _close_slots(slots: SharedSlots | CudaSlots) -> None:
+    slots.close()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShmLink(Link, transport="shm"):
     """A shared-memory session: the segment engines map and copy buckets out of."""
@@ -130,6 +156,9 @@ class ShmLink(Link, transport="shm"):
     adopt: bool = False
     """The trainer leases slots: the engine may serve a full update from the slots it
     came in, naming them in its acks (`Ack.held_slots`); otherwise it copies them out."""
+    cuda_ipc: str | None = None
+    """The trainer's slots are one CUDA buffer: its IPC handle (`cuda_ipc.encode_handle`'s
+    JSON), mapped in place of the segment `shm_name` would name (none is made)."""
 
 
 class ShmTransport(TransportDefaults):
@@ -143,9 +172,20 @@ class ShmTransport(TransportDefaults):
     survives_failure: ClassVar[bool] = True
     same_host_only: ClassVar[bool] = True
 
-    def __init__(self, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, *, timeout_s: float = 60.0, cuda_ipc: bool = False,
+                 device: torch.device | str | None = None) -> None:
         self.timeout_s = timeout_s
-        self._segment: SharedSlots | None = None
+        self.cuda_ipc = cuda_ipc
+        """Slots in one CUDA buffer on `device` (default: the current CUDA device), exported once
+        per session to engines on the same GPU; never leased (engines copy out)."""
+        self._cuda_device: torch.device | None = None
+        if cuda_ipc:
+            self._cuda_device = torch.device(device if device is not None else "cuda")
+            if self._cuda_device.type != "cuda":
+                raise ValueError(f"cuda_ipc=True puts the slots on a CUDA device, not {self._cuda_device}")
+        elif device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"the shm transport's slots are in host memory; device={device!r} needs cuda_ipc=True")
+        self._segment: SharedSlots | _TrainerCudaSlots | None = None
         self._links: list[Link] = []
         self._leasing = False
         self._held: set[int] = set()
@@ -156,18 +196,27 @@ class ShmTransport(TransportDefaults):
         self._delivered: set[int] = set()
         """The slots of the push under way handed to engines so far (only those can be held)."""
 
+    @property
+    def buffer_device(self) -> torch.device:
+        return self._cuda_device or torch.device("cpu")
+
     def open(self, engine_ranks: Sequence[int], *, max_bucket_bytes: int, leased_buckets: int = 0) -> list[Link]:
+        if self.cuda_ipc:
+            leased_buckets = 0  # engines copy out of CUDA slots: nothing to lease
         seg, wanted = self._segment, leased_buckets or NUM_SLOTS
         if (seg is not None and seg.slot_bytes >= max_bucket_bytes and len(self._links) == len(engine_ranks)
                 and self._leasing == bool(leased_buckets) and len(self._free()) >= wanted):
             return self._links  # the same segment: engines stay connected
         self.close()
-        seg = self._segment = SharedSlots.create(slot_bytes=max(1, max_bucket_bytes),
-                                                 num_slots=max(NUM_SLOTS, 2 * leased_buckets))
+        seg = self._segment = (
+            _TrainerCudaSlots(slot_bytes=max(1, max_bucket_bytes), num_slots=NUM_SLOTS, device=self._cuda_device)
+            if self._cuda_device is not None else
+            SharedSlots.create(slot_bytes=max(1, max_bucket_bytes), num_slots=max(NUM_SLOTS, 2 * leased_buckets)))
         self._leasing = bool(leased_buckets)
+        handle = seg.handle if isinstance(seg, _TrainerCudaSlots) else None
         self._links = [
             ShmLink(transport=self.name, shm_name=seg.name, slot_bytes=seg.slot_bytes,
-                    num_slots=seg.num_slots, adopt=self._leasing, timeout_s=self.timeout_s)
+                    num_slots=seg.num_slots, adopt=self._leasing, timeout_s=self.timeout_s, cuda_ipc=handle)
             for _ in engine_ranks
         ]
         return self._links
@@ -188,6 +237,8 @@ class ShmTransport(TransportDefaults):
     def deliver(self, bucket: BucketMeta, buffer: torch.Tensor) -> Delivery:
         slot = self._slots[bucket.index % len(self._slots)]
         self._delivered.add(slot)
+        if buffer.is_cuda:  # packed on this stream: written before any engine reads it
+            torch.cuda.current_stream(buffer.device).synchronize()
         return Delivery(transport=self.name, slot=slot)
 
     def committed(self, acks: Sequence[Ack]) -> None:
@@ -211,3 +262,30 @@ class ShmTransport(TransportDefaults):
         self._held = set()
         self._slots = []
         self._delivered = set()
+
+
+class _TrainerCudaSlots:
+    """The trainer's CUDA slots (`cuda_ipc=True`): one buffer, exported once; named as a
+    segment would be (the session's name in the links), with no file behind it."""
+
+    def __init__(self, *, slot_bytes: int, num_slots: int, device: torch.device) -> None:
+        import secrets
+
+        from weightsync.owners import owner_tag
+
+        self.name = f"{NAME_PREFIX}{owner_tag()}-{secrets.token_hex(8)}"
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._buffer: torch.Tensor | None = torch.empty(slot_bytes * num_slots, dtype=torch.uint8, device=device)
+        self.handle = encode_handle(export_slots(self._buffer))
+
+    def slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
+        assert self._buffer is not None, "closed"
+        n = self.slot_bytes if nbytes is None else nbytes
+        if not 0 <= index < self.num_slots or not 0 <= n <= self.slot_bytes:
+            raise ValueError(f"slot {index} of {n} bytes: the CUDA slots are {self.num_slots} of {self.slot_bytes}")
+        start = index * self.slot_bytes
+        return self._buffer[start : start + n]
+
+    def close(self) -> None:
+        self._buffer = None  # torch keeps the memory while an engine's mapping holds it
