@@ -1,21 +1,8 @@
-"""The spec every push mode implements, and what a mode may ask of the coordinator.
+"""The spec every push mode implements (`PushMode`), and what a mode is given to plan with.
 
-A mode decides WHAT one push sends; the coordinator (`weightsync.push.sync`) decides
-HOW: bucket plan, begin, stream, commit, verify. For every push the coordinator
-asks the mode, in this order:
-
-    source(model)                 the (hf_name, tensor) stream of this mode
-    prepare(model, version, planner)    before planning: -> modes to push first, as phases of
-                                  this push (lora: the base weights, where an engine lacks them)
-    select(source, version, planner)    -> Selection: tensors and manifest fields
-      ... begin on every engine ...
-    refused(selection, error)     an engine refused at begin: True = select again
-      ... stream, commit, verify ...
-    committed(selection, version, planner)    after every engine acked
-
-and `close(planner)` once, when the `WeightSync` closes. A mode keeps its own
-state across pushes (delta: the digests the engines hold; lora: the adapter
-names loaded); the coordinator keeps none for it.
+A mode decides WHAT one push sends; the coordinator (`weightsync.push.sync`) decides HOW: bucket
+plan, begin, stream, commit, verify. A mode keeps its own state across pushes (delta: the digests
+the engines hold; lora: the adapter names loaded); the coordinator keeps none for it.
 """
 
 from __future__ import annotations
@@ -137,7 +124,11 @@ class Planner(Protocol):
 
 
 class PushMode(Protocol):
-    """One way of choosing what a push sends ("full", "delta", "lora", "lora-merged", "sparse")."""
+    """One way of choosing what a push sends ("full", "delta", "lora", "lora-merged", "sparse").
+    For every push the coordinator calls, in order: `source`, `prepare`, `select`, (begin on
+    every engine; `refused` where one refused, then `select` again if it says so), (stream,
+    commit, verify), then `committed` after every engine acked, or `failed`; `close` once, when
+    the `WeightSync` closes."""
 
     name: ClassVar[str]
     """The name users pass as `mode=`."""

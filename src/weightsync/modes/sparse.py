@@ -1,29 +1,11 @@
-"""mode="sparse": only the elements whose engine-dtype bytes changed since the version
-every engine acked, applied on top of it and verified by whole-tensor digests.
+"""mode="sparse": only the elements whose engine-dtype bytes changed since the version every
+engine acked, applied on top of it and verified by whole-tensor digests.
 
-The mode keeps a SNAPSHOT: every tensor as the engines hold it at the acked version
-(cast to their dtype, exactly the bytes the stream sent). It costs one copy of the
-model in the engine's dtype (a 1.5B-parameter bf16 model: 3 GB; plus one scratch
-buffer the size of the largest tensor), held where
-`ModeOptions.sparse_snapshot` says: "trainer" (the device each tensor lives on, the
-fastest diff on a GPU) or "host" (CPU memory, pinned when CUDA is present: GPU
-memory stays free, the diff runs on the CPU).
-
-Each push reads the model once, casts every tensor, compares it bitwise with the
-snapshot and encodes each changed tensor in the cheapest of positions, bitmap or
-dense (`weightsync.change_encoding`); unchanged tensors are left out. The cast tensors
-are written into the snapshot once compared (no second copy), and the pipeline
-streams the payloads (or, for a full push, the cast tensors) from here instead of
-reading the model again. Every sent tensor carries the digest of its whole cast
-tensor; engines check it after applying and ack it, the coordinator compares.
-
-Whole pushes: the first one, after an engine refused the base (409: restarted,
-aborted, another trainer), after ANY failed push (a digest mismatch included: the
-snapshot may be ahead of what the engines hold), and to engines that do not apply
-sparse updates (`supports_sparse`).
-
-A sharded trainer (FSDP2, a `process_group`): each rank keeps and diffs its own
-rows, only the changes are gathered (`modes.sparse_shards`).
+The mode keeps a SNAPSHOT of that version (one model copy in the engines' dtype, where
+`ModeOptions.sparse_snapshot` says), diffs each cast tensor against it and encodes the changes
+(`weightsync.change_encoding`); a push goes whole where no base can be proven. What it costs and
+when it goes whole: docs/PERFORMANCE.md ("Sparse pushes") and docs/ARCHITECTURE.md's design
+notes; a sharded trainer's ranks each diff their own rows (`modes.sparse_shards`).
 """
 
 from __future__ import annotations

@@ -1,42 +1,11 @@
-"""The coordinator: `WeightSync.push(model, version)` leaves every engine
-serving `version`, verified, or raises and leaves them on their last good one.
+"""The coordinator: `WeightSync.push(model, version)` leaves every engine serving `version`,
+verified, or raises and leaves them on their last good one.
 
-One push, on the sending rank:
-
-    handshake every engine's capabilities (once per transport session: the only round
-              that asks them) -> the expert layout, the dtype to cast to   replicas.py
-    plan      metas -> buckets (delta: only tensors whose digest changed)   planning.py
-    session   transport.open + engine.connect (once; reused across pushes)
-    begin     every engine checks the manifest (names, shapes, dtypes)
-    stream    producer thread: gather -> pack into a slot (k%2, or a leased one) -> hash
-              main thread:     deliver bucket k to every engine (wire)     pipeline.py
-              at most two buckets alive; bucket k+2 waits for bucket k
-              (as the push's fan-out streams and routes it: direct, relay,
-              or every rank's shares)                                      fanout/
-    commit    pause (per policy) -> every engine applies and acks -> resume
-    verify    acks: version, every bucket digest, every name
-
-With `commit="streamed"` every engine loads each bucket as it arrives (no staging):
-engines are paused before begin, and one that fails midway refuses generation until a
-full push lands; its next push goes whole on its own (delta and sparse modes fall back
-to the whole model on its 409), and nothing is rolled back (docs/GUARANTEES.md).
-
-A mode may ask for other pushes of the version first (lora: the base weights): they
-run as phases of the same push, and the report lists them (`SyncReport.phases`).
-
-Any failure after begin aborts the update on every engine (they keep serving
-their previous version), discards the transport's leftovers, tears down a
-broadcast group, resumes generation, and raises. Engines that stage updates
-(`stages_updates`) keep generating while bytes stream and pause only around
-the commit; the others are paused from begin to commit.
-
-Every round of engine calls (`replicas.py`) is bounded by the push's `timeout_s`,
-whatever the engine client was built with; the cleanup rounds after a failure share
-one bound, min(timeout_s, 10 s), and skip an engine that timed out in this push: its
-cleanup runs in the background (`weightsync.push.cleanup`), and the next push waits for it
-(at most timeout_s) before it begins. So a push raises at most
-timeout_s + min(timeout_s, 10 s) after the call that stalled began.
-A push that paused, or tried to, resumes every engine, whatever failed.
+A push as the protocol reads: the handshake (`push.replicas`), the mode's phases and plan
+(`push.planning`), begin, the stream (`push.pipeline`, fanned out by `push.fanout`), commit,
+verify. Any failure after begin aborts the update on every engine, discards the transport's
+leftovers and resumes generation before it raises. The walkthrough of a push is
+docs/ARCHITECTURE.md's; what a push promises (its time bound, streamed commits) docs/GUARANTEES.md's.
 """
 
 from __future__ import annotations
