@@ -73,7 +73,8 @@ class Selection:
 
 
 class Planner(Protocol):
-    """What a mode may ask of the coordinator while it plans or after a commit."""
+    """What a mode plans with: plain values known before it plans, and the calls that run a round
+    across the engines or the trainer's ranks (or read the source once per push)."""
 
     pool: Executor
     """For a mode's background work (lora: unloading retired adapters)."""
@@ -87,6 +88,12 @@ class Planner(Protocol):
     """This push's seconds per stage (a mode adds what it spends, e.g. `diff`)."""
     ranks: TrainerRanks
     """The trainer's ranks (one, unless the `WeightSync` has a process_group)."""
+    capabilities: Sequence[EngineCapabilities]
+    """Every engine's declared capabilities, as the session's handshake answered them (none at a
+    close that follows no handshake)."""
+    cast: Cast
+    """The dtype each floating tensor of this mode's push travels in (`PushMode.casts`; `Cast.to`
+    None: as the trainer holds them)."""
 
     def share_step(self, step: Mapping[str, Any]) -> None:
         """Have every other trainer rank run `step` (`PushMode.follow`) now."""
@@ -95,14 +102,6 @@ class Planner(Protocol):
     def metas(self, source: WeightSource) -> list[TensorMeta]:
         """`source.metas()`, read once per push (tens of thousands of tensors cost
         milliseconds to read); the list is shared: copy it before changing it."""
-        ...
-
-    def cast_dtype(self, *, cast: bool) -> Cast:
-        """The dtype each floating tensor travels in (`Cast.to` None: as the trainer holds them)."""
-        ...
-
-    def capabilities(self) -> Sequence[EngineCapabilities]:
-        """Every engine's declared capabilities, as the session's handshake answered them (asks nothing)."""
         ...
 
     def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:
@@ -119,7 +118,8 @@ class Planner(Protocol):
         ...
 
     def unloaders(self) -> Sequence[AdapterUnloader]:
-        """The engines that unload LoRA adapters by name."""
+        """The engines that unload LoRA adapters by name (at a close after the session was left,
+        the engines are asked their capabilities again)."""
         ...
 
 

@@ -64,7 +64,7 @@ class SparseMode(ModeDefaults):
         if self._full is not None and self._full[0] == version:
             return self._full[1]  # asked again after a refusal: the snapshot is already this version
         base, self.acked_version = self.acked_version, None  # proven again only by this push's commit
-        sparse = base is not None and all(c.supports_sparse for c in planner.capabilities())
+        sparse = base is not None and all(c.supports_sparse for c in planner.capabilities)
         if planner.ranks.is_distributed:
             return self._select_sharded(source, version, planner, base if sparse else None)
         t0 = time.perf_counter()
@@ -104,7 +104,7 @@ class SparseMode(ModeDefaults):
     def _select_sharded(self, source: WeightSource, version: int, planner: Planner, base: int | None) -> Selection:
         """`select` on the sending rank of a sharded trainer: every rank diffs its rows."""
         module = _module_source(source)
-        cast = planner.cast_dtype(cast=self.casts)
+        cast = planner.cast
         sparse = base is not None
         planner.share_step({"diff": {"cast": cast.to_dict(), "sparse": sparse,
                                      "allow_overflow": planner.allow_overflow,
@@ -136,7 +136,7 @@ class SparseMode(ModeDefaults):
     def _diff(self, source: WeightSource, planner: Planner, *, sparse: bool) -> _Diff:
         """Read and cast every tensor, encode its change against the snapshot (with
         `sparse`), and write it into the snapshot."""
-        cast = planner.cast_dtype(cast=self.casts)
+        cast = planner.cast
         algorithm = planner.digest_algorithm
         out = _Diff()
         for hf_name, tensor in source.tensors([m.hf_name for m in source.metas()]):

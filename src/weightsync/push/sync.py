@@ -24,7 +24,7 @@ from torch import nn
 
 from weightsync.change_encoding import ENCODINGS
 from weightsync.digests import ALGORITHMS, COMBINABLE, for_device
-from weightsync.dtypes import dtype_from_name
+from weightsync.dtypes import Cast, dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.integrity import digest_checked
@@ -278,7 +278,7 @@ class WeightSync:
             backlog.wait(self.config.timeout_s, "closing")
         except SyncTimeoutError as e:
             log.warning("%s", e)
-        self._mode.close(self._planner(Stages()))  # at close nothing is planned or cast
+        self._mode.close(self._planner(self._mode, Stages(), planned=False))
         self._replicas.leave(self._transport)
         backlog.start()
         self._replicas.pool.shutdown(wait=False)
@@ -295,10 +295,10 @@ class WeightSync:
         """The mode's phases, each plan -> begin -> stream -> commit -> verify."""
         started = time.perf_counter()
         self._handshake(model)
-        planner = self._planner(Stages())
+        planner = self._planner(self._mode, Stages())
         phases = []
         for first in self._mode.prepare(model, version, planner):
-            phases.append(self._push_phase(first, model, version, self._planner(Stages())))
+            phases.append(self._push_phase(first, model, version, self._planner(first, Stages())))
         report = self._push_phase(self._mode, model, version, planner)
         return replace(report, seconds=time.perf_counter() - started, phases=tuple(phases))
 
@@ -335,7 +335,7 @@ class WeightSync:
               held: Mapping[str, torch.dtype]) -> PushPlan:
         """What the mode selects, renamed, cast and cut into buckets; checked before a byte moves.
         `held`: every tensor of `source` -> its dtype."""
-        cast = planner.cast_dtype(cast=mode.casts)
+        cast = planner.cast
         selection = mode.select(source, version, planner)
         buckets = self._buckets.plan(
             held, selection.metas, cast=cast, bucket_bytes=self.config.bucket_bytes,
@@ -472,14 +472,18 @@ class WeightSync:
                                   f"(streams_commit); {', '.join(unable)} cannot: use commit='staged'")
         self._expert_layout = expert_layout(self._replicas.expert_layouts(), model)
 
-    def _planner(self, stages: Stages) -> PushPlanner:
-        """What one phase of a push is planned with, as plain values: what the handshake answered
-        (none yet at a close before any push), the config, the session's digest algorithm."""
+    def _planner(self, mode: PushMode, stages: Stages, *, planned: bool = True) -> PushPlanner:
+        """What `mode` plans one phase of a push with, as plain values: what the handshake answered
+        (none yet at a close before any push), the config, the session's digest algorithm, the
+        dtype the mode's tensors travel in (not `planned`, at a close: nothing is cast)."""
         assert self.config.dtype is None or isinstance(self.config.dtype, torch.dtype)
-        casts = Casts(forced=self.config.dtype, served=self._replicas.by_label() if self._replicas.asked else {},
+        asked = self._replicas.asked
+        casts = Casts(forced=self.config.dtype, served=self._replicas.by_label() if asked else {},
                       to_engine=self.config.rename)
         return PushPlanner(self._replicas, self.ranks, stages=stages, allow_overflow=self.config.allow_overflow,
-                           digest_algorithm=self._digest_algorithm(), casts=casts, expert_layout=self._expert_layout)
+                           digest_algorithm=self._digest_algorithm(),
+                           capabilities=self._replicas.capabilities() if asked else (), casts=casts,
+                           cast=casts.of(cast=mode.casts) if planned else Cast(), expert_layout=self._expert_layout)
 
     def _digest_algorithm(self) -> str:
         """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`); by where the
