@@ -103,6 +103,11 @@ class AdapterNotLoadedError(EngineError):
     """An engine has no LoRA adapter of the name asked for (an unload found nothing to do)."""
 
 
+class EngineClientError(WeightSyncError, TypeError):
+    """An engine client lacks the verbs its engine declared (`relays` without `Relayer`'s,
+    `assembles_shares` without `ShareReceiver`'s): the client's mistake, named with the fix."""
+
+
 class SyncTimeoutError(WeightSyncError, TimeoutError):
     """A network call or collective did not finish within its timeout."""
 

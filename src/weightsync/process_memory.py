@@ -1,21 +1,9 @@
-"""What a process's memory is, as Linux reports it: its resident set now (VmRSS) and at its
-peak (VmHWM, the kernel's high-water mark, which `reset_peak` sets back to the resident set
-now), from /proc/self/status, and a process's proportional set size (Pss: each shared page
-divided among the processes that map it) from /proc/PID/smaps_rollup.
-
-`MemoryMark` is the one measurement built on them: taken at the start of something, it tells
-at its end the peak bytes beyond the level at the start and the bytes still kept. An update
-session takes one at begin and puts the figures in its ack (`reports.Ack.peak_extra_bytes`);
-the bench's trainer-memory children and its engine-memory scenario read the same helpers.
-
-`host_available_bytes` is what the host can still give a process: MemAvailable of
-/proc/meminfo, or less where the process's cpuset confines it to some NUMA nodes (their MemFree,
-from /sys/devices/system/node). A memory policy set with `numactl --membind` (set_mempolicy) is
-not seen, nor a cgroup's memory limit: an engine takes those as an explicit limit instead.
-
-Where /proc is not there (not Linux) or refuses (a kernel without clear_refs), every reader
-answers None: no figure is ever made up. The resident set counts this process only, every
-page it touched, shared ones (a mapped shm segment) in full. No weightsync imports.
+"""What a process's memory is, as Linux reports it: its resident set now and at its peak (VmRSS,
+VmHWM of /proc/self/status; `reset_peak` sets the peak back), its proportional set size (Pss,
+/proc/PID/smaps_rollup), what the host can still give it (`host_available_bytes`), and
+`MemoryMark`, the peak and kept bytes of something from its start (an update's ack figures,
+docs/PROTOCOL.md). Where /proc is missing or refuses, every reader answers None: no figure is
+ever made up. No weightsync imports.
 """
 
 from __future__ import annotations

@@ -129,20 +129,32 @@ class StageSeconds:
         return {k: round(getattr(self, k), 6) for k in stages}
 
 
-@dataclass
 class Stages:
-    """`StageSeconds` while a push runs: the pipeline and the modes add to it, `frozen()` is
-    what the report keeps. Its fields are `StageSeconds`'s (tests/unit/test_reports.py)."""
+    """`StageSeconds` while a push runs: the pipeline and the modes add to its stages
+    (`stages.wire += seconds`), `frozen()` is what the report keeps. Its stages are
+    `StageSeconds`'s fields, declared there alone; any other name is an AttributeError."""
 
-    gather: float = 0.0
-    pack: float = 0.0
-    hash: float = 0.0
-    wire: float = 0.0
-    load: float = 0.0
-    diff: float = 0.0
+    _seconds: dict[str, float]
+
+    def __init__(self, **seconds: float) -> None:
+        object.__setattr__(self, "_seconds", asdict(StageSeconds(**seconds)))
+
+    def __getattr__(self, stage: str) -> float:
+        seconds = self.__dict__.get("_seconds", {})
+        if stage not in seconds:
+            raise AttributeError(f"no stage {stage!r} (the stages: {', '.join(seconds) or 'not made yet'})")
+        return float(seconds[stage])
+
+    def __setattr__(self, stage: str, value: float) -> None:
+        if stage not in self._seconds:
+            raise AttributeError(f"no stage {stage!r} (the stages: {', '.join(self._seconds)})")
+        self._seconds[stage] = value
+
+    def __repr__(self) -> str:
+        return f"Stages({', '.join(f'{k}={v!r}' for k, v in self._seconds.items())})"
 
     def frozen(self) -> StageSeconds:
-        return StageSeconds(**asdict(self))
+        return StageSeconds(**self._seconds)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ capabilities a test declares."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -19,20 +19,21 @@ from weightsync.trainer_ranks import TrainerRanks
 
 class ModePlanner:
     """One trainer rank, engines with `capabilities`, floating tensors cast to `cast_to`
-    where the mode casts; `served` (one hf_name -> digest dict per engine that reports
-    digests) is what `served_digests` answers."""
+    (`cast`: as a mode that casts sees it); `served` (one hf_name -> digest dict per engine
+    that reports digests) is what `served_digests` answers."""
 
     def __init__(self, capabilities: Sequence[EngineCapabilities] = (EngineCapabilities(),), *,
                  cast_to: torch.dtype | None = None, served: Sequence[dict[str, str]] = (),
                  instances: Sequence[str | None] = (), unloaders: Sequence[Any] = ()) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pool: Executor = ThreadPoolExecutor(max_workers=1)
         self.timeout_s = 10.0
         self.allow_overflow = False
         self.digest_algorithm = "xxh3_64"
         self.stages = Stages()
         self.ranks = TrainerRanks(None)
-        self.caps = list(capabilities)
+        self.capabilities: Sequence[EngineCapabilities] = list(capabilities)
         self.cast_to = cast_to
+        self.cast = Cast(to=cast_to)
         self.served = list(served)
         self.instances = list(instances)
         self._unloaders = list(unloaders)
@@ -43,14 +44,8 @@ class ModePlanner:
     def metas(self, source: WeightSource) -> list[TensorMeta]:
         return list(source.metas())
 
-    def cast_dtype(self, *, cast: bool) -> Cast:
-        return Cast(to=self.cast_to) if cast else Cast()
-
-    def capabilities(self) -> Sequence[EngineCapabilities]:
-        return self.caps
-
     def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:
-        cast_to = self.cast_dtype(cast=cast).to
+        cast_to = self.cast_to if cast else None
         return {hf_name: digest(as_engine_holds(tensor, cast_to)) for hf_name, tensor in source.tensors()}
 
     def served_digests(self, hf_names: Sequence[str]) -> list[dict[str, str]]:

@@ -318,6 +318,70 @@ def test_the_coordinator_reads_declared_capabilities_only() -> None:
     assert not found, "\n".join(found)
 
 
+def _concrete_kinds() -> set[str]:
+    """The classes of every transport and mode module (not of their `base` modules)."""
+    names: set[str] = set()
+    for folder in ("transports", "modes"):
+        for path in (PACKAGE / folder).glob("*.py"):
+            if path.stem not in ("__init__", "base"):
+                names |= {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+    return names
+
+
+def _kind_branches(text: str, filename: str, kinds: set[str]) -> list[str]:
+    """Each `isinstance`/`issubclass` in `text` that names one of `kinds` among its classes."""
+    found = []
+    for node in ast.walk(ast.parse(text, filename=filename)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+            named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            named |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+            if named & kinds:
+                found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_coordinator_branches_on_no_transport_or_mode_class() -> None:
+    """Beside the names (above), the coordinator never tells a transport or a mode by its class:
+    it reads what the `Transport` or `PushMode` declares."""
+    kinds = _concrete_kinds()
+    assert {"HttpTransport", "BroadcastTransport", "FullMode", "SparseMode"} <= kinds, sorted(kinds)
+    found = [f for filename in COORDINATOR for f in _kind_branches((PACKAGE / filename).read_text(), filename, kinds)]
+    assert not found, "branches on a transport's or mode's class (declare it instead):\n" + "\n".join(found)
+    text = "def f(t, m):\n    if isinstance(t, (Transport, BroadcastTransport)):\n        pass\n" \
+           "    return issubclass(type(m), modes.SparseMode) or isinstance(t, Transport)\n"
+    assert [int(f.split(":")[1]) for f in _kind_branches(text, "f.py", kinds)] == [2, 4]
+
+
+LONG_DOCSTRING_LINES = 15
+"""A docstring this long is an essay: a module states its boundary in a few lines, design notes
+go to docs/ (CONTRIBUTING.md)."""
+
+
+def _long_docstrings(text: str, filename: str) -> list[str]:
+    """Each module, class or function docstring in `text` of LONG_DOCSTRING_LINES source lines or more."""
+    tree = ast.parse(text, filename=filename)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                lines = (first.end_lineno or first.lineno) - first.lineno + 1
+                if lines >= LONG_DOCSTRING_LINES:
+                    found.append(f"{filename}:{first.lineno}: {getattr(node, 'name', 'the module')}, {lines} lines")
+    return found
+
+
+def test_docstrings_state_their_boundary_in_a_few_lines() -> None:
+    found = [f for path in sorted(PACKAGE.rglob("*.py"))
+             for f in _long_docstrings(path.read_text(), str(path.relative_to(PACKAGE)))]
+    assert not found, "docstrings of 15+ lines (keep the boundary, design notes to docs/):\n" + "\n".join(found)
+    essay = '"""One.\n' + "more\n" * 13 + '"""\n\ndef f():\n    """Short."""\n'
+    assert _long_docstrings(essay, "e.py") == ["e.py:1: the module, 15 lines"]
+    assert _long_docstrings(essay.replace("more\n", "", 1), "e.py") == []
+
+
 FAN_OUT_WORDS = frozenset({"fan_out", "_fan_out", "send_shares", "shares", "relay", "relays", "chain", "in_group"})
 """Names and attributes that say which fan-out a push uses (a config field, a flag, the strategy)."""
 

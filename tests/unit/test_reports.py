@@ -35,11 +35,17 @@ def test_a_report_with_a_first_phase_round_trips_with_it() -> None:
 
 
 def test_the_running_stages_are_the_reported_ones() -> None:
-    """`Stages` (added to while a push runs) and `StageSeconds` (the report's) name the same stages."""
-    assert [f.name for f in fields(Stages)] == [f.name for f in fields(StageSeconds)]
+    """`Stages` (added to while a push runs) has exactly the stages of `StageSeconds` (the report's),
+    which declares them: each one read and written, any other name refused, naming the stages."""
     stages = Stages(gather=1.0, diff=2.0)
+    for f in fields(StageSeconds):
+        setattr(stages, f.name, getattr(stages, f.name) * 2)
     stages.wire += 0.5
-    assert stages.frozen() == StageSeconds(gather=1.0, wire=0.5, diff=2.0)
+    assert stages.frozen() == StageSeconds(gather=2.0, wire=0.5, diff=4.0)
+    with pytest.raises(AttributeError, match="no stage 'wires' .the stages: gather, pack, hash, wire, load, diff"):
+        stages.wires += 1.0
+    with pytest.raises(TypeError, match="wires"):
+        Stages(wires=1.0)
 
 
 def test_an_acks_memory_figures_round_trip_and_are_none_where_absent() -> None:

@@ -609,6 +609,38 @@ def test_an_engine_that_does_not_assemble_shares_is_refused_before_any_byte_move
     assert engine.version == 0 and "begin" not in " ".join(engine.calls)
 
 
+class _ExtendedWithoutVerbs(MemoryEngine):
+    """A client that hands out its engine's own verbs (`extension()`), of an engine that declares
+    it relays and assembles shares, but whose extension has none of those verbs (a client's mistake)."""
+
+    url = "http://127.0.0.1:1"
+
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        return replace(super().capabilities(timeout_s), relays=True, assembles_shares=True)
+
+    def extension(self, timeout_s: float) -> object | None:
+        return None
+
+
+@pytest.mark.parametrize(("options", "lacking"), [
+    (dict(fan_out="relay"), "`relays`.*no `engines.base.Relayer`.*relay, relay_in_group, wait_relayed and "
+                            "relay_error, or use fan_out='direct'"),
+    (dict(send_shares=True), "`assembles_shares`.*no `engines.base.ShareReceiver`.*receive_share, or use "
+                             "send_shares=False")], ids=["relay", "shares"])
+def test_an_engine_declaring_verbs_its_client_lacks_fails_the_push_naming_the_fix(options: dict[str, Any],
+                                                                                 lacking: str) -> None:
+    """An engine that declares `relays` or `assembles_shares` behind a client whose verbs lack
+    them: the push raises `EngineClientError` (shares: carried in the ranks' outcome) naming the
+    engine, what is missing and the fix, and the engine keeps serving its version."""
+    model = tiny()
+    engines = [_ExtendedWithoutVerbs({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, label)
+               for label in ("first", "second")]
+    with ws.WeightSync(engines, transport="http", **options) as sync, \
+            pytest.raises(ws.WeightSyncError, match="first: the engine declares " + lacking):
+        sync.push(model, version=1)
+    assert all(e.version == 0 for e in engines)
+
+
 def test_a_streamed_commit_is_refused_at_the_handshake_naming_an_engine_that_cannot_stream() -> None:
     model = tiny()
     engines = [engine_for(model, label="a"), engine_for(model, label="b")]

@@ -1,6 +1,25 @@
 """`weightsync bench`: how close to the hardware, and how much faster than what RL
 frameworks do today, measured in the same run.
 
+`--suite` picks the measurement (`DESCRIPTION` lists them; docs/PERFORMANCE.md, "How the bench
+measures", says what each does). Prints a table and ends with one JSON line (with --json: only
+the JSON line on stdout, the table on stderr), the load average at start and end included.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from weightsync.cli.inspect import parse_bytes
+from weightsync.cli.tools import tools_installed
+from weightsync.manifest import MODES
+from weightsync.transports import TRANSPORTS
+
+DESCRIPTION = """`weightsync bench`: how close to the hardware, and how much faster than what RL
+frameworks do today, measured in the same run.
+
 --suite sync (default): a matrix of mode x transport x engine x bucket size
 on a dense model and a many-small-tensors (MoE-like) one, next to the
 machine's limits for the same bytes (preallocated copy, raw gloo broadcast,
@@ -23,17 +42,7 @@ Prints a table and ends with one JSON line (with --json: only the JSON line on
 stdout, the table on stderr). Timings are only as good as the machine is
 quiet: the load average at start and end is in the report.
 """
-
-from __future__ import annotations
-
-import argparse
-from pathlib import Path
-from typing import Any
-
-from weightsync.cli.inspect import parse_bytes
-from weightsync.cli.tools import tools_installed
-from weightsync.manifest import MODES
-from weightsync.transports import TRANSPORTS
+"""`weightsync bench --help`'s description: the suites, one by one."""
 
 EPILOG = """examples:
   weightsync bench --quick                          # about a minute: 64 MiB models, one bucket size
@@ -82,7 +91,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark syncs against the machine's limits and today's baselines",
-                       description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=["sync", "faults", "sparse", "sparse-fsdp", "per-tensor", "engine-memory"],
                    default="sync",
                    help="what to run (default sync; sparse: mode='sparse' on real RL steps against full pushes, "

@@ -1,36 +1,9 @@
-"""The Engine protocol: what the coordinator asks of every inference engine.
-
-An engine client (SGLang over HTTP, vLLM through its worker extension) turns
-these verbs into the engine's own API. The coordinator calls them in this
-order for every push, and `abort` on any failure:
-
-    capabilities(timeout_s)  once per transport session: what the engine can do
-    connect(link)            once per transport session (joins a broadcast
-                             group, maps shared memory)
-    pause(policy, pause_id=..., timeout_s=...)   before begin, or after the stream,
-                             or never where the commit carries the pause
-    begin(manifest, update)  dry-run check: names, shapes, dtypes; nothing moves
-    receive(bucket, delivery, update)  for every bucket, as it becomes available
-    ready(manifest, update)  with several replicas: can the engine still commit?
-    commit(manifest, update) -> Ack
-    resume(pause_id=..., timeout_s=...)   unless the commit resumed the engine
-
-The coordinator decides when each engine pauses and in which order engines commit;
-what one push has done with one engine lives in the `EngineUpdate` record the
-coordinator holds and hands to every verb of that push. An engine client keeps
-nothing of a push between calls, only what it knows of its engine (the connection,
-the capabilities it probed).
-
-Every call made on behalf of a push is bounded by that push's `timeout_s`,
-whatever the engine client was built with: verbs that take an `EngineUpdate` use
-`update.link.timeout_s`, the others take `timeout_s`. An engine client's own
-`timeout_s` applies only to calls a user makes directly (generate, info).
-
-Engine clients read what the transports declare (their registry, `transports.TRANSPORTS`
-and `receiver_class`) and, for SGLang's own group and disk routes, those transports' link
-records; a worker side receives through a transport's receiving half (`make_receiver`).
-What one push tells an engine travels in the `Link` and `Delivery` records of
-`weightsync.links`. No transport imports an engine.
+"""The Engine protocol: what the coordinator asks of every inference engine, the records it hands
+each call (`EngineUpdate`, `PausePolicy`), what an engine declares (`EngineCapabilities`) and the
+verbs only some engines have (`verbs_of`). An engine client turns the verbs into its engine's API
+and keeps nothing of a push between calls. Every call made for a push is bounded by the push's
+`timeout_s` (`update.link.timeout_s`, or the `timeout_s` a verb takes); a client's own
+`timeout_s` bounds only the calls a user makes directly (generate, info).
 """
 
 from __future__ import annotations
@@ -272,7 +245,10 @@ class EngineUpdate:
 
 @runtime_checkable
 class Engine(Protocol):
-    """A client for one inference engine (one replica, possibly several ranks)."""
+    """A client for one inference engine (one replica, possibly several ranks). A push calls,
+    in order: `capabilities` (once per transport session), `connect` (once per session),
+    `pause` (before begin, after the stream, or carried by the commit), `begin`, `receive`
+    per bucket, `ready` (with several replicas), `commit`, `resume`; `abort` on any failure."""
 
     transports: ClassVar[frozenset[str]]
     """Transports this engine can receive full/delta updates over."""

@@ -1,33 +1,10 @@
 """Client for SGLang's HTTP API, and for `weightsync serve`, which speaks it.
 
-What only `weightsync serve` can do beyond an update (relays, shares, rollback, digests of
-the served weights) is its own client, `engines/serve.py`, which this one hands out
-(`SGLangEngine.extension`) once `/weightsync/info` answered: the coordinator reaches those
-verbs through it where the engine declared them (`EngineCapabilities`), never on this client.
-
-Maps the weightsync protocol onto SGLang's routes (docs/ENGINES.md), by the traits
-each transport's receiver declares (`weightsync.transports.base.Receiver`),
-never by its name: a collective transport (broadcast) goes through SGLang's
-group routes, one read at commit (disk) through its disk routes; the others
-need weightsync's routes: bytes in the delivery (http) in a binary frame, any
-other transport (shm) as its link and delivery, which the server's end of that
-transport fetches the bytes by (`weightsync serve` takes a new transport
-without a change here).
-
-| protocol | broadcast                                   | disk                   | http / shm (weightsync serve) |
-|----------|---------------------------------------------|------------------------|-------------------------------|
-| connect  | /init_weights_update_group (blocks)         | -                      | -                             |
-| begin    | /weightsync/begin*, /begin_weight_update    | /weightsync/begin*     | /weightsync/begin             |
-| receive  | /update_weights_from_distributed, flattened | -                      | /weightsync/bucket or receive |
-| commit   | /weightsync/commit*, /end_weight_update     | /update_weights_from_disk | /weightsync/commit         |
-|          |                                             | (LoRA: /load_lora_adapter) |                              |
-| abort    | /weightsync/abort*, /end_weight_update      | /weightsync/abort*     | /weightsync/abort             |
-
-(* only where the server has the weightsync routes; a stock SGLang answers 404
-on them, and then updates land in place, are not digest-checked by the
-engine, and the push reports `verified=False` with the reason.)
-A 404 on /begin_weight_update or /end_weight_update means an older SGLang that
-needs no session.
+Maps an update's verbs onto SGLang's routes by the traits each transport's receiver declares
+(`weightsync.transports.base.Receiver`), never by its name; the route of each verb per transport
+is in docs/ENGINES.md. What only `weightsync serve` can do beyond an update (relays, shares,
+rollback, digests of the served weights) is `engines/serve.py`'s client, handed out as
+`SGLangEngine.extension` once `/weightsync/info` answered.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""The spec every push mode implements, and what a mode may ask of the coordinator.
+"""The spec every push mode implements (`PushMode`), and what a mode is given to plan with.
 
-A mode decides WHAT one push sends; the coordinator (`weightsync.push.sync`) decides
-HOW: bucket plan, begin, stream, commit, verify. For every push the coordinator
-asks the mode, in this order:
-
-    source(model)                 the (hf_name, tensor) stream of this mode
-    prepare(model, version, planner)    before planning: -> modes to push first, as phases of
-                                  this push (lora: the base weights, where an engine lacks them)
-    select(source, version, planner)    -> Selection: tensors and manifest fields
-      ... begin on every engine ...
-    refused(selection, error)     an engine refused at begin: True = select again
-      ... stream, commit, verify ...
-    committed(selection, version, planner)    after every engine acked
-
-and `close(planner)` once, when the `WeightSync` closes. A mode keeps its own
-state across pushes (delta: the digests the engines hold; lora: the adapter
-names loaded); the coordinator keeps none for it.
+A mode decides WHAT one push sends; the coordinator (`weightsync.push.sync`) decides HOW: bucket
+plan, begin, stream, commit, verify. A mode keeps its own state across pushes (delta: the digests
+the engines hold; lora: the adapter names loaded); the coordinator keeps none for it.
 """
 
 from __future__ import annotations
@@ -86,7 +73,8 @@ class Selection:
 
 
 class Planner(Protocol):
-    """What a mode may ask of the coordinator while it plans or after a commit."""
+    """What a mode plans with: plain values known before it plans, and the calls that run a round
+    across the engines or the trainer's ranks (or read the source once per push)."""
 
     pool: Executor
     """For a mode's background work (lora: unloading retired adapters)."""
@@ -100,6 +88,12 @@ class Planner(Protocol):
     """This push's seconds per stage (a mode adds what it spends, e.g. `diff`)."""
     ranks: TrainerRanks
     """The trainer's ranks (one, unless the `WeightSync` has a process_group)."""
+    capabilities: Sequence[EngineCapabilities]
+    """Every engine's declared capabilities, as the session's handshake answered them (none at a
+    close that follows no handshake)."""
+    cast: Cast
+    """The dtype each floating tensor of this mode's push travels in (`PushMode.casts`; `Cast.to`
+    None: as the trainer holds them)."""
 
     def share_step(self, step: Mapping[str, Any]) -> None:
         """Have every other trainer rank run `step` (`PushMode.follow`) now."""
@@ -108,14 +102,6 @@ class Planner(Protocol):
     def metas(self, source: WeightSource) -> list[TensorMeta]:
         """`source.metas()`, read once per push (tens of thousands of tensors cost
         milliseconds to read); the list is shared: copy it before changing it."""
-        ...
-
-    def cast_dtype(self, *, cast: bool) -> Cast:
-        """The dtype each floating tensor travels in (`Cast.to` None: as the trainer holds them)."""
-        ...
-
-    def capabilities(self) -> Sequence[EngineCapabilities]:
-        """Every engine's declared capabilities, as the session's handshake answered them (asks nothing)."""
         ...
 
     def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:
@@ -132,12 +118,17 @@ class Planner(Protocol):
         ...
 
     def unloaders(self) -> Sequence[AdapterUnloader]:
-        """The engines that unload LoRA adapters by name."""
+        """The engines that unload LoRA adapters by name (at a close after the session was left,
+        the engines are asked their capabilities again)."""
         ...
 
 
 class PushMode(Protocol):
-    """One way of choosing what a push sends ("full", "delta", "lora", "lora-merged", "sparse")."""
+    """One way of choosing what a push sends ("full", "delta", "lora", "lora-merged", "sparse").
+    For every push the coordinator calls, in order: `source`, `prepare`, `select`, (begin on
+    every engine; `refused` where one refused, then `select` again if it says so), (stream,
+    commit, verify), then `committed` after every engine acked, or `failed`; `close` once, when
+    the `WeightSync` closes."""
 
     name: ClassVar[str]
     """The name users pass as `mode=`."""

@@ -43,7 +43,7 @@ class DeltaMode(ModeDefaults):
 
     def select(self, source: WeightSource, version: int, planner: Planner) -> Selection:
         metas = list(planner.metas(source))
-        if not all(c.supports_delta for c in planner.capabilities()):
+        if not all(c.supports_delta for c in planner.capabilities):
             return Selection(mode="full", metas=metas)  # an engine that cannot apply a part gets the whole
         if self._pending is None:  # asked again after a refusal: the same digests
             self._pending = (version, planner.hash_tensors(source, cast=self.casts))
@@ -51,7 +51,7 @@ class DeltaMode(ModeDefaults):
         if self.acked_version is None:
             return Selection(mode="full", metas=metas)  # nothing acked yet: the first delta is the whole model
         sent = {m.hf_name for m in metas if self._held.get(m.hf_name) != digests[m.hf_name]}
-        for groups in (c.fused_groups for c in planner.capabilities()):
+        for groups in (c.fused_groups for c in planner.capabilities):
             sent |= {hf_name for group in groups if not sent.isdisjoint(group) for hf_name in group}
         changed = [m for m in metas if m.hf_name in sent]
         return Selection(mode="delta", metas=changed, num_skipped=len(metas) - len(changed),

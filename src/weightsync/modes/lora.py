@@ -172,7 +172,7 @@ class LoraMode(ModeDefaults):
         if self._base_due:  # a streamed push failed: an engine may refuse until a full push lands
             self._base_due = False
             return (FullMode(self.options),)
-        if not any(c.reads_digests for c in planner.capabilities()):
+        if not any(c.reads_digests for c in planner.capabilities):
             return ()
         instances = planner.served_instances()
         if self._base_checked and instances == self._instances:

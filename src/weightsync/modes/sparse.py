@@ -1,29 +1,11 @@
-"""mode="sparse": only the elements whose engine-dtype bytes changed since the version
-every engine acked, applied on top of it and verified by whole-tensor digests.
+"""mode="sparse": only the elements whose engine-dtype bytes changed since the version every
+engine acked, applied on top of it and verified by whole-tensor digests.
 
-The mode keeps a SNAPSHOT: every tensor as the engines hold it at the acked version
-(cast to their dtype, exactly the bytes the stream sent). It costs one copy of the
-model in the engine's dtype (a 1.5B-parameter bf16 model: 3 GB; plus one scratch
-buffer the size of the largest tensor), held where
-`ModeOptions.sparse_snapshot` says: "trainer" (the device each tensor lives on, the
-fastest diff on a GPU) or "host" (CPU memory, pinned when CUDA is present: GPU
-memory stays free, the diff runs on the CPU).
-
-Each push reads the model once, casts every tensor, compares it bitwise with the
-snapshot and encodes each changed tensor in the cheapest of positions, bitmap or
-dense (`weightsync.change_encoding`); unchanged tensors are left out. The cast tensors
-are written into the snapshot once compared (no second copy), and the pipeline
-streams the payloads (or, for a full push, the cast tensors) from here instead of
-reading the model again. Every sent tensor carries the digest of its whole cast
-tensor; engines check it after applying and ack it, the coordinator compares.
-
-Whole pushes: the first one, after an engine refused the base (409: restarted,
-aborted, another trainer), after ANY failed push (a digest mismatch included: the
-snapshot may be ahead of what the engines hold), and to engines that do not apply
-sparse updates (`supports_sparse`).
-
-A sharded trainer (FSDP2, a `process_group`): each rank keeps and diffs its own
-rows, only the changes are gathered (`modes.sparse_shards`).
+The mode keeps a SNAPSHOT of that version (one model copy in the engines' dtype, where
+`ModeOptions.sparse_snapshot` says), diffs each cast tensor against it and encodes the changes
+(`weightsync.change_encoding`); a push goes whole where no base can be proven. What it costs and
+when it goes whole: docs/PERFORMANCE.md ("Sparse pushes") and docs/ARCHITECTURE.md's design
+notes; a sharded trainer's ranks each diff their own rows (`modes.sparse_shards`).
 """
 
 from __future__ import annotations
@@ -82,7 +64,7 @@ class SparseMode(ModeDefaults):
         if self._full is not None and self._full[0] == version:
             return self._full[1]  # asked again after a refusal: the snapshot is already this version
         base, self.acked_version = self.acked_version, None  # proven again only by this push's commit
-        sparse = base is not None and all(c.supports_sparse for c in planner.capabilities())
+        sparse = base is not None and all(c.supports_sparse for c in planner.capabilities)
         if planner.ranks.is_distributed:
             return self._select_sharded(source, version, planner, base if sparse else None)
         t0 = time.perf_counter()
@@ -122,7 +104,7 @@ class SparseMode(ModeDefaults):
     def _select_sharded(self, source: WeightSource, version: int, planner: Planner, base: int | None) -> Selection:
         """`select` on the sending rank of a sharded trainer: every rank diffs its rows."""
         module = _module_source(source)
-        cast = planner.cast_dtype(cast=self.casts)
+        cast = planner.cast
         sparse = base is not None
         planner.share_step({"diff": {"cast": cast.to_dict(), "sparse": sparse,
                                      "allow_overflow": planner.allow_overflow,
@@ -154,7 +136,7 @@ class SparseMode(ModeDefaults):
     def _diff(self, source: WeightSource, planner: Planner, *, sparse: bool) -> _Diff:
         """Read and cast every tensor, encode its change against the snapshot (with
         `sparse`), and write it into the snapshot."""
-        cast = planner.cast_dtype(cast=self.casts)
+        cast = planner.cast
         algorithm = planner.digest_algorithm
         out = _Diff()
         for hf_name, tensor in source.tensors([m.hf_name for m in source.metas()]):

@@ -182,13 +182,14 @@ class BucketPlanner:
 
 
 class PushPlanner:
-    """What a mode may ask of the coordinator (`modes.base.Planner`) in one phase of a push:
-    the plain values the push is planned with (the handshake's capabilities, `casts`, the
-    digest algorithm, the expert layout), and the rounds a mode may start (hashing along
-    every trainer rank, reading served digests, unloading adapters)."""
+    """What a mode plans one phase of a push with (`modes.base.Planner`): the plain values the
+    push is planned with (the handshake's capabilities, the mode's `cast`, the digest algorithm,
+    the expert layout), and the rounds a mode may start (hashing along every trainer rank,
+    reading served digests, unloading adapters)."""
 
     def __init__(self, replicas: Replicas, ranks: TrainerRanks, *, stages: Stages, allow_overflow: bool,
-                 digest_algorithm: str, casts: Casts, expert_layout: ExpertLayout) -> None:
+                 digest_algorithm: str, capabilities: Sequence[EngineCapabilities], casts: Casts, cast: Cast,
+                 expert_layout: ExpertLayout) -> None:
         self._replicas = replicas
         self.ranks = ranks
         self.stages = stages
@@ -196,7 +197,10 @@ class PushPlanner:
         self.timeout_s = replicas.timeout_s
         self.allow_overflow = allow_overflow
         self.digest_algorithm = digest_algorithm
+        self.capabilities = capabilities
         self.casts = casts
+        """What `hash_tensors` casts by, for a mode that casts or not."""
+        self.cast = cast
         self.expert_layout = expert_layout
         self._metas: tuple[WeightSource, list[TensorMeta]] | None = None
         """The source `metas` read this push, and what it read."""
@@ -208,12 +212,6 @@ class PushPlanner:
         if self._metas is None or self._metas[0] is not source:
             self._metas = (source, list(source.metas()))
         return self._metas[1]
-
-    def cast_dtype(self, *, cast: bool) -> Cast:
-        return self.casts.of(cast=cast)
-
-    def capabilities(self) -> Sequence[EngineCapabilities]:
-        return self._replicas.capabilities()
 
     def hash_tensors(self, source: WeightSource, *, cast: bool) -> dict[str, str]:
         """Digest of every tensor of `source` as the engines would hold it (cast where floating,

@@ -1,20 +1,9 @@
-"""Calls across engine replicas: each round of a push's engine calls goes to every
-engine at once and is bounded by the push's `timeout_s`, whatever the engine clients
-were built with.
-
-The rounds of one push, in the order the coordinator (`weightsync.push.sync`) makes them:
-the handshake (every engine's capabilities, once per transport session: the one round
-that asks them; everything else reads what it answered), connect, pause, begin (asked again while
-another live trainer's session holds an engine), receive (per bucket, beside the
-transport's own send), ready, commit (engines that can undo a commit first), resume.
-What the push has done with each engine (its pause, whether its commit resumed it) is
-that engine's `EngineUpdate`, made here for each push and handed to its calls: this
-module decides where each engine pauses and the order of the commits, not the clients.
-Which engines the trainer sends a bucket to, and what else the rounds check, start or
-wait for, is the push's fan-out's (`weightsync.push.fanout`): the same rounds for each.
-After a failure the cleanup rounds (abort, rollback, leaving the session, resume)
-share one bound, min(timeout_s, 10 s), and skip an engine that timed out in this push:
-its cleanup goes to its backlog (`weightsync.push.cleanup`) and runs in the background.
+"""Calls across engine replicas: each round of a push's engine calls (the handshake, connect,
+pause, begin, receive, ready, commit, resume, and the cleanup rounds after a failure) goes to
+every engine at once, bounded by the push's `timeout_s`. This module decides where each engine
+pauses and the order of the commits, and keeps what the push has done with each engine in its
+`EngineUpdate`; which engines take a bucket is the push's fan-out's (`weightsync.push.fanout`).
+The rounds: docs/ARCHITECTURE.md; their bounds and the cleanup backlog: docs/GUARANTEES.md (1).
 """
 
 from __future__ import annotations

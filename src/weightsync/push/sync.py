@@ -1,42 +1,11 @@
-"""The coordinator: `WeightSync.push(model, version)` leaves every engine
-serving `version`, verified, or raises and leaves them on their last good one.
+"""The coordinator: `WeightSync.push(model, version)` leaves every engine serving `version`,
+verified, or raises and leaves them on their last good one.
 
-One push, on the sending rank:
-
-    handshake every engine's capabilities (once per transport session: the only round
-              that asks them) -> the expert layout, the dtype to cast to   replicas.py
-    plan      metas -> buckets (delta: only tensors whose digest changed)   planning.py
-    session   transport.open + engine.connect (once; reused across pushes)
-    begin     every engine checks the manifest (names, shapes, dtypes)
-    stream    producer thread: gather -> pack into a slot (k%2, or a leased one) -> hash
-              main thread:     deliver bucket k to every engine (wire)     pipeline.py
-              at most two buckets alive; bucket k+2 waits for bucket k
-              (as the push's fan-out streams and routes it: direct, relay,
-              or every rank's shares)                                      fanout/
-    commit    pause (per policy) -> every engine applies and acks -> resume
-    verify    acks: version, every bucket digest, every name
-
-With `commit="streamed"` every engine loads each bucket as it arrives (no staging):
-engines are paused before begin, and one that fails midway refuses generation until a
-full push lands; its next push goes whole on its own (delta and sparse modes fall back
-to the whole model on its 409), and nothing is rolled back (docs/GUARANTEES.md).
-
-A mode may ask for other pushes of the version first (lora: the base weights): they
-run as phases of the same push, and the report lists them (`SyncReport.phases`).
-
-Any failure after begin aborts the update on every engine (they keep serving
-their previous version), discards the transport's leftovers, tears down a
-broadcast group, resumes generation, and raises. Engines that stage updates
-(`stages_updates`) keep generating while bytes stream and pause only around
-the commit; the others are paused from begin to commit.
-
-Every round of engine calls (`replicas.py`) is bounded by the push's `timeout_s`,
-whatever the engine client was built with; the cleanup rounds after a failure share
-one bound, min(timeout_s, 10 s), and skip an engine that timed out in this push: its
-cleanup runs in the background (`weightsync.push.cleanup`), and the next push waits for it
-(at most timeout_s) before it begins. So a push raises at most
-timeout_s + min(timeout_s, 10 s) after the call that stalled began.
-A push that paused, or tried to, resumes every engine, whatever failed.
+A push as the protocol reads: the handshake (`push.replicas`), the mode's phases and plan
+(`push.planning`), begin, the stream (`push.pipeline`, fanned out by `push.fanout`), commit,
+verify. Any failure after begin aborts the update on every engine, discards the transport's
+leftovers and resumes generation before it raises. The walkthrough of a push is
+docs/ARCHITECTURE.md's; what a push promises (its time bound, streamed commits) docs/GUARANTEES.md's.
 """
 
 from __future__ import annotations
@@ -55,7 +24,7 @@ from torch import nn
 
 from weightsync.change_encoding import ENCODINGS
 from weightsync.digests import ALGORITHMS, COMBINABLE, for_device
-from weightsync.dtypes import dtype_from_name
+from weightsync.dtypes import Cast, dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
 from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.integrity import digest_checked
@@ -309,7 +278,7 @@ class WeightSync:
             backlog.wait(self.config.timeout_s, "closing")
         except SyncTimeoutError as e:
             log.warning("%s", e)
-        self._mode.close(self._planner(Stages()))  # at close nothing is planned or cast
+        self._mode.close(self._planner(self._mode, Stages(), planned=False))
         self._replicas.leave(self._transport)
         backlog.start()
         self._replicas.pool.shutdown(wait=False)
@@ -326,10 +295,10 @@ class WeightSync:
         """The mode's phases, each plan -> begin -> stream -> commit -> verify."""
         started = time.perf_counter()
         self._handshake(model)
-        planner = self._planner(Stages())
+        planner = self._planner(self._mode, Stages())
         phases = []
         for first in self._mode.prepare(model, version, planner):
-            phases.append(self._push_phase(first, model, version, self._planner(Stages())))
+            phases.append(self._push_phase(first, model, version, self._planner(first, Stages())))
         report = self._push_phase(self._mode, model, version, planner)
         return replace(report, seconds=time.perf_counter() - started, phases=tuple(phases))
 
@@ -366,7 +335,7 @@ class WeightSync:
               held: Mapping[str, torch.dtype]) -> PushPlan:
         """What the mode selects, renamed, cast and cut into buckets; checked before a byte moves.
         `held`: every tensor of `source` -> its dtype."""
-        cast = planner.cast_dtype(cast=mode.casts)
+        cast = planner.cast
         selection = mode.select(source, version, planner)
         buckets = self._buckets.plan(
             held, selection.metas, cast=cast, bucket_bytes=self.config.bucket_bytes,
@@ -503,14 +472,18 @@ class WeightSync:
                                   f"(streams_commit); {', '.join(unable)} cannot: use commit='staged'")
         self._expert_layout = expert_layout(self._replicas.expert_layouts(), model)
 
-    def _planner(self, stages: Stages) -> PushPlanner:
-        """What one phase of a push is planned with, as plain values: what the handshake answered
-        (none yet at a close before any push), the config, the session's digest algorithm."""
+    def _planner(self, mode: PushMode, stages: Stages, *, planned: bool = True) -> PushPlanner:
+        """What `mode` plans one phase of a push with, as plain values: what the handshake answered
+        (none yet at a close before any push), the config, the session's digest algorithm, the
+        dtype the mode's tensors travel in (not `planned`, at a close: nothing is cast)."""
         assert self.config.dtype is None or isinstance(self.config.dtype, torch.dtype)
-        casts = Casts(forced=self.config.dtype, served=self._replicas.by_label() if self._replicas.asked else {},
+        asked = self._replicas.asked
+        casts = Casts(forced=self.config.dtype, served=self._replicas.by_label() if asked else {},
                       to_engine=self.config.rename)
         return PushPlanner(self._replicas, self.ranks, stages=stages, allow_overflow=self.config.allow_overflow,
-                           digest_algorithm=self._digest_algorithm(), casts=casts, expert_layout=self._expert_layout)
+                           digest_algorithm=self._digest_algorithm(),
+                           capabilities=self._replicas.capabilities() if asked else (), casts=casts,
+                           cast=casts.of(cast=mode.casts) if planned else Cast(), expert_layout=self._expert_layout)
 
     def _digest_algorithm(self) -> str:
         """The algorithm of this session's digests (see `SyncConfig.digest_algorithm`); by where the

@@ -1,19 +1,11 @@
 """Whether a staged commit fits in its host's memory: the estimate made once at `begin`, and the
 refusal where it does not fit (`StagingMemoryError`, before a byte moves; the engine keeps serving).
 
-A staged update ("staged", `Manifest.commit`) holds every bucket beside the served model until its
-commit swaps it in; a "sparse" one also rebuilds each touched tensor whole at commit (a dense copy
-of the served tensor with the payload applied). So staging needs, beyond what the process holds at
-begin, the manifest's bytes plus the dense bytes of its sparse entries, times the copies staged on
-this host (each vLLM worker stages its own), less what the engine already holds and lets staging
-reuse (`StagingReuse`: the embedded engine's receive pool, and the rollback copy of the previous
-version it lets go at begin). What the engine keeps meanwhile (the served model, vLLM's copy for
-sparse updates) is already resident, so already outside what the host reports available.
-
-Compared with `process_memory.host_available_bytes` less `STAGING_MARGIN_BYTES`, and with the
-engine's own limit where one is set (`weightsync serve --staging-bytes-limit`: a cgroup's memory
-limit, which the host's figures do not show). No check where /proc cannot be read (not Linux).
-A streamed update is never checked here: it holds a bucket or two.
+Staging needs, beyond what the process holds at begin, the manifest's bytes plus the dense bytes
+of its sparse entries, times the copies staged on this host, less what the engine lets staging
+reuse (`StagingReuse`); compared with `process_memory.host_available_bytes` less
+`STAGING_MARGIN_BYTES`, and the engine's own limit where one is set. What is and is not seen:
+docs/GUARANTEES.md ("A staged commit that does not fit"). A streamed update is never checked here.
 """
 
 from __future__ import annotations

@@ -1,51 +1,10 @@
 """The update session of an engine: the state machine between a trainer's `begin` and its
-`commit` or `abort`, and the checks on what arrives. It moves no bytes: buckets reach it only
-through the receive path (`receive.receive_path.ReceivePath.stage`), named tensors through
-`stage_named`.
-
-`UpdateSession` decides who holds the engine (`weightsync.receive.takeover`), whether a
-version may follow the served one, the dry run of the manifest, the checks of every bucket
-staged (index, size, digest), the staging of its tensors, "every tensor arrived" at commit,
-and the ack (`reports.Ack`, sent on the wire as `Ack.to_wire()`). It changes no weight: what
-an engine does with a checked update goes through its `Applier` (the embedded engine swaps
-bucket-buffer views in between two generation steps; the vLLM worker reloads copies through
-vLLM's loader; the tests' in-memory engine updates a dict).
-
-Errors: `ConflictError` (HTTP 409, with `retry_after_s` when waiting helps)
-for a state clash: no such update open, a version that is not newer, a live
-trainer holding the session, a delta or sparse update on the wrong base, a sparse
-update to an engine that cannot apply one. `ManifestMismatchError`
-for a manifest that does not fit; `IntegrityError` for bytes that are not what
-was announced or an update that is incomplete at commit; `ValueError` for a
-malformed request (`ManifestError` for a digest algorithm this side does not
-compute). A refused or aborted update leaves the served weights as
-they were.
-
-"sparse" updates (`weightsync.change_encoding`) are rebuilt here at commit, before the
-applier sees them: each sparse payload is applied to a copy of the served tensor
-(the applier's `SparseBase.base_tensor`), then every touched tensor is digested
-WHOLE and compared with the manifest's `tensor_digest`; a mismatch refuses the
-commit (IntegrityError) and the served weights stay as they were. The ack carries
-those whole-tensor digests, so the trainer checks them too. An applier that is no
-`SparseBase` gets sparse updates refused at begin (409: the trainer sends a full one).
-
-Memory: at begin the session resets this process's peak mark and notes its resident set
-(`process_memory.MemoryMark`); the ack reports the peak beyond it during the update and what
-is still kept once the update is closed (`Ack.peak_extra_bytes`, `Ack.kept_bytes`), an abort
-logs them. The process's, so all it did meanwhile counts (generation included).
-
-A "streamed" update (`Manifest.commit`) is loaded bucket by bucket instead: each bucket,
-once its digest checks (and, sparse, each of its tensors rebuilt and its whole digest
-checked), goes to the applier's `StreamedLoader.load` and its buffer is let go; nothing
-is staged. From begin to commit the engine generates nothing (`StreamedLoader.hold`); an
-update closed without its commit after a bucket loaded leaves the engine refusing
-generation, with the reason, until a full update commits (`StreamedLoader.abandon`).
-
-Fit: a staged update is refused at begin (`StagingMemoryError`, HTTP 413) where staging it
-would not fit in the host's memory (`weightsync.receive.staging_memory`).
-
-Thread-safe: buckets may be staged from several threads (their digests are
-computed outside the lock); begin, commit and abort are serialised.
+`commit` or `abort`, and the checks on what arrives (who holds the engine, the version rule,
+the manifest's dry run, every bucket's index, size and digest, "every tensor arrived", the
+ack; sparse payloads rebuilt and checked whole at commit; a streamed update loaded bucket by
+bucket). It moves no bytes (they come through `receive.receive_path.ReceivePath.stage`) and
+changes no weight (the engine's `Applier` does). Its errors: docs/ARCHITECTURE.md's design notes.
+Thread-safe: buckets may be staged from several threads; begin, commit and abort are serialised.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""SGLang's memory occupation tags on the embedded engine: which regions are
-released (`/release_memory_occupation`) and what that means for serving.
-
-SGLang's tags are "weights", "kv_cache" and "cuda_graph"; none or an empty list
-means all of them. Here:
-- "weights": the served parameters are freed (`WeightUpdater.release_weights`);
-  resuming allocates them again, empty, and the next update of every parameter
-  restores them; generation answers 503 in between (`coverage`).
-- "kv_cache": this engine keeps no KV cache between requests (no prefix cache),
-  so releasing it frees nothing that outlives a request; generation answers 503
-  until it is resumed, as an SGLang without its KV pool cannot serve.
-- "cuda_graph": a CPU engine has none; accepted and tracked, frees nothing.
-Release needs an idle engine, as SGLang's does; resuming a tag that is not
-released is refused naming the released ones.
+"""SGLang's memory occupation tags on the embedded engine: which regions
+`/release_memory_occupation` releases and what that means for serving ("weights" frees the
+served parameters; "kv_cache" and "cuda_graph" free nothing that outlives a request here).
+What each tag does: docs/PROTOCOL.md ("Details of the embedded engine").
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """The step loop: a background thread that advances running requests one token per step.
 
-Requests wait in a queue, join the running set (up to `max_running`) between
-steps, and leave it when they finish. Every step runs under `step_lock`.
-Whoever must act between two steps (a weight commit, a pause, a digest read)
-enters `between_steps()`: the loop finishes the step in flight and starts no
-new one until they are done, so a forward pass always sees one weight version
-and nobody waits on the loop for more than one step.
-
-Pause modes (SGLang's `/pause_generation`), applied between steps:
-- abort: every running and waiting request finishes with finish_reason abort;
-- retract: requests keep their generated tokens but drop their KV caches,
-  which are recomputed from prompt + generated tokens after resume;
-- in_place: requests keep tokens and KV caches; stepping just stops.
-While paused, new requests queue up and wait for `/continue_generation`.
-
-Two more states come from the weights (a streamed commit, `server.updates`): held
-(`hold` says why: an update is loading into the served weights) no step runs and
-requests wait, as paused; refused (`refusal` says why: a streamed commit failed midway)
-every running and waiting request finishes with finish_reason abort naming the reason.
-While held with requests waiting, the loop calls `on_held` every `HELD_CHECK_S` (the
-updater drops an update whose trainer went silent, which ends the hold).
+Requests queue, join the running set (up to `max_running`) between steps and leave it when
+they finish; every step runs under `step_lock`. Whoever must act between two steps (a weight
+commit, a pause, a digest read) enters `between_steps()`, so a forward pass always sees one
+weight version. Paused (SGLang's modes), held and refused states are applied between steps;
+what each does: docs/ARCHITECTURE.md's design notes.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""The served weights of the embedded engine: its parameters, the received buffers
-they view, the version and label they are served as, and every change to them.
-
-Every change happens in between two generation steps (`between_steps`), so every
-forward pass uses exactly one version. A change adopts the tensors it is given (no
-copy: staged bytes become the served weights), so served parameters may view
-received bucket buffers. A buffer goes back to the receive pool only when no
-parameter views it any more; a buffer that a partial (delta) commit leaves partly
-served is compacted: its remaining tensors are cloned out, so served memory stays
-the size of the model. A streamed commit is the one change that copies: each bucket
-is written into the parameters in place (`load_in_place`), and a parameter that
-views a received buffer gets a copy of its own instead, so no received buffer is
-written and none is kept.
-
-This module knows nothing of update sessions (`server.updates`), of the undo of the
-last commit (`server.rollback`, which keeps a `ServedState` and restores it), or of
-HTTP. SGLang's release and resume of "weights" (`server.memory`) end here: the
-parameters are freed, then allocated again empty.
+"""The served weights of the embedded engine: its parameters, the received buffers they view,
+the version and label they are served as, and every change to them, each made between two
+generation steps (`between_steps`). A change adopts the tensors it is given (no copy); how
+buffers go back to the receive pool, and the one change that copies (a streamed commit):
+docs/ARCHITECTURE.md's design notes. It knows nothing of update sessions (`server.updates`),
+of the undo of the last commit (`server.rollback`) or of HTTP.
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """Update sessions of the embedded engine, of either kind, and the applier they commit through.
 
-Every update route ends here. Received tensors are checked (names, shapes,
-dtypes, bucket digests) and staged in buffers this engine owns; the served
-parameters change only in a commit, which points them at the staged tensors
-in between two generation steps (`server.served`: no copy, the staged bytes
-become the served weights). So every forward pass uses exactly one version, and
-an update that fails, is aborted or never completes leaves the served weights
-bit-identical. The last weightsync commit can be undone until the next update
-begins (`server.rollback`).
-
-A streamed weightsync update (`Manifest.commit == "streamed"`) is the exception: no
-step runs from its begin to its commit (the scheduler's hold), each checked bucket is
-written into the served parameters in place and let go (`ServedWeights.load_in_place`),
-and nothing is kept to roll back. Closed without its commit once a bucket loaded, it
-leaves the weights torn (`server.coverage`): every request is refused, naming the
-version, what failed and the fix, until an update rewrites every parameter.
-
-At most one session is open:
-- "weightsync": opened by `/weightsync/begin` with a manifest; buckets arrive
-  by index (HTTP frame, share, shared memory, broadcast with weightsync keys, the
-  group relay, a disk version directory), each through the one receive path
-  (`WeightUpdater.receive_path`), or as named tensors; `/weightsync/commit` applies them.
-- "sglang": opened by `/begin_weight_update`; SGLang-shaped routes stage named
-  tensors into it; `/end_weight_update` applies them.
-With no session open, an SGLang-shaped update is staged and applied within
-its own call.
-
-What is served carries two names (`ServedVersion`): weightsync's integer
-version, which orders updates (a push's version must be newer; a delta names
-its base), and SGLang's `weight_version` label, a free string. A weightsync
-push of version N serves N, labelled "N" unless the request gave a label. An
-SGLang-shaped update serves current + 1 under the label it gave, or keeps the
-label when it gave none, as SGLang does; labels may repeat (slime sends one
-label on every bucket of a multi-request update, each applied on arrival).
-`/update_weight_version` changes the label only.
+Every update route ends here: at most one session is open, "weightsync" (`/weightsync/begin`
+.. `/weightsync/commit`, buckets arriving through the one receive path, `receive_path`) or
+"sglang" (`/begin_weight_update` .. `/end_weight_update`); with none open an SGLang-shaped
+update is staged and applied within its own call. Served parameters change only in a commit,
+between two generation steps; a failed, aborted or unfinished update leaves them bit-identical
+(a streamed one excepted: docs/GUARANTEES.md). Which route ends an update, and the versions and
+labels served: docs/PROTOCOL.md ("Details of the embedded engine").
 """
 
 from __future__ import annotations

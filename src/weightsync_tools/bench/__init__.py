@@ -12,3 +12,8 @@ and from the Pss of its processes) and the sparse and per-tensor suites.
 The fault suite is the sibling package `weightsync_tools.faults`. Importing this
 package imports none of them.
 """
+
+from collections.abc import Callable
+
+Progress = Callable[[str], None]
+"""How a suite reports what it is doing, a line at a time (the CLI prints to stderr)."""

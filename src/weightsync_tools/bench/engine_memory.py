@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from weightsync.errors import WeightSyncError
 from weightsync.process_memory import pss_bytes
+from weightsync_tools.bench import Progress
 
 ENGINES = ("embedded", "vllm-tp1", "vllm-tp2")
 DEFAULT_TRANSPORTS = {"embedded": ("shm", "http"), "vllm-tp1": ("shm",), "vllm-tp2": ("shm",)}
@@ -37,8 +37,6 @@ DEFAULT_MODEL_BYTES = 204 << 20
 DEFAULT_BUCKET_BYTES = 32 << 20
 SAMPLE_S = 0.02
 """Seconds between two Pss samples of the engine's processes."""
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True, kw_only=True)

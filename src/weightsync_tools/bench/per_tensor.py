@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from weightsync.process_memory import peak_resident_bytes, reset_peak, resident_bytes
+from weightsync_tools.bench import Progress
 from weightsync_tools.bench.scenarios import DEFAULT_MODEL_BYTES, Scenario, engine_model_dir, make_scenario
 
 SCENARIOS = ("dense", "many-small", "moe-30k")
@@ -29,7 +30,6 @@ RATIO_SCENARIOS = ("many-small",)
 push time against dense, and for TARGET_US per tensor on each side)."""
 TARGET_US = 10.0
 """Issue 33: at most 10 us per tensor on the trainer and on the embedded engine."""
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True, kw_only=True)

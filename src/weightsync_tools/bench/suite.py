@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.transports import TRANSPORTS
+from weightsync_tools.bench import Progress
 from weightsync_tools.bench import baselines as baselines_mod
 from weightsync_tools.bench import fixed_cost as fixed_cost_mod
 from weightsync_tools.bench import limits as limits_mod
@@ -34,7 +35,6 @@ from weightsync_tools.bench.scenarios import (
 )
 
 MiB = 1 << 20
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from weightsync.engines.base import Engine, EngineCapabilities, EngineUpdate, Relayer, ShareReceiver, verbs_of
+from weightsync.errors import EngineClientError
 from weightsync.formats.shares import Share
 from weightsync.links import Delivery
 from weightsync.manifest import BucketMeta, Manifest
@@ -144,19 +145,34 @@ def stream_whole_buckets(push: Streaming) -> list[str]:
 
 def share_receivers(engines: Sequence[Engine], timeout_s: float) -> list[ShareReceiver]:
     """Where each of `engines` takes shares (`engines.base.verbs_of`): send_shares refuses an
-    engine client that never does when built, and an engine that does not declare it at the handshake."""
-    receivers: list[ShareReceiver] = [v for v in (verbs_of(e, timeout_s) for e in engines)
-                                      if isinstance(v, ShareReceiver)]
-    assert len(receivers) == len(engines), "refuse_unfit and refuse_engine refuse engines that take no shares"
+    engine client that never does when built, and an engine that does not declare it at the
+    handshake; a client whose verbs lack `ShareReceiver`'s all the same is an `EngineClientError`."""
+    receivers: list[ShareReceiver] = []
+    for e in engines:
+        verbs = verbs_of(e, timeout_s)
+        if not isinstance(verbs, ShareReceiver):
+            raise _lacking(e, verbs, "ShareReceiver", "assembles_shares", "receive_share", "send_shares=False")
+        receivers.append(verbs)
     return receivers
 
 
 def relayer(engine: Engine, timeout_s: float) -> Relayer:
     """Where `engine` relays (`engines.base.verbs_of`): fan_out='relay' refuses an engine client
-    that never does when built, and an engine that does not declare `relays` at the handshake."""
+    that never does when built, and an engine that does not declare `relays` at the handshake;
+    a client whose verbs lack `Relayer`'s all the same is an `EngineClientError`."""
     verbs = verbs_of(engine, timeout_s)
-    assert isinstance(verbs, Relayer), "refuse_unfit and refuse_engine refuse engines that do not relay"
+    if not isinstance(verbs, Relayer):
+        raise _lacking(engine, verbs, "Relayer", "relays", "relay, relay_in_group, wait_relayed and relay_error",
+                       "fan_out='direct'")
     return verbs
+
+
+def _lacking(engine: Engine, verbs: object, protocol: str, capability: str, names: str,
+             instead: str) -> EngineClientError:
+    return EngineClientError(
+        f"{engine.label}: the engine declares `{capability}`, but its client's verbs ({type(verbs).__name__}) "
+        f"are no `engines.base.{protocol}`: give the client (or what its `extension()` returns) {names}, "
+        f"or use {instead}")
 
 
 def nothing_to_send() -> None:
