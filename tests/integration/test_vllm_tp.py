@@ -33,7 +33,10 @@ import weightsync as ws
 from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 from weightsync.integrity import digest
+from weightsync.owners import owner_tag
+from weightsync.process_memory import pss_bytes
 from weightsync.server.launch import launch_server
+from weightsync.transports.shmem import NAME_PREFIX, SHM_DIR
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
@@ -216,3 +219,60 @@ def test_transfer_backend_delta_of_one_fused_layer_on_two_ranks(transfer_engine:
     assert report.mode == "delta"
     assert report.acks[0].loaded_names == {"model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"}
     vf.assert_parity(transfer_engine, trainer)
+
+
+# -- memory: one staged copy per host ------------------------------------------------------------
+
+
+def _pss(pids: list[int]) -> int:
+    values = [pss_bytes(pid) for pid in pids]
+    assert all(v is not None for v in values), "Pss unreadable"
+    return sum(v for v in values if v is not None)
+
+
+def _staging_segments(engine_pid: int) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(f"{NAME_PREFIX}{owner_tag(engine_pid)}-*"))
+
+
+def test_a_staged_push_to_two_ranks_holds_one_copy_on_the_host(
+        llm: Any, engine: VLLMEngine, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both workers stage the update once, in one segment of the host they both map: the summed Pss
+    of the two workers, read just before the commit (every bucket staged), is above what it is once
+    the commit let the staging go by one model copy, not two (stated margin: half a copy either
+    way for the workers' other allocations meanwhile, about 0.9 MB here). The segment's name is gone
+    after the commit, and after a push one rank refused (a corrupted bucket), which leaves both on
+    the last version."""
+    trainer = vf.load_trainer(model_dir)
+    model_bytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    pids = llm.collective_rpc("weightsync_test_pids")
+    workers = [int(pid) for pid, _ in pids]
+    (engine_pid,) = {int(parent) for _, parent in pids}
+    staged: list[int] = []
+    commit = engine.commit
+
+    def commit_measured(*args: Any, **kwargs: Any) -> Any:
+        staged.append(_pss(workers))
+        return commit(*args, **kwargs)
+
+    with ws.WeightSync([engine], transport="shm", bucket_bytes=256 << 10) as sync:
+        vf.perturb(trainer, seed=501)
+        sync.push(trainer, version=vf.next_version(engine))  # the session's first push (segment mapped)
+        vf.perturb(trainer, seed=502)
+        version = vf.next_version(engine)
+        monkeypatch.setattr(engine, "commit", commit_measured)
+        report = sync.push(trainer, version=version)
+        after = _pss(workers)
+        monkeypatch.undo()
+        vf.assert_verified(report, version)
+        assert _staging_segments(engine_pid) == []
+        let_go = (staged[0] - after) / model_bytes
+        assert 0.5 < let_go < 1.5, f"staged {let_go:.2f} model copies ({staged[0] - after} bytes) on the host"
+
+        served = copy.deepcopy(trainer)
+    vf.perturb(trainer, seed=503)
+    with ws.WeightSync([vf.CorruptingEngine(engine)], transport="shm", bucket_bytes=256 << 10) as sync, \
+            pytest.raises(ws.IntegrityError, match="bucket 1: digest"):
+        sync.push(trainer, version=version + 1)
+    assert _staging_segments(engine_pid) == []
+    assert engine.info()["version"] == version
+    vf.assert_parity(engine, served)
