@@ -187,10 +187,10 @@ class WorkerSync:
         """The shared staging segment of the open update, if it has one."""
         self.session = UpdateSession(self, engine=self.who, rules=SessionRules(
             timeout_s=SESSION_TIMEOUT_S, refuse_delta=refuse_delta,
-            num_staging_copies=1 if _stages_on_host(worker) else 0))
-        """A staged update is staged once on this host (the fit check at begin counts it once): by
-        the one worker, or shared by the engine's workers (`shares_staging`). A worker on a GPU
-        stages on its device, which the check does not count (docs/LIMITS.md)."""
+            num_staging_copies=self.num_ranks if _stages_on_host(worker) else 0))
+        """The fit check at begin counts the copies staged on this host: one where the workers share
+        it (set at each begin), else one per worker (over disk each reads the version itself). A
+        worker on a GPU stages on its device, which the check does not count (docs/LIMITS.md)."""
         self.receive_path = ReceivePath(self.session, make_receiver=lambda transport: make_receiver(
             transport, max_sessions=MAX_SESSIONS, device=_device(worker)),
             hooks=ReceiveHooks(bucket_place=self._staging_place))
@@ -256,11 +256,15 @@ class WorkerSync:
                                     "which vLLM must reload with the tensors sent; send a full update")
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
-        preempted = self.session.begin(manifest)
-        self.link = link
         receiver = self.receive_path.receiver(link.transport)
         fetches = not (receiver.reads_at_commit or receiver.bytes_in_delivery)  # disk: read whole at commit
-        if self.shares_staging and fetches and manifest.commit == "staged":
+        shares = self.shares_staging and fetches and manifest.commit == "staged"
+        if _stages_on_host(self.worker):  # the fit check: one copy on this host, or one per worker
+            self.session.rules = replace(self.session.rules,
+                                         num_staging_copies=1 if shares else self.num_ranks)
+        preempted = self.session.begin(manifest)
+        self.link = link
+        if shares:
             try:
                 self.staging = HostStaging.join(self._staging_name(manifest), manifest)
             except BaseException:
