@@ -1,9 +1,9 @@
 """The staging area the tensor-parallel workers of one vLLM engine share on their host: one
-/dev/shm segment per update, a page-aligned region per bucket, made by the first worker that
-begins the update and mapped by the others (`HostStaging.join`). Every worker lands each bucket
-in it (the same bytes; each checks the digest of what it wrote) and reloads only its shard from
-it, so the host holds one staged copy however many ranks it runs. Every worker removes the
-segment's name when the update ends; one left by an engine that was killed is removed by the
+/dev/shm segment per update, a page-aligned region per bucket, made (allocated once) by the first
+worker that begins the update and mapped by the others (`HostStaging.join`). Every worker lands
+each bucket in it (the same bytes; each checks the digest of what it wrote) and reloads only its
+shard from it, so the host holds one staged copy however many ranks it runs. Every worker removes
+the segment's name when the update ends; one left by an engine that was killed is removed by the
 next segment made on the host (`transports.shmem.remove_orphans`: it is named after the engine's
 process). The design: docs/VLLM.md, "Staging".
 """
@@ -14,8 +14,8 @@ import contextlib
 import errno
 import hashlib
 import os
-import secrets
 import shutil
+import time
 import weakref
 from pathlib import Path
 
@@ -28,6 +28,8 @@ from weightsync.transports.shmem import NAME_PREFIX, SHM_DIR, check_name, remove
 
 ALIGN_BYTES = 4096
 """Each bucket's region starts on a page."""
+WAIT_S = 120.0
+"""How long a worker waits for another to finish allocating the segment."""
 
 
 def staging_name(engine_key: str, manifest: Manifest, *, engine_pid: int) -> str:
@@ -64,21 +66,34 @@ class HostStaging:
         self._remove = weakref.finalize(self, _unlink, path)  # at exit too; a killed engine's: an orphan
 
     @classmethod
-    def join(cls, name: str, manifest: Manifest) -> HostStaging:
-        """Map the segment `name` for `manifest`, making it first if no worker has: made whole under a
-        name of this worker's and linked into place, so a worker never maps a half-made one.
-        `StagingMemoryError` where /dev/shm has no room for it."""
+    def join(cls, name: str, manifest: Manifest, *, wait_s: float = WAIT_S) -> HostStaging:
+        """Map the segment `name` for `manifest`, making it first if no worker has (created under its
+        name, then allocated whole: tmpfs sets its size once every page is allocated, so a worker
+        that finds it maps it once it has its full size). `StagingMemoryError` where /dev/shm has
+        no room for it; TimeoutError where the worker making it stopped halfway for `wait_s`."""
         path = SHM_DIR / check_name(name)
-        created = False
-        if not path.exists():
-            remove_orphans()
-            nbytes = cls.size_of(manifest)
-            own = SHM_DIR / f"{NAME_PREFIX}{owner_tag()}-{secrets.token_hex(8)}"
-            fd = os.open(own, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        nbytes = cls.size_of(manifest)
+        remove_orphans()
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:  # another worker makes it, or made it
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:  # its maker gave up (no room): try to make it here
+                    continue
+                if size == nbytes:
+                    return cls(path, manifest, created=False)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"staging segment {name} stayed at {size} of {nbytes} bytes for {wait_s:.0f} "
+                                       "s: the worker making it stopped") from None
+                time.sleep(0.005)
+                continue
             try:
                 os.posix_fallocate(fd, 0, nbytes)  # allocated now: a full tmpfs fails here, by name
             except OSError as e:
-                _unlink(own)
+                _unlink(path)
                 if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                     raise
                 free = shutil.disk_usage(SHM_DIR).free
@@ -89,14 +104,7 @@ class HostStaging:
                     needed_bytes=nbytes, available_bytes=free) from None
             finally:
                 os.close(fd)
-            try:
-                os.link(own, path)
-                created = True
-            except FileExistsError:  # another worker made it meanwhile: map theirs
-                pass
-            finally:
-                _unlink(own)
-        return cls(path, manifest, created=created)
+            return cls(path, manifest, created=True)
 
     @staticmethod
     def size_of(manifest: Manifest) -> int:
