@@ -277,3 +277,38 @@ def test_a_staged_push_to_two_ranks_holds_one_copy_on_the_host(
     assert _staging_segments(engine_pid) == []
     assert engine.info()["version"] == version
     vf.assert_parity(engine, served)
+
+
+def test_sparse_pushes_to_two_ranks_patch_one_copy_of_the_served_version_per_host(
+        llm: Any, engine: VLLMEngine, model_dir: Path) -> None:
+    """mode="sparse" (last in the module: the workers keep their copy from then on). The first
+    sparse update is refused (no copy of the served version yet) and goes out whole, which leaves
+    the workers holding the served version (`WorkerSync.held`) as views of that push's staging
+    segment: one model copy on the host, not one per worker (the two workers' Pss grows by one
+    copy; margin as above). A patch to 1% of q_proj is then rebuilt from it on both ranks and
+    served exactly (k and v reloaded from it too)."""
+    trainer = vf.load_trainer(model_dir)
+    model_bytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    workers = [int(pid) for pid, _ in llm.collective_rpc("weightsync_test_pids")]
+    weight = trainer.model.layers[0].self_attn.q_proj.weight
+
+    def patch_q_proj(seed: int) -> None:
+        picked = torch.randperm(weight.numel(), generator=torch.Generator().manual_seed(seed))[: weight.numel() // 100]
+        with torch.no_grad():
+            weight.view(-1)[picked] += 0.5
+
+    vf.perturb(trainer, seed=511)
+    with ws.WeightSync([engine], transport="shm", mode="sparse", bucket_bytes=256 << 10) as sync:
+        assert sync.push(trainer, version=vf.next_version(engine)).mode == "full"  # nothing acked yet
+        patch_q_proj(seed=512)
+        before = _pss(workers)
+        assert sync.push(trainer, version=vf.next_version(engine)).mode == "full"  # refused (409), sent whole
+        held = (_pss(workers) - before) / model_bytes
+        assert 0.5 < held < 1.5, f"the workers hold {held:.2f} model copies of the served version"
+        patch_q_proj(seed=513)
+        version = vf.next_version(engine)
+        report = sync.push(trainer, version=version)
+    vf.assert_verified(report, version)
+    assert report.mode == "sparse" and report.num_tensors == 1, report
+    assert report.acks[0].tensor_digests.keys() == {"model.layers.0.self_attn.q_proj.weight"}
+    vf.assert_parity(engine, trainer)
