@@ -5,11 +5,10 @@ A staged update ("staged", `Manifest.commit`) holds every bucket beside the serv
 commit swaps it in; a "sparse" one also rebuilds each touched tensor whole at commit (a dense copy
 of the served tensor with the payload applied). So staging needs, beyond what the process holds at
 begin, the manifest's bytes plus the dense bytes of its sparse entries, times the copies staged on
-this host (one: the workers of a vLLM engine share one staging segment per host), less what the
-engine already holds and lets staging reuse (`StagingReuse`: the embedded engine's receive pool,
-and the rollback copy of the previous version it lets go at begin). What the engine keeps meanwhile
-(the served model, vLLM's copy for sparse updates) is already resident, so already outside what the
-host reports available.
+this host (each vLLM worker stages its own), less what the engine already holds and lets staging
+reuse (`StagingReuse`: the embedded engine's receive pool, and the rollback copy of the previous
+version it lets go at begin). What the engine keeps meanwhile (the served model, vLLM's copy for
+sparse updates) is already resident, so already outside what the host reports available.
 
 Compared with `process_memory.host_available_bytes` less `STAGING_MARGIN_BYTES`, and with the
 engine's own limit where one is set (`weightsync serve --staging-bytes-limit`: a cgroup's memory
