@@ -38,9 +38,9 @@ def _host_id() -> str:
 _HOST_ID = _host_id()
 
 
-def owner_tag() -> str:
-    """`<host id>-<pid>` of this process."""
-    return f"{_HOST_ID}-{os.getpid()}"
+def owner_tag(pid: int | None = None) -> str:
+    """`<host id>-<pid>` of this process (or of process `pid` of this host)."""
+    return f"{_HOST_ID}-{os.getpid() if pid is None else pid}"
 
 
 def owner_gone(tag: str) -> bool:

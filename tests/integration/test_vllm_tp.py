@@ -33,7 +33,10 @@ import weightsync as ws
 from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.engines.vllm.transfer_client import VLLMTransferEngine
 from weightsync.integrity import digest
+from weightsync.owners import owner_tag
+from weightsync.process_memory import pss_bytes
 from weightsync.server.launch import launch_server
+from weightsync.transports.shmem import NAME_PREFIX, SHM_DIR
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
@@ -216,3 +219,96 @@ def test_transfer_backend_delta_of_one_fused_layer_on_two_ranks(transfer_engine:
     assert report.mode == "delta"
     assert report.acks[0].loaded_names == {"model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"}
     vf.assert_parity(transfer_engine, trainer)
+
+
+# -- memory: one staged copy per host ------------------------------------------------------------
+
+
+def _pss(pids: list[int]) -> int:
+    values = [pss_bytes(pid) for pid in pids]
+    assert all(v is not None for v in values), "Pss unreadable"
+    return sum(v for v in values if v is not None)
+
+
+def _staging_segments(engine_pid: int) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(f"{NAME_PREFIX}{owner_tag(engine_pid)}-*"))
+
+
+def test_a_staged_push_to_two_ranks_holds_one_copy_on_the_host(
+        llm: Any, engine: VLLMEngine, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both workers stage the update once, in one segment of the host they both map: the summed Pss
+    of the two workers, read just before the commit (every bucket staged), is above what it is once
+    the commit let the staging go by one model copy (measured 1.01 here, 1.7 MB): a copy staged per
+    worker (2) fails it, and so does staging kept after the commit (about 0). Stated margin: half a
+    copy either way for the workers' other allocations meanwhile (about 0.85 MB). The segment's
+    name is gone after the commit, and after a push one rank refused (a corrupted bucket), which
+    leaves both on the last version."""
+    trainer = vf.load_trainer(model_dir)
+    model_bytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    pids = llm.collective_rpc("weightsync_test_pids")
+    workers = [int(pid) for pid, _ in pids]
+    (engine_pid,) = {int(parent) for _, parent in pids}
+    staged: list[int] = []
+    commit = engine.commit
+
+    def commit_measured(*args: Any, **kwargs: Any) -> Any:
+        staged.append(_pss(workers))
+        return commit(*args, **kwargs)
+
+    with ws.WeightSync([engine], transport="shm", bucket_bytes=256 << 10) as sync:
+        vf.perturb(trainer, seed=501)
+        sync.push(trainer, version=vf.next_version(engine))  # the session's first push (segment mapped)
+        vf.perturb(trainer, seed=502)
+        version = vf.next_version(engine)
+        monkeypatch.setattr(engine, "commit", commit_measured)
+        report = sync.push(trainer, version=version)
+        after = _pss(workers)
+        monkeypatch.undo()
+        vf.assert_verified(report, version)
+        assert _staging_segments(engine_pid) == []
+        let_go = (staged[0] - after) / model_bytes
+        assert 0.5 < let_go < 1.5, f"staged {let_go:.2f} model copies ({staged[0] - after} bytes) on the host"
+
+        served = copy.deepcopy(trainer)
+    vf.perturb(trainer, seed=503)
+    with ws.WeightSync([vf.CorruptingEngine(engine)], transport="shm", bucket_bytes=256 << 10) as sync, \
+            pytest.raises(ws.IntegrityError, match="bucket 1: digest"):
+        sync.push(trainer, version=version + 1)
+    assert _staging_segments(engine_pid) == []
+    assert engine.info()["version"] == version
+    vf.assert_parity(engine, served)
+
+
+def test_sparse_pushes_to_two_ranks_patch_one_copy_of_the_served_version_per_host(
+        llm: Any, engine: VLLMEngine, model_dir: Path) -> None:
+    """mode="sparse" (last in the module: the workers keep their copy from then on). The first
+    sparse update is refused (no copy of the served version yet) and goes out whole, which leaves
+    the workers holding the served version (`WorkerSync.held`) as views of that push's staging
+    segment: one model copy on the host, not one per worker (the two workers' Pss grows by one
+    copy; margin as above). A patch to 1% of q_proj is then rebuilt from it on both ranks and
+    served exactly (k and v reloaded from it too)."""
+    trainer = vf.load_trainer(model_dir)
+    model_bytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    workers = [int(pid) for pid, _ in llm.collective_rpc("weightsync_test_pids")]
+    weight = trainer.model.layers[0].self_attn.q_proj.weight
+
+    def patch_q_proj(seed: int) -> None:
+        picked = torch.randperm(weight.numel(), generator=torch.Generator().manual_seed(seed))[: weight.numel() // 100]
+        with torch.no_grad():
+            weight.view(-1)[picked] += 0.5
+
+    vf.perturb(trainer, seed=511)
+    with ws.WeightSync([engine], transport="shm", mode="sparse", bucket_bytes=256 << 10) as sync:
+        assert sync.push(trainer, version=vf.next_version(engine)).mode == "full"  # nothing acked yet
+        patch_q_proj(seed=512)
+        before = _pss(workers)
+        assert sync.push(trainer, version=vf.next_version(engine)).mode == "full"  # refused (409), sent whole
+        held = (_pss(workers) - before) / model_bytes
+        assert 0.5 < held < 1.5, f"the workers hold {held:.2f} model copies of the served version"
+        patch_q_proj(seed=513)
+        version = vf.next_version(engine)
+        report = sync.push(trainer, version=version)
+    vf.assert_verified(report, version)
+    assert report.mode == "sparse" and report.num_tensors == 1, report
+    assert report.acks[0].tensor_digests.keys() == {"model.layers.0.self_attn.q_proj.weight"}
+    vf.assert_parity(engine, trainer)

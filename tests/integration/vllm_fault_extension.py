@@ -4,6 +4,7 @@ tensor-parallel engine (a worker imports it by name:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,12 @@ REFUSE_COMMIT = "_weightsync_test_refuse_commit"
 
 
 class FaultyDiskExtension(WeightSyncWorkerExtension):
-    """The product's verbs, `weightsync_test_flip_disk_reads` and `weightsync_test_refuse_next_commit`."""
+    """The product's verbs, `weightsync_test_flip_disk_reads`, `weightsync_test_refuse_next_commit`
+    and `weightsync_test_pids`."""
+
+    def weightsync_test_pids(self) -> list[int]:
+        """[this worker's pid, its parent's] (the memory test reads their /proc)."""
+        return [os.getpid(), os.getppid()]
 
     def weightsync_test_refuse_next_commit(self, ranks: list[int]) -> bool:
         """This worker's next commit refuses, applying nothing (as a worker whose update was

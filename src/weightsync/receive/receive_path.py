@@ -26,6 +26,7 @@ from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.errors import EngineError
 from weightsync.formats.version_dir import read_announced
 from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta
 from weightsync.receive.update_session import UpdateSession, check_named
 from weightsync.reports import Ack
 from weightsync.transports.base import Receiver
@@ -38,6 +39,10 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 def _served_nothing() -> Iterable[torch.Tensor]:
     return ()
+
+
+def _no_place(version: int, bucket: BucketMeta) -> torch.Tensor | None:
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +60,10 @@ class ReceiveHooks:
     served_buffers: Callable[[], Iterable[torch.Tensor]] = _served_nothing
     """The received buffers the served weights view after a commit (`Ack.held_slots`
     names the adopted ones); nothing where the engine copies every bucket."""
+    bucket_place: Callable[[int, BucketMeta], torch.Tensor | None] = _no_place
+    """Where a bucket of update `version` fetched by a link lands, where the engine keeps a place
+    for it (the vLLM workers of one engine: their host-shared staging area, `engines.vllm.staging`);
+    None: a fresh `alloc` buffer."""
     joins_at_first_bucket: bool = False
     """The engine has no connect verb: it joins a link's session (as rank 0) at the
     link's first bucket. False: a bucket from a session not joined is refused
@@ -116,7 +125,9 @@ class ReceivePath:
         if adopted is not None:
             buffer, computed = adopted, None
         else:
-            buffer, computed = receiver.fetch_hashed(link, bucket, delivery, self.buffer(bucket.nbytes),
+            place = self.hooks.bucket_place(version, bucket)
+            buffer, computed = receiver.fetch_hashed(link, bucket, delivery,
+                                                     self.buffer(bucket.nbytes) if place is None else place,
                                                      session.digest_algorithm(version))
         return self.stage(version=version, index=index, buffer=buffer, digest_hex=digest_hex, computed=computed)
 

@@ -170,7 +170,8 @@ class SessionRules:
     """Why this engine refuses delta updates (HTTP 409, so the trainer sends the whole
     model); None: a delta is applied on top of the version it names as its base."""
     num_staging_copies: int = 1
-    """The processes on this host that each stage the same update (a vLLM engine's workers)."""
+    """The copies of an update staged on this host (processes that each stage their own; a vLLM
+    engine's workers share one, `engines.vllm.staging`)."""
     staging_bytes_limit: int | None = None
     """Bytes a staged update may take beyond what the engine holds at begin, where the host's
     memory figures overstate what it may use (a cgroup's limit); None: the host's figures only."""

@@ -128,7 +128,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 self.sync.session.abort(dropped)
             self._answer(self._seq + 1, "finish", lambda: {"aborted": dropped})
             return
-        self._answer(self._seq + 1, "finish", lambda: {"ack": self.sync.session.commit(update.version).to_wire()})
+        self._answer(self._seq + 1, "finish", lambda: {"ack": self.sync.commit_update(update.version).to_wire()})
 
     def shutdown(self) -> None:
         self.sync.session.abort()

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from weightsync.engines.vllm.reload import (
     moe_kernels_rebuilt,
     moe_layer_names,
 )
+from weightsync.engines.vllm.staging import HostStaging, staging_name
 from weightsync.errors import (
     ConflictError,
     EngineError,
@@ -37,9 +39,11 @@ from weightsync.errors import (
 )
 from weightsync.formats.version_dir import read_checkpoint_metas
 from weightsync.links import Delivery, Link
-from weightsync.manifest import Manifest, TensorMeta
-from weightsync.receive.receive_path import ReceivePath
+from weightsync.manifest import BucketMeta, Manifest, TensorMeta
+from weightsync.process_memory import trim_heap
+from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
 from weightsync.receive.update_session import OpenUpdate, SessionRules, UpdateSession
+from weightsync.reports import Ack
 from weightsync.transports import make_receiver, parse_link
 
 log = logging.getLogger(__name__)
@@ -176,14 +180,20 @@ class WorkerSync:
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
         self.dirty = False
+        self.shares_staging = self.num_ranks > 1 and _stages_on_host(worker)
+        """The engine's workers on this host stage a staged update once, in one segment they all map
+        (`staging.HostStaging`); a one-rank engine, or workers on GPUs, stage their own."""
+        self.staging: HostStaging | None = None
+        """The shared staging segment of the open update, if it has one."""
         self.session = UpdateSession(self, engine=self.who, rules=SessionRules(
             timeout_s=SESSION_TIMEOUT_S, refuse_delta=refuse_delta,
             num_staging_copies=self.num_ranks if _stages_on_host(worker) else 0))
-        """Every worker of the engine stages a whole copy of a staged update: the fit check at
-        begin counts all of them on this host (vLLM's ranks of one engine usually share one).
-        A worker on a GPU stages on its device, which the check does not count (docs/LIMITS.md)."""
+        """The fit check at begin counts the copies staged on this host: one where the workers share
+        it (set at each begin), else one per worker (over disk each reads the version itself). A
+        worker on a GPU stages on its device, which the check does not count (docs/LIMITS.md)."""
         self.receive_path = ReceivePath(self.session, make_receiver=lambda transport: make_receiver(
-            transport, max_sessions=MAX_SESSIONS, device=_device(worker)))
+            transport, max_sessions=MAX_SESSIONS, device=_device(worker)),
+            hooks=ReceiveHooks(bucket_place=self._staging_place))
         """This worker's end of each transport, holding the sessions it joined: up to
         MAX_SESSIONS trainer sessions each (two trainers may be connected at once; one
         holds the update, the other waits). Every bucket is copied (vLLM reloads copies)."""
@@ -246,8 +256,20 @@ class WorkerSync:
                                     "which vLLM must reload with the tensors sent; send a full update")
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
+        receiver = self.receive_path.receiver(link.transport)
+        fetches = not (receiver.reads_at_commit or receiver.bytes_in_delivery)  # disk: read whole at commit
+        shares = self.shares_staging and fetches and manifest.commit == "staged"
+        if _stages_on_host(self.worker):  # the fit check: one copy on this host, or one per worker
+            self.session.rules = replace(self.session.rules,
+                                         num_staging_copies=1 if shares else self.num_ranks)
         preempted = self.session.begin(manifest)
         self.link = link
+        if shares:
+            try:
+                self.staging = HostStaging.join(self._staging_name(manifest), manifest)
+            except BaseException:
+                self.session.abort(manifest.version)
+                raise
         return {"preempted": preempted}
 
     def receive(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -267,11 +289,23 @@ class WorkerSync:
     def commit(self, body: Mapping[str, Any]) -> dict[str, Any]:
         version = int(body["version"])
         update = self.session.open_update
-        ack = self.receive_path.commit(version, self.link)
+        ack = self.commit_update(version)
         assert update is not None  # commit found it open
         if not update.manifest.is_adapter:
             return {"ack": ack.to_wire()}
         return {"ack": ack.to_wire(), "lora_path": str(self.adapters.last) if self.adapters.last is not None else None}
+
+    def commit_update(self, version: int) -> Ack:
+        """Commit the open update `version` (`ReceivePath.commit`) and return its ack, its memory
+        figures counting a shared staging segment in the worker that made it only."""
+        staging = self.staging
+        ack = self.receive_path.commit(version, self.link)
+        if staging is None or staging.created:
+            return ack
+        mapped = any(t.untyped_storage().data_ptr() == staging.base_ptr for t in self.held.values())
+        return replace(ack, peak_extra_bytes=None if ack.peak_extra_bytes is None else max(
+            0, ack.peak_extra_bytes - staging.nbytes), kept_bytes=ack.kept_bytes - staging.nbytes
+            if ack.kept_bytes is not None and mapped else ack.kept_bytes)
 
     def abort(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Drop the open update of that version, unless it belongs to another trainer."""
@@ -355,7 +389,27 @@ class WorkerSync:
         self.adapters.write(update.manifest, update.tensors, rank=self.rank)
 
     def release(self, update: OpenUpdate) -> None:
-        """Nothing to free: the staged copies go with the update."""
+        """Drop the update's staging (its buffers, or this worker's map of the shared segment, whose
+        name goes) and give the freed heap back to the system (`trim_heap`: glibc keeps freed
+        buckets otherwise), so that after a commit nothing beyond the model is kept, except `held`."""
+        update.tensors, update.buffers, update.views = {}, [], {}
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.close()
+        trim_heap()
+
+    def _staging_place(self, version: int, bucket: BucketMeta) -> torch.Tensor | None:
+        """Where bucket `bucket` of update `version` lands: its region of the shared segment, if the update has one."""
+        update = self.session.open_update
+        if self.staging is None or update is None or update.version != version:
+            return None
+        return self.staging.bucket(bucket.index)
+
+    def _staging_name(self, manifest: Manifest) -> str:
+        """The shared segment's name: the same in every worker of this engine on this host (vLLM's
+        instance id, the workers' parent process), one per update."""
+        return staging_name(str(getattr(self.worker.vllm_config, "instance_id", "")), manifest,
+                            engine_pid=os.getppid())
 
     def check_adapter(self, manifest: Manifest) -> None:
         check_adapter(manifest, self.worker.vllm_config.lora_config, self._expected_metas() or {}, who=self.who)
