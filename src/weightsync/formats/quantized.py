@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from weightsync.dtypes import dtype_name
-from weightsync.errors import CastError, format_names
+from weightsync.errors import CastError, ManifestMismatchError, format_names
 from weightsync.manifest import TensorMeta
 
 INT8_CHANNEL = "int8-channel"
@@ -140,6 +140,31 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     return q, scale
 
 
+@dataclass(frozen=True, kw_only=True)
+class Quantization:
+    """What an engine serving quantized weights declares at the handshake
+    (`EngineCapabilities.quantization`): its format and which of its weights it holds quantized."""
+
+    format: QuantFormat
+    scales: Mapping[str, str]
+    """Engine weight name -> its scale's name, from the checkpoint's own headers (`quantized_weights`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.format.to_dict(), "scales": dict(self.scales)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Quantization:
+        return cls(format=QuantFormat.from_dict(d), scales={str(k): str(v) for k, v in (d.get("scales") or {}).items()})
+
+
+def quantized_dtypes(quantization: Quantization) -> dict[str, torch.dtype]:
+    """Engine name -> the dtype it travels in, for every quantized weight and scale: what no
+    plain cast may touch (`dtypes.Cast.kept`)."""
+    fmt = quantization.format
+    return {**{w: fmt.weight_dtype for w in quantization.scales},
+            **{s: fmt.scale_dtype for s in quantization.scales.values()}}
+
+
 def format_from_config(quantization_config: Mapping[str, Any] | None) -> QuantFormat | None:
     """The format a checkpoint's `quantization_config` (config.json) declares; None for none.
     Raises CastError naming what weightsync cannot quantize into (another scheme, bit width,
@@ -190,9 +215,9 @@ def check_quantized(sent: Sequence[TensorMeta], expected: Mapping[str, TensorMet
                     who: str) -> None:
     """Refuse, before any byte moves, what cannot load right into an engine serving `fmt`:
     `expected` (checkpoint name -> dtype and shape, from the checkpoint's own headers, scales
-    included) against what a push sends (`sent`). Refused: a quantized weight sent in another
-    dtype (a plain cast, or no quantizing at all), a weight without its scale or a scale without
-    its weight, a scale of the wrong dtype or shape."""
+    included) against what a push sends (`sent`), raising ManifestMismatchError. Refused: a
+    quantized weight sent in another dtype (a plain cast, or no quantizing at all), a weight
+    without its scale or a scale without its weight, a scale of the wrong dtype or shape."""
     scales = quantized_weights(list(expected.values()), fmt)
     by_name = {m.hf_name: m for m in sent}
     problems: list[str] = []
@@ -206,18 +231,20 @@ def check_quantized(sent: Sequence[TensorMeta], expected: Mapping[str, TensorMet
     if alone:
         problems.append(f"{format_names(alone)} sent without its scale, or the scale without it; a weight and "
                         f"its {fmt.scale_suffix} go together")
-    bad = []
+    bad, bad_names = [], []
     for scale in scales.values():
         if scale in by_name:
             s, e = by_name[scale], expected[scale]
             if s.dtype != e.dtype or tuple(s.shape) != tuple(e.shape):
+                bad_names.append(scale)
                 bad.append(f"{scale} ({dtype_name(s.dtype)} {list(s.shape)}, the checkpoint holds "
                            f"{dtype_name(e.dtype)} {list(e.shape)})")
     if bad:
         problems.append(f"scales of the wrong dtype or shape: {'; '.join(bad[:4])}"
                         f"{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}")
     if problems:
-        raise CastError(f"{who} refuses the update: " + " | ".join(problems))
+        raise ManifestMismatchError(f"{who} refuses the update: " + " | ".join(problems),
+                                    mismatched=[*unquantized, *bad_names], missing=alone)
 
 
 def expected_dtype(hf_name: str, checkpoint_dtype: torch.dtype, served: torch.dtype,
@@ -236,5 +263,6 @@ def _scales_of(quantized: Mapping[str, str]) -> set[str]:
     return set(quantized.values())
 
 
-__all__ = ["FP8_BLOCK", "INT8_CHANNEL", "QuantFormat", "check_quantized", "expected_dtype", "format_from_config",
-           "is_plain_castable_target", "quantize_fp8_block", "quantize_int8_channel", "quantized_weights"]
+__all__ = ["FP8_BLOCK", "INT8_CHANNEL", "QuantFormat", "Quantization", "check_quantized", "expected_dtype",
+           "format_from_config", "is_plain_castable_target", "quantize_fp8_block", "quantize_int8_channel",
+           "quantized_dtypes", "quantized_weights"]

@@ -67,6 +67,7 @@ from weightsync.push.fanout import check_fan_out, make_fan_out
 from weightsync.push.fanout.base import Streaming
 from weightsync.push.followers import follow
 from weightsync.push.planning import BucketPlanner, Casts, PushPlan, PushPlanner, cast_notes, expert_layout
+from weightsync.push.quantize import quantized_source
 from weightsync.push.rank_shares import ShareOrder, send_shares
 from weightsync.push.replicas import Replicas
 from weightsync.reports import Ack, Stages, SyncReport
@@ -336,7 +337,8 @@ class WeightSync:
     def _push_phase(self, mode: PushMode, model: Any, version: int, planner: PushPlanner) -> SyncReport:
         """One mode's push of `version`, verified."""
         started = time.perf_counter()
-        source = mode.source(model, expert_layout=self._expert_layout)
+        source = quantized_source(mode.source(model, expert_layout=self._expert_layout),
+                                  planner.casts.quantization(cast=mode.casts))
         held = {m.hf_name: m.dtype for m in planner.metas(source)}  # as the trainer holds them (sparse: metas are cast)
         while True:
             plan = self._plan(mode, source, version, planner, held)
