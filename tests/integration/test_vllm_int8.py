@@ -132,3 +132,19 @@ def test_bad_scales_and_plain_casts_are_refused_before_a_byte_moves(engine: VLLM
             ws.WeightSync([engine], transport="shm", dtype=torch.bfloat16) as sync:
         sync.push(trainer, version=version + 1)
     assert engine.info()["version"] == version
+
+
+def test_a_nan_block_is_refused_by_name_and_sparse_goes_whole(engine: VLLMEngine, float_dir: Path) -> None:
+    trainer = vf.load_trainer(float_dir)
+    before, version = _served(engine), engine.info()["version"]
+    with torch.no_grad():
+        trainer.model.layers[1].mlp.up_proj.weight[:8, :8] = float("nan")
+    with pytest.raises(ws.CastError, match=r"model\.layers\.1\.mlp\.up_proj\.weight holds NaN"), \
+            ws.WeightSync([engine], transport="shm") as sync:
+        sync.push(trainer, version=version + 1)
+    assert engine.info()["version"] == version and _served(engine) == before
+    trainer = vf.load_trainer(float_dir)
+    with ws.WeightSync([engine], transport="shm", mode="sparse") as sync:
+        report = sync.push(trainer, version=version + 1)  # the worker refuses sparse (409): the whole model goes
+    vf.assert_verified(report, version + 1)
+    assert report.mode == "full" and _served(engine) == before  # the checkpoint's weights, as before
