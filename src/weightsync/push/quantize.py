@@ -2,7 +2,8 @@
 (`formats.quantized.Quantization`): a source whose quantized weights come as the engine's dtype,
 each followed by its scale, computed tensor by tensor as the packer asks for them (one weight and
 its scale in hand beyond the bucket). Digests then cover the quantized bytes and each scale as a
-tensor of its own. Single trainer rank: a sharded trainer's followers are not told the scales.
+tensor of its own. Single trainer rank: the coordinator refuses a sharded trainer (its followers
+are not told the scales).
 """
 
 from __future__ import annotations
