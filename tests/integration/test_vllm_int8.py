@@ -134,6 +134,24 @@ def test_bad_scales_and_plain_casts_are_refused_before_a_byte_moves(engine: VLLM
     assert engine.info()["version"] == version
 
 
+def test_a_bfloat16_scale_is_refused_at_begin_by_name(engine: VLLMEngine, float_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer whose quantizer declares bfloat16 scales (patched here, in the trainer only): the
+    worker checks them against the checkpoint's float32 headers and refuses before a byte moves."""
+    from weightsync.formats.quantized import QuantFormat
+
+    trainer = vf.load_trainer(float_dir)
+    before, version = _served(engine), engine.info()["version"]
+    monkeypatch.setattr(QuantFormat, "scale_dtype", torch.bfloat16)
+    with pytest.raises(ws.ManifestMismatchError, match=r"model\.layers\.0\.mlp\.down_proj\.weight_scale "
+                       r"\(bfloat16 \[128, 1\], the checkpoint holds float32 \[128, 1\]\)") as refused, \
+            ws.WeightSync([engine], transport="shm") as sync:
+        sync.push(trainer, version=version + 1)
+    assert len(refused.value.mismatched) == 14 and "model.layers.0.self_attn.q_proj.weight_scale" in \
+        refused.value.mismatched
+    assert engine.info()["version"] == version and _served(engine) == before
+
+
 def test_a_nan_block_is_refused_by_name_and_sparse_goes_whole(engine: VLLMEngine, float_dir: Path) -> None:
     trainer = vf.load_trainer(float_dir)
     before, version = _served(engine), engine.info()["version"]
