@@ -167,3 +167,20 @@ def test_the_stream_is_quantized_once_each_scale_a_tensor(fmt: QuantFormat) -> N
                                               .view(torch.uint8))
     with pytest.raises(ValueError, match="without the tensor quantized with it"):
         list(source.tensors(["q_proj.weight"]))
+
+
+def test_a_vllm_declares_what_its_checkpoint_holds_quantized() -> None:
+    from types import SimpleNamespace
+
+    from weightsync.engines.vllm.quantized import served_quantization as vllm_quantization
+
+    config = {"quant_method": "compressed-tensors", "ignore": ["lm_head"],
+              "config_groups": {"g": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                  "block_structure": [128, 128]}}}}
+    checkpoint = [_meta(f"{Q}.weight", torch.float8_e4m3fn, (256, 64)),
+                  _meta(f"{Q}.weight_scale", torch.float32, (2, 1)), _meta("lm_head.weight", torch.float32, (9, 64))]
+    declared = vllm_quantization(SimpleNamespace(quantization_config=config), checkpoint)
+    assert declared is not None and declared.format.kind == FP8_BLOCK
+    assert declared.scales == {f"{Q}.weight": f"{Q}.weight_scale"}  # lm_head: no scale in the headers
+    assert vllm_quantization(SimpleNamespace(), checkpoint) is None
