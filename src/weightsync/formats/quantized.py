@@ -84,11 +84,10 @@ class QuantFormat:
         if weight.dim() != 2:
             raise CastError(f"{hf_name}: a quantized weight is 2-D, got shape {tuple(weight.shape)}")
         w = weight.detach().to(torch.float32)
-        if not bool(torch.isfinite(w).all()):
+        q, scale = quantize_int8_channel(w) if self.block is None else quantize_fp8_block(w, self.block)
+        if not bool(torch.isfinite(scale).all()):  # amax carries a NaN or infinity of its row or block
             raise CastError(f"{hf_name} holds NaN or infinity: no scale represents it; fix the trainer's weights")
-        if self.block is None:
-            return quantize_int8_channel(w)
-        return quantize_fp8_block(w, self.block)
+        return q, scale
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The float32 weight `q` and `scale` stand for (what the engine computes with)."""
