@@ -144,7 +144,8 @@ def test_nan_and_non_2d_weights_are_refused_by_name() -> None:
         fmt.quantize(w, hf_name="model.layers.0.mlp.up_proj.weight")
     w[1, 2] = float("-inf")
     with pytest.raises(CastError, match=r"o_proj.weight holds NaN or infinity"):
-        QuantFormat(kind=FP8_BLOCK, scale_suffix="weight_scale_inv", block=(128, 128)).quantize(w, hf_name="o_proj.weight")
+        fp8 = QuantFormat(kind=FP8_BLOCK, scale_suffix="weight_scale_inv", block=(128, 128))
+        fp8.quantize(w, hf_name="o_proj.weight")
     with pytest.raises(CastError, match=r"norm.weight: a quantized weight is 2-D"):
         fmt.quantize(torch.ones(4), hf_name="norm.weight")
 
