@@ -240,6 +240,8 @@ class WorkerSync:
             self.receive_path.receiver(link.transport).check_joined(link)
         except LookupError as e:
             raise EngineError(self.who, str(e)) from None
+        if (q := self.quantization()) is not None:
+            check_quantized_update(manifest, self._expected_metas() or {}, q, who=self.who)
         if manifest.mode == "sparse":
             self.keeps_base = True
             group = fused_groups(manifest.hf_names, self._expected_metas() or self.held, self.packed_modules,
@@ -248,8 +250,6 @@ class WorkerSync:
             if unheld or not self.held:  # refused now (409: the coordinator sends the whole model), not at commit
                 raise ConflictError(f"{self.who} holds no copy of {format_names(unheld or ['the served weights'])}, "
                                     "which vLLM must reload with the tensors sent; send a full update")
-        if (q := self.quantization()) is not None:
-            check_quantized_update(manifest, self._expected_metas() or {}, q, who=self.who)
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
         preempted = self.session.begin(manifest)
