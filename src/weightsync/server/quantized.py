@@ -71,6 +71,12 @@ class ServedQuantization:
         sent = [TensorMeta(hf_name=e.hf_name, dtype=e.dtype, shape=e.shape) for e in manifest.entries()]
         check_quantized(sent, self.expected(served), self.quantization.format, who=who)
 
+    def dequantized_bytes(self, manifest: Manifest, served: Mapping[str, TensorMeta]) -> int:
+        """Bytes a commit of `manifest` allocates for the quantized weights it sends, dequantized
+        into the served dtype (beyond its staged buckets; one weight's float32 temporary aside)."""
+        scales = self.quantization.scales
+        return sum(served[e.hf_name].nbytes for e in manifest.entries() if e.hf_name in scales)
+
     def dequantize(self, tensors: Mapping[str, torch.Tensor], served: Mapping[str, TensorMeta], *,
                    refused: str) -> dict[str, torch.Tensor]:
         """`tensors` (a checked update: quantized weights with their scales, other tensors in the

@@ -226,8 +226,13 @@ class WeightUpdater:
         """As `receive.staging_memory.StagingReuse`: the receive pool's free buffers and the copy
         of the previous version kept for rollback, which the begin lets go (`history.make_final`).
         The pool hands a buffer to a bucket of its exact size only: a layout that changed since
-        reuses fewer, and the estimate errs low by at most the pool's size (the served model's)."""
-        return self.weights.buffers.free_bytes + self.history.kept_bytes()
+        reuses fewer, and the estimate errs low by at most the pool's size (the served model's). Less,
+        on a quantized checkpoint, the copies in the served dtype its commit makes of the quantized
+        weights (no received buffer backs them)."""
+        reused = self.weights.buffers.free_bytes + self.history.kept_bytes()
+        if self.quantized is not None:
+            reused -= self.quantized.dequantized_bytes(manifest, self.weights.metas)
+        return reused
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
         tensors, owners = update.tensors, _owners(update)
