@@ -148,7 +148,7 @@ def test_pushes_in_a_row_serve_the_trainers_weights_dequantized(served: Served, 
             report = sync.push(kit.load_model(tiny_model, weights), version=version)
             assert report.verified and report.mode == "full" and report.num_tensors == len(weights) + 14
             _assert_serves(served, weights)
-    out = served.client.generate([5, 17, 42], return_logprob=True)
+    out = served.client.generate([5, 17, 42], return_logprob=True, sampling_params={"ignore_eos": True})
     assert len(out["output_ids"]) == 8
     assert all(torch.isfinite(torch.tensor(lp[0])) for lp in out["meta_info"]["output_token_logprobs"])
 
