@@ -47,6 +47,7 @@ SECOND = (
     "tests/integration/test_server_updates.py",
     "tests/integration/test_shm_adoption.py",
     "tests/integration/test_tcp_nodelay.py",
+    "tests/unit/bench",
 )
 """The second session: tests that start no vLLM and bound no time but a hang's (tests/conftest.py
 fails any test of this session that would use a vLLM)."""
