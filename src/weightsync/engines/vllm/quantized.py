@@ -102,7 +102,8 @@ def probe_layers(model: Any, tensors: Mapping[str, torch.Tensor], quantization: 
             continue
         expected = torch.cat([fmt.dequantize(tensors[w], tensors[quantization.scales[w]]) for w in weights])
         columns = torch.linspace(0, expected.shape[1] - 1, PROBE_COLUMNS).round().long().unique()
-        x = torch.zeros(len(columns), expected.shape[1], dtype=torch.get_default_dtype())
+        activations = getattr(layer, "params_dtype", None) or torch.get_default_dtype()  # what the engine serves in
+        x = torch.zeros(len(columns), expected.shape[1], dtype=activations)
         x[torch.arange(len(columns)), columns] = 1.0
         with torch.no_grad():
             out: Any = layer(x)
