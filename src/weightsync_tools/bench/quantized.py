@@ -1,0 +1,348 @@
+"""The cost of a quantized push (issue 52): one fp32 dense model pushed three ways, bf16 (a plain
+cast), int8 per output channel and fp8 in 128x128 blocks, over shm into `StandInEngine`, an
+in-process engine that receives through the real update session (digests checked, every tensor
+unpacked in the dtype and shape its checkpoint holds) and declares the quantization. Per format:
+the bytes on the wire (weights, scales, the rest), the trainer's quantizing or casting pass alone
+and the push's wall time. Measures and returns numbers; why a stand-in: docs/bench/quantized.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync.engines.base import EngineCapabilities, EngineUpdate, PausePolicy
+from weightsync.errors import ConflictError, EngineError
+from weightsync.formats.quantized import (
+    FP8_BLOCK,
+    INT8_CHANNEL,
+    QuantFormat,
+    Quantization,
+    check_quantized,
+    quantized_dtypes,
+)
+from weightsync.links import Delivery, Link
+from weightsync.manifest import BucketMeta, Manifest, TensorMeta
+from weightsync.receive.update_session import OpenUpdate, UpdateSession
+from weightsync.reports import Ack
+from weightsync.transports.shm import ShmReceiver
+from weightsync_tools.bench import Progress
+
+FORMATS = ("bf16", INT8_CHANNEL, FP8_BLOCK)
+DEFAULT_MODEL_BYTES = 256 << 20
+BUCKET_BYTES = 64 << 20
+TRANSPORT = "shm"
+ENGINE = "stand-in"
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""A decoder layer's linear weights: what a W8A8 or fp8 checkpoint holds quantized (lm_head,
+embeddings, norms and biases stay bf16)."""
+SERVED = torch.bfloat16
+"""What the stand-in serves the unquantized tensors in, in every row (a bf16 engine, or the
+high-precision part of a quantized one)."""
+
+
+def quant_format(kind: str) -> QuantFormat | None:
+    """The format of row `kind` (None for "bf16"), as the peers' checkpoints declare it."""
+    if kind == "bf16":
+        return None
+    if kind == INT8_CHANNEL:
+        return QuantFormat(kind=INT8_CHANNEL, scale_suffix="weight_scale", ignore=("lm_head",))
+    if kind == FP8_BLOCK:
+        return QuantFormat(kind=FP8_BLOCK, scale_suffix="weight_scale_inv", block=(128, 128), ignore=("lm_head",))
+    raise ValueError(f"unknown format {kind!r}; one of {FORMATS}")
+
+
+def quantization_of(metas: Sequence[TensorMeta], fmt: QuantFormat) -> Quantization:
+    """What an engine started from `fmt`'s checkpoint of the model with `metas` declares: every
+    decoder layer's linear weight with its scale."""
+    return Quantization(format=fmt, scales={
+        m.hf_name: fmt.scale_name(m.hf_name) for m in metas
+        if m.hf_name.endswith(".weight") and m.hf_name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEARS
+        and not fmt.ignores(m.hf_name.removesuffix(".weight"))})
+
+
+def checkpoint_metas(metas: Sequence[TensorMeta], quantization: Quantization | None) -> dict[str, TensorMeta]:
+    """hf_name -> dtype and shape, as the engine's checkpoint holds each tensor: the quantized
+    weights and scales in their format, every other floating tensor in SERVED."""
+    fmt = quantization.format if quantization is not None else None
+    out: dict[str, TensorMeta] = {}
+    for m in metas:
+        scale = quantization.scales.get(m.hf_name) if quantization is not None else None
+        if fmt is not None and scale is not None:
+            out[m.hf_name] = TensorMeta(hf_name=m.hf_name, dtype=fmt.weight_dtype, shape=m.shape)
+            out[scale] = TensorMeta(hf_name=scale, dtype=fmt.scale_dtype, shape=fmt.scale_shape(m.shape))
+        else:
+            out[m.hf_name] = TensorMeta(hf_name=m.hf_name, dtype=SERVED if m.dtype.is_floating_point else m.dtype,
+                                        shape=m.shape)
+    return out
+
+
+class StandInEngine:
+    """An engine in this process that serves what it received: the real `UpdateSession` (dry run
+    against its checkpoint's metas, digests, unpacking) over the `ShmReceiver` the embedded engine
+    uses (each slot copied out hashed); nothing run on the weights. Declares SERVED and, for a
+    quantized row, the quantization, checked at begin as the vLLM worker checks it."""
+
+    transports: ClassVar[frozenset[str]] = frozenset({"shm"})
+    lora_transports: ClassVar[frozenset[str]] = frozenset()
+    url: str | None = None
+    transports_note: str | None = None
+
+    def __init__(self, checkpoint: dict[str, TensorMeta], quantization: Quantization | None,
+                 label: str = ENGINE) -> None:
+        self.label = label
+        self.version = 0
+        self.weights: dict[str, torch.Tensor] = {}
+        self._checkpoint = checkpoint
+        self._quantization = quantization
+        self._receiver = ShmReceiver()
+        self.session = UpdateSession(self, engine=label)
+
+    # -- the engine, as the coordinator sees it
+    def capabilities(self, timeout_s: float) -> EngineCapabilities:
+        return EngineCapabilities(dtype=SERVED, stages_updates=True, transports=self.transports,
+                                  quantization=self._quantization)
+
+    def connect(self, link: Link) -> None:
+        self._receiver.join(link, rank=0)
+
+    def disconnect(self, link: Link) -> None:
+        self._receiver.leave(link)
+
+    def pause(self, policy: PausePolicy, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        pass
+
+    def resume(self, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        pass
+
+    def begin(self, manifest: Manifest, update: EngineUpdate) -> None:
+        try:
+            if self._quantization is not None:  # as the vLLM worker checks at begin
+                sent = [TensorMeta(hf_name=e.hf_name, dtype=e.dtype, shape=e.shape) for e in manifest.entries()]
+                check_quantized(sent, self._checkpoint, self._quantization.format, who=self.label)
+            self.session.begin(manifest)
+        except ConflictError as e:
+            raise EngineError(self.label, str(e), status=409) from None
+
+    def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
+        algorithm = self.session.digest_algorithm(update.version)
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)  # a copy out of the slot, hashed as it lands
+        _, computed = self._receiver.fetch_hashed(update.link, bucket, delivery, buffer, algorithm)
+        self.session.stage_bucket(version=update.version, index=bucket.index, buffer=buffer,
+                                  digest_hex=bucket.digest, computed=computed)
+
+    def ready(self, manifest: Manifest, update: EngineUpdate) -> None:
+        pass
+
+    def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
+        return self.session.commit(manifest.version)
+
+    def abort(self, update: EngineUpdate, *, timeout_s: float | None = None) -> None:
+        self.session.abort(update.version)
+
+    def close(self) -> None:
+        self._receiver.close()
+
+    # -- the update session's applier
+    def not_one_version(self) -> str | None:
+        return None
+
+    def expected(self) -> dict[str, TensorMeta]:
+        return self._checkpoint
+
+    def check_adapter(self, manifest: Manifest) -> None:
+        raise ConflictError(f"{self.label} holds no adapters")
+
+    def apply(self, update: OpenUpdate) -> Sequence[str]:
+        self.weights = dict(update.tensors)
+        self.version = update.version
+        return list(update.tensors)
+
+    def install_adapter(self, update: OpenUpdate) -> None:
+        raise AssertionError("check_adapter refuses every adapter")
+
+    def release(self, update: OpenUpdate) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizedRow:
+    """One format's figures."""
+
+    format: str
+    engine: str
+    input_bytes: int
+    """The trainer's fp32 weights."""
+    weight_bytes: int
+    """The quantized linear weights on the wire (for bf16: the same weights in bf16)."""
+    scale_bytes: int
+    other_bytes: int
+    """Embeddings, lm_head, norms, biases: bf16 in every row."""
+    wire_bytes: int
+    """What the push's manifest carried (weights + scales + the rest)."""
+    num_tensors: int
+    convert_runs: tuple[float, ...]
+    """Seconds of the trainer's quantizing (or casting) pass over the whole model, alone."""
+    push_runs: tuple[float, ...]
+    stages: dict[str, float]
+    """Per-stage seconds of the median push."""
+    verified: bool
+
+    @property
+    def convert_seconds(self) -> float:
+        return min(self.convert_runs)
+
+    @property
+    def push_seconds(self) -> float:
+        return statistics.median(self.push_runs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "convert_seconds": self.convert_seconds, "push_seconds": self.push_seconds,
+                "convert_gbps": self.input_bytes / self.convert_seconds / 1e9,
+                "push_gbps": self.input_bytes / self.push_seconds / 1e9,
+                "wire_gbps": self.wire_bytes / self.push_seconds / 1e9}
+
+
+@dataclass
+class QuantizedResult:
+    scenario: dict[str, Any]
+    bucket_bytes: int
+    machine: dict[str, Any] = field(default_factory=dict)
+    rows: list[QuantizedRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"suite": "quantized", "scenario": self.scenario, "bucket_bytes": self.bucket_bytes,
+                "transport": TRANSPORT, "engine": ENGINE, "machine": self.machine,
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+def run_quantized_suite(*, model_bytes: int = DEFAULT_MODEL_BYTES, bucket_bytes: int = BUCKET_BYTES,
+                        formats: Sequence[str] = FORMATS, repeats: int = 3, describe: bool = True,
+                        progress: Progress = lambda _: None) -> QuantizedResult:
+    """Every format's rows for a dense fp32 model of about `model_bytes` (module docstring);
+    `describe`: read the machine (CPU, load) into the result."""
+    from weightsync_tools.bench.scenarios import make_scenario, trainer_model
+
+    scenario = make_scenario("dense", model_bytes)
+    progress(f"scenario {scenario.describe()}")
+    model = trainer_model(scenario)
+    result = QuantizedResult(scenario=scenario.to_dict(), bucket_bytes=bucket_bytes)
+    if describe:
+        from weightsync_tools.bench.suite import describe_machine
+
+        result.machine = describe_machine()
+    for kind in formats:
+        progress(f"{kind}: the trainer's pass alone, then {repeats} pushes after a warm-up")
+        result.rows.append(_row(kind, model, bucket_bytes=bucket_bytes, repeats=repeats))
+    if describe:
+        import os
+
+        result.machine["load_average_end"] = list(os.getloadavg())
+    return result
+
+
+def _row(kind: str, model: Any, *, bucket_bytes: int, repeats: int) -> QuantizedRow:
+    import weightsync as ws
+    from weightsync.modes import make_mode
+
+    metas = list(make_mode("full").source(model).metas())
+    fmt = quant_format(kind)
+    quantization = quantization_of(metas, fmt) if fmt is not None else None
+    checkpoint = checkpoint_metas(metas, quantization)
+    convert_runs = tuple(convert_pass(model, quantization) for _ in range(max(1, repeats) + 1))[1:]  # a warm-up
+    engine = StandInEngine(checkpoint, quantization)
+    reports = []
+    try:
+        with ws.WeightSync([engine], transport=TRANSPORT, bucket_bytes=bucket_bytes, timeout_s=300.0) as sync:
+            for version in range(1, max(1, repeats) + 2):  # the first is a warm-up
+                reports.append(sync.push(model, version=version))
+    finally:
+        engine.close()
+    measured = reports[1:]
+    median = sorted(measured, key=lambda r: r.seconds)[len(measured) // 2]
+    weights = set(quantization.scales) if quantization is not None else {
+        m.hf_name for m in metas if m.hf_name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEARS}
+    scales = set(quantization.scales.values()) if quantization is not None else set()
+    size = {n: m.numel * m.dtype.itemsize for n, m in checkpoint.items()}
+    return QuantizedRow(
+        format=kind, engine=ENGINE, input_bytes=sum(m.numel * m.dtype.itemsize for m in metas),
+        weight_bytes=sum(size[n] for n in weights), scale_bytes=sum(size[n] for n in scales),
+        other_bytes=sum(b for n, b in size.items() if n not in weights and n not in scales),
+        wire_bytes=median.num_bytes, num_tensors=median.num_tensors, convert_runs=convert_runs,
+        push_runs=tuple(r.seconds for r in measured), stages=median.stages.to_dict(),
+        verified=all(r.verified for r in reports))
+
+
+def convert_pass(model: Any, quantization: Quantization | None) -> float:
+    """Seconds of what the trainer computes for a push before packing: each tensor read as the
+    push reads it (`push.quantize.quantized_source` over the full mode's source), the quantized
+    ones quantized there, every other floating one cast to SERVED (the packer's cast)."""
+    from weightsync.modes import make_mode
+    from weightsync.push.quantize import quantized_source
+
+    kept = quantized_dtypes(quantization) if quantization is not None else {}
+    started = time.perf_counter()
+    with torch.no_grad():  # as a push's producer
+        source = quantized_source(make_mode("full").source(model), quantization)
+        for name, tensor in source.tensors():
+            if isinstance(tensor, torch.Tensor) and name not in kept and tensor.is_floating_point():
+                tensor.to(SERVED)
+    return time.perf_counter() - started
+
+
+def format_table(result: QuantizedResult) -> str:
+    scenario = result.scenario
+    lines = [f"quantized push: dense fp32 Qwen2 of {scenario['num_bytes'] / 2**20:.0f} MiB "
+             f"({scenario['num_tensors']} tensors), full pushes over {TRANSPORT} into an in-process {ENGINE} "
+             "engine (the real update session: digests checked, tensors unpacked as its checkpoint holds them; "
+             "no real engine here takes fp8 and `weightsync serve` takes no quantized weights yet), "
+             f"{result.bucket_bytes >> 20} MiB buckets; convert = the trainer's quantizing or casting pass alone "
+             "(best run), push = median"]
+    m = result.machine
+    if m:
+        load, load_end = (" ".join(f"{x:.2f}" for x in m.get(k) or ()) for k in ("load_average_start",
+                                                                                 "load_average_end"))
+        lines.append(f"  {m.get('cpu_model') or '?'}, {m.get('cpu_count')} CPUs; torch {m.get('torch')}, "
+                     f"{m.get('torch_threads')} intra-op thread(s); load average {load} at start, {load_end} at end")
+    header = ("format", "wire MiB", "weights MiB", "scales KiB", "rest MiB", "vs bf16", "convert s", "convert GB/s",
+              "push s", "push GB/s", "verified")
+    bf16 = next((r for r in result.rows if r.format == "bf16"), None)
+    rows = [header]
+    for r in result.rows:
+        d = r.to_dict()
+        rows.append((r.format, f"{r.wire_bytes / 2**20:.1f}", f"{r.weight_bytes / 2**20:.1f}",
+                     f"{r.scale_bytes / 1024:.1f}", f"{r.other_bytes / 2**20:.1f}",
+                     "-" if bf16 is None else f"{r.wire_bytes / bf16.wire_bytes:.2f}",
+                     f"{r.convert_seconds:.3f}", f"{d['convert_gbps']:.2f}", f"{r.push_seconds:.3f}",
+                     f"{d['push_gbps']:.2f}", "yes" if r.verified else "NO"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
+    lines.append("GB/s are of the fp32 input; stages of the median push (s): " + "; ".join(
+        f"{r.format} " + " ".join(f"{k} {v:.3f}" for k, v in r.stages.items()) for r in result.rows))
+    return "\n".join(lines)
+
+
+def run_command(args: Any) -> int:
+    """`weightsync bench --suite quantized`: the table (stderr with --json), then one JSON line."""
+    import json
+    import sys
+
+    from weightsync_tools.bench.command import QUICK_MODEL_BYTES, progress, quiet_transformers
+
+    quiet_transformers()
+    result = run_quantized_suite(
+        model_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else DEFAULT_MODEL_BYTES),
+        bucket_bytes=args.bucket_bytes[0] if args.bucket_bytes else BUCKET_BYTES,
+        repeats=args.repeats or (2 if args.quick else 3), progress=progress)
+    print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
+    print(json.dumps(result.to_dict()), flush=True)
+    return 0 if all(r.verified for r in result.rows) else 1
+
+
+__all__ = ["FORMATS", "QuantizedResult", "QuantizedRow", "StandInEngine", "checkpoint_metas", "convert_pass",
+           "format_table", "quant_format", "quantization_of", "run_command", "run_quantized_suite"]
