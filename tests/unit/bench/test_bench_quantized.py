@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import weightsync as ws
 from weightsync.engines.base import EngineCapabilities
@@ -23,6 +25,7 @@ from weightsync_tools.bench.quantized import (
     quant_format,
     quantization_of,
     run_quantized_suite,
+    write_w8a8,
 )
 from weightsync_tools.bench.scenarios import make_scenario, trainer_model
 
@@ -96,3 +99,22 @@ class _Undeclared(StandInEngine):
 
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
         return replace(super().capabilities(timeout_s), quantization=None)
+
+
+def test_the_w8a8_checkpoint_for_vllm_declares_what_the_stand_in_declares(tmp_path: Path) -> None:
+    from weightsync.engines.quantized_checkpoint import read_quantization
+    from weightsync.tiny import make_tiny_model
+
+    scenario = make_scenario("dense", 1 << 20)
+    model = trainer_model(scenario)
+    float_dir = make_tiny_model(tmp_path / "bf16", replace(scenario.model, dtype="bfloat16"))
+    out = write_w8a8(model, float_dir, tmp_path / "w8a8")
+    fmt = quant_format("int8-channel")
+    assert fmt is not None
+    declared = read_quantization(out)
+    assert declared == quantization_of(list(make_mode("full").source(model).metas()), fmt)
+    name = next(iter(declared.scales))
+    held = load_file(out / "model.safetensors")
+    q, scale = fmt.quantize(model.get_parameter(name).detach(), hf_name=name)
+    assert torch.equal(held[name], q) and torch.equal(held[declared.scales[name]], scale)
+    assert held["model.norm.weight"].dtype == torch.bfloat16 and (out / "tokenizer.json").is_file()
