@@ -124,8 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the dtype engines serve; the trainer keeps float32 weights, cast in the stream "
                         "(default float32)")
     p.add_argument("--trainer-threads", type=int, default=None,
-                   help="per-tensor: torch's intra-op threads in the trainer's process (default torch's, one per "
-                        "core; the engine runs one)")
+                   help="per-tensor, quantized: torch's intra-op threads in the trainer's process (default torch's, "
+                        "one per core; the engine runs one)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory (default runs/bench)")
     p.add_argument("--json", action="store_true", help="only the JSON line on stdout (the table goes to stderr)")
 

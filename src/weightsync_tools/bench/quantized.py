@@ -229,11 +229,24 @@ class QuantizedResult:
 
 def run_quantized_suite(*, model_bytes: int = DEFAULT_MODEL_BYTES, bucket_bytes: int = BUCKET_BYTES,
                         formats: Sequence[str] = FORMATS, repeats: int = 3, engines: Sequence[str] = (),
-                        root: Path | None = None, describe: bool = True,
+                        root: Path | None = None, trainer_threads: int | None = None, describe: bool = True,
                         progress: Progress = lambda _: None) -> QuantizedResult:
     """Every format's rows for a dense fp32 model of about `model_bytes` (module docstring):
     the stand-in's, then those of each real engine in `engines` ("embedded", "vllm"; their model
-    directories are written under `root`). `describe`: read the machine (CPU, load) into the result."""
+    directories are written under `root`). `trainer_threads`: torch's intra-op threads in this
+    process for the run (None: torch's default). `describe`: read the machine (CPU, load) into the result."""
+    before = torch.get_num_threads()
+    if trainer_threads is not None:
+        torch.set_num_threads(trainer_threads)
+    try:
+        return _run(model_bytes=model_bytes, bucket_bytes=bucket_bytes, formats=formats, repeats=repeats,
+                    engines=engines, root=root, describe=describe, progress=progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(*, model_bytes: int, bucket_bytes: int, formats: Sequence[str], repeats: int, engines: Sequence[str],
+         root: Path | None, describe: bool, progress: Progress) -> QuantizedResult:
     from weightsync_tools.bench.scenarios import make_scenario, trainer_model
 
     scenario = make_scenario("dense", model_bytes)
@@ -452,12 +465,15 @@ def run_command(args: Any) -> int:
 
     from weightsync_tools.bench.command import QUICK_MODEL_BYTES, progress, quiet_transformers
 
+    if args.trainer_threads is not None and args.trainer_threads < 1:
+        print(f"error: --trainer-threads must be at least 1, got {args.trainer_threads}", file=sys.stderr)
+        return 2
     quiet_transformers()
     result = run_quantized_suite(
         model_bytes=args.model_bytes or (QUICK_MODEL_BYTES if args.quick else DEFAULT_MODEL_BYTES),
         bucket_bytes=args.bucket_bytes[0] if args.bucket_bytes else BUCKET_BYTES,
         repeats=args.repeats or (2 if args.quick else 3), engines=args.engines or (),
-        root=Path(args.out) / "quantized", progress=progress)
+        root=Path(args.out) / "quantized", trainer_threads=args.trainer_threads, progress=progress)
     print(format_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     print(json.dumps(result.to_dict()), flush=True)
     return 0 if all(r.verified for r in result.rows) and not result.errors else 1
