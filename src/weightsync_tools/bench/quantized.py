@@ -32,9 +32,10 @@ from weightsync.formats.quantized import (
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.push.quantize import quantized_source
+from weightsync.receive.receive_path import ReceivePath
 from weightsync.receive.update_session import OpenUpdate, UpdateSession
 from weightsync.reports import Ack
-from weightsync.transports.shm import ShmReceiver
+from weightsync.transports import make_receiver
 from weightsync_tools.bench import Progress
 
 FORMATS = ("bf16", INT8_CHANNEL, FP8_BLOCK)
@@ -87,9 +88,9 @@ def checkpoint_metas(metas: Sequence[TensorMeta], quantization: Quantization | N
 
 
 class StandInEngine:
-    """An engine in this process that serves what it received: the real `UpdateSession` (dry run
-    against its checkpoint's metas, digests, unpacking) over the `ShmReceiver` the embedded engine
-    uses (each slot copied out hashed); nothing run on the weights. Declares SERVED and, for a
+    """An engine in this process that serves what it received: the library's `ReceivePath` (the
+    `ShmReceiver` the embedded engine uses, each slot copied out hashed) into the real `UpdateSession`
+    (dry run against its checkpoint's metas, digests, unpacking); nothing run on the weights. Declares SERVED and, for a
     quantized row, the quantization, checked at begin as the vLLM worker checks it."""
 
     transports: ClassVar[frozenset[str]] = frozenset({"shm"})
@@ -104,8 +105,8 @@ class StandInEngine:
         self.weights: dict[str, torch.Tensor] = {}
         self._checkpoint = checkpoint
         self._quantization = quantization
-        self._receiver = ShmReceiver()
         self.session = UpdateSession(self, engine=label)
+        self._path = ReceivePath(self.session, make_receiver=make_receiver)
 
     # -- the engine, as the coordinator sees it
     def capabilities(self, timeout_s: float) -> EngineCapabilities:
@@ -113,10 +114,10 @@ class StandInEngine:
                                   quantization=self._quantization)
 
     def connect(self, link: Link) -> None:
-        self._receiver.join(link, rank=0)
+        self._path.receiver(link.transport).join(link, rank=0)
 
     def disconnect(self, link: Link) -> None:
-        self._receiver.leave(link)
+        self._path.receiver(link.transport).leave(link)
 
     def pause(self, policy: PausePolicy, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
         pass
@@ -134,23 +135,20 @@ class StandInEngine:
             raise EngineError(self.label, str(e), status=409) from None
 
     def receive(self, bucket: BucketMeta, delivery: Delivery, update: EngineUpdate) -> None:
-        algorithm = self.session.digest_algorithm(update.version)
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)  # a copy out of the slot, hashed as it lands
-        _, computed = self._receiver.fetch_hashed(update.link, bucket, delivery, buffer, algorithm)
-        self.session.stage_bucket(version=update.version, index=bucket.index, buffer=buffer,
-                                  digest_hex=bucket.digest, computed=computed)
+        self._path.receive(update.link, version=update.version, index=bucket.index, delivery=delivery,
+                           digest_hex=bucket.digest)
 
     def ready(self, manifest: Manifest, update: EngineUpdate) -> None:
         pass
 
     def commit(self, manifest: Manifest, update: EngineUpdate) -> Ack:
-        return self.session.commit(manifest.version)
+        return self._path.commit(manifest.version, update.link)
 
     def abort(self, update: EngineUpdate, *, timeout_s: float | None = None) -> None:
         self.session.abort(update.version)
 
     def close(self) -> None:
-        self._receiver.close()
+        self._path.close()
 
     # -- the update session's applier
     def not_one_version(self) -> str | None:
