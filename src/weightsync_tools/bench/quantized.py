@@ -89,9 +89,10 @@ def checkpoint_metas(metas: Sequence[TensorMeta], quantization: Quantization | N
 
 class StandInEngine:
     """An engine in this process that serves what it received: the library's `ReceivePath` (the
-    `ShmReceiver` the embedded engine uses, each slot copied out hashed) into the real `UpdateSession`
-    (dry run against its checkpoint's metas, digests, unpacking); nothing run on the weights. Declares SERVED and, for a
-    quantized row, the quantization, checked at begin as the vLLM worker checks it."""
+    `ShmReceiver` the embedded engine uses, each slot copied out hashed) into the real
+    `UpdateSession` (dry run against its checkpoint's metas, digests, unpacking); nothing run on
+    the weights. Declares SERVED and, for a quantized row, the quantization, checked at begin as
+    the vLLM worker checks it."""
 
     transports: ClassVar[frozenset[str]] = frozenset({"shm"})
     lora_transports: ClassVar[frozenset[str]] = frozenset()
