@@ -40,12 +40,14 @@ SECOND = (
     "tests/integration/test_server_layouts.py",
     "tests/integration/test_server_lora.py",
     "tests/integration/test_server_pause.py",
+    "tests/integration/test_server_quantized.py",
     "tests/integration/test_server_relay.py",
     "tests/integration/test_server_stock_sglang.py",
     "tests/integration/test_server_torn_updates.py",
     "tests/integration/test_server_updates.py",
     "tests/integration/test_shm_adoption.py",
     "tests/integration/test_tcp_nodelay.py",
+    "tests/unit/bench",
 )
 """The second session: tests that start no vLLM and bound no time but a hang's (tests/conftest.py
 fails any test of this session that would use a vLLM)."""

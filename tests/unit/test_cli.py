@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fresh_import import fresh_import
 from weightsync.cli.main import main
 
 
@@ -37,8 +37,8 @@ def test_usage_errors_exit_2() -> None:
 
 
 def test_python_dash_m() -> None:
-    out = subprocess.run([sys.executable, "-m", "weightsync", "--help"], capture_output=True, text=True, check=True)
-    assert "tiny-model" in out.stdout
+    ran = fresh_import()  # `python -m weightsync --help` in a fresh interpreter
+    assert ran.help_exit == 0 and "tiny-model" in ran.help
 
 
 @pytest.mark.parametrize("command", [["demo", "--steps", "1"], ["bench", "--quick"]])

@@ -8,11 +8,7 @@ These read the source tree the tests import `weightsync` from (its `src/`), and 
 from __future__ import annotations
 
 import ast
-import json
-import os
 import re
-import subprocess
-import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import weightsync
+from fresh_import import fresh_import
 
 PACKAGE = Path(weightsync.__file__).parent
 SRC = PACKAGE.parent
@@ -48,25 +45,13 @@ def _imports(path: Path) -> Iterator[tuple[str, bool]]:
 
 
 def test_import_weightsync_adds_no_tooling() -> None:
-    """`import weightsync` and building the CLI parser (`weightsync --help`) import
-    neither the tools nor their dependencies. torch itself imports tqdm (torch.hub), so
+    """`import weightsync` and `python -m weightsync --help` (a fresh interpreter: fresh_import.py)
+    import neither the tools nor their dependencies. torch itself imports tqdm (torch.hub), so
     what counts is what weightsync adds after `import torch`."""
-    code = (
-        "import json, sys\n"
-        "import torch\n"
-        "before = set(sys.modules)\n"
-        "import weightsync\n"
-        "from weightsync.cli.main import build_parser\n"
-        "build_parser()\n"
-        "print(json.dumps({'added': sorted(set(sys.modules) - before), 'all': sorted(sys.modules)}))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    modules = json.loads(done.stdout.splitlines()[-1])
-    added = [m for m in modules["added"] if _is_under(m, TOOL_MODULES)]
+    modules = fresh_import()
+    added = [m for m in modules.added_by_weightsync if _is_under(m, TOOL_MODULES)]
     assert not added, f"import weightsync imported tooling: {added}"
-    anywhere = [m for m in modules["all"] if _is_under(m, ("matplotlib", "weightsync_tools"))]
+    anywhere = [m for m in modules.after_help if _is_under(m, ("matplotlib", "weightsync_tools"))]
     assert not anywhere, anywhere
 
 

@@ -25,7 +25,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, type=Path, help="Hugging Face model directory")
+    p.add_argument("--model", required=True, type=Path,
+                   help="Hugging Face model directory (a compressed-tensors int8 or fp8-block checkpoint is served "
+                        "dequantized; pushes into it arrive quantized: docs/QUANTIZED.md)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default 0)")
     p.add_argument("--admin-api-key", default=None, help="require 'Authorization: Bearer KEY' on mutating routes")

@@ -309,12 +309,15 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             raise HTTPError(400, f"unknown view only={only!r}; the one view is only=session")
         lora_enabled = state.lora_store is not None
         dtype, kept = _serving_dtypes(updater.weights.metas.values())
+        quantized = updater.quantized  # pushes send its weights quantized: dequantized at a staged commit
         capabilities = EngineCapabilities(
             num_ranks=1, dtype=dtype, kept_dtypes=kept, stages_updates=True,
-            pauses_at_commit=True, supports_delta=True, supports_sparse=True, adopts_shm=True, reads_digests=True,
-            unloads_adapters=lora_enabled, rolls_back=True, relays=True, assembles_shares=True, streams_commit=True,
-            expert_layout="fused",
-            transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()))
+            pauses_at_commit=True, supports_delta=True, supports_sparse=quantized is None, adopts_shm=True,
+            reads_digests=True, unloads_adapters=lora_enabled, rolls_back=True, relays=True, assembles_shares=True,
+            streams_commit=quantized is None, expert_layout="fused",
+            transports=frozenset(TRANSPORTS), lora_transports=frozenset(TRANSPORTS if lora_enabled else ()),
+            quantization=quantized.quantization if quantized is not None else None,
+            fused_groups=quantized.fused_groups if quantized is not None else ())
         return {
             "success": True,
             "message": "",

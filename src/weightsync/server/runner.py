@@ -39,13 +39,16 @@ class StepOutcome:
 class ModelRunner:
     """A causal LM and its tokenizer, loaded once, stepped by the scheduler thread."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, model: nn.Module | None = None) -> None:
+        """`model`: the model of `model_dir`, loaded by the caller (a quantized checkpoint,
+        `server.quantized.load_quantized`); None loads it with transformers."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         self.model_dir = Path(model_dir)
-        self.model: nn.Module = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype="auto").eval()
+        self.model: nn.Module = model if model is not None else \
+            AutoModelForCausalLM.from_pretrained(self.model_dir, dtype="auto").eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         config: Any = self.model.config

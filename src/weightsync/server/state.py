@@ -1,4 +1,5 @@
-"""Everything the routes share, built once at startup: model runner, scheduler,
+"""Everything the routes share, built once at startup: model runner (over a quantized
+checkpoint dequantized, `server.quantized`), scheduler,
 weight updater (with its receive path, `weightsync.receive.receive_path`, the one way
 bytes reach its update session), LoRA store and the weight-update groups this engine
 joined (SGLang's group routes).
@@ -17,6 +18,7 @@ from weightsync.receive.receive_path import ReceivePath
 from weightsync.server.config import ServerConfig
 from weightsync.server.lora import LoraStore
 from weightsync.server.memory import MemoryOccupation
+from weightsync.server.quantized import load_quantized, read_served_quantization
 from weightsync.server.relay import Relay
 from weightsync.server.runner import ModelRunner
 from weightsync.server.scheduler import Scheduler
@@ -62,7 +64,9 @@ class ServerState:
             import torch
 
             torch.set_num_threads(config.num_threads)
-        runner = ModelRunner(config.model_dir)
+        quantized = read_served_quantization(config.model_dir)
+        runner = ModelRunner(config.model_dir,
+                             model=load_quantized(config.model_dir, quantized) if quantized is not None else None)
         lora_store = LoraStore(runner.model, max_loaded=config.max_loaded_loras) if config.enable_lora else None
         runner.lora = lora_store
         updater_box: list[WeightUpdater] = []
@@ -79,7 +83,7 @@ class ServerState:
         version = int(label) if label.isascii() and label.isdigit() else 0
         updater = WeightUpdater(runner.model, version=version, label=label, between_steps=scheduler.between_steps,
                                 session_timeout_s=config.session_timeout_s, lora_store=lora_store,
-                                staging_bytes_limit=config.staging_bytes_limit)
+                                staging_bytes_limit=config.staging_bytes_limit, quantized=quantized)
         updater_box.append(updater)
         scheduler.start()
         return cls(config=config, runner=runner, scheduler=scheduler, updater=updater, lora_store=lora_store,

