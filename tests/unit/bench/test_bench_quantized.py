@@ -25,7 +25,7 @@ from weightsync_tools.bench.quantized import (
     quant_format,
     quantization_of,
     run_quantized_suite,
-    write_w8a8,
+    write_quantized,
 )
 from weightsync_tools.bench.scenarios import make_scenario, trainer_model
 
@@ -108,7 +108,7 @@ def test_the_w8a8_checkpoint_for_vllm_declares_what_the_stand_in_declares(tmp_pa
     scenario = make_scenario("dense", 1 << 20)
     model = trainer_model(scenario)
     float_dir = make_tiny_model(tmp_path / "bf16", replace(scenario.model, dtype="bfloat16"))
-    out = write_w8a8(model, float_dir, tmp_path / "w8a8")
+    out = write_quantized(model, float_dir, tmp_path / "w8a8", "int8-channel")
     fmt = quant_format("int8-channel")
     assert fmt is not None
     declared = read_quantization(out)
