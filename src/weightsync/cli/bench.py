@@ -37,6 +37,9 @@ per tensor, manifest size, the trainer's peak memory beyond the model.
 full pushes (weightsync serve over shm and http; vLLM TP=1 and TP=2 over shm when
 installed), peak and kept, in model copies: from the engine's ack and from the Pss
 of its processes (default 204MiB float32 model, 32MiB buckets).
+--suite quantized: one fp32 dense model pushed as bf16, int8 per channel and fp8 blocks
+into an in-process engine stand-in: bytes on the wire (weights, scales), the trainer's
+quantizing or casting pass alone, the push's time (default 256MiB, 64MiB buckets).
 
 Prints a table and ends with one JSON line (with --json: only the JSON line on
 stdout, the table on stderr). Timings are only as good as the machine is
@@ -55,6 +58,7 @@ EPILOG = """examples:
   weightsync bench --suite per-tensor               # many small tensors vs dense, same bytes (shm, broadcast)
   weightsync bench --suite engine-memory            # engine peak and kept memory of a push, every engine
   weightsync bench --suite engine-memory --engines embedded --model-bytes 32MiB --bucket-bytes 4MiB
+  weightsync bench --suite quantized                # bf16 vs int8 vs fp8 pushes: bytes, quantizing time
   weightsync bench --quick --json > bench.json
 """
 
@@ -92,14 +96,16 @@ def _sizes(text: str) -> tuple[int, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark syncs against the machine's limits and today's baselines",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["sync", "faults", "sparse", "sparse-fsdp", "per-tensor", "engine-memory"],
+    p.add_argument("--suite", choices=["sync", "faults", "sparse", "sparse-fsdp", "per-tensor", "engine-memory",
+                                        "quantized"],
                    default="sync",
                    help="what to run (default sync; sparse: mode='sparse' on real RL steps against full pushes, "
                         "--model-bytes then sizes the bf16 engine, default 512MiB; sparse-fsdp: the same from 2 "
                         "FSDP2 ranks, default 128MiB; per-tensor: many small tensors against dense, same bytes, "
                         "default scenarios many-small,moe-30k over shm,broadcast, 64MiB buckets; engine-memory: "
                         "every engine's peak and kept memory of a push, default 204MiB, 32MiB buckets, vllm meaning "
-                        "TP=1 and TP=2)")
+                        "TP=1 and TP=2; quantized: bf16, int8 and fp8 pushes of one fp32 model, default 256MiB, 64MiB "
+                        "buckets)")
     p.add_argument("--quick", action="store_true",
                    help="about a minute: 64 MiB models, one 16 MiB bucket size, 2 pushes per cell, no vLLM")
     p.add_argument("--model-bytes", type=_size, default=None, help="weights per model (default 512MiB)")
@@ -118,8 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the dtype engines serve; the trainer keeps float32 weights, cast in the stream "
                         "(default float32)")
     p.add_argument("--trainer-threads", type=int, default=None,
-                   help="per-tensor: torch's intra-op threads in the trainer's process (default torch's, one per "
-                        "core; the engine runs one)")
+                   help="per-tensor, quantized: torch's intra-op threads in the trainer's process (default torch's, "
+                        "one per core; the engine runs one)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory (default runs/bench)")
     p.add_argument("--json", action="store_true", help="only the JSON line on stdout (the table goes to stderr)")
 

@@ -8,7 +8,8 @@ that moves almost nothing), `baselines` (how RL frameworks sync today),
 `memory` (trainer peak memory of merged LoRA), `suite` (runs them all),
 `analysis` (fractions, speed-ups, targets) and `report` (table, chart, JSON).
 Beside it, `engine_memory` (each engine's peak and kept memory of a push, from its ack
-and from the Pss of its processes) and the sparse and per-tensor suites.
+and from the Pss of its processes), `quantized` (bf16, int8 and fp8 pushes of one model) and the
+sparse and per-tensor suites.
 The fault suite is the sibling package `weightsync_tools.faults`. Importing this
 package imports none of them.
 """

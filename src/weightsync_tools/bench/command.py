@@ -1,5 +1,5 @@
 """What `weightsync bench` runs once `weightsync.cli.bench` parsed its arguments:
-the sync suite (table, chart, JSON), the faults, sparse, per-tensor or engine-memory suite."""
+the sync suite (table, chart, JSON), the faults, sparse, per-tensor, engine-memory or quantized suite."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_per_tensor(args)
     if args.suite == "engine-memory":
         return _run_engine_memory(args)
+    if args.suite == "quantized":
+        from weightsync_tools.bench.quantized import run_command
+
+        return run_command(args)
     from weightsync_tools.bench.report import format_report, to_json, write_chart
     from weightsync_tools.bench.suite import run_sync_suite
 
