@@ -13,22 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightsync.formats.quantized import QuantFormat, format_from_config
+from weightsync_tools.bench.quantized import FP8_BLOCK_CONFIG as FP8_BLOCK_CONFIG  # the checkpoints' configs, once
+from weightsync_tools.bench.quantized import W8A8_CONFIG as W8A8_CONFIG
 
-W8A8_CONFIG: dict[str, Any] = {
-    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-    "ignore": ["lm_head"],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
-                    "observer": "minmax"},
-        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                              "dynamic": True, "observer": None},
-    }},
-}
-"""compressed-tensors W8A8 int8, as llm-compressor writes it."""
-FP8_BLOCK_CONFIG: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
-"""The GPU peers' float8 block checkpoint (DeepSeek-V3's)."""
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

