@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from weightsync.errors import IntegrityError
-from weightsync.formats.wire import MAGIC, FrameHeader, decode_frame, encode_prefix
+from weightsync.formats.wire import MAGIC, FrameHeader, decode_frame, decode_header, encode_prefix
 
 HEADER = FrameHeader(version=3, index=1, nbytes=4, digest="00000000deadbeef")
 GOLDEN = (
@@ -54,3 +54,16 @@ def test_a_relayed_frame_names_the_engines_it_goes_on_to() -> None:
     assert decoded == header and bytes(payload) == b"xy"
     plain = FrameHeader(version=3, index=1, nbytes=2, digest="00ff")
     assert b"forward" not in encode_prefix(plain)
+
+
+def test_a_header_is_read_from_the_first_bytes_of_a_frame_as_they_arrive() -> None:
+    """`decode_header` (the server reads a frame's payload straight into its buffer) needs
+    the prefix and the header only, answers None until it has them, and refuses a bad magic
+    from the first eight bytes."""
+    frame = GOLDEN + b"\x01\x02\x03\x04"
+    for cut in (0, 3, 8, len(GOLDEN) - 1):
+        assert decode_header(frame[:cut]) is None
+    assert decode_header(frame[:len(GOLDEN)]) == (HEADER, len(GOLDEN))
+    assert decode_header(frame) == (HEADER, len(GOLDEN))
+    with pytest.raises(IntegrityError, match="not a weightsync bucket frame"):
+        decode_header(b"XXXX" + GOLDEN[4:8])

@@ -72,15 +72,15 @@ def encode_prefix(header: FrameHeader) -> bytes:
     return _PREFIX.pack(MAGIC, len(body)) + body
 
 
-def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, memoryview]:
-    """Split a frame into its header and a view of its payload (no copy).
+def decode_header(data: bytes | bytearray | memoryview) -> tuple[FrameHeader, int] | None:
+    """The header of a frame that begins with `data`, and the offset its payload starts at;
+    None while `data` ends inside the prefix or the header (more bytes are needed).
 
-    Raises IntegrityError for a wrong magic, an oversized or malformed header,
-    or a payload whose length differs from the header's `nbytes`.
+    Raises IntegrityError for a wrong magic or an oversized or malformed header.
     """
-    view = memoryview(frame).cast("B")
+    view = memoryview(data).cast("B")
     if len(view) < _PREFIX.size:
-        raise IntegrityError(f"bucket frame of {len(view)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+        return None
     magic, header_len = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise IntegrityError(f"not a weightsync bucket frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
@@ -88,7 +88,7 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, me
         raise IntegrityError(f"bucket frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
     end = _PREFIX.size + header_len
     if len(view) < end:
-        raise IntegrityError("bucket frame truncated inside its header")
+        return None
     try:
         raw = json.loads(bytes(view[_PREFIX.size:end]))
         share = raw.get("share") or {}
@@ -99,14 +99,37 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, me
             share_ranges=int(share.get("ranges", 0)),
             share_digest=str(share["digest"]) if share else None,
         )
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise IntegrityError(f"malformed bucket frame header: {e}") from None
-    payload = view[end:]
-    if len(payload) != header.nbytes:
+    if header.nbytes < 0:
+        raise IntegrityError(f"malformed bucket frame header: nbytes {header.nbytes} is negative")
+    return header, end
+
+
+def check_payload_length(header: FrameHeader, received: int) -> None:
+    """IntegrityError unless a frame carried exactly the `nbytes` its header declares."""
+    if received != header.nbytes:
         raise IntegrityError(
-            f"bucket {header.index}: frame carries {len(payload)} payload bytes, "
+            f"bucket {header.index}: frame carries {received} payload bytes, "
             f"header says {header.nbytes} (truncated?)"
         )
+
+
+def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[FrameHeader, memoryview]:
+    """Split a whole frame into its header and a view of its payload (no copy).
+
+    Raises IntegrityError for a wrong magic, an oversized or malformed header, a frame
+    that ends inside its header, or a payload whose length differs from the header's `nbytes`.
+    """
+    view = memoryview(frame).cast("B")
+    decoded = decode_header(view)
+    if decoded is None:
+        if len(view) < _PREFIX.size:
+            raise IntegrityError(f"bucket frame of {len(view)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+        raise IntegrityError("bucket frame truncated inside its header")
+    header, end = decoded
+    payload = view[end:]
+    check_payload_length(header, len(payload))
     return header, payload
 
 

@@ -2,7 +2,7 @@
 
 Every bucket an engine stages goes through `ReceivePath.stage`, the one caller of
 `UpdateSession.stage_bucket`; the ways bytes arrive are its other methods: fetched by a
-link (`receive`), in a request's body (`stage_bytes`), read from a version directory
+link (`receive`), read into a `buffer` from a request's body (`stage`), read from a version directory
 (`read_at_commit`, `read_version_dir`), or as whole named tensors packed into the
 manifest's layout (`stage_as_buckets`). A route or a worker parses its own wire format and
 hands the bytes here; what differs between engines is a `ReceiveHooks` (where a bucket's
@@ -14,7 +14,9 @@ weight (the session's applier does, at commit). Thread-safe as the session is.
 
 from __future__ import annotations
 
+import mmap
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,6 @@ from pathlib import Path
 import torch
 
 from weightsync.bucketing import pack_one
-from weightsync.digests import bytes_tensor, copy_hashed
 from weightsync.errors import EngineError
 from weightsync.formats.version_dir import read_announced
 from weightsync.links import Delivery, Link
@@ -35,6 +36,18 @@ from weightsync.transports.base import Receiver
 def host_buffer(nbytes: int) -> torch.Tensor:
     """A fresh host buffer of `nbytes` bytes for one bucket."""
     return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def mapped_buffer(nbytes: int) -> torch.Tensor:
+    """A host uint8 buffer of `nbytes` bytes in an anonymous mapping of its own, given back to
+    the system the moment its last view goes: for a bucket held only while it loads (a
+    streamed update's). A heap buffer would not be: glibc keeps up to twice the largest
+    bucket it freed (docs/bench/engine-memory.md)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # torch warns that a writable mmap is not read-only: it is not meant to be
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _served_nothing() -> Iterable[torch.Tensor]:
@@ -93,9 +106,12 @@ class ReceivePath:
                 receiver = self._receivers[transport] = self._make_receiver(transport)
             return receiver
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        """A host uint8 buffer of `nbytes` bytes for one bucket, which `stage` then gives the
-        session to own (`ReceiveHooks.alloc`)."""
+    def buffer(self, nbytes: int, version: int | None = None) -> torch.Tensor:
+        """A host uint8 buffer of `nbytes` bytes for one bucket of the open update `version`,
+        which `stage` then gives the session to own: a streamed update's in a mapping of its
+        own, unmapped once the bucket is loaded (`mapped_buffer`); otherwise `ReceiveHooks.alloc`'s."""
+        if version is not None and self.session.streams(version):
+            return mapped_buffer(nbytes)
         return self.hooks.alloc(nbytes)
 
     def stage(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None = None,
@@ -120,23 +136,19 @@ class ReceivePath:
             how = "its bytes come in the request" if receiver.bytes_in_delivery else "it is read whole at commit"
             raise EngineError(session.engine, f"no per-bucket receive over transport {link.transport!r}: {how}")
         self._join(receiver, link)
-        adopted = (receiver.adopt(link, bucket, delivery)
-                   if self.hooks.serves_received and session.serves_whole(version) else None)
-        if adopted is not None:
-            buffer, computed = adopted, None
+        if session.streams(version):  # loaded and let go within this call: read where it lies if it can be
+            in_place = receiver.lend(link, bucket, delivery)
+        elif self.hooks.serves_received and session.serves_whole(version):
+            in_place = receiver.adopt(link, bucket, delivery)
+        else:
+            in_place = None
+        if in_place is not None:
+            buffer, computed = in_place, None
         else:
             place = self.hooks.bucket_place(version, bucket)
             buffer, computed = receiver.fetch_hashed(link, bucket, delivery,
-                                                     self.buffer(bucket.nbytes) if place is None else place,
+                                                     self.buffer(bucket.nbytes, version) if place is None else place,
                                                      session.digest_algorithm(version))
-        return self.stage(version=version, index=index, buffer=buffer, digest_hex=digest_hex, computed=computed)
-
-    def stage_bytes(self, *, version: int, index: int, payload: memoryview, digest_hex: str | None) -> str:
-        """Stage bucket `index` of the open update `version` from bytes that came in a request
-        (an http frame): copied into a buffer of this engine's, hashed as they are copied.
-        Returns the digest computed here."""
-        buffer = self.buffer(len(payload))
-        computed = copy_hashed(buffer, bytes_tensor(payload), self.session.digest_algorithm(version))
         return self.stage(version=version, index=index, buffer=buffer, digest_hex=digest_hex, computed=computed)
 
     def stage_as_buckets(self, version: int, tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -203,4 +215,4 @@ class ReceivePath:
             receiver.join(link, rank=0)
 
 
-__all__ = ["ReceiveHooks", "ReceivePath", "host_buffer"]
+__all__ = ["ReceiveHooks", "ReceivePath", "host_buffer", "mapped_buffer"]

@@ -257,6 +257,12 @@ class UpdateSession:
             update = self._require(version)
         return not update.streamed and not update.manifest.is_adapter and update.manifest.mode not in PARTIAL_MODES
 
+    def streams(self, version: int) -> bool:
+        """The open update `version` is committed streamed: each bucket is loaded into the
+        served weights as it checks and not kept."""
+        with self._lock:
+            return self._require(version).streamed
+
     def stage_bucket(self, *, version: int, index: int, buffer: torch.Tensor, digest_hex: str | None = None,
                      computed: str | None = None) -> str:
         """Verify one packed bucket (its size, the manifest's digest, and `digest_hex`,

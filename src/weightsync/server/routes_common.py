@@ -10,13 +10,21 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from weightsync.errors import ManifestMismatchError, StagingMemoryError, SyncTimeoutError, WeightSyncError
+from weightsync.errors import (
+    IntegrityError,
+    ManifestMismatchError,
+    StagingMemoryError,
+    SyncTimeoutError,
+    WeightSyncError,
+)
+from weightsync.formats.wire import FrameHeader, check_payload_length, decode_frame, decode_header
 from weightsync.server.config import ServerConfig
 from weightsync.server.errors import ConflictError
 
@@ -73,14 +81,7 @@ def _status_of(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused (413) past `limit` bytes without reading further."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise HTTPError(400, f"bad Content-Length {declared!r}") from None
-        if size > limit:
-            raise HTTPError(413, f"request body of {size} bytes exceeds the {limit}-byte limit")
+    _check_declared(request, limit)
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream():
@@ -89,6 +90,57 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_frame(request: Request, limit: int,
+                     alloc: Callable[[FrameHeader], torch.Tensor]) -> tuple[FrameHeader, torch.Tensor]:
+    """A bucket frame (`formats.wire`) read from the body straight into `alloc(header)`, a
+    uint8 buffer of the header's `nbytes`: the body is never held whole, so a frame costs its
+    payload once, not the body, its pieces and a copy. Refused (413) past `limit` bytes;
+    IntegrityError (400) for a malformed frame or a payload not of its header's length."""
+    _check_declared(request, limit)
+    head = bytearray()
+    header: FrameHeader | None = None
+    payload = torch.empty(0, dtype=torch.uint8)
+    target = memoryview(b"")
+    filled = 0
+    async for chunk in request.stream():
+        piece = memoryview(chunk)
+        if header is None:
+            head += piece
+            if len(head) > limit:
+                raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+            decoded = decode_header(head)
+            if decoded is None:
+                continue
+            header, end = decoded
+            if end + header.nbytes > limit:
+                raise HTTPError(413, f"bucket frame of {end + header.nbytes} bytes exceeds the {limit}-byte limit")
+            payload = alloc(header)
+            target = memoryview(payload.numpy()).cast("B")
+            piece = memoryview(bytes(head[end:]))
+        if filled + len(piece) > len(target):
+            raise IntegrityError(f"bucket {header.index}: frame carries more than the {header.nbytes} payload "
+                                 "bytes its header says")
+        target[filled:filled + len(piece)] = piece
+        filled += len(piece)
+    if header is None:
+        decode_frame(bytes(head))  # raises: the frame ends inside its prefix or header
+        raise AssertionError("unreachable")
+    check_payload_length(header, filled)
+    return header, payload
+
+
+def _check_declared(request: Request, limit: int) -> None:
+    """413 where the request declares a body longer than `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise HTTPError(400, f"bad Content-Length {declared!r}") from None
+        if size > limit:
+            raise HTTPError(413, f"request body of {size} bytes exceeds the {limit}-byte limit")
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:

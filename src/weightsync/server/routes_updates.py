@@ -28,7 +28,7 @@ from weightsync.errors import SyncTimeoutError, UnknownLayoutError
 from weightsync.formats.groups import join_group
 from weightsync.formats.shares import RANGE_BYTES
 from weightsync.formats.version_dir import MANIFEST_FILE, confine, read_manifest
-from weightsync.formats.wire import MAX_HEADER_BYTES, FrameHeader, decode_frame
+from weightsync.formats.wire import MAX_HEADER_BYTES, FrameHeader
 from weightsync.links import Delivery
 from weightsync.manifest import TensorEntry, TensorMeta
 from weightsync.protocol import (
@@ -43,6 +43,7 @@ from weightsync.protocol import (
     RollbackRequest,
     ShmBucketRequest,
 )
+from weightsync.receive.receive_path import host_buffer
 from weightsync.reports import Ack
 from weightsync.server import ingest
 from weightsync.server.errors import ConflictError
@@ -56,7 +57,7 @@ from weightsync.server.routes_common import (
     field_bool,
     field_int,
     field_str,
-    read_body,
+    read_frame,
     read_json,
     require_admin,
     weight_version_field,
@@ -376,11 +377,16 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
             raise ConflictError("no weightsync update session is open; call /weightsync/begin")
         buckets = update.manifest.buckets
         largest = max((b.nbytes + RANGE_BYTES * (len(b.entries) + 1) for b in buckets), default=0)  # a share's table
+        def alloc(header: FrameHeader) -> torch.Tensor:  # a share is copied into its bucket: a buffer of its own
+            return host_buffer(header.nbytes) if header.is_share else receive.buffer(header.nbytes, header.version)
+
+        receive = state.receive_path
         try:
-            frame = await read_body(request, largest + FRAME_OVERHEAD_BYTES)
+            header, data = await read_frame(request, largest + FRAME_OVERHEAD_BYTES, alloc)
         except ClientDisconnect:  # the trainer vanished mid-body: its update cannot complete
             updater.abort(update.version, owner=update.owner)
             raise
+        payload = memoryview(data.numpy()).cast("B")
 
         def forward(header: FrameHeader, payload: memoryview) -> None:
             try:
@@ -390,11 +396,10 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
                 raise HTTPError(504, str(e)) from None
 
         def work() -> str | None:
-            header, payload = decode_frame(frame)
             if header.is_share:
                 return _stage_share(state, header, payload, forward)
-            digest_hex = state.receive_path.stage_bytes(version=header.version, index=header.index,
-                                                        payload=payload, digest_hex=header.digest)
+            digest_hex = receive.stage(version=header.version, index=header.index, buffer=data,
+                                       digest_hex=header.digest)
             if header.forward:  # checked and staged here: now the next engine of the relay
                 forward(header, payload)
             return digest_hex
@@ -482,7 +487,8 @@ def _stage_share(state: ServerState, header: FrameHeader, payload: memoryview,
     bucket = state.updater.session.bucket(header.version, header.index)  # an open update, a valid index
     whole = state.assembly.add(version=header.version, index=header.index, nbytes=bucket.nbytes,
                                whole_digest=header.digest, num_ranges=header.share_ranges,
-                               share_digest=header.share_digest, payload=payload, alloc=state.receive_path.buffer)
+                               share_digest=header.share_digest, payload=payload,
+                               alloc=lambda nbytes: state.receive_path.buffer(nbytes, header.version))
     if header.forward:  # this share is what the trainer rank sent: the next engine checks it as this one did
         forward(header, payload)
     if whole is None:

@@ -173,6 +173,13 @@ class Receiver(Protocol):
         caller checks their digest in place before staging them."""
         ...
 
+    def lend(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor | None:
+        """Bucket `bucket`'s bytes where they are, to read until the call that asked for
+        them returns (a streamed update loads a bucket and lets it go within it: shm slots
+        in host memory); None where they must be fetched. The caller checks their digest
+        in place and keeps no view."""
+        ...
+
     def held_slots(self, buffers: Iterable[torch.Tensor]) -> dict[str, tuple[int, ...]]:
         """Of `buffers` (what the engine serves from), the ones `adopt` handed out, as
         session name -> slots (`Ack.held_slots`); empty where nothing is adopted."""
@@ -213,6 +220,9 @@ class ReceiverDefaults:
         return self.fetch(link, bucket, delivery, into), None
 
     def adopt(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor | None:
+        return None
+
+    def lend(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor | None:
         return None
 
     def held_slots(self, buffers: Iterable[torch.Tensor]) -> dict[str, tuple[int, ...]]:

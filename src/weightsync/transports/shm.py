@@ -115,6 +115,12 @@ class ShmReceiver(ReceiverDefaults):
                                   typed(link, ShmLink).shm_name, int(delivery.slot))  # type: ignore[arg-type]
         return view
 
+    def lend(self, link: Link, bucket: BucketMeta, delivery: Delivery) -> torch.Tensor | None:
+        """The slot in host memory, read in place: the trainer writes it again only once the
+        request that delivered it was answered. None for a CUDA IPC slot (copied out)."""
+        view = self._slot(link, bucket, delivery)
+        return None if view.is_cuda else view
+
     def held_slots(self, buffers: Iterable[torch.Tensor]) -> dict[str, tuple[int, ...]]:
         """Segment name -> the slots of it that `buffers` (what the engine serves from)
         were adopted from."""
