@@ -117,7 +117,7 @@ async def read_frame(request: Request, limit: int,
             if end + header.nbytes > limit:
                 raise HTTPError(413, f"bucket frame of {end + header.nbytes} bytes exceeds the {limit}-byte limit")
             payload = alloc(header)
-            target = memoryview(payload.numpy()).cast("B")
+            target = payload.numpy().data.cast("B")
             piece = memoryview(bytes(head[end:]))
         if filled + len(piece) > len(target):
             raise IntegrityError(f"bucket {header.index}: frame carries more than the {header.nbytes} payload "

@@ -386,7 +386,7 @@ def _add_weightsync_routes(app: FastAPI, state: ServerState) -> None:
         except ClientDisconnect:  # the trainer vanished mid-body: its update cannot complete
             updater.abort(update.version, owner=update.owner)
             raise
-        payload = memoryview(data.numpy()).cast("B")
+        payload = data.numpy().data.cast("B")
 
         def forward(header: FrameHeader, payload: memoryview) -> None:
             try:
