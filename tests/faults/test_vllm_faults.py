@@ -53,6 +53,8 @@ if importlib.util.find_spec("vllm") is None:
     warnings.warn(_MESSAGE, stacklevel=1)
     pytest.skip(f"SKIPPED THE vLLM FAULT TESTS: {_MESSAGE}", allow_module_level=True)
 
+from serve_check import wait_until  # noqa: E402
+from vllm_fixtures import reference_greedy  # noqa: E402
 from vllm_shared_server import SessionVLLM  # noqa: E402
 from weightsync.engines.vllm.client import VLLMEngine  # noqa: E402
 
@@ -305,6 +307,51 @@ def test_trainer_killed_mid_stream_leaves_vllm_serving(server: SessionVLLM, engi
         probe = ws.probe_logprobs(trainer, reader, PROMPTS, max_new_tokens=4)
         assert probe.token_agreement == 1.0 and probe.max_gap < LOGPROB_TOLERANCE, probe
     assert not faults.segments_left(ready), "the next push removes the killed trainer's segment"
+
+
+def _paused(server: SessionVLLM) -> bool:
+    """vLLM's own word (`/is_paused`): its scheduler holds every request."""
+    return bool(httpx.get(f"{server.url}/is_paused", timeout=30).json()["is_paused"])
+
+
+def test_a_streamed_push_that_fails_midway_keeps_vllm_paused_until_a_whole_push(
+        server: SessionVLLM, engine: VLLMEngine, reader: VLLMEngine, trainer: Any, tmp_path: Path) -> None:
+    """commit="streamed" into `vllm serve`: each layer reloads once its tensors' bucket checks. A
+    corrupted bucket midway leaves the workers with a mix of two versions, so the push fails
+    naming the bucket and vLLM stays paused (a request waits, never answered from the mix; the
+    workers say why); the next streamed push lands whole and resumes vLLM, and the waiting
+    request is answered from it: its tokens are transformers' on the trainer's weights."""
+    faulty_transport = with_fault("shm", "flip", tmp_path, at_push=2, at_bucket=3)
+    answers: list[Any] = []
+    waiter = VLLMEngine(server.url, timeout_s=120)  # its own count of the requests it sent
+    waiting = threading.Thread(target=lambda: answers.extend(waiter.generate(PROMPTS[:1], max_new_tokens=4)))
+    try:
+        with ws.WeightSync([engine], transport=faulty_transport, bucket_bytes=faults.BUCKET_BYTES,
+                           timeout_s=TIMEOUT_S, commit="streamed") as sync:
+            push_good(sync, reader, trainer)
+            assert not _paused(server)
+            error, seconds = push_faulted(sync, reader, trainer)
+            assert faulty_transport.fired.is_set() and "bucket 3: digest" in str(error), error
+            assert seconds < BOUND_S
+            assert _paused(server), "vLLM generates again from a mix of two versions"
+            refusing = reader.info()["refusing"]
+            assert refusing is not None and "stopped after reloading" in refusing, refusing
+            waiting.start()
+            wait_until(lambda: waiter.num_requests >= 2, "the request to go out")  # its cache salt's info, then it
+            assert not answers, "vLLM answered from a mix of two versions"
+            version = push_good(sync, reader, trainer)  # the next push goes whole, and resumes vLLM
+        waiting.join(timeout=120)
+        assert not _paused(server)
+        (answer,) = answers
+        tokens, _ = reference_greedy(trainer, PROMPTS[0], 4)
+        assert answer.weight_version == str(version) and answer.output_ids == tokens, answer
+    finally:
+        if _paused(server):  # leave the shared server whole and generating for the tests after
+            with make_sync(engine, "shm", tmp_path) as repair:
+                repair.push(trainer, version=int(reader.weight_version()) + 1)
+        if waiting.is_alive():
+            waiting.join(timeout=120)
+        waiter.close()
 
 
 def test_two_trainers_at_once_and_older_versions(server: SessionVLLM, reader: VLLMEngine, trainer: Any,

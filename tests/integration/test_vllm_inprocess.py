@@ -151,6 +151,18 @@ def test_delta_falls_back_to_a_full_push(engine: VLLMEngine, model_dir: Path) ->
             vf.assert_parity(engine, trainer)
 
 
+def test_a_streamed_commit_is_refused_in_process_before_anything_moves(engine: VLLMEngine, model_dir: Path) -> None:
+    """In process vLLM generates in the caller's own `llm.generate`, which nothing can hold while
+    a streamed update loads (`vllm serve` can: tests/integration/test_vllm_server.py), so the
+    engine declares no `streams_commit` and a streamed push is refused before its begin."""
+    version = engine.weight_version()
+    assert not engine.capabilities(30.0).streams_commit
+    with pytest.raises(ws.EngineError, match="streams_commit"), \
+            ws.WeightSync([engine], transport="shm", commit="streamed") as sync:
+        sync.push(vf.load_trainer(model_dir), version=vf.next_version(engine))
+    assert engine.weight_version() == version
+
+
 @pytest.mark.parametrize("transport", ["disk", "broadcast", "shm"])
 def test_lora_push_matches_peft_and_rolls_over(engine: VLLMEngine, model_dir: Path, tmp_path: Path,
                                               transport: str) -> None:

@@ -74,6 +74,28 @@ def test_full_push_matches_transformers(engine: VLLMEngine, model_dir: Path, tmp
             print(f"\nserver {transport} v{version}: push {report.seconds:.3f}s, max logprob gap {gap:.2e}")
 
 
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_streamed_pushes_match_transformers(engine: VLLMEngine, server: VLLMServer, model_dir: Path,
+                                            transport: str) -> None:
+    """commit="streamed" into `vllm serve`: the workers reload each vLLM layer once its tensors'
+    bucket checked (64 KiB buckets split fused layers between buckets, which wait for their
+    other half), vLLM paused from begin to commit; then it computes what transformers does,
+    resumed, and keeps nothing beyond the model (the worker's own figure)."""
+    trainer = vf.load_trainer(model_dir)
+    with ws.WeightSync([engine], transport=transport, bucket_bytes=64 << 10, commit="streamed") as sync:
+        for step in range(2):
+            vf.perturb(trainer, seed=300 + 10 * step + len(transport))
+            version = vf.next_version(engine)
+            report = sync.push(trainer, version=version)
+            vf.assert_verified(report, version)
+            assert report.commit == "streamed" and report.num_buckets > 10
+            (ack,) = report.acks
+            assert ack.kept_bytes is not None and ack.kept_bytes < 4 << 20, ack
+            assert httpx.get(f"{server.url}/is_paused").json()["is_paused"] is False
+            assert engine.info()["refusing"] is None
+            vf.assert_parity(engine, trainer)
+
+
 @dataclass(frozen=True)
 class _Sequence:
     """One sequence of the request's answer."""

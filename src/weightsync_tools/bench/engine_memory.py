@@ -30,9 +30,9 @@ from weightsync_tools.bench import Progress
 
 ENGINES = ("embedded", "vllm-tp1", "vllm-tp2")
 DEFAULT_TRANSPORTS = {"embedded": ("shm", "http"), "vllm-tp1": ("shm",), "vllm-tp2": ("shm",)}
-COMMITS = {"embedded": ("staged", "streamed"), "vllm-tp1": ("staged",), "vllm-tp2": ("staged",)}
-"""The commits each engine takes (`WeightSync(commit=...)`): only `weightsync serve` streams."""
 """What each engine is measured over unless asked otherwise (the issue's cells)."""
+COMMITS = {engine: ("staged", "streamed") for engine in ENGINES}
+"""The commits each engine takes (`WeightSync(commit=...)`): all of them, both (`vllm serve` streams)."""
 DEFAULT_MODEL_BYTES = 204 << 20
 DEFAULT_BUCKET_BYTES = 32 << 20
 SAMPLE_S = 0.02

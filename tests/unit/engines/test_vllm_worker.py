@@ -42,3 +42,23 @@ def test_a_staging_refusal_reaches_the_trainer_as_the_embedded_engines_413() -> 
 
     payload = error_payload(StagingMemoryError("needs 9 bytes", needed_bytes=9, available_bytes=1))
     assert payload == {"type": "EngineError", "message": "needs 9 bytes", "status": 413, "retry_after_s": None}
+
+
+def test_a_streamed_layer_reloads_once_all_its_tensors_arrived_and_waits_as_a_copy_until_then() -> None:
+    """`StreamedReload`: a bucket that ends inside a fused layer (q and k here, v in the next
+    bucket) reloads what is whole (o_proj, lm_head) and keeps copies of the rest, since the
+    bucket's views are let go after the call; the next bucket completes the layer."""
+    from weightsync.engines.vllm.reload import layer_groups
+    from weightsync.engines.vllm.worker import StreamedReload
+
+    names = [f"{LAYER}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + ["lm_head.weight"]
+    stream = StreamedReload(layer_groups(names))
+    bucket = torch.arange(10, dtype=torch.float32)
+    first = {names[0]: bucket[0:2], names[1]: bucket[2:4], names[3]: bucket[4:6], names[4]: bucket[6:8]}
+    assert list(stream.take(first)) == [names[3], names[4]]
+    assert set(stream.pending) == {names[0], names[1]}
+    bucket.zero_()  # the bucket's buffer is reused: the pending tensors were copied
+    assert stream.pending[names[0]].tolist() == [0.0, 1.0]
+    ready = stream.take({names[2]: torch.ones(2)})
+    assert set(ready) == set(names[:3]) and not stream.pending
+    assert ready[names[1]].tolist() == [2.0, 3.0]

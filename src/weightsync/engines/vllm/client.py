@@ -121,7 +121,14 @@ class VLLMEngine:
                                   unloads_adapters=True, transports=self.transports,
                                   lora_transports=self.lora_transports if info.get("lora_enabled") else frozenset(),
                                   quantization=Quantization.from_dict(info["quantization"])
-                                  if info.get("quantization") else None)
+                                  if info.get("quantization") else None,
+                                  streams_commit=self.pauses and not info.get("quantization"))
+
+    @property
+    def pauses(self) -> bool:
+        """vLLM can hold generation for this client (`vllm serve`'s `/pause`); in process it runs in
+        the caller's own `llm.generate`, which nothing here can hold, so it takes no streamed commit."""
+        return isinstance(self._backend, ServerBackend)
 
     @property
     def num_ranks(self) -> int:
@@ -160,6 +167,15 @@ class VLLMEngine:
             self._backend.pause(policy.vllm_mode, timeout_s=self._timeout(timeout_s))
 
     def resume(self, *, pause_id: str | None = None, timeout_s: float | None = None) -> None:
+        """vLLM's `/resume`, except while its workers hold a streamed update that failed midway
+        (a mix of two versions): vLLM then stays paused, its requests waiting, until a full
+        push lands (docs/VLLM.md, "Streamed commits")."""
+        if self.pauses:  # only a server can have taken a streamed update
+            refusing = [r["refusing"] for r in self._rpc("weightsync_info", {}, timeout_s=self._timeout(timeout_s))
+                        if r.get("refusing")]
+            if refusing:
+                log.warning("%s stays paused: %s", self.label, refusing[0])
+                return
         self._backend.resume(timeout_s=self._timeout(timeout_s))
 
     def begin(self, manifest: Manifest, update: EngineUpdate) -> str | None:
@@ -168,6 +184,10 @@ class VLLMEngine:
         if link.transport not in allowed:
             raise EngineError(self.label, f"transport {link.transport!r} is not supported for mode "
                               f"{manifest.mode!r}; use one of {sorted(allowed)}")
+        if manifest.commit == "streamed" and update.policy.vllm_mode is None:
+            raise EngineError(self.label, "a streamed update needs vLLM paused while it loads (it would "
+                              "generate from a mix of versions): use pause='retract', 'in_place' or 'abort', "
+                              "or commit='staged'")
         results = self._rpc("weightsync_begin", {"manifest": manifest.to_dict(), "link": link.to_dict()},
                             timeout_s=link.timeout_s)
         note = results[0].get("preempted")

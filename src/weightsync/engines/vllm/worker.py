@@ -12,6 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -216,15 +217,21 @@ class WorkerSync:
         until then no memory is spent on it (that first one is refused, 409, and the
         coordinator's full push that follows fills `held`)."""
 
+        self.refusing: str | None = None
+        """Why this worker's weights are a mix of two versions (a streamed update failed after a
+        bucket loaded), until a full update commits; the client keeps vLLM paused meanwhile."""
+        self._stream: StreamedReload | None = None
+        """The streamed update loading, between `hold` and `finish` or `abandon`."""
+
     def not_one_version(self) -> str | None:
-        return "its last commit failed midway" if self.dirty else None
+        return self.refusing or ("its last commit failed midway" if self.dirty else None)
 
     # -- verbs -------------------------------------------------------------
 
     def info(self, body: Mapping[str, Any]) -> dict[str, Any]:
         lora_config = self.worker.vllm_config.lora_config
         return {
-            "num_ranks": self.num_ranks, "version": self.version, "dirty": self.dirty,
+            "num_ranks": self.num_ranks, "version": self.version, "dirty": self.dirty, "refusing": self.refusing,
             "open_version": None if self.session.open_update is None else self.session.open_update.version,
             "lora_enabled": lora_config is not None,
             "max_lora_rank": lora_config.max_lora_rank if lora_config is not None else None,
@@ -262,6 +269,8 @@ class WorkerSync:
             if unheld or not self.held:  # refused now (409: the coordinator sends the whole model), not at commit
                 raise ConflictError(f"{self.who} holds no copy of {format_names(unheld or ['the served weights'])}, "
                                     "which vLLM must reload with the tensors sent; send a full update")
+        if manifest.commit == "streamed":
+            self._check_streamed(manifest)
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
         receiver = self.receive_path.receiver(link.transport)
@@ -387,13 +396,66 @@ class WorkerSync:
                                  "the weights are a mix: push a full update")
         if (q := self.quantization()) is not None and self.num_ranks == 1:  # what the reload serves, checked
             probe_layers(self._model(), tensors, q, self.packed_modules, who=self.who)
-        self.dirty = False
+        self.dirty, self.refusing = False, None
         self.version = manifest.version
         if self.keeps_base:  # the staged tensors are this worker's own copies, kept past the update
             self.held = {**before, **tensors} if manifest.mode == "sparse" else dict(tensors)
         log.info("rank %d: now serving weight version %d (%d tensors sent, %d reloaded)", self.rank, self.version,
                  len(sent), len(loaded))
         return sent
+
+    # -- the receive.update_session.StreamedLoader of streamed commits ------------------------
+
+    def _check_streamed(self, manifest: Manifest) -> None:
+        """What a streamed update into vLLM cannot be, refused at begin (409) before a byte moves."""
+        if self.quantization() is not None:
+            raise ConflictError(f"{self.who} serves quantized weights, checked once a whole layer and its scales "
+                                "reloaded: it takes no streamed commit; send commit='staged'")
+        if manifest.mode != "full":
+            raise ConflictError(f"{self.who} takes a streamed update whole (mode 'full'), not {manifest.mode!r}; "
+                                "send a full update")
+
+    def hold(self, update: OpenUpdate) -> None:
+        """A streamed update begins. A worker cannot stop vLLM generating: the client paused the
+        engine before this begin, and keeps it paused where the update fails midway."""
+        self._stream = StreamedReload(layer_groups(update.manifest.hf_names, self.packed_modules, self.moe_layers))
+        self.held = {}  # the served tensors change from the first bucket on: no copy to patch
+
+    def load(self, update: OpenUpdate, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Reload every vLLM layer whose checkpoint tensors have all arrived; keep a copy of the
+        others until the rest of their layer comes (a fused layer split between two buckets)."""
+        assert self._stream is not None, "hold() first"
+        ready = self._stream.take(tensors)
+        if not ready:
+            return
+        self.dirty = True  # from the first reload until finish: a mix if the update stops
+        self.refusing = (f"streamed update v{update.version} is loading: the weights are a mix of two versions "
+                         "until it commits")
+        with moe_kernels_rebuilt(self._model()), quiet_partial_reload():
+            self.worker.reload_weights(weights_iterator=iter(ready.items()), is_checkpoint_format=True)
+        self._stream.loaded.extend(ready)
+
+    def finish(self, update: OpenUpdate) -> Sequence[str]:
+        stream, self._stream = self._stream, None
+        assert stream is not None, "hold() first"
+        if stream.pending:
+            self.refusing = (f"streamed update v{update.version} ended with {len(stream.pending)} tensor(s) of "
+                             f"partly loaded layers never reloaded: {format_names(list(stream.pending))}; "
+                             "push a full update")
+            raise IntegrityError(self.refusing)
+        self.dirty, self.refusing = False, None
+        self.version = update.manifest.version
+        log.info("rank %d: now serving weight version %d (streamed, %d tensors reloaded)", self.rank, self.version,
+                 len(stream.loaded))
+        return stream.loaded
+
+    def abandon(self, update: OpenUpdate, reason: str) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None and stream.loaded:
+            self.refusing = (f"streamed update v{update.version} stopped after reloading {len(stream.loaded)} of "
+                             f"{len(update.manifest.hf_names)} tensor(s): {reason}. The weights are neither "
+                             f"v{self.version} nor v{update.version}; vLLM stays paused until a full push lands")
+            log.warning("rank %d: %s", self.rank, self.refusing)
 
     def install_adapter(self, update: OpenUpdate) -> None:
         """Write the verified adapter as a PEFT directory (`adapters.AdapterDirs`)."""
@@ -478,6 +540,44 @@ class WorkerSync:
     def who(self) -> str:
         """This worker, for messages."""
         return f"vLLM worker rank {self.rank}"
+
+
+class StreamedReload:
+    """What a streamed update has reloaded, and the tensors of layers still incomplete."""
+
+    def __init__(self, groups: Sequence[tuple[str, ...]]) -> None:
+        self.group_of = {name: group for group in groups for name in group}
+        """Checkpoint name -> every tensor of the update that vLLM reloads with it (`layer_groups`)."""
+        self.pending: dict[str, torch.Tensor] = {}
+        """Copies of the tensors whose layer has not all arrived."""
+        self.loaded: list[str] = []
+
+    def take(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors now ready to reload, `tensors` (views let go after the call) with the
+        pending ones they complete; the rest of `tensors` copied into `pending`."""
+        arrived = {**self.pending, **tensors}
+        ready = {name: t for name, t in arrived.items()
+                 if all(member in arrived for member in self.group_of.get(name, (name,)))}
+        for name in ready:
+            self.pending.pop(name, None)
+        self.pending.update((name, t.clone()) for name, t in tensors.items() if name not in ready)
+        return ready
+
+
+@contextmanager
+def quiet_partial_reload() -> Iterator[None]:
+    """Around a reload of some layers: vLLM warns of every layer and weight it was not given
+    (each bucket of a streamed update would list the whole model again); errors still show."""
+    names = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 # --- free functions ------------------------------------------------------------
