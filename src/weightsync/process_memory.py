@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 _KIB = 1024
@@ -121,8 +123,48 @@ class MemoryMark:
         return max(0, max(peak, now) - self.start_bytes), now - self.start_bytes
 
 
-__all__ = ["MemoryMark", "host_available_bytes", "peak_resident_bytes", "pss_bytes", "reset_peak", "resident_bytes",
-           "status_bytes", "trim_heap"]
+__all__ = [
+    "MemoryMark",
+    "heap_given_back",
+    "host_available_bytes",
+    "peak_resident_bytes",
+    "pss_bytes",
+    "reset_peak",
+    "resident_bytes",
+    "status_bytes",
+    "trim_heap",
+]
+
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+"""glibc's `mallopt` parameters (malloc.h)."""
+STEADY_MMAP_THRESHOLD = 32 << 20
+STEADY_TRIM_THRESHOLD = 64 << 20
+"""Where glibc's own dynamic thresholds end up in a process that frees large buffers (its
+DEFAULT_MMAP_THRESHOLD_MAX, and twice that for trimming): what `heap_given_back` leaves set."""
+
+
+@contextmanager
+def heap_given_back(mmap_bytes: int = 256 << 10) -> Iterator[None]:
+    """While inside, glibc maps every allocation of `mmap_bytes` or more on its own and unmaps
+    it when freed, and trims the heap's free top at once: a pass that allocates and frees
+    layer after layer (vLLM's reload) then holds the layer in hand, not up to 64 MiB of freed
+    ones the heap keeps. Afterwards the thresholds are glibc's steady values (`STEADY_*`:
+    setting them ends glibc's dynamic adjustment for good). Nothing happens without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, mmap_bytes)
+    libc.mallopt(M_TRIM_THRESHOLD, mmap_bytes)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, STEADY_TRIM_THRESHOLD)
+        libc.malloc_trim(0)
 
 
 def trim_heap() -> bool:

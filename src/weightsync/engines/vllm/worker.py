@@ -42,7 +42,7 @@ from weightsync.formats.quantized import Quantization, expected_dtype
 from weightsync.formats.version_dir import read_checkpoint_metas
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
-from weightsync.process_memory import trim_heap
+from weightsync.process_memory import heap_given_back, trim_heap
 from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
 from weightsync.receive.update_session import OpenUpdate, SessionRules, UpdateSession
 from weightsync.reports import Ack
@@ -389,7 +389,7 @@ class WorkerSync:
 
         self.dirty = True  # until reload_weights returns: a failure midway leaves a mix
         before, self.held = self.held, {}  # no copy to patch until this reload succeeds
-        with moe_kernels_rebuilt(self._model()):
+        with moe_kernels_rebuilt(self._model()), heap_given_back():
             self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         if len(loaded) != len(tensors):
             raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
@@ -431,7 +431,7 @@ class WorkerSync:
         self.dirty = True  # from the first reload until finish: a mix if the update stops
         self.refusing = (f"streamed update v{update.version} is loading: the weights are a mix of two versions "
                          "until it commits")
-        with moe_kernels_rebuilt(self._model()), quiet_partial_reload():
+        with moe_kernels_rebuilt(self._model()), quiet_partial_reload(), heap_given_back():
             self.worker.reload_weights(weights_iterator=iter(ready.items()), is_checkpoint_format=True)
         self._stream.loaded.extend(ready)
 
