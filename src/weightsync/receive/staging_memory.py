@@ -58,7 +58,8 @@ def check_staging_fits(manifest: Manifest, *, engine: str, needed_bytes: int, st
         return
     if streams:
         fix = ("set commit=\"streamed\" (each bucket loaded as it checks, a bucket or two in memory; a push "
-               "that fails midway leaves the engine refusing generation until a full push lands), "
+               "that fails midway leaves the engine refusing generation until a full push lands; `weightsync "
+               "serve` and `vllm serve` take it, an in-process vLLM does not), "
                "or push a smaller update, or give the engine more memory")
     else:
         fix = (f"{engine} does not take commit=\"streamed\" (yet): push a smaller update (a delta, sparse or lora "
