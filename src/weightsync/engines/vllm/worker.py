@@ -428,7 +428,7 @@ class WorkerSync:
         ready = self._stream.take(tensors)
         if not ready:
             return
-        self.dirty = True  # from the first reload until finish: a mix if the update stops
+        self.dirty = self._stream.started = True  # from the first reload until finish: a mix if it stops
         self.refusing = (f"streamed update v{update.version} is loading: the weights are a mix of two versions "
                          "until it commits")
         with moe_kernels_rebuilt(self._model()), quiet_partial_reload(), heap_given_back():
@@ -451,7 +451,7 @@ class WorkerSync:
 
     def abandon(self, update: OpenUpdate, reason: str) -> None:
         stream, self._stream = self._stream, None
-        if stream is not None and stream.loaded:
+        if stream is not None and stream.started:
             self.refusing = (f"streamed update v{update.version} stopped after reloading {len(stream.loaded)} of "
                              f"{len(update.manifest.hf_names)} tensor(s): {reason}. The weights are neither "
                              f"v{self.version} nor v{update.version}; vLLM stays paused until a full push lands")
@@ -551,6 +551,9 @@ class StreamedReload:
         self.pending: dict[str, torch.Tensor] = {}
         """Copies of the tensors whose layer has not all arrived."""
         self.loaded: list[str] = []
+        """The tensors reloaded so far."""
+        self.started = False
+        """A reload began: the served weights may no longer be one version."""
 
     def take(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors now ready to reload, `tensors` (views let go after the call) with the
