@@ -1,6 +1,8 @@
 """What a fresh interpreter imports for `import weightsync` and for `python -m weightsync --help`,
-run once per pytest session and shared by the tests that check it (each fresh interpreter costs
-seconds of torch imports)."""
+and then what glibc keeps of freed layers with and without `process_memory.heap_given_back`
+(its thresholds are process-wide and set for good, hence a fresh process): run once per pytest
+session and shared by the tests that check it (each fresh interpreter costs seconds of torch
+imports)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,21 @@ with contextlib.redirect_stdout(out):
         runpy.run_module("weightsync", run_name="__main__", alter_sys=True)  # what `python -m` runs
     except SystemExit as e:
         code = e.code
-print(json.dumps({"after_import": after_import, "added_by_weightsync": sorted(set(sys.modules) - with_torch),
-                  "after_help": sorted(sys.modules), "help": out.getvalue(), "help_exit": code}))
+modules = {"after_import": after_import, "added_by_weightsync": sorted(set(sys.modules) - with_torch),
+           "after_help": sorted(sys.modules), "help": out.getvalue(), "help_exit": code}
+from weightsync.process_memory import heap_given_back, resident_bytes
+MIB = 1 << 20
+freed = torch.ones(32 * MIB, dtype=torch.uint8); del freed  # glibc raises its mmap threshold to 32 MiB
+def held_after_layers():
+    base = resident_bytes()
+    for i in range(8):  # layer after layer, each freed before the next (vLLM's reload)
+        layer = torch.ones((6 + i % 3) * MIB, dtype=torch.uint8)
+        del layer
+    return resident_bytes() - base
+outside = held_after_layers()
+with heap_given_back():
+    inside = held_after_layers()
+print(json.dumps({**modules, "heap_kept": [outside, inside]}))
 """
 
 
@@ -47,6 +62,9 @@ class FreshImport:
     """What `--help` printed."""
     help_exit: int | str | None
     """Its SystemExit code (argparse's --help: 0)."""
+    heap_kept: list[int]
+    """Resident bytes left after eight 6-8 MiB tensors were made and freed one after the other, once
+    glibc raised its mmap threshold: outside `heap_given_back`, then inside it."""
 
 
 @functools.cache

@@ -150,34 +150,14 @@ def test_host_available_bytes_is_memavailable_or_the_free_memory_of_the_nodes_th
     assert real is not None and real > 0  # this Linux host's own
 
 
-HEAP_CHECK = """
-import torch
-from weightsync.process_memory import heap_given_back, resident_bytes
-MIB = 1 << 20
-del_32 = torch.ones(32 * MIB, dtype=torch.uint8); del del_32  # glibc raises its mmap threshold to 32 MiB
-def held_after_layers():
-    base = resident_bytes()
-    for i in range(8):  # layer after layer, each freed before the next (vLLM's reload)
-        layer = torch.ones((6 + i % 3) * MIB, dtype=torch.uint8)
-        del layer
-    return resident_bytes() - base
-outside = held_after_layers()
-with heap_given_back():
-    inside = held_after_layers()
-print(outside, inside)
-"""
-
 
 def test_inside_heap_given_back_freed_layers_leave_the_resident_set_at_once() -> None:
     """In a fresh interpreter (glibc's thresholds are process-wide, and set for good by the
-    call): once glibc raised its mmap threshold, freed 6-8 MiB tensors stay in the heap it
-    keeps (the resident set holds them); inside `heap_given_back` each is unmapped as it
-    is freed."""
-    import subprocess
-    import sys
+    call; tests/support/fresh_import.py): once glibc raised its mmap threshold, freed 6-8 MiB
+    tensors stay in the heap it keeps (the resident set holds them); inside `heap_given_back`
+    each is unmapped as it is freed."""
+    from fresh_import import fresh_import
 
-    done = subprocess.run([sys.executable, "-c", HEAP_CHECK], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    outside, inside = (int(v) for v in done.stdout.split())
+    outside, inside = fresh_import().heap_kept
     assert outside >= 6 * MIB, (outside, inside)  # the case it is for: glibc keeps a freed layer
     assert inside < 2 * MIB, (outside, inside)
