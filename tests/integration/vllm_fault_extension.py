@@ -45,8 +45,8 @@ class FaultyDiskExtension(WeightSyncWorkerExtension):
             return False
         original = receiver.read
 
-        def read(link: Any, manifest: Any) -> Iterator[tuple[int, Any]]:
-            for index, buffer in original(link, manifest):
+        def read(link: Any, manifest: Any, *place: Any) -> Iterator[tuple[int, Any]]:
+            for index, buffer in original(link, manifest, *place):
                 if index == 0:
                     buffer = buffer.clone()
                     buffer[0] ^= 0xFF

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -101,8 +101,10 @@ def read_manifest(directory: Path) -> Manifest:
     return Manifest.from_json(path.read_bytes())
 
 
-def read_bucket(directory: Path, bucket: BucketMeta, algorithm: str = XXH3_64) -> torch.Tensor:
-    """Read one bucket's data section and verify it; returns a uint8 tensor.
+def read_bucket(directory: Path, bucket: BucketMeta, algorithm: str = XXH3_64,
+                into: torch.Tensor | None = None) -> torch.Tensor:
+    """Read one bucket's data section and verify it; returns a uint8 tensor: `into` (a uint8
+    CPU tensor of the bucket's size, where the caller keeps a place for it) or a new one.
 
     The file's header must describe exactly the manifest's entries, and the
     bytes must match the manifest's digest (computed with `algorithm`, the manifest's).
@@ -126,30 +128,53 @@ def read_bucket(directory: Path, bucket: BucketMeta, algorithm: str = XXH3_64) -
                 raise IntegrityError(f"{path}: entry {entry.hf_name!r} does not match the manifest")
         if len(header) - ("__metadata__" in header) != len(bucket.entries):
             raise IntegrityError(f"{path}: holds tensors the manifest does not list")
-        data = bytearray(f.read(bucket.nbytes + 1))
-    buffer = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        if into is None:
+            data = bytearray(f.read(bucket.nbytes + 1))
+            buffer = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        else:
+            if into.numel() != bucket.nbytes or into.dtype != torch.uint8:
+                raise ValueError(f"bucket {bucket.index}: a place of {into.numel()} {into.dtype} for "
+                                 f"{bucket.nbytes} bytes")
+            got = f.readinto(into.numpy().data.cast("B")) if bucket.nbytes else 0
+            if got != bucket.nbytes or f.read(1):
+                size = f"{got}" if got != bucket.nbytes else f"more than {got}"
+                raise IntegrityError(f"bucket {bucket.index}: {path} holds {size} data bytes, manifest says "
+                                     f"{bucket.nbytes} (truncated or padded)")
+            buffer = into
     check_bucket(bucket, buffer, algorithm)
     return buffer
 
 
-def read_version(directory: Path) -> tuple[Manifest, Iterator[tuple[BucketMeta, torch.Tensor]]]:
-    """The manifest of a version directory and its verified buckets, one at a time."""
+Place = Callable[[BucketMeta], torch.Tensor | None]
+"""Where a bucket is read to, where the reader keeps a place for it (`read_bucket`'s `into`); None: a new buffer."""
+
+
+def no_place(bucket: BucketMeta) -> torch.Tensor | None:
+    """No place kept: every bucket read into a new buffer."""
+    return None
+
+
+def read_version(directory: Path,
+                 place: Place = no_place) -> tuple[Manifest, Iterator[tuple[BucketMeta, torch.Tensor]]]:
+    """The manifest of a version directory and its verified buckets, one at a time (each read
+    into `place(bucket)` where that gives one)."""
     manifest = read_manifest(directory)
     if any(b.digest is None for b in manifest.buckets):
         raise ManifestError(f"{directory / MANIFEST_FILE}: every bucket needs a digest")
 
     def buckets() -> Iterator[tuple[BucketMeta, torch.Tensor]]:
         for b in manifest.buckets:
-            yield b, read_bucket(directory, b, manifest.digest_algorithm)
+            yield b, read_bucket(directory, b, manifest.digest_algorithm, into=place(b))
 
     return manifest, buckets()
 
 
-def read_announced(directory: Path, announced: Manifest) -> Iterator[tuple[BucketMeta, torch.Tensor]]:
+def read_announced(directory: Path, announced: Manifest,
+                   place: Place = no_place) -> Iterator[tuple[BucketMeta, torch.Tensor]]:
     """The verified buckets of the version directory `directory`, whose manifest.json must be
     `announced` (the manifest given at begin); the manifest is checked before this returns,
-    the buckets are read one at a time."""
-    on_disk, buckets = read_version(directory)
+    the buckets are read one at a time, each into `place(bucket)` where that gives one."""
+    on_disk, buckets = read_version(directory, place)
     check_announced(directory, on_disk, announced)
     return buckets
 

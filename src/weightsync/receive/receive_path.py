@@ -182,7 +182,8 @@ class ReceivePath:
             return
         receiver = self.receiver(link.transport)
         if receiver.reads_at_commit:
-            for index, buffer in receiver.read(link, update.manifest):
+            for index, buffer in receiver.read(link, update.manifest,
+                                               lambda bucket: self.hooks.bucket_place(version, bucket)):
                 self.stage(version=version, index=index, buffer=buffer)
 
     def commit(self, version: int, link: Link | None = None) -> Ack:

@@ -14,6 +14,7 @@ from typing import ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from weightsync.formats.version_dir import Place, no_place
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.reports import Ack
@@ -185,9 +186,10 @@ class Receiver(Protocol):
         session name -> slots (`Ack.held_slots`); empty where nothing is adopted."""
         ...
 
-    def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
+    def read(self, link: Link, manifest: Manifest, place: Place = no_place) -> Iterator[tuple[int, torch.Tensor]]:
         """(bucket index, bytes) of every bucket of `manifest`'s version, at commit
-        (disk: read from its version directory, each bucket's digest checked)."""
+        (disk: read from its version directory, each bucket's digest checked), each read into
+        `place(bucket)` where that gives one (the vLLM workers' host-shared staging area)."""
         ...
 
     def close(self) -> None:
@@ -228,7 +230,7 @@ class ReceiverDefaults:
     def held_slots(self, buffers: Iterable[torch.Tensor]) -> dict[str, tuple[int, ...]]:
         return {}
 
-    def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
+    def read(self, link: Link, manifest: Manifest, place: Place = no_place) -> Iterator[tuple[int, torch.Tensor]]:
         raise ValueError(f"transport {link.transport!r} delivers every bucket; there is no version to read at commit")
 
     def close(self) -> None:

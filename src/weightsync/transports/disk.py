@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.errors import IntegrityError, WeightSyncError
-from weightsync.formats.version_dir import publish, read_announced, write_bucket, write_manifest
+from weightsync.formats.version_dir import Place, no_place, publish, read_announced, write_bucket, write_manifest
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest
 from weightsync.owners import TAG_PATTERN, orphans, owner_tag
@@ -83,14 +83,15 @@ class DiskReceiver(ReceiverDefaults):
     def fetch(self, link: Link, bucket: BucketMeta, delivery: Delivery, into: torch.Tensor) -> torch.Tensor:
         raise ValueError("the disk transport delivers nothing per bucket; the version is read at commit")
 
-    def read(self, link: Link, manifest: Manifest) -> Iterator[tuple[int, torch.Tensor]]:
-        """Every bucket of `manifest`'s version directory, checked against `manifest`
-        (a LoRA adapter: its adapter_model.safetensors, one bucket)."""
+    def read(self, link: Link, manifest: Manifest, place: Place = no_place) -> Iterator[tuple[int, torch.Tensor]]:
+        """Every bucket of `manifest`'s version directory, checked against `manifest`, each read
+        into `place(bucket)` where that gives one (a LoRA adapter: its adapter_model.safetensors,
+        one bucket, read on its own)."""
         directory = Path(typed(link, DiskLink).version_dir(manifest.version))
         if manifest.is_adapter:
             yield 0, _read_adapter_bucket(directory / LORA_WEIGHTS_FILE, manifest.buckets[0])
             return
-        for bucket, buffer in read_announced(directory, manifest):  # each digest verified against manifest.json
+        for bucket, buffer in read_announced(directory, manifest, place):  # each digest verified against manifest.json
             yield bucket.index, buffer
 
 

@@ -98,6 +98,15 @@ def test_disk_receiver_reads_the_published_version(tmp_path: Path) -> None:
     other, _ = _manifest(version=3)
     with pytest.raises(IntegrityError, match="not the manifest begin"):
         dict(make_receiver("disk").read(link, Manifest(version=3, buckets=other.buckets[:1])))
+    # into the places a reader keeps (the vLLM workers' host staging), checked there
+    places = {b.index: torch.full((b.nbytes,), 7, dtype=torch.uint8) for b in manifest.buckets}
+    placed = dict(make_receiver("disk").read(link, manifest, lambda bucket: places[bucket.index]))
+    assert all(placed[i] is places[i] for i in places)
+    assert {i: digest(b) for i, b in places.items()} == {i: digest(b) for i, b in enumerate(buffers)}
+    path = tmp_path / "v00000003" / "bucket-00000.safetensors"
+    path.write_bytes(path.read_bytes()[:-1])  # a short bucket file is refused wherever it is read to
+    with pytest.raises(IntegrityError, match="manifest says"):
+        dict(make_receiver("disk").read(link, manifest, lambda bucket: places[bucket.index]))
 
 
 def test_receiver_traits_tell_engines_what_to_do() -> None:

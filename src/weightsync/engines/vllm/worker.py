@@ -194,7 +194,7 @@ class WorkerSync:
             timeout_s=SESSION_TIMEOUT_S, refuse_delta=refuse_delta,
             num_staging_copies=self.num_ranks if _stages_on_host(worker) else 0))
         """The fit check at begin counts the copies staged on this host: one where the workers share
-        it (set at each begin), else one per worker (over disk each reads the version itself). A
+        it (set at each begin), else one per worker (a LoRA adapter over disk, read by each). A
         worker on a GPU stages on its device, which the check does not count (docs/LIMITS.md)."""
         self.receive_path = ReceivePath(self.session, make_receiver=lambda transport: make_receiver(
             transport, max_sessions=MAX_SESSIONS, device=_device(worker)),
@@ -274,8 +274,8 @@ class WorkerSync:
         if self.dirty and manifest.mode == "full":
             log.warning("rank %d: the last commit failed midway; this full update repairs it", self.rank)
         receiver = self.receive_path.receiver(link.transport)
-        fetches = not (receiver.reads_at_commit or receiver.bytes_in_delivery)  # disk: read whole at commit
-        shares = self.shares_staging and fetches and manifest.commit == "staged"
+        lands = not receiver.bytes_in_delivery and not (receiver.reads_at_commit and manifest.is_adapter)
+        shares = self.shares_staging and lands and manifest.commit == "staged"  # disk too: read into it at seal
         if _stages_on_host(self.worker):  # the fit check: one copy on this host, or one per worker
             self.session.rules = replace(self.session.rules,
                                          num_staging_copies=1 if shares else self.num_ranks)
