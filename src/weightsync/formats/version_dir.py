@@ -128,19 +128,15 @@ def read_bucket(directory: Path, bucket: BucketMeta, algorithm: str = XXH3_64,
                 raise IntegrityError(f"{path}: entry {entry.hf_name!r} does not match the manifest")
         if len(header) - ("__metadata__" in header) != len(bucket.entries):
             raise IntegrityError(f"{path}: holds tensors the manifest does not list")
-        if into is None:
-            data = bytearray(f.read(bucket.nbytes + 1))
-            buffer = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        else:
-            if into.numel() != bucket.nbytes or into.dtype != torch.uint8:
-                raise ValueError(f"bucket {bucket.index}: a place of {into.numel()} {into.dtype} for "
-                                 f"{bucket.nbytes} bytes")
-            got = f.readinto(into.numpy().data.cast("B")) if bucket.nbytes else 0
-            if got != bucket.nbytes or f.read(1):
-                size = f"{got}" if got != bucket.nbytes else f"more than {got}"
-                raise IntegrityError(f"bucket {bucket.index}: {path} holds {size} data bytes, manifest says "
-                                     f"{bucket.nbytes} (truncated or padded)")
-            buffer = into
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8) if into is None else into
+        if buffer.numel() != bucket.nbytes or buffer.dtype != torch.uint8:
+            raise ValueError(f"bucket {bucket.index}: a place of {buffer.numel()} {buffer.dtype} for "
+                             f"{bucket.nbytes} bytes")
+        got = f.readinto(buffer.numpy().data.cast("B")) if bucket.nbytes else 0  # straight in: no bytes object
+        if got != bucket.nbytes or f.read(1):
+            size = f"{got}" if got != bucket.nbytes else f"more than {got}"
+            raise IntegrityError(f"bucket {bucket.index}: {path} holds {size} data bytes, manifest says "
+                                 f"{bucket.nbytes} (truncated or padded)")
     check_bucket(bucket, buffer, algorithm)
     return buffer
 

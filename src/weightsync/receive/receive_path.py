@@ -170,8 +170,10 @@ class ReceivePath:
         """Stage every bucket of the open update `version` from the version directory
         `directory` (manifest.json + bucket files), whose manifest must be the one given at
         begin (`formats.version_dir.check_announced`); every bucket's digest is checked."""
-        for bucket, buffer in read_announced(directory, self.session.open_manifest(version)):
+        for bucket, buffer in read_announced(directory, self.session.open_manifest(version),
+                                             lambda bucket: self._place(version, bucket)):
             self.stage(version=version, index=bucket.index, buffer=buffer)
+            del buffer  # the next bucket is read without this one held (a streamed update let it go)
 
     def read_at_commit(self, link: Link | None, version: int) -> None:
         """Stage the open update `version` from `link`'s version directory, where its
@@ -182,9 +184,15 @@ class ReceivePath:
             return
         receiver = self.receiver(link.transport)
         if receiver.reads_at_commit:
-            for index, buffer in receiver.read(link, update.manifest,
-                                               lambda bucket: self.hooks.bucket_place(version, bucket)):
+            for index, buffer in receiver.read(link, update.manifest, lambda bucket: self._place(version, bucket)):
                 self.stage(version=version, index=index, buffer=buffer)
+                del buffer  # the next bucket is read without this one held (a streamed update let it go)
+
+    def _place(self, version: int, bucket: BucketMeta) -> torch.Tensor:
+        """Where bucket `bucket` of update `version` is read to: the place the engine keeps for it
+        (`ReceiveHooks.bucket_place`), else a `buffer`."""
+        place = self.hooks.bucket_place(version, bucket)
+        return self.buffer(bucket.nbytes, version) if place is None else place
 
     def commit(self, version: int, link: Link | None = None) -> Ack:
         """Apply the open update `version` (read first where `link`'s transport delivers at
