@@ -4,12 +4,11 @@ are removed by the next writer on the host, and only when their owner is gone.""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from gone_owner import gone_owner
 from weightsync.owners import owner_gone, owner_tag
 from weightsync.transports.disk import DiskTransport
 from weightsync.transports.shmem import SHM_DIR, SharedSlots
@@ -18,9 +17,7 @@ from weightsync.transports.shmem import SHM_DIR, SharedSlots
 @pytest.fixture(scope="module")
 def dead_tag() -> str:
     """The owner tag of a process that has exited (and been reaped)."""
-    child = subprocess.run([sys.executable, "-c", "from weightsync.owners import owner_tag; print(owner_tag())"],
-                           capture_output=True, text=True, check=True)
-    return child.stdout.strip()
+    return gone_owner()[0]
 
 
 def test_only_a_dead_owner_of_this_host_is_gone(dead_tag: str) -> None:

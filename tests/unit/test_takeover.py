@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from gone_owner import gone_owner
 from weightsync.owners import owner_tag, session_owner
 from weightsync.receive.takeover import Holder, SessionBusyError, take_over
 
 
 def dead_owner() -> str:
     """The session owner of a process of this host that has exited."""
-    child = subprocess.run([sys.executable, "-c", "from weightsync.owners import session_owner; "
-                            "print(session_owner())"], capture_output=True, text=True, check=True)
-    return child.stdout.strip()
+    return gone_owner()[1]
 
 
 def holder(owner: str | None, *, touched: float = 100.0, timeout_s: float = 3.0) -> Holder:
