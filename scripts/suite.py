@@ -40,7 +40,6 @@ SECOND = (
     "tests/integration/test_server_layouts.py",
     "tests/integration/test_server_lora.py",
     "tests/integration/test_server_pause.py",
-    "tests/integration/test_server_quantized.py",
     "tests/integration/test_server_relay.py",
     "tests/integration/test_server_stock_sglang.py",
     "tests/integration/test_server_torn_updates.py",

@@ -74,7 +74,7 @@ def test_full_push_matches_transformers(engine: VLLMEngine, model_dir: Path, tmp
             print(f"\nserver {transport} v{version}: push {report.seconds:.3f}s, max logprob gap {gap:.2e}")
 
 
-@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+@pytest.mark.parametrize("transport", ["shm"])  # a bucket read in place; other transports' buffers: weightsync serve's
 def test_streamed_pushes_match_transformers(engine: VLLMEngine, server: VLLMServer, model_dir: Path,
                                             transport: str) -> None:
     """commit="streamed" into `vllm serve`: the workers reload each vLLM layer once its tensors'
