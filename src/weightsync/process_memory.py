@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 _KIB = 1024
 
@@ -133,6 +134,7 @@ __all__ = [
     "resident_bytes",
     "status_bytes",
     "trim_heap",
+    "trimmed_between",
 ]
 
 
@@ -177,3 +179,19 @@ def trim_heap() -> bool:
     except OSError:
         return False
     return bool(libc.malloc_trim(0))
+
+
+T = TypeVar("T")
+
+
+def trimmed_between(items: Iterable[T]) -> Iterator[T]:
+    """`items`, with the allocator's free memory given back (`trim_heap`) before each is taken.
+    For a pass that frees part of what it made for one item before it takes the next (vLLM's
+    reload: a layer's new tensors and kernel handles, made when its last weight arrives): what
+    it frees below memory still in use stays resident, since glibc's own trimming returns the
+    free top of a heap only, so a reload of every layer otherwise holds a little of each until
+    it ends (42 MiB per worker on a 199 MiB model at TP=2). A trim costs about 0.15 ms on a
+    300 MiB heap."""
+    for item in items:
+        trim_heap()
+        yield item

@@ -1,5 +1,6 @@
 """What a fresh interpreter imports for `import weightsync` and for `python -m weightsync --help`,
-and then what glibc keeps of freed layers with and without `process_memory.heap_given_back`
+and then what glibc keeps of freed layers with and without `process_memory.heap_given_back` and
+`trimmed_between`
 (its thresholds are process-wide and set for good, hence a fresh process): run once per pytest
 session and shared by the tests that check it (each fresh interpreter costs seconds of torch
 imports)."""
@@ -34,7 +35,7 @@ with contextlib.redirect_stdout(out):
         code = e.code
 modules = {"after_import": after_import, "added_by_weightsync": sorted(set(sys.modules) - with_torch),
            "after_help": sorted(sys.modules), "help": out.getvalue(), "help_exit": code}
-from weightsync.process_memory import heap_given_back, resident_bytes
+from weightsync.process_memory import heap_given_back, resident_bytes, trim_heap, trimmed_between
 MIB = 1 << 20
 freed = torch.ones(32 * MIB, dtype=torch.uint8); del freed  # glibc raises its mmap threshold to 32 MiB
 def held_after_layers():
@@ -46,7 +47,22 @@ def held_after_layers():
 outside = held_after_layers()
 with heap_given_back():
     inside = held_after_layers()
-print(json.dumps({**modules, "heap_kept": [outside, inside]}))
+kept = []
+def layers():  # each frees its 192 KiB pieces (under the 256 KiB threshold) and keeps a small one made meanwhile
+    for _ in range(8):
+        pieces = []
+        for _ in range(16):
+            pieces.append(torch.ones(192 << 10, dtype=torch.uint8))
+            kept.append(torch.ones(64, dtype=torch.uint8))
+        del pieces
+        yield
+def most_held(passes):
+    trim_heap()
+    base = resident_bytes()
+    return max(resident_bytes() - base for _ in passes)
+with heap_given_back():
+    scattered = [most_held(layers()), most_held(trimmed_between(layers()))]
+print(json.dumps({**modules, "heap_kept": [outside, inside], "heap_scattered": scattered}))
 """
 
 
@@ -65,6 +81,9 @@ class FreshImport:
     heap_kept: list[int]
     """Resident bytes left after eight 6-8 MiB tensors were made and freed one after the other, once
     glibc raised its mmap threshold: outside `heap_given_back`, then inside it."""
+    heap_scattered: list[int]
+    """Inside `heap_given_back`, the most resident bytes beyond the start while eight layers each
+    freed 3 MiB of 192 KiB pieces between small ones kept: taken plainly, then `trimmed_between`."""
 
 
 @functools.cache

@@ -93,6 +93,7 @@ class DiskReceiver(ReceiverDefaults):
             return
         for bucket, buffer in read_announced(directory, manifest, place):  # each digest verified against manifest.json
             yield bucket.index, buffer
+            del buffer  # the next bucket is read without this one held (a streamed update let it go)
 
 
 class DiskTransport:

@@ -8,6 +8,7 @@ Broadcast needs a second process: its receiver runs in tests/integration
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from weightsync.bucketing import pack, plan_buckets
 from weightsync.errors import IntegrityError
 from weightsync.integrity import digest
-from weightsync.manifest import Manifest, TensorMeta
+from weightsync.manifest import BucketMeta, Manifest, TensorMeta
 from weightsync.transports import TRANSPORTS, make_receiver, make_transport, receiver_class
 from weightsync.transports.base import Joined
 
@@ -103,6 +104,18 @@ def test_disk_receiver_reads_the_published_version(tmp_path: Path) -> None:
     placed = dict(make_receiver("disk").read(link, manifest, lambda bucket: places[bucket.index]))
     assert all(placed[i] is places[i] for i in places)
     assert {i: digest(b) for i, b in places.items()} == {i: digest(b) for i, b in enumerate(buffers)}
+    # a streamed reader lets each bucket go before the next is read: the reader keeps none of them
+    read: list[weakref.ref[torch.Tensor]] = []
+
+    def fresh_place(bucket: BucketMeta) -> torch.Tensor:
+        assert [r for r in read if r() is not None] == [], f"bucket {bucket.index} read with the last one held"
+        place = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        read.append(weakref.ref(place))
+        return place
+
+    for _index, buffer in make_receiver("disk").read(link, manifest, fresh_place):
+        del buffer
+    assert len(read) == len(manifest.buckets) > 1
     path = tmp_path / "v00000003" / "bucket-00000.safetensors"
     path.write_bytes(path.read_bytes()[:-1])  # a short bucket file is refused wherever it is read to
     with pytest.raises(IntegrityError, match="manifest says"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -42,7 +42,7 @@ from weightsync.formats.quantized import Quantization, expected_dtype
 from weightsync.formats.version_dir import read_checkpoint_metas
 from weightsync.links import Delivery, Link
 from weightsync.manifest import BucketMeta, Manifest, TensorMeta
-from weightsync.process_memory import heap_given_back, trim_heap
+from weightsync.process_memory import heap_given_back, trim_heap, trimmed_between
 from weightsync.receive.receive_path import ReceiveHooks, ReceivePath
 from weightsync.receive.update_session import OpenUpdate, SessionRules, UpdateSession
 from weightsync.reports import Ack
@@ -390,8 +390,7 @@ class WorkerSync:
         self.dirty = True  # until reload_weights returns: a failure midway leaves a mix
         before, self.held = self.held, {}  # no copy to patch until this reload succeeds
         try:
-            with moe_kernels_rebuilt(self._model()), heap_given_back():
-                self.worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+            self._reload(weights())
             if len(loaded) != len(tensors):
                 raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
                                      "the weights are a mix: push a full update")
@@ -436,9 +435,16 @@ class WorkerSync:
         self.dirty = self._stream.started = True  # from the first reload until finish: a mix if it stops
         self.refusing = (f"streamed update v{update.version} is loading: the weights are a mix of two versions "
                          "until it commits")
-        with moe_kernels_rebuilt(self._model()), quiet_partial_reload(), heap_given_back():
-            self.worker.reload_weights(weights_iterator=iter(ready.items()), is_checkpoint_format=True)
+        with quiet_partial_reload():
+            self._reload(ready.items())
         self._stream.loaded.extend(ready)
+
+    def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's layerwise reload of `weights` (checkpoint names), its MoE kernels rebuilt, and
+        what it frees of each layer given back before the next (`heap_given_back`,
+        `trimmed_between`): the reload holds about the layer in hand beyond the model."""
+        with moe_kernels_rebuilt(self._model()), heap_given_back():
+            self.worker.reload_weights(weights_iterator=trimmed_between(weights), is_checkpoint_format=True)
 
     def finish(self, update: OpenUpdate) -> Sequence[str]:
         stream, self._stream = self._stream, None
