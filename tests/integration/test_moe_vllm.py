@@ -49,6 +49,25 @@ def test_full_pushes_of_fused_experts_serve_transformers_tokens(
         print(f"\n{transport} v{report.version}: {report.num_tensors} tensors, max logprob gap {gap:.2e}")
 
 
+def test_a_streamed_push_reloads_each_moe_layer_once_all_its_experts_arrived(
+        module_engine: VLLMEngine, module_model_dir: Path
+) -> None:
+    """commit="streamed" in 256 KiB buckets: a layer's 24 expert tensors (768 KiB) span three
+    buckets, and vLLM reloads an MoE layer whole, so each worker keeps the experts of the first
+    two until the third arrives (`StreamedReload`); then vLLM computes transformers' tokens
+    and logprobs, is not refusing, and keeps nothing beyond the model."""
+    trainer = vf.load_trainer(module_model_dir)
+    vf.perturb(trainer, seed=8)
+    with ws.WeightSync([module_engine], transport="shm", bucket_bytes=256 << 10, commit="streamed") as sync:
+        report = sync.push(trainer, version=(version := vf.next_version(module_engine)))
+    vf.assert_verified(report, version)
+    assert report.commit == "streamed" and report.num_buckets >= 8
+    assert len(report.acks[0].loaded_names) == NUM_CHECKPOINT_TENSORS
+    assert report.acks[0].kept_bytes is not None and report.acks[0].kept_bytes < 4 << 20
+    assert module_engine.info()["refusing"] is None
+    vf.assert_parity(module_engine, trainer)
+
+
 def test_sparse_push_after_two_experts_changed_sends_only_them(
         module_engine: VLLMEngine, module_model_dir: Path
 ) -> None:

@@ -70,6 +70,13 @@ class ModuleVLLM:
     args: tuple[str, ...]
     """`vllm serve` flags (weightsync's worker extension is always on; the KV cache is
     `vllm_support.KV_CACHE_BYTES` unless they say otherwise)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables the server gets beyond this process's."""
+    pythonpath: tuple[str, ...] = ()
+    """Directories put first on the server's PYTHONPATH (e.g. a test's own worker extension)."""
+    plugin: bool = False
+    """Whether vLLM finds weightsync's plugin (the "weightsync" weight-transfer backend) as an
+    installed package would (`vllm_support.plugin_installed`)."""
 
 
 def with_kv_bytes(args: list[str] | tuple[str, ...]) -> list[str]:
@@ -216,7 +223,11 @@ class SessionEngines:
         if spec.name not in self.modules:
             model_dir = spec.make_model(self.root / spec.name)
             args = with_kv_bytes(spec.args)
-            launch = Launch(lambda: launch_vllm_server(model_dir, args=args), after=self._last)
+            env = dict(spec.env)
+            if spec.pythonpath or spec.plugin:
+                with vllm_support.plugin_installed(self.root / "plugin") if spec.plugin else contextlib.nullcontext():
+                    env["PYTHONPATH"] = os.pathsep.join([*spec.pythonpath, os.environ.get("PYTHONPATH", "")])
+            launch = Launch(lambda: launch_vllm_server(model_dir, args=args, env=env), after=self._last)
             self.modules[spec.name] = (model_dir, launch)
             self._last = launch
         return self.modules[spec.name]
