@@ -248,16 +248,17 @@ def test_a_pause_whose_answer_is_lost_leaves_vllm_generating(server: SessionVLLM
 @pytest.mark.parametrize("transport", ["broadcast"])  # shm and disk stop at the worker RPCs: mid-stream above
 def test_stalled_vllm_push_returns_within_the_bound(server: SessionVLLM, reader: VLLMEngine, trainer: Any,
                                                     tmp_path: Path, transport: str) -> None:
-    """The whole process group SIGSTOPped before a fresh trainer's first push, then again
-    right after a good push: each failed push returns within the README's bound, and after
-    SIGCONT the engine serves the last good weights and the next push lands."""
+    """The whole process group SIGSTOPped before a fresh trainer's first push: the failed push
+    returns within the README's bound, and after SIGCONT the engine serves the last good
+    weights and the next push lands. (Stalled after a good push: mid-stream over shm, staged
+    and streamed, in the tests above and below.)"""
     # A fresh client (it has not asked the engine's rank count yet) built as the README
     # builds it: the push's timeout_s bounds that first question too.
     group = _ProcessGroup(server)
     before = fingerprint(reader)
     with contextlib.closing(VLLMEngine(server.url)) as fresh, \
             make_sync(fresh, transport, tmp_path, timeout_s=STALL_TIMEOUT_S) as sync:
-        for when in ("before the first push", "after a good push"):
+        for when in ("before the first push",):
             perturb(trainer)
             version = int(before[0]) + 1
             group.stop()
@@ -352,6 +353,35 @@ def test_a_streamed_push_that_fails_midway_keeps_vllm_paused_until_a_whole_push(
         if waiting.is_alive():
             waiting.join(timeout=120)
         waiter.close()
+
+
+def test_a_streamed_push_into_a_stalled_vllm_fails_within_its_bound_and_vllm_stays_paused(
+        server: SessionVLLM, engine: VLLMEngine, reader: VLLMEngine, trainer: Any, tmp_path: Path) -> None:
+    """commit="streamed": vLLM's process group is SIGSTOPped before bucket 3 of the second push,
+    once the workers reloaded the layers of buckets 0-2. The push is a timeout within its bound;
+    continued, vLLM stays paused and its workers say why (the mix is never served); the next
+    push lands whole and resumes it, computing what transformers does."""
+    group = _ProcessGroup(server)
+    faulty_transport = with_fault("shm", "stop", tmp_path, rig=group, at_push=2, at_bucket=3)
+    try:
+        with ws.WeightSync([engine], transport=faulty_transport, bucket_bytes=faults.BUCKET_BYTES,
+                           timeout_s=TIMEOUT_S, commit="streamed") as sync:
+            push_good(sync, reader, trainer)
+            try:
+                error, seconds = push_faulted(sync, reader, trainer)
+            finally:
+                group.cont()
+            assert isinstance(error, ws.SyncTimeoutError) and faulty_transport.fired.is_set(), error
+            assert seconds < BOUND_S, f"{seconds:.1f}s"
+            assert _paused(server), "vLLM generates again from a mix of two versions"
+            refusing = reader.info()["refusing"]
+            assert refusing is not None and "streamed update v" in refusing, refusing
+            push_good(sync, reader, trainer)  # the next push goes whole, and resumes vLLM
+        assert not _paused(server)
+    finally:
+        if _paused(server):  # leave the shared server whole and generating for the tests after
+            with make_sync(engine, "shm", tmp_path) as repair:
+                repair.push(trainer, version=int(reader.weight_version()) + 1)
 
 
 def test_two_trainers_at_once_and_older_versions(server: SessionVLLM, reader: VLLMEngine, trainer: Any,

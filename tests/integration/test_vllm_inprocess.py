@@ -140,8 +140,10 @@ def test_corrupted_bucket_is_caught_by_the_worker_and_nothing_changes(engine: VL
 
 
 def test_delta_falls_back_to_a_full_push(engine: VLLMEngine, model_dir: Path) -> None:
+    """The worker extension refuses delta (vLLM reloads whole layers), so each push goes full
+    (over shm: the fallback is the coordinator's, whatever the transport)."""
     trainer = vf.load_trainer(model_dir)
-    with ws.WeightSync([engine], transport="broadcast", mode="delta") as sync:
+    with ws.WeightSync([engine], transport="shm", mode="delta") as sync:
         for seed in (21, 22):
             vf.perturb(trainer, seed=seed)
             version = vf.next_version(engine)

