@@ -34,7 +34,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -54,7 +53,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip(f"SKIPPED THE vLLM FAULT TESTS: {_MESSAGE}", allow_module_level=True)
 
 from serve_check import wait_until  # noqa: E402
-from vllm_fixtures import reference_greedy  # noqa: E402
+from vllm_fixtures import is_paused, reference_greedy  # noqa: E402
 from vllm_shared_server import SessionVLLM  # noqa: E402
 from weightsync.engines.vllm.client import VLLMEngine  # noqa: E402
 
@@ -241,7 +240,7 @@ def test_a_pause_whose_answer_is_lost_leaves_vllm_generating(server: SessionVLLM
         with pytest.raises(ws.SyncTimeoutError, match="pause"):
             sync.push(trainer, version=int(before[0]) + 1)
     # left paused ("keep"), every request would wait for good
-    assert not httpx.get(f"{server.url}/is_paused", timeout=120).json()["is_paused"]
+    assert not is_paused(server.url, timeout_s=120)
     assert fingerprint(reader) == before  # answered, by the last good version
 
 
@@ -310,11 +309,6 @@ def test_trainer_killed_mid_stream_leaves_vllm_serving(server: SessionVLLM, engi
     assert not faults.segments_left(ready), "the next push removes the killed trainer's segment"
 
 
-def _paused(server: SessionVLLM) -> bool:
-    """vLLM's own word (`/is_paused`): its scheduler holds every request."""
-    return bool(httpx.get(f"{server.url}/is_paused", timeout=30).json()["is_paused"])
-
-
 def test_a_streamed_push_that_fails_midway_keeps_vllm_paused_until_a_whole_push(
         server: SessionVLLM, engine: VLLMEngine, reader: VLLMEngine, trainer: Any, tmp_path: Path) -> None:
     """commit="streamed" into `vllm serve`: each layer reloads once its tensors' bucket checks. A
@@ -330,11 +324,11 @@ def test_a_streamed_push_that_fails_midway_keeps_vllm_paused_until_a_whole_push(
         with ws.WeightSync([engine], transport=faulty_transport, bucket_bytes=faults.BUCKET_BYTES,
                            timeout_s=TIMEOUT_S, commit="streamed") as sync:
             push_good(sync, reader, trainer)
-            assert not _paused(server)
+            assert not is_paused(server.url)
             error, seconds = push_faulted(sync, reader, trainer)
             assert faulty_transport.fired.is_set() and "bucket 3: digest" in str(error), error
             assert seconds < BOUND_S
-            assert _paused(server), "vLLM generates again from a mix of two versions"
+            assert is_paused(server.url), "vLLM generates again from a mix of two versions"
             refusing = reader.info()["refusing"]
             assert refusing is not None and "stopped after reloading" in refusing, refusing
             waiting.start()
@@ -342,12 +336,12 @@ def test_a_streamed_push_that_fails_midway_keeps_vllm_paused_until_a_whole_push(
             assert not answers, "vLLM answered from a mix of two versions"
             version = push_good(sync, reader, trainer)  # the next push goes whole, and resumes vLLM
         waiting.join(timeout=120)
-        assert not _paused(server)
+        assert not is_paused(server.url)
         (answer,) = answers
         tokens, _ = reference_greedy(trainer, PROMPTS[0], 4)
         assert answer.weight_version == str(version) and answer.output_ids == tokens, answer
     finally:
-        if _paused(server):  # leave the shared server whole and generating for the tests after
+        if is_paused(server.url):  # leave the shared server whole and generating for the tests after
             with make_sync(engine, "shm", tmp_path) as repair:
                 repair.push(trainer, version=int(reader.weight_version()) + 1)
         if waiting.is_alive():
@@ -373,13 +367,13 @@ def test_a_streamed_push_into_a_stalled_vllm_fails_within_its_bound_and_vllm_sta
                 group.cont()
             assert isinstance(error, ws.SyncTimeoutError) and faulty_transport.fired.is_set(), error
             assert seconds < BOUND_S, f"{seconds:.1f}s"
-            assert _paused(server), "vLLM generates again from a mix of two versions"
+            assert is_paused(server.url), "vLLM generates again from a mix of two versions"
             refusing = reader.info()["refusing"]
             assert refusing is not None and "streamed update v" in refusing, refusing
             push_good(sync, reader, trainer)  # the next push goes whole, and resumes vLLM
-        assert not _paused(server)
+        assert not is_paused(server.url)
     finally:
-        if _paused(server):  # leave the shared server whole and generating for the tests after
+        if is_paused(server.url):  # leave the shared server whole and generating for the tests after
             with make_sync(engine, "shm", tmp_path) as repair:
                 repair.push(trainer, version=int(reader.weight_version()) + 1)
 

@@ -137,7 +137,7 @@ def test_unrepaired_reload_is_caught_by_the_probe(engine: VLLMEngine, server: VL
                     sync.push(trainer, version=vf.next_version(engine))
             info = engine.info()
             assert info["dirty"] and "failed in vLLM's reload" in info["refusing"], info
-            assert httpx.get(f"{server.url}/is_paused", timeout=30).json()["is_paused"] is True
+            assert vf.is_paused(server.url)
     finally:
         _repair(server, True)
     with ws.WeightSync([engine], transport="shm") as sync:

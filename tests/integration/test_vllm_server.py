@@ -91,7 +91,7 @@ def test_streamed_pushes_match_transformers(engine: VLLMEngine, server: VLLMServ
             assert report.commit == "streamed" and report.num_buckets > 10
             (ack,) = report.acks
             assert ack.kept_bytes is not None and ack.kept_bytes < 4 << 20, ack
-            assert httpx.get(f"{server.url}/is_paused").json()["is_paused"] is False
+            assert not vf.is_paused(server.url)
             assert engine.info()["refusing"] is None
             vf.assert_parity(engine, trainer)
 

@@ -16,7 +16,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 import vllm_fixtures as vf
@@ -40,11 +39,6 @@ VLLM_SERVE = ModuleVLLM(
 
 BUCKET_BYTES = 64 << 10
 """Small enough that fused layers (qkv, gate_up) are split between buckets and wait for their other half."""
-
-
-def _paused(server: VLLMServer) -> bool:
-    """vLLM's own word (`/is_paused`): its scheduler holds every request."""
-    return bool(httpx.get(f"{server.url}/is_paused", timeout=30).json()["is_paused"])
 
 
 def test_a_trainer_killed_mid_stream_keeps_both_ranks_paused_until_a_whole_streamed_push(
@@ -71,7 +65,7 @@ def test_a_trainer_killed_mid_stream_keeps_both_ranks_paused_until_a_whole_strea
     with faults.ChildTrainer(spec) as child:
         assert child.wait_for("READY", faults.CHILD_READY_TIMEOUT_S) is not None, child.tail()
         child.kill()  # buckets 0 and 1 are in the served weights of both ranks
-    assert _paused(server), "vLLM generates from a mix of two versions"
+    assert vf.is_paused(server.url), "vLLM generates from a mix of two versions"
     refusing = module_engine.info()["refusing"]
     assert refusing is not None and f"streamed update v{version}" in refusing, refusing
     answers: list[Any] = []
@@ -91,7 +85,7 @@ def test_a_trainer_killed_mid_stream_keeps_both_ranks_paused_until_a_whole_strea
         (ack,) = report.acks  # the two workers' figures, summed
         assert ack.kept_bytes is not None and ack.kept_bytes < 8 << 20, ack
         waiting.join(timeout=120)
-        assert not _paused(server) and module_engine.info()["refusing"] is None
+        assert not vf.is_paused(server.url) and module_engine.info()["refusing"] is None
         (answer,) = answers
         tokens, _ = vf.reference_greedy(trainer, vf.PROMPTS[0], 4)
         assert answer.weight_version == str(version + 1) and answer.output_ids == tokens, answer

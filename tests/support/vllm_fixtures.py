@@ -116,6 +116,13 @@ def assert_verified(report: Any, version: int) -> None:
     assert all(d is not None for a in report.acks for d in a.digests)
 
 
+def is_paused(url: str, timeout_s: float = 30.0) -> bool:
+    """vLLM's own word (`/is_paused` of the `vllm serve` at `url`): its scheduler holds every request."""
+    import httpx
+
+    return bool(httpx.get(f"{url}/is_paused", timeout=timeout_s).json()["is_paused"])
+
+
 def two_ranks_binding(cpus: set[int]) -> str:
     """`VLLM_CPU_OMP_THREADS_BIND` giving each of two ranks one of `cpus` (the lowest two)."""
     if len(cpus) < 2:

@@ -444,7 +444,8 @@ class WorkerSync:
         what it frees of each layer given back before the next (`heap_given_back`,
         `trimmed_between`): the reload holds about the layer in hand beyond the model."""
         with moe_kernels_rebuilt(self._model()), heap_given_back():
-            self.worker.reload_weights(weights_iterator=trimmed_between(weights, _nbytes), is_checkpoint_format=True)
+            weights = trimmed_between(weights, lambda item: item[1].nbytes)
+            self.worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
     def finish(self, update: OpenUpdate) -> Sequence[str]:
         stream, self._stream = self._stream, None
@@ -595,10 +596,6 @@ def quiet_partial_reload() -> Iterator[None]:
 
 
 # --- free functions ------------------------------------------------------------
-
-
-def _nbytes(item: tuple[str, torch.Tensor]) -> int:
-    return item[1].numel() * item[1].element_size()
 
 
 def _engine_rank() -> tuple[int, int]:
