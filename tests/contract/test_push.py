@@ -56,11 +56,14 @@ def assert_engine_matches(model: torch.nn.Module, engine: Client, version: int, 
     assert served is None or served == trainer_digests(model)
 
 
-@pytest.mark.parametrize(("engine_kind", "transport", "replicas"), engine_params(replicas=[1, 2]))
+@pytest.mark.parametrize(("engine_kind", "transport", "replicas"),
+                         [p for p in engine_params(replicas=[1, 2]) if p.values[1:] != ("disk", 2)])
 def test_push_then_engines_compute_what_the_trainer_computes(
     engine_kind: str, transport: str, replicas: int, engine_pool: EnginePool, tiny_model_dir: Path,
     disk_root: Path
 ) -> None:
+    """Two replicas over every transport but disk (the suite's time): two replicas reading one version
+    directory are tests/integration/test_vllm_inprocess.py's `test_two_replicas_over_disk_*`."""
     model = load_trainer(tiny_model_dir)
     clients = engine_pool.clients(engine_kind, replicas)
     with make_sync(clients, transport, disk_root) as sync:
