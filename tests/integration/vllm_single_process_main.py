@@ -1,6 +1,7 @@
 """Child of test_vllm_single_process.py: a `vllm.LLM` whose engine core and only
 worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the parent),
-asked for a broadcast push and an shm push. Prints one JSON line."""
+serving a W8A8 (int8) checkpoint in bfloat16, asked for a broadcast push and for
+shm pushes of two sets of float32 weights in turn. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -8,33 +9,46 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import vllm_fixtures as vf
 import weightsync as ws
 from weightsync.engines.vllm.worker import EXTENSION
 
 
-def main(model_dir: Path) -> dict[str, object]:
+def _served(engine: ws.VLLMEngine) -> list[tuple[list[int], list[float]]]:
+    return [(c.output_ids, c.logprobs) for c in engine.generate(vf.PROMPTS, max_new_tokens=vf.MAX_NEW_TOKENS)]
+
+
+def main(model_dir: Path, float_dir: Path) -> dict[str, Any]:
     from vllm import LLM
 
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION,
-              enforce_eager=True, seed=0, **vf.ENGINE_ARGS)
+    llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION, enforce_eager=True, seed=0, dtype="bfloat16",
+              max_model_len=1024, kv_cache_memory_bytes=vf.ENGINE_ARGS["kv_cache_memory_bytes"])
     engine = ws.VLLMEngine.from_llm(llm)
-    out: dict[str, object] = {"transports": sorted(engine.transports)}
-    trainer = vf.load_trainer(model_dir)
-    vf.perturb(trainer, seed=5)
+    quantization = engine.capabilities(30.0).quantization
+    out: dict[str, Any] = {"transports": sorted(engine.transports),
+                           "format": None if quantization is None else quantization.format.kind}
+    fresh = _served(engine)  # a fresh load of the checkpoint's bytes
     try:
         ws.WeightSync([engine], transport="broadcast")
     except ValueError as e:
         out["broadcast"] = str(e)
+    checkpoints = vf.load_trainer(float_dir)  # the float32 weights the checkpoint was quantized from
+    other = vf.load_trainer(float_dir)
+    vf.perturb(other, seed=5)
+    out["pushes"] = []
     with ws.WeightSync([engine], transport="shm") as sync:
-        report = sync.push(trainer, version=1)
-    out["shm_verified"] = report.verified
-    vf.assert_parity(engine, trainer)
+        for version, model in enumerate((other, checkpoints, other, checkpoints), start=1):
+            report = sync.push(model, version=version)
+            info = engine.info()
+            out["pushes"].append({"weights": "checkpoint" if model is checkpoints else "other",
+                                  "verified": report.verified, "fresh": _served(engine) == fresh,
+                                  "probed": info["probed"], "dirty": info["dirty"]})
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]))), flush=True)
+    print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]))), flush=True)
     os._exit(0)  # the in-process engine core's threads would hold the interpreter's exit
