@@ -128,6 +128,16 @@ def test_dequantize_is_what_the_engine_computes() -> None:
         assert (back - w).abs().max().item() <= step
 
 
+def test_dequantized_columns_are_those_of_the_whole_dequantized_weight() -> None:
+    """What the vLLM probe compares with: a few columns (across partial edge blocks too), bit for bit."""
+    w = _weights((300, 400), seed=4)
+    columns = torch.tensor([0, 1, 127, 128, 255, 256, 383, 399])
+    for fmt in (QuantFormat(kind=INT8_CHANNEL, scale_suffix="weight_scale"),
+                QuantFormat(kind=FP8_BLOCK, scale_suffix="weight_scale_inv", block=(128, 128))):
+        q, scale = fmt.quantize(w)
+        assert torch.equal(fmt.dequantize_columns(q, scale, columns), fmt.dequantize(q, scale)[:, columns])
+
+
 def test_bfloat16_weights_are_quantized_from_their_float32_values() -> None:
     w = _weights((64, 64), seed=1).to(torch.bfloat16)
     fmt = QuantFormat(kind=INT8_CHANNEL, scale_suffix="weight_scale")

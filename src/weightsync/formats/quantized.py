@@ -97,6 +97,14 @@ class QuantFormat:
         full = scale.repeat_interleave(self.block[0], 0).repeat_interleave(self.block[1], 1)[:rows, :cols]
         return q.to(torch.float32) * full
 
+    def dequantize_columns(self, q: torch.Tensor, scale: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """`dequantize(q, scale)[:, columns]`, computing only those columns ([N, len(columns)])."""
+        picked = q[:, columns].to(torch.float32)
+        if self.block is None:
+            return picked * scale
+        row_scale = scale.repeat_interleave(self.block[0], 0)[:q.shape[0]]  # [N, ceil(K / block columns)]
+        return picked * row_scale[:, torch.div(columns, self.block[1], rounding_mode="floor")]
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form engines declare at the handshake (`EngineCapabilities.quantization`)."""
         return {"kind": self.kind, "scale_suffix": self.scale_suffix,

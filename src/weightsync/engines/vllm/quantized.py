@@ -81,12 +81,12 @@ def keep_onednn_scales() -> bool:
     return True
 
 
-def rank_share(layer: Any, weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The part of `weights` (the checkpoint's weights of `layer`, one per shard it fuses, each
-    [out, in], in the order of vLLM's `packed_modules_mapping`) that this engine rank's `layer`
-    holds, as vLLM's loaders cut it: output rows for column-parallel layers (q, k and v by heads,
-    each fused shard by its own size), input columns for row-parallel ones, everything for
-    replicated ones. None for a layout this does not know (the layer is not probed)."""
+def rank_rows(layer: Any, weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The output rows of `weights` (the checkpoint's weights of `layer`, one per shard it fuses,
+    each [out, ...], in the order of vLLM's `packed_modules_mapping`) that this engine rank's
+    `layer` holds, fused, as vLLM's loaders cut them: q, k and v by heads (k and v replicated where
+    there are fewer key-value heads than ranks), each other fused shard by its own size; all of
+    them for row-parallel and replicated layers. None for a layout this does not know."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         QKVParallelLinear,
@@ -95,11 +95,8 @@ def rank_share(layer: Any, weights: Sequence[torch.Tensor]) -> torch.Tensor | No
     )
 
     rank, size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
-    if isinstance(layer, ReplicatedLinear) or size == 1:
+    if isinstance(layer, (ReplicatedLinear, RowParallelLinear)) or size == 1:
         return torch.cat(list(weights))
-    if isinstance(layer, RowParallelLinear):
-        width = layer.input_size_per_partition
-        return torch.cat(list(weights)).narrow(1, rank * width, width)
     if isinstance(layer, QKVParallelLinear):
         if len(weights) != 3:  # q, k and v in one checkpoint tensor: cut by vLLM's own split, not known here
             return None
@@ -113,14 +110,26 @@ def rank_share(layer: Any, weights: Sequence[torch.Tensor]) -> torch.Tensor | No
     return None
 
 
+def rank_columns(layer: Any, width: int) -> tuple[int, int]:
+    """(first, count): the input columns of a checkpoint weight `width` wide that this engine rank's
+    `layer` holds: its share of a row-parallel layer's input, else all of them."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    if isinstance(layer, RowParallelLinear) and getattr(layer, "tp_size", 1) > 1:
+        count = layer.input_size_per_partition
+        return layer.tp_rank * count, count
+    return 0, width
+
+
 def probe_layers(model: Any, tensors: Mapping[str, torch.Tensor], quantization: Quantization,
                  packed: Mapping[str, Sequence[str]], *, who: str) -> tuple[int, float]:
     """Check each quantized linear layer of `model` whose every checkpoint weight is in `tensors`
     (what the reload was given: quantized weights and scales): its kernel's output on one-hot
-    inputs must be the columns of this rank's share of the dequantized weights (`rank_share`)
-    within `PROBE_RELATIVE_BOUND`. The kernel runs alone (`quant_method.apply`, no bias, no
-    all-reduce), so each tensor-parallel rank checks its own share. Raises IntegrityError naming
-    the layers that compute something else. Returns the number of layers probed and the largest gap."""
+    inputs must be the dequantized weights' columns, cut to this rank's share (`rank_rows`,
+    `rank_columns`), within `PROBE_RELATIVE_BOUND`. The kernel runs alone (`quant_method.apply`:
+    no bias, no all-reduce), so each tensor-parallel rank checks its own share; only the probed
+    columns are dequantized (`PROBE_COLUMNS` per layer). Raises IntegrityError naming the layers
+    that compute something else. Returns the number of layers probed and the largest gap."""
     from vllm.model_executor.layers.linear import LinearBase
 
     fmt = quantization.format
@@ -135,17 +144,19 @@ def probe_layers(model: Any, tensors: Mapping[str, torch.Tensor], quantization: 
         weights = [f"{parent}.{shard}.weight" if parent else f"{shard}.weight" for shard in shards]
         if not all(w in quantization.scales and w in tensors and quantization.scales[w] in tensors for w in weights):
             continue
-        expected = rank_share(layer, [fmt.dequantize(tensors[w], tensors[quantization.scales[w]]) for w in weights])
-        if expected is None:
+        first, width = rank_columns(layer, tensors[weights[0]].shape[1])
+        columns = torch.linspace(0, width - 1, PROBE_COLUMNS).round().long().unique()  # of this rank's input
+        want = rank_rows(layer, [fmt.dequantize_columns(tensors[w], tensors[quantization.scales[w]], first + columns)
+                                 for w in weights])
+        if want is None:
             unknown.append(module_name)
             continue
-        columns = torch.linspace(0, expected.shape[1] - 1, PROBE_COLUMNS).round().long().unique()
         activations = getattr(layer, "params_dtype", None) or torch.get_default_dtype()  # what the engine serves in
-        x = torch.zeros(len(columns), expected.shape[1], dtype=activations)
+        x = torch.zeros(len(columns), width, dtype=activations)
         x[torch.arange(len(columns)), columns] = 1.0
         with torch.no_grad():
             out = layer.quant_method.apply(layer, x).to(torch.float32)
-        want = expected[:, columns].t()
+        want = want.t()
         gap = float((out - want).norm() / want.norm().clamp(min=1e-30))
         probed, largest = probed + 1, max(largest, gap)
         if not gap <= PROBE_RELATIVE_BOUND:  # NaN fails too
@@ -161,5 +172,5 @@ def probe_layers(model: Any, tensors: Mapping[str, torch.Tensor], quantization: 
     return probed, largest
 
 
-__all__ = ["PROBE_RELATIVE_BOUND", "check_quantized_update", "keep_onednn_scales", "probe_layers", "rank_share",
-           "served_quantization"]
+__all__ = ["PROBE_RELATIVE_BOUND", "check_quantized_update", "keep_onednn_scales", "probe_layers", "rank_columns",
+           "rank_rows", "served_quantization"]
