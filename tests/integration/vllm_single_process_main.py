@@ -46,6 +46,9 @@ def main(model_dir: Path, float_dir: Path) -> dict[str, Any]:
             out["pushes"].append({"weights": "checkpoint" if model is checkpoints else "other",
                                   "verified": report.verified, "fresh": _served(engine) == fresh,
                                   "probed": info["probed"], "dirty": info["dirty"]})
+    probe = ws.probe_logprobs(checkpoints, engine, vf.PROMPTS, max_new_tokens=8)  # the last push's weights
+    out["probe"] = {"quantized": probe.quantized, "max_gap": probe.max_gap, "trainer_max_gap": probe.trainer_max_gap,
+                    "num_tokens": probe.num_tokens}
     return out
 
 
