@@ -1,17 +1,10 @@
 """Logprob parity: does the engine compute what the trainer computes?
 
-The engine generates greedily for a few prompts and reports each generated
-token's logprob; the trainer scores the same tokens teacher-forced. The gap
-between the two is the number RL users chase when "the importance ratios look
-wrong": a correct sync leaves only kernel-level noise (float32: ~1e-5,
-bf16: ~1e-2); a stale or partial sync shows up as a large gap.
-
-An engine that serves quantized weights (`EngineCapabilities.quantization`) is compared with
-the weights as a push sends them: the trainer's, with each weight the engine holds quantized
-replaced by its quantized-then-dequantized value (the format's own `quantize` and `dequantize`,
-as the push and the engine compute them), through `torch.func.functional_call`, so the model is
-not changed (the substituted weights are held while the probe runs). The gap to the trainer's
-own weights, what quantizing costs, is reported beside it (`trainer_max_gap`).
+The engine generates greedily for a few prompts and reports each generated token's logprob;
+the trainer scores the same tokens teacher-forced. A correct sync leaves only kernel-level
+noise (float32: ~1e-5, bf16: ~1e-2); a stale or partial one shows up as a large gap. An
+engine serving quantized weights is compared with the weights as a push sends them
+(`as_sent`), the gap to the trainer's own weights reported beside it (docs/QUANTIZED.md).
 """
 
 from __future__ import annotations
