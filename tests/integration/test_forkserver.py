@@ -76,7 +76,10 @@ def test_exit_codes_come_back(tiny_model_dir: Path, forked: None) -> None:
 
 def test_two_at_once_then_closing_the_fork_server_stops_them(tiny_model_dir: Path) -> None:
     """Two servers asked for at once while the fork server is still importing (both wait for
-    it to be ready); closing the fork server kills and reaps them."""
+    it to be ready); closing the fork server kills and reaps them. A process forked from the
+    caller (a multiprocessing child, a vLLM engine core) inherits the fork server's stdin pipe
+    and keeps it open meanwhile: close() stops the fork server regardless, cleanly (exit code 0,
+    not killed after close()'s 30 s wait)."""
     with ForkServer.start() as own:
         use_forkserver(own)
         try:
@@ -88,25 +91,16 @@ def test_two_at_once_then_closing_the_fork_server_stops_them(tiny_model_dir: Pat
         for server in servers:
             assert parent_pid(server.pid) == own.process.pid
             assert answers(server)[0]
-    for server in servers:
-        assert not Path(f"/proc/{server.pid}").exists()  # killed and reaped by the fork server
-        assert server.process.poll() == -9
-        server.close()
-
-
-def test_closing_stops_it_while_a_forked_process_holds_its_stdin() -> None:
-    """A process forked from the caller (a multiprocessing child, a vLLM engine core) inherits
-    the fork server's stdin pipe and keeps it open: close() stops the fork server regardless,
-    cleanly (exit code 0, not killed after close()'s 30 s wait)."""
-    own = ForkServer.start()
-    holder = os.fork()
-    if holder == 0:  # holds every inherited descriptor, the fork server's stdin among them
-        time.sleep(120)
-        os._exit(0)
+        holder = os.fork()
+        if holder == 0:  # holds every inherited descriptor, the fork server's stdin among them
+            time.sleep(120)
+            os._exit(0)
     try:
-        own._wait_ready(time.monotonic() + 120)
-        own.close()
         assert own.process.returncode == 0
+        for server in servers:
+            assert not Path(f"/proc/{server.pid}").exists()  # killed and reaped by the fork server
+            assert server.process.poll() == -9
+            server.close()
     finally:
         os.kill(holder, signal.SIGKILL)
         os.waitpid(holder, 0)
