@@ -131,18 +131,24 @@ def probe_logprobs(
                 total += len(completion.output_ids)
     finally:
         model.train(was_training)
-    flat = torch.cat(gaps) if gaps else torch.zeros(0)
-    trainer_flat = torch.cat(trainer_gaps) if trainer_gaps else torch.zeros(0)
+    max_gap, mean_gap = _max_and_mean(gaps)
+    trainer_max_gap, trainer_mean_gap = _max_and_mean(trainer_gaps) if sent is not None else (None, None)
     return ProbeResult(
-        max_gap=float(flat.max()) if flat.numel() else 0.0,
-        mean_gap=float(flat.mean()) if flat.numel() else 0.0,
+        max_gap=max_gap,
+        mean_gap=mean_gap,
         token_agreement=agree / total if total else 1.0,
         num_tokens=total,
         weight_versions=tuple(c.weight_version for c in completions),
         quantized=None if sent is None else quantization.format.kind,
-        trainer_max_gap=None if sent is None else (float(trainer_flat.max()) if trainer_flat.numel() else 0.0),
-        trainer_mean_gap=None if sent is None else (float(trainer_flat.mean()) if trainer_flat.numel() else 0.0),
+        trainer_max_gap=trainer_max_gap,
+        trainer_mean_gap=trainer_mean_gap,
     )
+
+
+def _max_and_mean(gaps: list[torch.Tensor]) -> tuple[float, float]:
+    """The largest and the mean of the per-prompt gaps; 0.0 for no tokens."""
+    flat = torch.cat(gaps) if gaps else torch.zeros(0)
+    return (float(flat.max()), float(flat.mean())) if flat.numel() else (0.0, 0.0)
 
 
 def as_dict(result: ProbeResult) -> dict[str, Any]:

@@ -84,23 +84,24 @@ def _served(engine: VLLMEngine) -> list[tuple[list[int], list[float]]]:
     return [(c.output_ids, c.logprobs) for c in engine.generate(vf.PROMPTS, max_new_tokens=vf.MAX_NEW_TOKENS)]
 
 
+def _rpc(server: VLLMServer, method: str, *args: Any) -> list[Any]:
+    """Every worker's answer to `method` through vLLM's `/collective_rpc` (a `str` where the
+    answer is no JSON value)."""
+    response = httpx.post(f"{server.url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=60.0)
+    response.raise_for_status()
+    return list(response.json()["results"])
+
+
 def _repair(server: VLLMServer, on: bool, rank: int | None = None) -> None:
     """Switch weightsync's int8 repair on or off in every worker, or in the worker of `rank` alone
-    (the test extension's verb, through vLLM's `/collective_rpc`, which answers each worker's
-    result as its `str`)."""
-    response = httpx.post(f"{server.url}/collective_rpc", json={"method": "weightsync_test_int8_repair",
-                                                               "args": [on, rank]}, timeout=60.0)
-    response.raise_for_status()
-    want = [str(on if rank in (None, r) else True) for r in range(2)]
-    assert response.json()["results"] == want
+    (the test extension's verb)."""
+    assert _rpc(server, "weightsync_test_int8_repair", on, rank) == [str(on if rank in (None, r) else True)
+                                                                    for r in range(2)]
 
 
 def _ranks_info(server: VLLMServer) -> list[dict[str, Any]]:
     """Each worker's own `weightsync_info` (the engine client reads rank 0's)."""
-    response = httpx.post(f"{server.url}/collective_rpc", json={"method": "weightsync_info", "args": ["{}"]},
-                          timeout=60.0)
-    response.raise_for_status()
-    return list(response.json()["results"])
+    return _rpc(server, "weightsync_info", "{}")
 
 
 def test_pushes_in_a_row_serve_what_a_fresh_engine_serves(
