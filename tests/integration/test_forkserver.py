@@ -20,6 +20,17 @@ from weightsync.server.launch import ServerProcess, ServerStartError, launch_ser
 PROMPT = [5, 17, 42, 7]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def session_forkserver_put_back() -> Iterator[None]:
+    """Every test here uses a fork server of its own, or none, and puts the session's back:
+    the tests after this module start their servers from it (a test that left `None` made
+    every later start of the session exec a fresh interpreter: 5 s instead of 1 s)."""
+    session = use_forkserver(None)
+    use_forkserver(session)
+    yield
+    assert use_forkserver(session) is session, "a test left launch_server on another fork server"
+
+
 @pytest.fixture(scope="module")
 def forks() -> Iterator[ForkServer]:
     """A fork server of this module's own (the session's is used by every other test)."""
@@ -30,9 +41,9 @@ def forks() -> Iterator[ForkServer]:
 @pytest.fixture
 def forked(forks: ForkServer) -> Iterator[None]:
     """launch_server() forks from this module's fork server for one test."""
-    use_forkserver(forks)
+    previous = use_forkserver(forks)
     yield
-    use_forkserver(None)
+    use_forkserver(previous)
 
 
 def parent_pid(pid: int) -> int:
@@ -81,13 +92,13 @@ def test_two_at_once_then_closing_the_fork_server_stops_them(tiny_model_dir: Pat
     and keeps it open meanwhile: close() stops the fork server regardless, cleanly (exit code 0,
     not killed after close()'s 30 s wait)."""
     with ForkServer.start() as own:
-        use_forkserver(own)
+        previous = use_forkserver(own)
         try:
             with ThreadPoolExecutor(2) as pool:
                 servers = list(pool.map(lambda _: launch_server(tiny_model_dir, args=["--num-threads", "1"]),
                                         range(2)))
         finally:
-            use_forkserver(None)
+            use_forkserver(previous)
         for server in servers:
             assert parent_pid(server.pid) == own.process.pid
             assert answers(server)[0]
@@ -111,10 +122,10 @@ def test_a_fork_server_that_is_gone_is_named(tiny_model_dir: Path) -> None:
     own._wait_ready(time.monotonic() + 120)
     own.process.kill()
     own.process.wait()
-    use_forkserver(own)
+    previous = use_forkserver(own)
     try:
         with pytest.raises(ForkServerError, match=r"did not take `weightsync serve .*exit code: -9"):
             launch_server(tiny_model_dir)
     finally:
-        use_forkserver(None)
+        use_forkserver(previous)
         own.close()

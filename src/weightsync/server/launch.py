@@ -41,12 +41,14 @@ ChildProcess = subprocess.Popen[str] | ForkedProcess
 _forkserver: ForkServer | None = None
 
 
-def use_forkserver(forkserver: ForkServer | None) -> None:
+def use_forkserver(forkserver: ForkServer | None) -> ForkServer | None:
     """Start later `launch_server` calls in this process through `forkserver` (None: exec
     each as before). Calls that pass `env` or `prefix` exec regardless: see
-    `weightsync.server.forkserver`."""
+    `weightsync.server.forkserver`. Returns the fork server used until now, to put back
+    (`use_forkserver(previous)`) where a block used its own."""
     global _forkserver
-    _forkserver = forkserver
+    previous, _forkserver = _forkserver, forkserver
+    return previous
 
 
 class ServerProcess:
