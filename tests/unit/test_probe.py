@@ -7,7 +7,6 @@ test_server_quantized.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -70,7 +69,7 @@ def test_the_reference_is_the_weights_as_sent_and_the_trainer_gap_is_reported(mo
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the model itself is unchanged
 
 
-def test_a_model_without_the_checkpoints_names_is_refused_by_name(model: Any, tmp_path: Path) -> None:
+def test_a_model_without_the_checkpoints_names_is_refused_by_name(model: Any) -> None:
     quantization = _quantization(model)
     renamed = Quantization(format=FMT, scales={f"base_model.{n}": s for n, s in quantization.scales.items()})
     with pytest.raises(ValueError, match=r"base_model\.model\.layers\.0\..*probe with the model whose parameter "
